@@ -1,0 +1,25 @@
+//! cynode-protocol: every contract the three programs share (design.md §3).
+//!
+//! This crate holds serde types and their validation only. It must never depend on an
+//! async runtime, an HTTP stack or a database driver (a test checks `cargo tree`), so the
+//! sandbox runner can link it statically and stay small.
+//!
+//! - [`job`]: job.json, the SBA's input, with strict parsing ([`job::JobSpec::from_json`]).
+//! - [`result`]: result.json, the SBA's output, and the stable [`result::FailureCode`]s.
+//! - [`worker_api`]: the Worker API v1 bodies (upstream CyNodeAI compatible).
+//! - [`llm`]: the PM's LLM output contract.
+//! - [`session`]: the PM's durable session state model.
+//! - [`schema`]: JSON Schemas generated from these types.
+
+pub mod error;
+pub mod job;
+pub mod llm;
+pub mod result;
+pub mod schema;
+pub mod session;
+pub mod version;
+pub mod worker_api;
+
+pub use error::{ValidationError, ValidationErrors};
+pub use job::JobSpec;
+pub use result::{FailureCode, JobResult};

@@ -1,0 +1,45 @@
+//! JSON Schemas generated from the wire types, checked in under `protocol/schemas/`.
+//!
+//! Regenerate with `CYNODE_REGENERATE_SCHEMAS=1 cargo test -p cynode-protocol --test all`;
+//! the test `schemas_match_checked_in_files` fails on drift and prints that command.
+
+use schemars::{schema_for, JsonSchema};
+
+use crate::{job, llm, result, session, worker_api};
+
+/// `(file name, pretty JSON)` for every published schema, in a fixed order.
+pub fn all() -> Vec<(&'static str, String)> {
+    vec![
+        ("job.schema.json", render::<job::JobSpec>()),
+        ("result.schema.json", render::<result::JobResult>()),
+        (
+            "worker-run-job-request.schema.json",
+            render::<worker_api::RunJobRequest>(),
+        ),
+        (
+            "worker-run-job-response.schema.json",
+            render::<worker_api::RunJobResponse>(),
+        ),
+        (
+            "worker-async-job-status.schema.json",
+            render::<worker_api::AsyncJobStatus>(),
+        ),
+        (
+            "sba-status-callback.schema.json",
+            render::<worker_api::SbaStatusCallback>(),
+        ),
+        ("llm-output.schema.json", render::<llm::LlmOutput>()),
+        (
+            "session-state.schema.json",
+            render::<session::SessionState>(),
+        ),
+    ]
+}
+
+fn render<T: JsonSchema>() -> String {
+    let schema = schema_for!(T);
+    let mut s =
+        serde_json::to_string_pretty(&schema).unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}"));
+    s.push('\n');
+    s
+}

@@ -1,0 +1,290 @@
+//! Worker API v1 bodies (design.md §3.4), wire-compatible with the CyNodeAI Worker API.
+//!
+//! Field names follow upstream exactly (`sandbox.job_spec_json`, `truncated.stdout`…);
+//! this project's extensions (async jobs, workspaces, sessions) add types but never change
+//! an upstream field.
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::error::ValidationError;
+use crate::result::{ArtifactRecord, JobResult};
+
+/// The only Worker API body version.
+pub const API_VERSION: u32 = 1;
+/// Default cap on each of stdout and stderr in a response (256 KiB).
+pub const DEFAULT_OUTPUT_CAP_BYTES: usize = 256 * 1024;
+/// Default request body limit (10 MiB).
+pub const DEFAULT_MAX_REQUEST_BYTES: usize = 10 * 1024 * 1024;
+/// Default job timeout when the request gives none.
+pub const DEFAULT_TIMEOUT_SECONDS: u64 = 3600;
+/// Largest timeout a request may get.
+pub const MAX_TIMEOUT_SECONDS: u64 = 10800;
+
+/// Env names the node sets in every sandbox; a request's env cannot override them.
+pub const RESERVED_ENV: [&str; 4] = [
+    "CYNODE_TASK_ID",
+    "CYNODE_JOB_ID",
+    "CYNODE_WORKSPACE_DIR",
+    "CYNODE_ARTIFACTS_DIR",
+];
+
+/// Network access for the sandbox. `restricted` is deny-all until an egress proxy exists.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum NetworkPolicy {
+    #[default]
+    None,
+    Restricted,
+}
+
+/// What to run and how.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SandboxSpec {
+    pub image: String,
+    /// argv; may be empty for SBA jobs, where the image's entrypoint runs.
+    #[serde(default)]
+    pub command: Vec<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_policy: Option<NetworkPolicy>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_inference: Option<bool>,
+    /// The SBA job.json, as a string.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job_spec_json: Option<String>,
+}
+
+/// `POST /v1/worker/jobs:run` and `POST /v1/worker/jobs` request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunJobRequest {
+    pub version: u32,
+    pub task_id: String,
+    pub job_id: String,
+    pub sandbox: SandboxSpec,
+    /// Extension: the workspace the job runs in; defaults to `task_id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_id: Option<String>,
+}
+
+impl RunJobRequest {
+    /// Checks the request beyond its shape; errors name the field.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        if self.version != API_VERSION {
+            return Err(ValidationError::new(
+                "version",
+                format!(
+                    "unsupported version {}: expected {API_VERSION}",
+                    self.version
+                ),
+            ));
+        }
+        check_id("task_id", &self.task_id)?;
+        check_id("job_id", &self.job_id)?;
+        if let Some(ws) = &self.workspace_id {
+            check_id("workspace_id", ws)?;
+        }
+        if self.sandbox.image.trim().is_empty() {
+            return Err(ValidationError::new("sandbox.image", "must not be empty"));
+        }
+        if self.sandbox.command.is_empty() && self.sandbox.job_spec_json.is_none() {
+            return Err(ValidationError::new(
+                "sandbox.command",
+                "must not be empty unless sandbox.job_spec_json is given",
+            ));
+        }
+        if self.sandbox.timeout_seconds == Some(0) {
+            return Err(ValidationError::new(
+                "sandbox.timeout_seconds",
+                "must be positive",
+            ));
+        }
+        for key in self.sandbox.env.keys() {
+            if key.is_empty() || key.contains('=') || key.contains('\0') {
+                return Err(ValidationError::new(
+                    "sandbox.env",
+                    format!("invalid variable name `{key}`"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Ids become directory and container names, so they are kept to a safe alphabet.
+pub fn check_id(field: &str, id: &str) -> Result<(), ValidationError> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && id != "."
+        && id != ".."
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.');
+    if ok {
+        Ok(())
+    } else {
+        Err(ValidationError::new(
+            field,
+            "must be 1-128 characters of [A-Za-z0-9._-] and not `.` or `..`",
+        ))
+    }
+}
+
+/// Terminal status reported by the Worker API.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerJobStatus {
+    Completed,
+    Failed,
+    Timeout,
+}
+
+/// Which streams were cut.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Truncated {
+    pub stdout: bool,
+    pub stderr: bool,
+}
+
+/// `POST /v1/worker/jobs:run` response.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct RunJobResponse {
+    pub version: u32,
+    pub task_id: String,
+    pub job_id: String,
+    pub status: WorkerJobStatus,
+    /// -1 when the process never produced an exit code (timeout, runtime error).
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub started_at: String,
+    pub ended_at: String,
+    pub truncated: Truncated,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sba_result: Option<JobResult>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifacts: Option<Vec<ArtifactRecord>>,
+    /// Extension: why a job failed when the sandbox itself could not say (e.g.
+    /// `result.json missing`, `worker_restarted`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
+}
+
+/// Lifecycle state of an async job (extension).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum AsyncJobState {
+    Accepted,
+    InProgress,
+    Completed,
+    Failed,
+    Timeout,
+    Canceled,
+}
+
+impl AsyncJobState {
+    /// True once the job will not change again.
+    pub fn is_terminal(self) -> bool {
+        match self {
+            AsyncJobState::Accepted | AsyncJobState::InProgress => false,
+            AsyncJobState::Completed
+            | AsyncJobState::Failed
+            | AsyncJobState::Timeout
+            | AsyncJobState::Canceled => true,
+        }
+    }
+}
+
+/// `GET /v1/worker/jobs/{job_id}` response and `POST /v1/worker/jobs` 202 body (extension).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AsyncJobStatus {
+    pub version: u32,
+    pub task_id: String,
+    pub job_id: String,
+    pub status: AsyncJobState,
+    /// Present once the job is terminal.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<RunJobResponse>,
+}
+
+/// The SBA's lifecycle callback body (design.md §3.3).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SbaStatusCallback {
+    pub status: SbaLifecycle,
+    pub job_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<JobResult>,
+}
+
+/// Lifecycle stages the SBA reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SbaLifecycle {
+    InProgress,
+    Completed,
+}
+
+/// RFC 9457 problem details, as the Worker API returns them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct Problem {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    pub status: u16,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req() -> serde_json::Value {
+        serde_json::json!({
+            "version": 1, "task_id": "t-1", "job_id": "j-1",
+            "sandbox": { "image": "localhost/x", "command": ["echo", "hello"] }
+        })
+    }
+
+    #[test]
+    fn upstream_request_parses_and_validates() {
+        let r: RunJobRequest = serde_json::from_value(req()).unwrap();
+        r.validate().unwrap();
+        assert_eq!(r.sandbox.command, ["echo", "hello"]);
+    }
+
+    #[test]
+    fn bad_ids_are_rejected_by_field() {
+        let mut v = req();
+        v["job_id"] = "../etc".into();
+        let r: RunJobRequest = serde_json::from_value(v).unwrap();
+        assert_eq!(r.validate().unwrap_err().path, "job_id");
+    }
+
+    #[test]
+    fn empty_command_needs_job_spec() {
+        let mut v = req();
+        v["sandbox"]["command"] = serde_json::json!([]);
+        let r: RunJobRequest = serde_json::from_value(v).unwrap();
+        assert_eq!(r.validate().unwrap_err().path, "sandbox.command");
+    }
+
+    #[test]
+    fn terminal_states() {
+        assert!(!AsyncJobState::InProgress.is_terminal());
+        assert!(AsyncJobState::Canceled.is_terminal());
+    }
+}
