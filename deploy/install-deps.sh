@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# deploy/install-deps.sh - install and configure the host tools CyNode's test suite needs.
+#
+# Usage:  deploy/install-deps.sh          (no arguments; run as root on Debian 12)
+#
+# What it does, idempotently:
+#   1. installs podman, runc, bubblewrap, busybox-static, patch, debootstrap, uidmap,
+#      slirp4netns, fuse-overlayfs and hyperfine with apt (skipped in well under a second
+#      when dpkg-query says they are all installed already);
+#   2. configures podman for this kind of machine with the drop-in
+#      /etc/containers/containers.conf.d/50-cynode.conf (rewritten only when it changes):
+#        - runtime = "runc": crun refuses this kernel's hybrid cgroup v1/v2 layout;
+#        - default_ulimits lowered to nofile=1024:1024 and nproc=4096:4096: podman's own
+#          defaults raise RLIMIT_NOFILE/RLIMIT_NPROC above the hard limits, which fails
+#          ("error setting rlimit type 7: operation not permitted") because root here
+#          lacks CAP_SYS_RESOURCE;
+#        - without systemd as PID 1: cgroup_manager = "cgroupfs", events_logger = "file";
+#   3. smoke-tests podman (a busybox root filesystem through `podman run --rootfs`, once
+#      with the defaults above and once with the full sandbox flag set the worker uses)
+#      and bubblewrap, then prints the tool versions.
+#
+# Environment:
+#   CYNODE_SKIP_SMOKE=1   skip step 3's smoke tests (versions are still printed)
+#
+# Package availability: every package below was checked with `apt-cache policy` on
+# Debian 12 (bookworm) and has an install candidate there, so none is dropped. Should a
+# package have no candidate on some other machine, the script drops it with a warning
+# instead of failing the whole install. debootstrap's keyring (debian-archive-keyring)
+# and signature checker (gpgv) are not listed: apt itself depends on both.
+set -euo pipefail
+
+PACKAGES=(podman runc bubblewrap busybox-static patch debootstrap uidmap slirp4netns
+  fuse-overlayfs hyperfine)
+DROPIN_DIR=/etc/containers/containers.conf.d
+DROPIN="$DROPIN_DIR/50-cynode.conf"
+LOCK_FILE=/run/lock/cynode-install-deps.lock
+
+log() { printf 'install-deps: %s\n' "$*" >&2; }
+die() {
+  log "error: $*"
+  exit 1
+}
+
+if [[ $(id -u) -ne 0 ]]; then
+  if command -v sudo >/dev/null 2>&1; then
+    exec sudo -n -- "$0" "$@"
+  fi
+  die "must run as root (apt-get and /etc/containers need it)"
+fi
+
+# Several test binaries may call this script at once: run one copy at a time.
+mkdir -p "$(dirname "$LOCK_FILE")"
+exec 9>"$LOCK_FILE"
+flock -w 1800 9 || die "timed out waiting for $LOCK_FILE"
+
+start=$(date +%s.%N)
+
+is_installed() {
+  [[ $(dpkg-query -W -f='${db:Status-Abbrev}' "$1" 2>/dev/null) == "ii"* ]]
+}
+
+has_candidate() {
+  local candidate
+  candidate=$(apt-cache policy "$1" 2>/dev/null | awk '/Candidate:/ {print $2; exit}')
+  [[ -n $candidate && $candidate != "(none)" ]]
+}
+
+# --- 1. packages ---------------------------------------------------------------------
+missing=()
+for pkg in "${PACKAGES[@]}"; do
+  is_installed "$pkg" || missing+=("$pkg")
+done
+
+if ((${#missing[@]} == 0)); then
+  log "all ${#PACKAGES[@]} packages already installed; skipping apt"
+else
+  log "missing packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  # Another apt may hold the lists lock for a while (e.g. unattended upgrades): retry.
+  for attempt in 1 2 3 4 5 6; do
+    if apt-get -o DPkg::Lock::Timeout=600 update -q; then
+      break
+    fi
+    ((attempt == 6)) && die "apt-get update failed"
+    log "apt-get update failed (attempt $attempt); retrying in 10 s"
+    sleep 10
+  done
+  installable=()
+  for pkg in "${missing[@]}"; do
+    if has_candidate "$pkg"; then
+      installable+=("$pkg")
+    else
+      log "warning: package '$pkg' has no install candidate here; skipping it"
+    fi
+  done
+  if ((${#installable[@]} > 0)); then
+    apt-get -o DPkg::Lock::Timeout=600 install -y -q --no-install-recommends \
+      "${installable[@]}"
+  fi
+fi
+
+# --- 2. podman configuration ---------------------------------------------------------
+if [[ -d /run/systemd/system ]]; then
+  systemd_settings=""
+else
+  # No systemd as PID 1 (containers, CI sandboxes): no systemd cgroup manager, no journald.
+  systemd_settings=$'cgroup_manager = "cgroupfs"\nevents_logger = "file"\n'
+fi
+dropin_content="# Written by CyNode deploy/install-deps.sh (rewritten whenever it differs).
+# runc: crun refuses the hybrid cgroup layout of the kernels CyNode is tested on.
+# default_ulimits: podman's defaults exceed the hard limits and root has no
+# CAP_SYS_RESOURCE here, so every container would fail to start without these.
+[containers]
+default_ulimits = [\"nofile=1024:1024\", \"nproc=4096:4096\"]
+
+[engine]
+runtime = \"runc\"
+${systemd_settings}"
+
+mkdir -p "$DROPIN_DIR"
+if [[ -f $DROPIN ]] && [[ $(cat "$DROPIN") == "$(printf '%s' "$dropin_content")" ]]; then
+  log "podman drop-in $DROPIN is up to date"
+else
+  tmp=$(mktemp "$DROPIN.XXXXXX")
+  printf '%s' "$dropin_content" >"$tmp"
+  chmod 0644 "$tmp"
+  mv -f "$tmp" "$DROPIN"
+  log "wrote podman drop-in $DROPIN"
+fi
+
+runtime=$(podman info --format '{{.Host.OCIRuntime.Name}}')
+[[ $runtime == runc ]] || die "podman uses OCI runtime '$runtime', expected runc"
+
+# --- 3. smoke tests --------------------------------------------------------------------
+if [[ ${CYNODE_SKIP_SMOKE:-0} != 1 ]]; then
+  smoke_dir=$(mktemp -d /tmp/cynode-smoke.XXXXXX)
+  trap 'rm -rf "$smoke_dir"' EXIT
+  mkdir -p "$smoke_dir/rootfs/bin" "$smoke_dir/rootfs/etc" "$smoke_dir/rootfs/tmp"
+  cp /bin/busybox "$smoke_dir/rootfs/bin/busybox"
+  for applet in sh id echo true; do
+    ln -s busybox "$smoke_dir/rootfs/bin/$applet"
+  done
+
+  # Defaults only: proves the drop-in (runtime, ulimits) is in effect.
+  out=$(podman run --rm --rootfs "$smoke_dir/rootfs" /bin/sh -c 'echo smoke-ok')
+  [[ $out == smoke-ok ]] || die "podman smoke test (defaults) printed '$out'"
+
+  # The flag set the worker's podman backend uses.
+  out=$(podman run --rm --runtime runc --ulimit nofile=1024:1024 --ulimit nproc=1000:1000 \
+    --network none --read-only --user 1000:1000 --cap-drop ALL \
+    --security-opt no-new-privileges --memory 256m --pids-limit 64 \
+    --rootfs "$smoke_dir/rootfs" /bin/sh -c 'echo "smoke-ok $(id -u):$(id -g)"')
+  [[ $out == "smoke-ok 1000:1000" ]] || die "podman smoke test (sandbox flags) printed '$out'"
+
+  bwrap --ro-bind / / --dev /dev --proc /proc --unshare-all --die-with-parent true ||
+    die "bubblewrap smoke test failed"
+  log "smoke tests passed (podman defaults, podman sandbox flags, bubblewrap)"
+fi
+
+# --- versions ------------------------------------------------------------------------
+first_line() { "$@" 2>&1 | head -n 1 || true; }
+echo "podman:         $(first_line podman --version)"
+echo "runc:           $(first_line runc --version)"
+echo "bubblewrap:     $(first_line bwrap --version)"
+echo "busybox:        $(first_line busybox)"
+echo "patch:          $(first_line patch --version)"
+echo "debootstrap:    $(first_line debootstrap --version)"
+echo "newuidmap:      $(dpkg-query -W -f='${Version}' uidmap 2>/dev/null || echo missing)"
+echo "slirp4netns:    $(first_line slirp4netns --version)"
+echo "fuse-overlayfs: $(fuse-overlayfs --version 2>/dev/null | grep -m1 '^fuse-overlayfs' || true)"
+echo "hyperfine:      $(first_line hyperfine --version)"
+log "done in $(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN {printf "%.2f s", e - s}')"

@@ -1,0 +1,67 @@
+//! Command line and environment of `cynode-sba` (design.md §3.3).
+
+use std::path::PathBuf;
+
+use clap::Parser;
+
+use crate::runner::{self, Options};
+
+/// Deterministic job runner for CyNode sandboxes.
+#[derive(Debug, Parser)]
+#[command(name = "cynode-sba", version, about)]
+pub struct Cli {
+    /// The job to run.
+    #[arg(long, env = "SBA_JOB_PATH", default_value = "/job/job.json")]
+    pub job: PathBuf,
+    /// Where result.json is written (atomically).
+    #[arg(long, env = "SBA_RESULT_PATH", default_value = "/job/result.json")]
+    pub result: PathBuf,
+    /// Directory collected as artifacts; commands see it as CYNODE_ARTIFACTS_DIR.
+    #[arg(long, env = "SBA_ARTIFACTS_DIR", default_value = "/job/artifacts")]
+    pub artifacts: PathBuf,
+    /// The workspace root every path is confined to.
+    #[arg(long, env = "SBA_WORKSPACE", default_value = "/workspace")]
+    pub workspace: PathBuf,
+    /// Read the job on stdin, print the result on stdout, log on stderr.
+    #[arg(long = "stdin", env = "SBA_STDIN_STDOUT")]
+    pub stdin_mode: bool,
+    /// Allow running as uid 0 (refused by default).
+    #[arg(long)]
+    pub allow_root: bool,
+}
+
+/// Parses the command line, sets up logging, runs the job; returns the exit code.
+pub fn main() -> i32 {
+    let cli = Cli::parse();
+    init_logging(cli.stdin_mode);
+    let status_url = std::env::var("SBA_JOB_STATUS_URL")
+        .or_else(|_| std::env::var("SBA_CALLBACK_URL"))
+        .ok()
+        .filter(|s| !s.is_empty());
+    let opts = Options {
+        job: cli.job,
+        result: cli.result,
+        artifacts: cli.artifacts,
+        workspace: cli.workspace,
+        stdin_mode: cli.stdin_mode,
+        allow_root: cli.allow_root,
+        status_url,
+    };
+    runner::run(&opts)
+}
+
+/// JSON lines: on stdout in file mode, on stderr in stdin mode (stdout carries the result).
+fn init_logging(stdin_mode: bool) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("SBA_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_current_span(false)
+        .with_target(false);
+    if stdin_mode {
+        builder.with_writer(std::io::stderr).init();
+    } else {
+        builder.with_writer(std::io::stdout).init();
+    }
+}

@@ -1,0 +1,23 @@
+//! cynode-sba: the deterministic runner that executes a job.json inside the sandbox.
+//!
+//! It never plans and never holds secrets: it validates the job completely, runs its steps
+//! confined to the workspace, and always leaves a complete result.json (design.md §3.2–3.3).
+//!
+//! - [`cli`] / [`runner`]: command line, job lifecycle, result writing.
+//! - [`steps`]: the six step types; [`patch`] is the native diff engine.
+//! - [`confine`] / [`walk`]: every path resolved beneath the workspace root.
+//! - [`process`] / [`capture`]: child processes under deadlines with bounded output.
+//! - [`artifacts`], [`lifecycle`], [`result_file`]: what leaves the sandbox.
+
+pub mod artifacts;
+pub mod capture;
+pub mod cli;
+pub mod confine;
+pub mod error;
+pub mod lifecycle;
+pub mod patch;
+pub mod process;
+pub mod result_file;
+pub mod runner;
+pub mod steps;
+pub mod walk;
