@@ -11,6 +11,12 @@ use super::{FileChangeKind, FilePatch, Hunk, HunkFailure, LineKind, PatchError};
 /// must match exactly; each hunk is tried at its stated position shifted by the
 /// previous hunk's offset, then ever further above and below it. Hunks apply in order
 /// and must not overlap.
+///
+/// # Errors
+///
+/// [`PatchError::HunkFailed`] when a hunk does not apply (with the reason),
+/// [`PatchError::CreateTargetNotEmpty`] when a file to be created has content, and
+/// [`PatchError::DeleteNotEmpty`] when a deleted file keeps content.
 pub fn apply_hunks(
     file_index: usize,
     path: &str,

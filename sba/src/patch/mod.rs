@@ -60,6 +60,7 @@ pub struct FilePatch {
 
 impl FilePatch {
     /// The path to name in messages: the new path, or the old one for deletions.
+    #[must_use]
     pub fn display_path(&self) -> &str {
         self.new_path
             .as_deref()

@@ -10,6 +10,14 @@ use super::{FileChangeKind, FilePatch, Hunk, HunkLine, LineKind, PatchError};
 /// lines, mail signatures) is ignored. Paths lose one leading `a/` or `b/` component
 /// (`rename from`/`rename to` paths are taken as they are) and are checked: absolute
 /// paths, `..` components, empty paths and NUL bytes give [`PatchError::PathEscape`].
+///
+/// # Errors
+///
+/// [`PatchError::PathEscape`] for a bad path, [`PatchError::Binary`] for binary
+/// patches, [`PatchError::Unsupported`] for copies, symlinks and submodules,
+/// [`PatchError::MalformedHunkHeader`], [`PatchError::HunkCountMismatch`] and
+/// [`PatchError::Malformed`] for broken patch text, and [`PatchError::NoChanges`] when
+/// the text contains no file section.
 pub fn parse_patch(diff: &str) -> Result<Vec<FilePatch>, PatchError> {
     let mut parser = Parser {
         lines: diff.split_inclusive('\n').collect(),
@@ -129,24 +137,28 @@ fn parse_git_names(rest: &str) -> Option<(String, String)> {
     Some((a.to_string(), b.to_string()))
 }
 
-/// Parses the name on a `---`/`+++` line (after the marker). `Ok(None)` is `/dev/null`.
-fn parse_header_name(v: &str) -> Result<Option<String>, String> {
-    let name = if v.starts_with('"') {
+/// Parses the name on a `---`/`+++` line (after the marker). `None` is `/dev/null`;
+/// the flag tells whether the timestamp is the Unix epoch (`diff -N`'s mark for a
+/// file that does not exist).
+fn parse_header_name(v: &str) -> Result<(Option<String>, bool), String> {
+    let (name, tail) = if v.starts_with('"') {
         match unquote(v) {
-            Some((n, _rest)) => n,
+            Some((n, rest)) => (n, rest),
             None => return Err(format!("invalid quoted path: {v}")),
         }
     } else {
-        let cut = match v.find('\t') {
-            Some(i) => v.get(..i).unwrap_or(v),
-            None => v,
-        };
-        cut.trim_end_matches(' ').to_string()
+        let (cut, tail) = v.split_once('\t').unwrap_or((v, ""));
+        (cut.trim_end_matches(' ').to_string(), tail)
     };
+    let stamp = tail.trim();
+    let epoch = stamp.starts_with("1970-01-01 ")
+        || stamp.starts_with("1969-12-31 ")
+        || (stamp.contains(" Jan  1 ") && stamp.ends_with(" 1970"))
+        || (stamp.contains(" Dec 31 ") && stamp.ends_with(" 1969"));
     if name == "/dev/null" {
-        Ok(None)
+        Ok((None, epoch))
     } else {
-        Ok(Some(name))
+        Ok((Some(name), epoch))
     }
 }
 
@@ -243,6 +255,10 @@ struct Section {
     git_new: Option<String>,
     /// `---` name: `Some(None)` is `/dev/null`.
     minus: Option<Option<String>>,
+    /// The `---` timestamp is the Unix epoch.
+    minus_epoch: bool,
+    /// The `+++` timestamp is the Unix epoch.
+    plus_epoch: bool,
     /// `+++` name: `Some(None)` is `/dev/null`.
     plus: Option<Option<String>>,
     rename_from: Option<String>,
@@ -298,7 +314,9 @@ impl<'a> Parser<'a> {
             } else if l.starts_with("--- ") && self.peek(1).is_some_and(|n| n.starts_with("+++ ")) {
                 self.plain_section()?;
             } else if l.starts_with("@@") {
-                return Err(self.malformed("hunk without a file header (missing --- and +++ lines)"));
+                return Err(
+                    self.malformed("hunk without a file header (missing --- and +++ lines)")
+                );
             } else if let Some(path) = binary_files_line(l) {
                 return Err(PatchError::Binary {
                     file_index: self.files.len(),
@@ -320,13 +338,21 @@ impl<'a> Parser<'a> {
     fn minus_plus(&mut self, s: &mut Section) -> Result<(), PatchError> {
         let minus = self.peek(0).map(trim_eol).unwrap_or("");
         let minus = minus.strip_prefix("--- ").unwrap_or("");
-        s.minus = Some(parse_header_name(minus).map_err(|m| self.malformed(m))?);
+        let (name, epoch) = parse_header_name(minus).map_err(|m| self.malformed(m))?;
+        s.minus = Some(name);
+        s.minus_epoch = epoch;
         self.pos += 1;
-        let plus = match self.peek(0).map(trim_eol).and_then(|p| p.strip_prefix("+++ ")) {
+        let plus = match self
+            .peek(0)
+            .map(trim_eol)
+            .and_then(|p| p.strip_prefix("+++ "))
+        {
             Some(p) => p,
             None => return Err(self.malformed("--- line without a following +++ line")),
         };
-        s.plus = Some(parse_header_name(plus).map_err(|m| self.malformed(m))?);
+        let (name, epoch) = parse_header_name(plus).map_err(|m| self.malformed(m))?;
+        s.plus = Some(name);
+        s.plus_epoch = epoch;
         self.pos += 1;
         Ok(())
     }
@@ -523,9 +549,9 @@ impl<'a> Parser<'a> {
         new_ended: &mut bool,
     ) -> Result<(), PatchError> {
         let Some(last) = body.last_mut() else {
-            return Err(self.malformed(
-                "\"\\ No newline at end of file\" without a preceding hunk line",
-            ));
+            return Err(
+                self.malformed("\"\\ No newline at end of file\" without a preceding hunk line")
+            );
         };
         if last.content.ends_with('\n') {
             last.content.pop();
@@ -548,8 +574,14 @@ impl<'a> Parser<'a> {
             line: s.line,
             message: message.to_string(),
         };
-        let old_null = matches!(s.minus, Some(None));
-        let new_null = matches!(s.plus, Some(None));
+        // Plain `diff -N` marks a missing file with an epoch timestamp and empty ranges.
+        let epoch_missing = |epoch: bool, empty: fn(&Hunk) -> bool| {
+            !s.git && epoch && !hunks.is_empty() && hunks.iter().all(empty)
+        };
+        let old_null = matches!(s.minus, Some(None))
+            || epoch_missing(s.minus_epoch, |h| h.old_start == 0 && h.old_lines == 0);
+        let new_null = matches!(s.plus, Some(None))
+            || epoch_missing(s.plus_epoch, |h| h.new_start == 0 && h.new_lines == 0);
         if old_null && new_null {
             return Err(bad("both file names are /dev/null"));
         }
@@ -575,10 +607,18 @@ impl<'a> Parser<'a> {
             )
         } else if create {
             let new = plus.ok_or_else(missing)?;
-            (FileChangeKind::Create, None, Some(resolve_path(&new, true)?))
+            (
+                FileChangeKind::Create,
+                None,
+                Some(resolve_path(&new, true)?),
+            )
         } else if delete {
             let old = minus.ok_or_else(missing)?;
-            (FileChangeKind::Delete, Some(resolve_path(&old, true)?), None)
+            (
+                FileChangeKind::Delete,
+                Some(resolve_path(&old, true)?),
+                None,
+            )
         } else {
             let old = resolve_path(&minus.ok_or_else(missing)?, true)?;
             let new = resolve_path(&plus.ok_or_else(missing)?, true)?;
@@ -623,7 +663,7 @@ impl<'a> Parser<'a> {
 fn binary_files_line(l: &str) -> Option<String> {
     let inner = l.strip_prefix("Binary files ")?.strip_suffix(" differ")?;
     let name = match inner.split_once(" and ") {
-        Some((a, b)) if b == "/dev/null" => a,
+        Some((a, "/dev/null")) => a,
         Some((_, b)) => b,
         None => inner,
     };
@@ -651,10 +691,8 @@ fn count_body(lines: &[&str], start: usize) -> (usize, usize) {
     let mut i = start;
     while let Some(raw) = lines.get(i) {
         let l = trim_eol(raw);
-        let next_header = l.starts_with("--- ")
-            && lines
-                .get(i + 1)
-                .is_some_and(|n| n.starts_with("+++ "));
+        let next_header =
+            l.starts_with("--- ") && lines.get(i + 1).is_some_and(|n| n.starts_with("+++ "));
         if l.starts_with("@@") || l.starts_with("diff --git ") || next_header {
             break;
         }

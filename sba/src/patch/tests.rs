@@ -101,10 +101,17 @@ fn hunk_found_at_shifted_position() {
     let shifted_down = format!("x\ny\nz\n{}", numbered(10));
     assert_eq!(
         apply_one(diff, &shifted_down).unwrap(),
-        format!("x\ny\nz\n{}", numbered(10).replace("line 6\n", "LINE SIX\n"))
+        format!(
+            "x\ny\nz\n{}",
+            numbered(10).replace("line 6\n", "LINE SIX\n")
+        )
     );
     // Two lines fewer at the top: the hunk is found 2 lines further up.
-    let shifted_up: String = numbered(10).lines().skip(2).map(|l| format!("{l}\n")).collect();
+    let shifted_up: String = numbered(10)
+        .lines()
+        .skip(2)
+        .map(|l| format!("{l}\n"))
+        .collect();
     assert_eq!(
         apply_one(diff, &shifted_up).unwrap(),
         "line 3\nline 4\nline 5\nLINE SIX\nline 7\nline 8\nline 9\nline 10\n"
@@ -240,7 +247,10 @@ index 1111111..2222222 100644
             hunks: vec![],
         }
     );
-    assert_eq!(apply_hunks(0, "run.sh", b"echo\n", &files[0]).unwrap(), b"echo\n");
+    assert_eq!(
+        apply_hunks(0, "run.sh", b"echo\n", &files[0]).unwrap(),
+        b"echo\n"
+    );
     assert_eq!(apply_hunks(1, "b.txt", b"b\n", &files[1]).unwrap(), b"B\n");
 }
 
@@ -264,7 +274,10 @@ rename to new/name.rs
             hunks: vec![],
         }]
     );
-    assert_eq!(apply_hunks(0, "new/name.rs", b"x\n", &files[0]).unwrap(), b"x\n");
+    assert_eq!(
+        apply_hunks(0, "new/name.rs", b"x\n", &files[0]).unwrap(),
+        b"x\n"
+    );
 }
 
 #[test]
@@ -288,7 +301,10 @@ index 1111111..2222222 100644
     assert_eq!(files[0].old_path.as_deref(), Some("a.txt"));
     // `rename to` paths carry no a/ b/ prefix, so `b/c.txt` stays as it is.
     assert_eq!(files[0].new_path.as_deref(), Some("b/c.txt"));
-    assert_eq!(apply_one(diff, "one\ntwo\nthree\n").unwrap(), "one\n2\nthree\n");
+    assert_eq!(
+        apply_one(diff, "one\ntwo\nthree\n").unwrap(),
+        "one\n2\nthree\n"
+    );
 }
 
 #[test]
@@ -361,7 +377,8 @@ fn new_side_without_newline_must_end_at_eof() {
 
 #[test]
 fn crlf_lines_preserved() {
-    let diff = "--- a/win.txt\r\n+++ b/win.txt\r\n@@ -1,3 +1,3 @@\r\n one\r\n-two\r\n+TWO\r\n three\r\n";
+    let diff =
+        "--- a/win.txt\r\n+++ b/win.txt\r\n@@ -1,3 +1,3 @@\r\n one\r\n-two\r\n+TWO\r\n three\r\n";
     let files = parse_patch(diff).unwrap();
     assert_eq!(files[0].new_path.as_deref(), Some("win.txt"));
     assert_eq!(files[0].hunks[0].header, "@@ -1,3 +1,3 @@");
@@ -537,13 +554,28 @@ fn path_escapes_rejected() {
     let cases = [
         ("--- a/../x\n+++ b/../x\n@@ -1 +1 @@\n-a\n+b\n", "a/../x"),
         ("--- ../x\n+++ ../x\n@@ -1 +1 @@\n-a\n+b\n", "../x"),
-        ("--- /etc/passwd\n+++ /etc/passwd\n@@ -1 +1 @@\n-a\n+b\n", "/etc/passwd"),
-        ("--- a/../../x\n+++ b/../../x\n@@ -1 +1 @@\n-a\n+b\n", "a/../../x"),
-        ("--- a/src/../../x\n+++ b/src/../../x\n@@ -1 +1 @@\n-a\n+b\n", "a/src/../../x"),
+        (
+            "--- /etc/passwd\n+++ /etc/passwd\n@@ -1 +1 @@\n-a\n+b\n",
+            "/etc/passwd",
+        ),
+        (
+            "--- a/../../x\n+++ b/../../x\n@@ -1 +1 @@\n-a\n+b\n",
+            "a/../../x",
+        ),
+        (
+            "--- a/src/../../x\n+++ b/src/../../x\n@@ -1 +1 @@\n-a\n+b\n",
+            "a/src/../../x",
+        ),
         ("--- /dev/null\n+++ b/\n@@ -0,0 +1 @@\n+b\n", "b/"),
         ("--- /dev/null\n+++ b/x\0y\n@@ -0,0 +1 @@\n+b\n", "b/x\0y"),
-        ("diff --git a/x b/x\nrename from x\nrename to ../../y\n", "../../y"),
-        ("diff --git a/x b/x\nrename from /abs\nrename to y\n", "/abs"),
+        (
+            "diff --git a/x b/x\nrename from x\nrename to ../../y\n",
+            "../../y",
+        ),
+        (
+            "diff --git a/x b/x\nrename from /abs\nrename to y\n",
+            "/abs",
+        ),
         (
             "diff --git \"a/..\" \"b/..\"\nnew file mode 100644\n",
             "b/..",
@@ -551,7 +583,11 @@ fn path_escapes_rejected() {
     ];
     for (diff, path) in cases {
         let err = parse_patch(diff).unwrap_err();
-        assert_eq!(err, PatchError::PathEscape { path: path.into() }, "{diff:?}");
+        assert_eq!(
+            err,
+            PatchError::PathEscape { path: path.into() },
+            "{diff:?}"
+        );
     }
     assert_eq!(
         parse_patch(cases[2].0).unwrap_err().to_string(),
@@ -589,7 +625,13 @@ diff --git a/f b/f
         parse_patch(diff).unwrap_err().to_string(),
         "file 1 (f), hunk 2 (@@ -x,1 +1 @@): malformed hunk header at patch line 8"
     );
-    for bad in ["@@", "@@ -1 +1", "@@ -1,2 +1,2@@", "@@ -1,2, +1,2 @@", "@@@ -1 -1 +1 @@@"] {
+    for bad in [
+        "@@",
+        "@@ -1 +1",
+        "@@ -1,2 +1,2@@",
+        "@@ -1,2, +1,2 @@",
+        "@@@ -1 -1 +1 @@@",
+    ] {
         let diff = format!("--- a/f\n+++ b/f\n{bad}\n-a\n+b\n");
         assert!(
             matches!(
@@ -650,7 +692,10 @@ fn counts_omitted_mean_one() {
     let diff = "--- a/f\n+++ b/f\n@@ -2 +2 @@\n-b\n+B\n";
     let files = parse_patch(diff).unwrap();
     let h = &files[0].hunks[0];
-    assert_eq!((h.old_start, h.old_lines, h.new_start, h.new_lines), (2, 1, 2, 1));
+    assert_eq!(
+        (h.old_start, h.old_lines, h.new_start, h.new_lines),
+        (2, 1, 2, 1)
+    );
     assert_eq!(apply_one(diff, "a\nb\nc\n").unwrap(), "a\nB\nc\n");
 }
 
@@ -722,7 +767,47 @@ diff -u orig/hello.c new/hello.c
         out,
         b"#include <stdio.h>\nint main(void) {\n    printf(\"hello\\n\");\n}\n"
     );
-    assert_eq!(apply_hunks(1, "notes.txt", b"", &files[1]).unwrap(), b"note\n");
+    assert_eq!(
+        apply_hunks(1, "notes.txt", b"", &files[1]).unwrap(),
+        b"note\n"
+    );
+}
+
+#[test]
+fn plain_diff_n_epoch_timestamps_mean_missing_file() {
+    let diff = "\
+diff -ruN a/new.txt b/new.txt
+--- a/new.txt\t1970-01-01 00:00:00.000000000 +0000
++++ b/new.txt\t2024-05-01 10:05:00.000000000 +0200
+@@ -0,0 +1,2 @@
++hello
++world
+diff -ruN a/gone.txt b/gone.txt
+--- a/gone.txt\t2024-05-01 10:05:00.000000000 +0200
++++ b/gone.txt\t1970-01-01 01:00:00.000000000 +0100
+@@ -1 +0,0 @@
+-bye
+";
+    let files = parse_patch(diff).unwrap();
+    let summary: Vec<_> = files
+        .iter()
+        .map(|f| (f.kind, f.old_path.as_deref(), f.new_path.as_deref()))
+        .collect();
+    assert_eq!(
+        summary,
+        vec![
+            (FileChangeKind::Create, None, Some("new.txt")),
+            (FileChangeKind::Delete, Some("gone.txt"), None),
+        ]
+    );
+    assert_eq!(
+        apply_hunks(0, "new.txt", b"", &files[0]).unwrap(),
+        b"hello\nworld\n"
+    );
+    assert_eq!(
+        apply_hunks(1, "gone.txt", b"bye\n", &files[1]).unwrap(),
+        b""
+    );
 }
 
 #[test]
@@ -809,7 +894,8 @@ index 0000000..3f1c0d2
             ("src/util.rs", FileChangeKind::Create),
         ]
     );
-    let cargo = "[package]\nname = \"demo\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n[dependencies]\n";
+    let cargo =
+        "[package]\nname = \"demo\"\nversion = \"0.1.0\"\nedition = \"2021\"\n\n[dependencies]\n";
     assert_eq!(
         apply_hunks(0, "Cargo.toml", cargo.as_bytes(), &files[0]).unwrap(),
         format!("{cargo}anyhow = \"1\"\n").into_bytes()
@@ -869,7 +955,9 @@ fn structural_errors() {
         "patch contains no file changes"
     );
     assert_eq!(
-        parse_patch("@@ -1 +1 @@\n-a\n+b\n").unwrap_err().to_string(),
+        parse_patch("@@ -1 +1 @@\n-a\n+b\n")
+            .unwrap_err()
+            .to_string(),
         "malformed patch at line 1: hunk without a file header (missing --- and +++ lines)"
     );
     assert_eq!(
@@ -931,7 +1019,9 @@ fn unsupported_features_refused() {
 
 #[test]
 fn error_trait_is_implemented() {
-    let err: Box<dyn std::error::Error> = Box::new(PatchError::PathEscape { path: "../x".into() });
+    let err: Box<dyn std::error::Error> = Box::new(PatchError::PathEscape {
+        path: "../x".into(),
+    });
     assert_eq!(err.to_string(), "path escapes workspace: ../x");
 }
 
@@ -993,8 +1083,30 @@ fn never_panics_on_mutated_input() {
         "--- a/f\r\n+++ b/f\r\n@@ -1 +1 @@\r\n-a\r\n+b\r\n",
     ];
     let alphabet: &[&str] = &[
-        "\n", " ", "-", "+", "@", "@@ -", ",", "0", "1", "9", "\\", "\"", "\\3", "a/", "/", "..",
-        "\r", "\t", "diff --git ", "--- ", "+++ ", "/dev/null", "99999999999999999999", "é",
+        "\n",
+        " ",
+        "-",
+        "+",
+        "@",
+        "@@ -",
+        ",",
+        "0",
+        "1",
+        "9",
+        "\\",
+        "\"",
+        "\\3",
+        "a/",
+        "/",
+        "..",
+        "\r",
+        "\t",
+        "diff --git ",
+        "--- ",
+        "+++ ",
+        "/dev/null",
+        "99999999999999999999",
+        "é",
     ];
     let originals: [&[u8]; 4] = [b"", b"a\nb\nc\n", b"a\r\nb", b"\n\n\n"];
     let mut rng = Lcg(42);

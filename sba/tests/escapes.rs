@@ -1,0 +1,1 @@
+//! escapes tests
