@@ -21,7 +21,11 @@ pub fn collect(ws: &Workspace, out: &Workspace, globs: &[String]) -> Result<Vec<
         copy_matches(ws, out, globs)?;
     }
     let mut records = Vec::new();
-    let root = out.open_at(Path::new(""), OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty())?;
+    let root = out.open_at(
+        Path::new(""),
+        OFlags::RDONLY | OFlags::DIRECTORY,
+        Mode::empty(),
+    )?;
     for_each_file(root, Path::new(""), &mut |path, dir, name| {
         if let Some((mut file, _)) = open_child_file(dir, name) {
             if let Ok((size_bytes, sha256)) = hash_reader(&mut file) {
@@ -49,14 +53,20 @@ fn copy_matches(ws: &Workspace, out: &Workspace, globs: &[String]) -> Result<()>
     let set = builder
         .build()
         .map_err(|e| StepError::failed(format!("invalid artifacts globs: {e}")))?;
-    let root = ws.open_at(Path::new(""), OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty())?;
+    let root = ws.open_at(
+        Path::new(""),
+        OFlags::RDONLY | OFlags::DIRECTORY,
+        Mode::empty(),
+    )?;
     let mut failure = None;
     let mut copied = 0usize;
     for_each_file(root, Path::new(""), &mut |path, dir, name| {
         if !set.is_match(path) {
             return true;
         }
-        let Some((mut file, _)) = open_child_file(dir, name) else { return true };
+        let Some((mut file, _)) = open_child_file(dir, name) else {
+            return true;
+        };
         if let Err(e) = out.write_atomic(path, &mut file, 0o644, true) {
             failure = Some(e);
             return false;

@@ -78,7 +78,10 @@ impl Workspace {
             } else if let Ok(r) = path.strip_prefix(CONTRACT_ROOT) {
                 r
             } else {
-                return Err(StepError::escape(input, "absolute path outside the workspace"));
+                return Err(StepError::escape(
+                    input,
+                    "absolute path outside the workspace",
+                ));
             }
         } else {
             path
@@ -104,7 +107,11 @@ impl Workspace {
     /// Opens `rel` beneath the root with `flags` (CLOEXEC is added).
     pub fn open_at(&self, rel: &Path, flags: OFlags, mode: Mode) -> Result<OwnedFd> {
         let shown = display(rel);
-        let target: &Path = if rel.as_os_str().is_empty() { Path::new(".") } else { rel };
+        let target: &Path = if rel.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            rel
+        };
         if self.use_openat2.load(Ordering::Relaxed) {
             let res = rustix::fs::openat2(
                 &self.root,
@@ -142,8 +149,13 @@ impl Workspace {
                 Err(e) => return Err(self.walk_error(&cur, comp, e, &shown)),
             };
         }
-        rustix::fs::openat(&cur, *last, flags | OFlags::NOFOLLOW | OFlags::CLOEXEC, mode)
-            .map_err(|e| self.walk_error(&cur, last, e, &shown))
+        rustix::fs::openat(
+            &cur,
+            *last,
+            flags | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            mode,
+        )
+        .map_err(|e| self.walk_error(&cur, last, e, &shown))
     }
 
     fn walk_error(&self, dir: &OwnedFd, comp: &OsStr, e: Errno, shown: &str) -> StepError {
@@ -164,7 +176,11 @@ impl Workspace {
 
     /// Opens a regular file for reading, refusing hard-linked files.
     pub fn open_read(&self, rel: &Path) -> Result<(File, u64)> {
-        let fd = self.open_at(rel, OFlags::RDONLY | OFlags::NOCTTY | OFlags::NONBLOCK, Mode::empty())?;
+        let fd = self.open_at(
+            rel,
+            OFlags::RDONLY | OFlags::NOCTTY | OFlags::NONBLOCK,
+            Mode::empty(),
+        )?;
         let st = rustix::fs::fstat(&fd).map_err(|e| map_errno(e, &display(rel)))?;
         check_regular(&st, &display(rel))?;
         Ok((File::from(fd), st.st_size as u64))
@@ -267,10 +283,18 @@ impl Workspace {
             }
         };
         drop(file);
-        let flags = if overwrite { RenameFlags::empty() } else { RenameFlags::NOREPLACE };
+        let flags = if overwrite {
+            RenameFlags::empty()
+        } else {
+            RenameFlags::NOREPLACE
+        };
         if let Err(e) = rustix::fs::renameat_with(&dir, tmp.as_str(), &dir, name, flags) {
             let _ = rustix::fs::unlinkat(&dir, tmp.as_str(), AtFlags::empty());
-            return Err(if e == Errno::EXIST { refuse() } else { map_errno(e, &shown) });
+            return Err(if e == Errno::EXIST {
+                refuse()
+            } else {
+                map_errno(e, &shown)
+            });
         }
         Ok(Written {
             created: !existed,
@@ -295,7 +319,9 @@ impl Workspace {
 
     /// Fails unless `rel` lies under one of `allowed` (each normalised like a step path).
     pub fn check_allowed(&self, rel: &Path, allowed: Option<&[String]>) -> Result<()> {
-        let Some(allowed) = allowed else { return Ok(()) };
+        let Some(allowed) = allowed else {
+            return Ok(());
+        };
         for entry in allowed {
             if let Ok(prefix) = self.relative(entry) {
                 if rel.starts_with(&prefix) {
@@ -400,7 +426,10 @@ mod tests {
         assert_eq!(ws.relative("a/../b").unwrap(), PathBuf::from("b"));
         assert_eq!(ws.relative("/workspace/x").unwrap(), PathBuf::from("x"));
         let abs = dir.path().canonicalize().unwrap().join("y");
-        assert_eq!(ws.relative(abs.to_str().unwrap()).unwrap(), PathBuf::from("y"));
+        assert_eq!(
+            ws.relative(abs.to_str().unwrap()).unwrap(),
+            PathBuf::from("y")
+        );
         assert_eq!(ws.relative(".").unwrap(), PathBuf::new());
     }
 
@@ -409,8 +438,15 @@ mod tests {
         let (_d, ws) = ws();
         for bad in ["..", "../x", "a/../../x", "/etc/passwd", "/workspacefoo/x"] {
             let e = ws.relative(bad).unwrap_err();
-            assert_eq!(e.code, cynode_protocol::FailureCode::PolicyViolation, "{bad}");
-            assert!(e.message.starts_with("path escapes workspace"), "{bad}: {e}");
+            assert_eq!(
+                e.code,
+                cynode_protocol::FailureCode::PolicyViolation,
+                "{bad}"
+            );
+            assert!(
+                e.message.starts_with("path escapes workspace"),
+                "{bad}: {e}"
+            );
         }
     }
 
@@ -425,7 +461,10 @@ mod tests {
             }
             for p in ["etc/passwd", "up/etc/passwd"] {
                 let e = ws.open_read(Path::new(p)).unwrap_err();
-                assert!(e.message.starts_with("path escapes workspace"), "{walk} {p}: {e}");
+                assert!(
+                    e.message.starts_with("path escapes workspace"),
+                    "{walk} {p}: {e}"
+                );
             }
         }
     }
@@ -446,13 +485,18 @@ mod tests {
         std::fs::write(dir.path().join("a"), "x").unwrap();
         std::fs::hard_link(dir.path().join("a"), dir.path().join("b")).unwrap();
         let e = ws.open_read(Path::new("b")).unwrap_err();
-        assert_eq!(e.message, "path escapes workspace: b (file has several hard links)");
+        assert_eq!(
+            e.message,
+            "path escapes workspace: b (file has several hard links)"
+        );
     }
 
     #[test]
     fn write_atomic_creates_parents_and_respects_overwrite() {
         let (dir, ws) = ws();
-        let w = ws.write_atomic(Path::new("d/e/f.txt"), &mut &b"one"[..], 0o644, false).unwrap();
+        let w = ws
+            .write_atomic(Path::new("d/e/f.txt"), &mut &b"one"[..], 0o644, false)
+            .unwrap();
         assert_eq!(
             w,
             Written {
@@ -462,9 +506,13 @@ mod tests {
             }
         );
         assert_eq!(std::fs::read(dir.path().join("d/e/f.txt")).unwrap(), b"one");
-        let e = ws.write_atomic(Path::new("d/e/f.txt"), &mut &b"two"[..], 0o644, false).unwrap_err();
+        let e = ws
+            .write_atomic(Path::new("d/e/f.txt"), &mut &b"two"[..], 0o644, false)
+            .unwrap_err();
         assert_eq!(e.code, cynode_protocol::FailureCode::PolicyViolation);
-        let w = ws.write_atomic(Path::new("d/e/f.txt"), &mut &b"two"[..], 0o644, true).unwrap();
+        let w = ws
+            .write_atomic(Path::new("d/e/f.txt"), &mut &b"two"[..], 0o644, true)
+            .unwrap();
         assert!(!w.created);
         assert_eq!(std::fs::read(dir.path().join("d/e/f.txt")).unwrap(), b"two");
         let leftovers: Vec<_> = std::fs::read_dir(dir.path().join("d/e")).unwrap().collect();
@@ -476,7 +524,9 @@ mod tests {
         let (dir, ws) = ws();
         let outside = tempfile::tempdir().unwrap();
         symlink(outside.path(), dir.path().join("out")).unwrap();
-        let e = ws.write_atomic(Path::new("out/x/y.txt"), &mut &b"z"[..], 0o644, false).unwrap_err();
+        let e = ws
+            .write_atomic(Path::new("out/x/y.txt"), &mut &b"z"[..], 0o644, false)
+            .unwrap_err();
         assert!(e.message.starts_with("path escapes workspace"), "{e}");
         assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
     }
@@ -485,8 +535,11 @@ mod tests {
     fn allowed_paths_are_prefix_checked() {
         let (_d, ws) = ws();
         let allowed = vec!["/workspace/src".to_string()];
-        ws.check_allowed(Path::new("src/a.rs"), Some(&allowed)).unwrap();
-        assert!(ws.check_allowed(Path::new("srcx/a.rs"), Some(&allowed)).is_err());
+        ws.check_allowed(Path::new("src/a.rs"), Some(&allowed))
+            .unwrap();
+        assert!(ws
+            .check_allowed(Path::new("srcx/a.rs"), Some(&allowed))
+            .is_err());
         ws.check_allowed(Path::new("anything"), None).unwrap();
     }
 }

@@ -41,7 +41,9 @@ pub fn parse_url(url: &str) -> Result<Target, String> {
             path,
         });
     }
-    Err(format!("unsupported callback url `{url}`: expected http:// or http+unix://"))
+    Err(format!(
+        "unsupported callback url `{url}`: expected http:// or http+unix://"
+    ))
 }
 
 fn split_path(rest: &str) -> (&str, String) {
@@ -93,7 +95,12 @@ pub fn post(target: &Target, body: &[u8]) -> std::io::Result<u16> {
     }
 }
 
-fn exchange<S: Read + Write>(s: &mut S, host: &str, path: &str, body: &[u8]) -> std::io::Result<u16> {
+fn exchange<S: Read + Write>(
+    s: &mut S,
+    host: &str,
+    path: &str,
+    body: &[u8],
+) -> std::io::Result<u16> {
     let head = format!(
         "POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n\
          Content-Length: {}\r\nConnection: close\r\nUser-Agent: cynode-sba\r\n\r\n",
@@ -115,7 +122,12 @@ fn exchange<S: Read + Write>(s: &mut S, host: &str, path: &str, body: &[u8]) -> 
     line.split_whitespace()
         .nth(1)
         .and_then(|c| c.parse().ok())
-        .ok_or_else(|| std::io::Error::other(format!("bad status line `{}`", line.lines().next().unwrap_or(""))))
+        .ok_or_else(|| {
+            std::io::Error::other(format!(
+                "bad status line `{}`",
+                line.lines().next().unwrap_or("")
+            ))
+        })
 }
 
 #[cfg(test)]

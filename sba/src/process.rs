@@ -70,7 +70,11 @@ pub fn run(spec: Spec<'_>) -> io::Result<Outcome> {
     cmd.args(spec.args)
         .env_clear()
         .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .stdin(if spec.stdin.is_some() { Stdio::piped() } else { Stdio::null() })
+        .stdin(if spec.stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
@@ -249,15 +253,30 @@ impl Supervisor<'_> {
             }
             if pidfd.is_none() && self.status.is_none() {
                 // No pidfd: poll the child every 10 ms.
-                let short = Timespec { tv_sec: 0, tv_nsec: 10_000_000 };
-                poll(&mut fds, if timeout > Duration::from_millis(10) { &short } else { &ts })?;
+                let short = Timespec {
+                    tv_sec: 0,
+                    tv_nsec: 10_000_000,
+                };
+                poll(
+                    &mut fds,
+                    if timeout > Duration::from_millis(10) {
+                        &short
+                    } else {
+                        &ts
+                    },
+                )?;
             } else {
                 poll(&mut fds, &ts)?;
             }
             let ready = |slot: usize| -> bool {
                 slot != usize::MAX && fds.get(slot).is_some_and(|f| !f.revents().is_empty())
             };
-            let (r_out, r_err, r_in, r_int) = (ready(slots[0]), ready(slots[1]), ready(slots[2]), ready(slots[4]));
+            let (r_out, r_err, r_in, r_int) = (
+                ready(slots[0]),
+                ready(slots[1]),
+                ready(slots[2]),
+                ready(slots[4]),
+            );
             drop(fds);
             if r_out {
                 read_some(&mut self.stdout, &mut self.out, &mut buf);
@@ -297,7 +316,9 @@ impl Supervisor<'_> {
     }
 
     fn feed_stdin(&mut self) {
-        let Some(pipe) = self.stdin.as_mut() else { return };
+        let Some(pipe) = self.stdin.as_mut() else {
+            return;
+        };
         match pipe.write(&self.stdin_data[self.stdin_pos..]) {
             Ok(n) => {
                 self.stdin_pos += n;

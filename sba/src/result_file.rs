@@ -8,13 +8,23 @@ use cynode_protocol::JobResult;
 /// Writes `result` to `path` so a reader sees either nothing or the complete document.
 pub fn write_atomic(path: &Path, result: &JobResult) -> std::io::Result<()> {
     let bytes = serde_json::to_vec_pretty(result).map_err(std::io::Error::other)?;
-    let dir = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    let dir = path
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
     let name = path
         .file_name()
         .ok_or_else(|| std::io::Error::other("result path has no file name"))?;
-    let tmp = dir.join(format!(".{}.tmp-{}", name.to_string_lossy(), std::process::id()));
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
     let mut f = std::fs::File::create(&tmp)?;
-    let res = f.write_all(&bytes).and_then(|()| f.write_all(b"\n")).and_then(|()| f.sync_all());
+    let res = f
+        .write_all(&bytes)
+        .and_then(|()| f.write_all(b"\n"))
+        .and_then(|()| f.sync_all());
     drop(f);
     if let Err(e) = res.and_then(|()| std::fs::rename(&tmp, path)) {
         let _ = std::fs::remove_file(&tmp);

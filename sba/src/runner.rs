@@ -106,7 +106,10 @@ pub fn run(opts: &Options) -> i32 {
             .or_else(|| panic.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic".into());
         tracing::error!(panic = %msg, "runner panicked");
-        result.set_failure(FailureCode::InternalError, format!("runner panicked: {msg}"));
+        result.set_failure(
+            FailureCode::InternalError,
+            format!("runner panicked: {msg}"),
+        );
     }
     result.finished_at = now_rfc3339();
     result.resource_usage = process::children_usage();
@@ -145,13 +148,25 @@ pub fn run(opts: &Options) -> i32 {
     }
 }
 
-fn execute(opts: &Options, interrupt: &Interrupt, result: &mut JobResult, callbacks: &mut Callbacks) {
+fn execute(
+    opts: &Options,
+    interrupt: &Interrupt,
+    result: &mut JobResult,
+    callbacks: &mut Callbacks,
+) {
     let started = Instant::now();
     let bytes = match read_job(opts) {
         Ok(b) => b,
         Err(e) => {
-            let from = if opts.stdin_mode { "stdin".into() } else { opts.job.display().to_string() };
-            result.set_failure(FailureCode::SchemaValidation, format!("cannot read job from {from}: {e}"));
+            let from = if opts.stdin_mode {
+                "stdin".into()
+            } else {
+                opts.job.display().to_string()
+            };
+            result.set_failure(
+                FailureCode::SchemaValidation,
+                format!("cannot read job from {from}: {e}"),
+            );
             return;
         }
     };
@@ -192,12 +207,17 @@ fn execute(opts: &Options, interrupt: &Interrupt, result: &mut JobResult, callba
             return;
         }
     };
-    let out_dir = match std::fs::create_dir_all(&opts.artifacts).and_then(|()| Workspace::open(&opts.artifacts)) {
+    let out_dir = match std::fs::create_dir_all(&opts.artifacts)
+        .and_then(|()| Workspace::open(&opts.artifacts))
+    {
         Ok(w) => w,
         Err(e) => {
             result.set_failure(
                 FailureCode::ExecutionFailure,
-                format!("cannot open artifacts directory {}: {e}", opts.artifacts.display()),
+                format!(
+                    "cannot open artifacts directory {}: {e}",
+                    opts.artifacts.display()
+                ),
             );
             return;
         }
@@ -274,9 +294,14 @@ fn read_job(opts: &Options) -> std::io::Result<Vec<u8>> {
     const MAX_JOB_BYTES: u64 = 64 * 1024 * 1024;
     let mut buf = Vec::new();
     if opts.stdin_mode {
-        std::io::stdin().lock().take(MAX_JOB_BYTES).read_to_end(&mut buf)?;
+        std::io::stdin()
+            .lock()
+            .take(MAX_JOB_BYTES)
+            .read_to_end(&mut buf)?;
     } else {
-        std::fs::File::open(&opts.job)?.take(MAX_JOB_BYTES).read_to_end(&mut buf)?;
+        std::fs::File::open(&opts.job)?
+            .take(MAX_JOB_BYTES)
+            .read_to_end(&mut buf)?;
     }
     Ok(buf)
 }
@@ -301,10 +326,15 @@ fn base_env(job: &JobSpec, ws: &Workspace, out: &Workspace) -> Vec<(String, Stri
     let get = |k: &str| std::env::var(k).ok();
     env.push((
         "PATH".into(),
-        get("PATH").unwrap_or_else(|| "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()),
+        get("PATH").unwrap_or_else(|| {
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into()
+        }),
     ));
     env.push(("HOME".into(), get("HOME").unwrap_or_else(|| "/tmp".into())));
-    env.push(("LANG".into(), get("LANG").unwrap_or_else(|| "C.UTF-8".into())));
+    env.push((
+        "LANG".into(),
+        get("LANG").unwrap_or_else(|| "C.UTF-8".into()),
+    ));
     for (k, v) in std::env::vars() {
         if k.starts_with("CYNODE_") {
             env.push((k, v));
@@ -318,7 +348,10 @@ fn base_env(job: &JobSpec, ws: &Workspace, out: &Workspace) -> Vec<(String, Stri
     set_default("CYNODE_JOB_ID", job.job_id.clone());
     set_default("CYNODE_TASK_ID", job.task_id.clone());
     set_default("CYNODE_WORKSPACE_DIR", ws.root_path().display().to_string());
-    set_default("CYNODE_ARTIFACTS_DIR", out.root_path().display().to_string());
+    set_default(
+        "CYNODE_ARTIFACTS_DIR",
+        out.root_path().display().to_string(),
+    );
     env
 }
 
@@ -347,16 +380,26 @@ impl Callbacks {
         let Some(target) = &self.target else { return };
         let body = SbaStatusCallback {
             status,
-            job_id: if self.job_id.is_empty() { result.job_id.clone() } else { self.job_id.clone() },
+            job_id: if self.job_id.is_empty() {
+                result.job_id.clone()
+            } else {
+                self.job_id.clone()
+            },
             result: (status == SbaLifecycle::Completed).then(|| result.clone()),
         };
-        let Ok(bytes) = serde_json::to_vec(&body) else { return };
+        let Ok(bytes) = serde_json::to_vec(&body) else {
+            return;
+        };
         match lifecycle::post(target, &bytes) {
             Ok(code) if (200..300).contains(&code) => {
                 tracing::info!(job_id = %body.job_id, status = ?status, "lifecycle callback sent");
             }
-            Ok(code) => tracing::warn!(job_id = %body.job_id, http_status = code, "lifecycle callback refused"),
-            Err(e) => tracing::warn!(job_id = %body.job_id, error = %e, "lifecycle callback failed"),
+            Ok(code) => {
+                tracing::warn!(job_id = %body.job_id, http_status = code, "lifecycle callback refused")
+            }
+            Err(e) => {
+                tracing::warn!(job_id = %body.job_id, error = %e, "lifecycle callback failed")
+            }
         }
     }
 }
@@ -367,5 +410,6 @@ pub fn now_rfc3339() -> String {
     let fmt = time::macros::format_description!(
         "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
     );
-    now.format(&fmt).unwrap_or_else(|_| now.unix_timestamp().to_string())
+    now.format(&fmt)
+        .unwrap_or_else(|_| now.unix_timestamp().to_string())
 }

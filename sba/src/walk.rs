@@ -84,11 +84,7 @@ pub fn for_each_file(
         for e in entries {
             let path = rel.join(&e.name);
             match e.file_type {
-                FileType::RegularFile => {
-                    if !visit(&path, &dir, &e.name) {
-                        return Ok(());
-                    }
-                }
+                FileType::RegularFile if !visit(&path, &dir, &e.name) => return Ok(()),
                 FileType::Directory if e.name != ".git" && depth < MAX_WALK_DEPTH => {
                     if let Ok(fd) = open_child_dir(&dir, &e.name) {
                         subdirs.push((fd, path, depth + 1));

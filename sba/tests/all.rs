@@ -1,5 +1,7 @@
 //! Black-box tests of the `cynode-sba` binary: real processes, real files, real sockets.
 
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
 mod harness;
 
 mod escapes;

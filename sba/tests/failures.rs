@@ -38,10 +38,18 @@ fn schema_validation_names_the_field() {
     j["job_id"] = json!("job-2");
     let run = sb.run(&j);
     assert_failure_shapes(&run, "schema_validation");
-    assert!(run.message().starts_with("steps[0].arguments.shell: unknown field `shell`"), "{}", run.message());
+    assert!(
+        run.message()
+            .starts_with("steps[0].arguments.shell: unknown field `shell`"),
+        "{}",
+        run.message()
+    );
 
     let run = sb.run(&job_with(json!([]), json!({ "max_runtime_seconds": 0 })));
-    assert_eq!(run.message(), "constraints.max_runtime_seconds: must be positive");
+    assert_eq!(
+        run.message(),
+        "constraints.max_runtime_seconds: must be positive"
+    );
 }
 
 #[test]
@@ -49,7 +57,11 @@ fn schema_validation_when_job_file_is_missing() {
     let sb = Sandbox::new();
     let run = sb.finish(sb.command().output().unwrap());
     assert_failure_shapes(&run, "schema_validation");
-    assert!(run.message().starts_with("cannot read job from"), "{}", run.message());
+    assert!(
+        run.message().starts_with("cannot read job from"),
+        "{}",
+        run.message()
+    );
 }
 
 #[test]
@@ -60,7 +72,10 @@ fn policy_violation_for_disallowed_command() {
         json!({ "allowed_commands": ["echo", "git"] }),
     ));
     assert_failure_shapes(&run, "policy_violation");
-    assert_eq!(run.message(), "step s1: command `/bin/cat` is not in constraints.allowed_commands");
+    assert_eq!(
+        run.message(),
+        "step s1: command `/bin/cat` is not in constraints.allowed_commands"
+    );
     // Refused before it started: no result output.
     assert_eq!(run.step(0)["result"], json!(null));
 }
@@ -68,7 +83,10 @@ fn policy_violation_for_disallowed_command() {
 #[test]
 fn step_failed_and_execution_failure() {
     let sb = Sandbox::new();
-    let run = sb.run(&one("run_command", json!({ "command": "definitely-not-a-command-xyz" })));
+    let run = sb.run(&one(
+        "run_command",
+        json!({ "command": "definitely-not-a-command-xyz" }),
+    ));
     assert_failure_shapes(&run, "execution_failure");
     assert_eq!(
         run.message(),
@@ -122,7 +140,10 @@ fn constraint_violation_when_output_exceeds_the_cap() {
 fn resource_limit_exceeded_when_killed_by_sigkill() {
     let sb = Sandbox::new();
     // What the kernel's OOM killer or a pids/memory limit does to a step: SIGKILL.
-    let run = sb.run(&one("run_command", json!({ "command": "sh", "args": ["-c", "kill -KILL $$"] })));
+    let run = sb.run(&one(
+        "run_command",
+        json!({ "command": "sh", "args": ["-c", "kill -KILL $$"] }),
+    ));
     assert_failure_shapes(&run, "resource_limit_exceeded");
     assert_eq!(run.step(0)["result"]["exit_code"], json!(null));
     assert_eq!(run.step(0)["result"]["signal"], 9);
@@ -153,13 +174,24 @@ fn internal_error_when_the_runner_is_terminated() {
         json!({ "command": "sh", "args": ["-c", "touch started; exec sleep 30"] }),
     ));
     let mut child = sb.command().spawn().unwrap();
-    assert!(crate::harness::wait_for_file(&started, std::time::Duration::from_secs(10)));
+    assert!(crate::harness::wait_for_file(
+        &started,
+        std::time::Duration::from_secs(10)
+    ));
     let t = std::time::Instant::now();
     // SAFETY: signalling the child we spawned.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let status = child.wait().unwrap();
-    assert!(t.elapsed() < std::time::Duration::from_secs(5), "{:?}", t.elapsed());
-    let run = sb.finish(std::process::Output { status, stdout: vec![], stderr: vec![] });
+    assert!(
+        t.elapsed() < std::time::Duration::from_secs(5),
+        "{:?}",
+        t.elapsed()
+    );
+    let run = sb.finish(std::process::Output {
+        status,
+        stdout: vec![],
+        stderr: vec![],
+    });
     assert_failure_shapes(&run, "internal_error");
     assert_eq!(run.message(), "step s1: runner interrupted by SIGTERM");
     assert_eq!(run.step(0)["status"], "failure");
@@ -173,7 +205,11 @@ fn agent_mode_fails_cleanly_until_implemented() {
     j["inference"] = json!({ "allowed_models": ["smollm2"] });
     let run = sb.run(&j);
     assert_failure_shapes(&run, "execution_failure");
-    assert!(run.message().contains("agent_inference is not supported"), "{}", run.message());
+    assert!(
+        run.message().contains("agent_inference is not supported"),
+        "{}",
+        run.message()
+    );
 }
 
 #[test]
@@ -188,7 +224,10 @@ fn refuses_uid_0_without_allow_root() {
         return;
     }
     let sb = Sandbox::new();
-    sb.write_job(&one("run_command", json!({ "command": "touch", "args": ["ran"] })));
+    sb.write_job(&one(
+        "run_command",
+        json!({ "command": "touch", "args": ["ran"] }),
+    ));
     let run = sb.finish(sb.command_as(false).output().unwrap());
     assert_failure_shapes(&run, "policy_violation");
     assert_eq!(

@@ -87,8 +87,11 @@ impl Sandbox {
     }
 
     pub fn write_job(&self, job: &Value) {
-        std::fs::write(self.job_dir().join("job.json"), serde_json::to_vec_pretty(job).expect("json"))
-            .expect("write job");
+        std::fs::write(
+            self.job_dir().join("job.json"),
+            serde_json::to_vec_pretty(job).expect("json"),
+        )
+        .expect("write job");
     }
 
     /// Runs `job` and returns the exit code, the parsed result and the raw output.
@@ -106,8 +109,9 @@ impl Sandbox {
                 String::from_utf8_lossy(&output.stderr)
             )
         });
-        let result: JobResult = serde_json::from_str(&text)
-            .unwrap_or_else(|e| panic!("result.json does not parse as the protocol type: {e}\n{text}"));
+        let result: JobResult = serde_json::from_str(&text).unwrap_or_else(|e| {
+            panic!("result.json does not parse as the protocol type: {e}\n{text}")
+        });
         Run {
             code: output.status.code(),
             result,
@@ -172,7 +176,9 @@ pub fn one(step_type: &str, arguments: Value) -> Value {
 
 /// Whether any live process has `needle` in its command line.
 pub fn process_with_arg(needle: &str) -> bool {
-    let Ok(entries) = std::fs::read_dir("/proc") else { return false };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
     entries.flatten().any(|e| {
         std::fs::read(e.path().join("cmdline"))
             .map(|c| {
@@ -201,7 +207,9 @@ pub fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
     let mut out = Vec::new();
     let mut stack = vec![dir.to_path_buf()];
     while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else { continue };
+        let Ok(rd) = std::fs::read_dir(&d) else {
+            continue;
+        };
         for e in rd.flatten() {
             let p = e.path();
             let ft = e.file_type().expect("file type");

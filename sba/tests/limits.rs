@@ -8,6 +8,7 @@ use crate::harness::{job_with, process_with_arg, Sandbox};
 
 /// Runs the binary and returns its output plus the peak RSS of the runner itself, taken
 /// from wait4 on it.
+#[allow(clippy::zombie_processes)] // reaped by wait4 below, which clippy cannot see
 fn run_measured(sb: &Sandbox) -> (std::process::Output, u64) {
     use std::io::Read;
     let mut child = sb
@@ -17,9 +18,19 @@ fn run_measured(sb: &Sandbox) -> (std::process::Output, u64) {
         .spawn()
         .unwrap();
     let mut stdout = Vec::new();
-    child.stdout.take().unwrap().read_to_end(&mut stdout).unwrap();
+    child
+        .stdout
+        .take()
+        .unwrap()
+        .read_to_end(&mut stdout)
+        .unwrap();
     let mut stderr = Vec::new();
-    child.stderr.take().unwrap().read_to_end(&mut stderr).unwrap();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_end(&mut stderr)
+        .unwrap();
     let mut status = 0;
     // SAFETY: zeroed rusage filled by wait4 for our own child.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
@@ -28,14 +39,22 @@ fn run_measured(sb: &Sandbox) -> (std::process::Output, u64) {
     assert_eq!(rc, child.id() as i32);
     use std::os::unix::process::ExitStatusExt;
     let status = std::process::ExitStatus::from_raw(status);
-    (std::process::Output { status, stdout, stderr }, ru.ru_maxrss as u64 * 1024)
+    (
+        std::process::Output {
+            status,
+            stdout,
+            stderr,
+        },
+        ru.ru_maxrss as u64 * 1024,
+    )
 }
 
 #[test]
 fn timeout_kills_a_grandchild_that_ignores_sigterm_and_holds_the_pipe() {
     let sb = Sandbox::new();
     let marker = "973.1717";
-    let script = format!("(trap '' TERM; exec sleep {marker}) & trap '' TERM; sleep {marker}; wait");
+    let script =
+        format!("(trap '' TERM; exec sleep {marker}) & trap '' TERM; sleep {marker}; wait");
     sb.write_job(&job_with(
         json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", script] } }]),
         json!({ "max_runtime_seconds": 2 }),
@@ -46,7 +65,10 @@ fn timeout_kills_a_grandchild_that_ignores_sigterm_and_holds_the_pipe() {
     let run = sb.finish(out);
     assert_eq!(run.failure(), "timeout");
     assert!(took < Duration::from_secs(2 + 5), "runner took {took:?}");
-    assert!(!process_with_arg(marker), "a process of the step survived the runner");
+    assert!(
+        !process_with_arg(marker),
+        "a process of the step survived the runner"
+    );
 }
 
 #[test]
@@ -61,7 +83,10 @@ fn orphans_that_leave_the_process_group_are_reaped() {
     ));
     assert_eq!(run.failure(), "none", "{}", run.message());
     assert_eq!(run.step(0)["result"]["stdout"], "started\n");
-    assert!(!process_with_arg(marker), "a daemonised process of the step survived");
+    assert!(
+        !process_with_arg(marker),
+        "a daemonised process of the step survived"
+    );
 }
 
 #[test]
@@ -96,7 +121,10 @@ fn one_gib_of_output_under_a_one_mib_cap_stays_small() {
     );
     let stdout_len = run.step(0)["result"]["stdout"].as_str().unwrap().len();
     assert!(stdout_len <= 1048576 + 64, "{stdout_len}");
-    assert!(max_rss < 64 * 1024 * 1024, "runner peak RSS {max_rss} bytes");
+    assert!(
+        max_rss < 64 * 1024 * 1024,
+        "runner peak RSS {max_rss} bytes"
+    );
 }
 
 #[test]
@@ -108,5 +136,8 @@ fn stdin_larger_than_a_pipe_buffer_is_fed_without_deadlock() {
         json!({ "max_output_bytes": 4096 }),
     ));
     assert_eq!(run.failure(), "none", "{}", run.message());
-    assert_eq!(run.step(0)["result"]["stdout"].as_str().unwrap().trim(), "1048576");
+    assert_eq!(
+        run.step(0)["result"]["stdout"].as_str().unwrap().trim(),
+        "1048576"
+    );
 }

@@ -25,7 +25,12 @@ fn stdin_mode_prints_the_result_and_logs_on_stderr() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    child.stdin.take().unwrap().write_all(&serde_json::to_vec(&job).unwrap()).unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(&serde_json::to_vec(&job).unwrap())
+        .unwrap();
     let out = child.wait_with_output().unwrap();
     assert_eq!(out.status.code(), Some(0));
     let result: cynode_protocol::JobResult = serde_json::from_slice(&out.stdout).unwrap();
@@ -44,7 +49,11 @@ fn env_overrides_replace_flags() {
     let sb = Sandbox::new();
     let job_path = sb.dir.path().join("elsewhere.json");
     let result_path = sb.dir.path().join("out.json");
-    std::fs::write(&job_path, serde_json::to_vec(&one("run_command", json!({ "command": "true" }))).unwrap()).unwrap();
+    std::fs::write(
+        &job_path,
+        serde_json::to_vec(&one("run_command", json!({ "command": "true" }))).unwrap(),
+    )
+    .unwrap();
     let out = std::process::Command::new(sba_bin())
         .arg("--allow-root")
         .env_clear()
@@ -55,7 +64,12 @@ fn env_overrides_replace_flags() {
         .env("SBA_ARTIFACTS_DIR", sb.artifacts())
         .output()
         .unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stdout));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
     let result: cynode_protocol::JobResult =
         serde_json::from_slice(&std::fs::read(&result_path).unwrap()).unwrap();
     assert_eq!(result.job_id, "job-1");
@@ -68,7 +82,12 @@ fn file_mode_logs_json_lines_on_stdout() {
     let stdout = String::from_utf8(run.output.stdout.clone()).unwrap();
     let messages: Vec<String> = stdout
         .lines()
-        .map(|l| serde_json::from_str::<Value>(l).unwrap()["fields"]["message"].as_str().unwrap().to_string())
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["fields"]["message"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
         .collect();
     assert_eq!(messages, ["job validated", "step finished", "job finished"]);
 }
@@ -105,7 +124,9 @@ fn serve_one<S: Read + Write>(stream: S) -> (String, Value) {
     let mut body = vec![0; len];
     reader.read_exact(&mut body).unwrap();
     let mut stream = reader.into_inner();
-    stream.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").unwrap();
+    stream
+        .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+        .unwrap();
     (request_line, serde_json::from_slice(&body).unwrap())
 }
 
@@ -114,19 +135,30 @@ fn lifecycle_callbacks_reach_a_real_http_listener() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let server = std::thread::spawn(move || {
-        (0..2).map(|_| serve_one(listener.accept().unwrap().0)).collect::<Vec<_>>()
+        (0..2)
+            .map(|_| serve_one(listener.accept().unwrap().0))
+            .collect::<Vec<_>>()
     });
     let sb = Sandbox::new();
-    sb.write_job(&one("run_command", json!({ "command": "echo", "args": ["x"] })));
+    sb.write_job(&one(
+        "run_command",
+        json!({ "command": "echo", "args": ["x"] }),
+    ));
     let out = sb
         .command()
-        .env("SBA_JOB_STATUS_URL", format!("http://127.0.0.1:{port}/v1/jobs/job-1/status"))
+        .env(
+            "SBA_JOB_STATUS_URL",
+            format!("http://127.0.0.1:{port}/v1/jobs/job-1/status"),
+        )
         .output()
         .unwrap();
     let run = sb.finish(out);
     let got = server.join().unwrap();
     assert_eq!(got[0].0.trim_end(), "POST /v1/jobs/job-1/status HTTP/1.1");
-    assert_eq!(got[0].1, json!({ "status": "in_progress", "job_id": "job-1" }));
+    assert_eq!(
+        got[0].1,
+        json!({ "status": "in_progress", "job_id": "job-1" })
+    );
     assert_eq!(got[1].1["status"], "completed");
     assert_eq!(got[1].1["job_id"], "job-1");
     // The completed callback carries the same result that was written to the file.
@@ -139,13 +171,18 @@ fn lifecycle_callbacks_over_a_unix_socket() {
     let sock = sb.dir.path().join("status.sock");
     let listener = UnixListener::bind(&sock).unwrap();
     let server = std::thread::spawn(move || {
-        (0..2).map(|_| serve_one(listener.accept().unwrap().0)).collect::<Vec<_>>()
+        (0..2)
+            .map(|_| serve_one(listener.accept().unwrap().0))
+            .collect::<Vec<_>>()
     });
     sb.write_job(&one("run_command", json!({ "command": "false" })));
     let encoded = sock.display().to_string().replace('/', "%2F");
     let out = sb
         .command()
-        .env("SBA_JOB_STATUS_URL", format!("http+unix://{encoded}/status"))
+        .env(
+            "SBA_JOB_STATUS_URL",
+            format!("http+unix://{encoded}/status"),
+        )
         .output()
         .unwrap();
     let run = sb.finish(out);
@@ -159,11 +196,18 @@ fn lifecycle_callbacks_over_a_unix_socket() {
 fn an_unreachable_callback_does_not_fail_the_job() {
     let sb = Sandbox::new();
     // Bind and drop to get a port with nothing listening.
-    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     sb.write_job(&one("run_command", json!({ "command": "true" })));
     let out = sb
         .command()
-        .env("SBA_JOB_STATUS_URL", format!("http://127.0.0.1:{port}/status"))
+        .env(
+            "SBA_JOB_STATUS_URL",
+            format!("http://127.0.0.1:{port}/status"),
+        )
         .output()
         .unwrap();
     let run = sb.finish(out);

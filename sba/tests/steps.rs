@@ -15,7 +15,12 @@ fn run_command_captures_stdout_stderr_and_exit_code() {
     assert_eq!(run.failure(), "none");
     let r = &run.step(0)["result"];
     assert_eq!(
-        (r["exit_code"].clone(), r["stdout"].clone(), r["stderr"].clone(), r["truncated"].clone()),
+        (
+            r["exit_code"].clone(),
+            r["stdout"].clone(),
+            r["stderr"].clone(),
+            r["truncated"].clone()
+        ),
         (json!(0), json!("out\n"), json!("err\n"), json!(false))
     );
     assert_eq!(run.step(0)["status"], "success");
@@ -43,7 +48,10 @@ fn run_command_nonzero_exit_is_step_failed() {
     assert_eq!(run.message(), "step a: command `sh` exited with status 3");
     assert_eq!(run.step(0)["result"]["exit_code"], 3);
     assert_eq!(run.step(1)["status"], "skipped");
-    assert_eq!(run.raw["error"], json!({ "type": "step_failed", "message": run.message() }));
+    assert_eq!(
+        run.raw["error"],
+        json!({ "type": "step_failed", "message": run.message() })
+    );
 }
 
 #[test]
@@ -60,8 +68,14 @@ fn run_command_environment_is_explicit() {
         .output()
         .unwrap();
     let run = sb.finish(out);
-    let stdout = run.step(0)["result"]["stdout"].as_str().unwrap().to_string();
-    let names: Vec<&str> = stdout.lines().map(|l| l.split('=').next().unwrap()).collect();
+    let stdout = run.step(0)["result"]["stdout"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let names: Vec<&str> = stdout
+        .lines()
+        .map(|l| l.split('=').next().unwrap())
+        .collect();
     assert_eq!(
         names,
         [
@@ -76,7 +90,10 @@ fn run_command_environment_is_explicit() {
             "PWD"
         ]
     );
-    assert!(stdout.contains("CYNODE_TASK_ID=task-from-node\n"), "{stdout}");
+    assert!(
+        stdout.contains("CYNODE_TASK_ID=task-from-node\n"),
+        "{stdout}"
+    );
     assert!(!stdout.contains("do-not-leak"));
 }
 
@@ -118,9 +135,15 @@ fn run_command_step_timeout_is_a_timeout() {
         json!({ "command": "sleep", "args": ["30"], "timeout_seconds": 1 }),
     ));
     assert_eq!(run.failure(), "timeout");
-    assert_eq!(run.result.status, cynode_protocol::result::JobStatus::Timeout);
+    assert_eq!(
+        run.result.status,
+        cynode_protocol::result::JobStatus::Timeout
+    );
     assert_eq!(run.step(0)["status"], "timeout");
-    assert_eq!(run.message(), "step s1: command `sleep` exceeded its timeout_seconds of 1s");
+    assert_eq!(
+        run.message(),
+        "step s1: command `sleep` exceeded its timeout_seconds of 1s"
+    );
 }
 
 #[test]
@@ -140,9 +163,15 @@ fn write_file_creates_with_mode_and_hash() {
             "created": true
         })
     );
-    assert_eq!(std::fs::read_to_string(sb.ws().join("bin/tool.sh")).unwrap(), content);
+    assert_eq!(
+        std::fs::read_to_string(sb.ws().join("bin/tool.sh")).unwrap(),
+        content
+    );
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(sb.ws().join("bin/tool.sh")).unwrap().permissions().mode();
+    let mode = std::fs::metadata(sb.ws().join("bin/tool.sh"))
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o755);
 }
 
@@ -159,14 +188,20 @@ fn write_file_base64() {
         json!({ "path": "b.bin", "content": "AAEC/w==", "encoding": "base64" }),
     ));
     assert_eq!(run.failure(), "none");
-    assert_eq!(std::fs::read(sb.ws().join("b.bin")).unwrap(), [0, 1, 2, 255]);
+    assert_eq!(
+        std::fs::read(sb.ws().join("b.bin")).unwrap(),
+        [0, 1, 2, 255]
+    );
 }
 
 #[test]
 fn write_file_refuses_overwrite_unless_allowed() {
     let sb = Sandbox::new();
     sb.put("a.txt", "old");
-    let run = sb.run(&one("write_file", json!({ "path": "a.txt", "content": "new" })));
+    let run = sb.run(&one(
+        "write_file",
+        json!({ "path": "a.txt", "content": "new" }),
+    ));
     assert_eq!(run.failure(), "policy_violation");
     assert_eq!(
         run.message(),
@@ -231,7 +266,10 @@ fn read_file_missing_is_step_failed() {
     let sb = Sandbox::new();
     let run = sb.run(&one("read_file", json!({ "path": "nope.txt" })));
     assert_eq!(run.failure(), "step_failed");
-    assert_eq!(run.message(), "step s1: access nope.txt: no such file or directory");
+    assert_eq!(
+        run.message(),
+        "step s1: access nope.txt: no such file or directory"
+    );
 }
 
 const GIT_DIFF: &str = "diff --git a/src/lib.rs b/src/lib.rs
@@ -272,7 +310,10 @@ fn apply_unified_diff_handles_git_diff_output() {
         run.step(0)["result"],
         json!({ "files_modified": ["src/lib.rs"], "files_created": ["NEW.md"], "files_deleted": ["old.txt"] })
     );
-    assert_eq!(sb.read("src/lib.rs"), "fn a() {}\nfn b() { println!(\"patched\"); }\nfn c() {}\n");
+    assert_eq!(
+        sb.read("src/lib.rs"),
+        "fn a() {}\nfn b() { println!(\"patched\"); }\nfn c() {}\n"
+    );
     assert_eq!(sb.read("NEW.md"), "# New\nno newline here");
     assert!(!sb.ws().join("old.txt").exists());
 }
@@ -338,7 +379,10 @@ fn list_tree_truncates_at_the_output_cap() {
     ));
     assert_eq!(run.failure(), "none");
     assert_eq!(run.step(0)["result"]["truncated"], true);
-    let n = run.step(0)["result"]["tree"]["children"].as_array().unwrap().len();
+    let n = run.step(0)["result"]["tree"]["children"]
+        .as_array()
+        .unwrap()
+        .len();
     assert!(n > 10 && n < 200, "{n}");
 }
 
@@ -367,7 +411,10 @@ fn search_files_finds_lines_and_honours_include() {
             { "path": "src/b.py", "line": 1, "text": "# TODO: python" }
         ], "truncated": false })
     );
-    assert_eq!(run.step(1)["result"]["matches"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        run.step(1)["result"]["matches"].as_array().unwrap().len(),
+        1
+    );
 }
 
 #[test]
@@ -375,7 +422,11 @@ fn search_files_invalid_pattern_fails() {
     let sb = Sandbox::new();
     let run = sb.run(&one("search_files", json!({ "pattern": "(unclosed" })));
     assert_eq!(run.failure(), "step_failed");
-    assert!(run.message().starts_with("step s1: invalid pattern"), "{}", run.message());
+    assert!(
+        run.message().starts_with("step s1: invalid pattern"),
+        "{}",
+        run.message()
+    );
 }
 
 #[test]
@@ -396,5 +447,8 @@ fn artifacts_are_collected_with_hashes() {
             { "path": "reports/junit.xml", "sha256": hex_sha256(b"<xml/>\n"), "size_bytes": 7 }
         ])
     );
-    assert_eq!(std::fs::read(sb.artifacts().join("reports/junit.xml")).unwrap(), b"<xml/>\n");
+    assert_eq!(
+        std::fs::read(sb.artifacts().join("reports/junit.xml")).unwrap(),
+        b"<xml/>\n"
+    );
 }

@@ -40,7 +40,9 @@ pub fn run(ctx: &StepContext<'_>, args: &ApplyUnifiedDiffArgs) -> Result<StepOut
         let shown = fp.display_path().to_string();
         let (original, existing_mode) = match (&fp.kind, &old) {
             (FileChangeKind::Create, _) => {
-                let target = new.as_ref().ok_or_else(|| StepError::internal("create without a path"))?;
+                let target = new
+                    .as_ref()
+                    .ok_or_else(|| StepError::internal("create without a path"))?;
                 let exists = match current.get(target) {
                     Some(state) => state.is_some(),
                     None => ctx.ws.lstat(target)?.is_some(),
@@ -102,11 +104,13 @@ pub fn run(ctx: &StepContext<'_>, args: &ApplyUnifiedDiffArgs) -> Result<StepOut
     for p in plan {
         match (p.kind, p.old, p.new) {
             (FileChangeKind::Create, _, Some(new)) => {
-                ctx.ws.write_atomic(&new, &mut p.content.as_slice(), p.mode, false)?;
+                ctx.ws
+                    .write_atomic(&new, &mut p.content.as_slice(), p.mode, false)?;
                 out.files_created.push(display(&new));
             }
             (FileChangeKind::Modify, _, Some(new)) => {
-                ctx.ws.write_atomic(&new, &mut p.content.as_slice(), p.mode, true)?;
+                ctx.ws
+                    .write_atomic(&new, &mut p.content.as_slice(), p.mode, true)?;
                 out.files_modified.push(display(&new));
             }
             (FileChangeKind::Delete, Some(old), _) => {
@@ -114,7 +118,8 @@ pub fn run(ctx: &StepContext<'_>, args: &ApplyUnifiedDiffArgs) -> Result<StepOut
                 out.files_deleted.push(display(&old));
             }
             (FileChangeKind::Rename, Some(old), Some(new)) => {
-                ctx.ws.write_atomic(&new, &mut p.content.as_slice(), p.mode, false)?;
+                ctx.ws
+                    .write_atomic(&new, &mut p.content.as_slice(), p.mode, false)?;
                 ctx.ws.remove_file(&old)?;
                 out.files_deleted.push(display(&old));
                 out.files_created.push(display(&new));
@@ -134,12 +139,16 @@ fn read_current(
     if let Some(state) = current.get(rel) {
         return match state {
             Some(bytes) => Ok((bytes.clone(), None)),
-            None => Err(StepError::failed(format!("{shown} was already removed by this diff"))),
+            None => Err(StepError::failed(format!(
+                "{shown} was already removed by this diff"
+            ))),
         };
     }
     let (mut file, size) = ctx.ws.open_read(rel)?;
     if size > MAX_FILE_BYTES {
-        return Err(StepError::failed(format!("{shown} is larger than {MAX_FILE_BYTES} bytes")));
+        return Err(StepError::failed(format!(
+            "{shown} is larger than {MAX_FILE_BYTES} bytes"
+        )));
     }
     let mode = rustix::fs::fstat(&file).map(|st| st.st_mode & 0o777).ok();
     let bytes = read_all(&mut file, MAX_FILE_BYTES)

@@ -62,7 +62,7 @@ fn walk(dir: &OwnedFd, depth: u32, budget: &mut Budget<'_, '_>) -> Result<Vec<Tr
         }
         budget.entries += 1;
         budget.bytes -= e.name.len() + ENTRY_OVERHEAD;
-        if budget.entries % 4096 == 0 {
+        if budget.entries.is_multiple_of(4096) {
             budget.ctx.check_time()?;
         }
         let name = e.name.to_string_lossy().into_owned();

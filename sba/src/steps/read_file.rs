@@ -4,9 +4,9 @@
 use std::io::Read;
 
 use base64::Engine;
-use sha2::{Digest, Sha256};
 use cynode_protocol::job::{ContentEncoding, ReadFileArgs};
 use cynode_protocol::result::{ReadFileOutput, StepOutput};
+use sha2::{Digest, Sha256};
 
 use super::StepContext;
 use crate::confine::display;
@@ -85,9 +85,18 @@ mod tests {
 
     #[test]
     fn text_binary_and_cut_characters() {
-        assert_eq!(encode(b"hi".to_vec(), false), ("hi".into(), ContentEncoding::Utf8));
-        assert_eq!(encode(vec![0xff, 0], false), ("/wA=".into(), ContentEncoding::Base64));
+        assert_eq!(
+            encode(b"hi".to_vec(), false),
+            ("hi".into(), ContentEncoding::Utf8)
+        );
+        assert_eq!(
+            encode(vec![0xff, 0], false),
+            ("/wA=".into(), ContentEncoding::Base64)
+        );
         // "é" is two bytes; a cut after the first keeps "a".
-        assert_eq!(encode(vec![b'a', 0xc3], true), ("a".into(), ContentEncoding::Utf8));
+        assert_eq!(
+            encode(vec![b'a', 0xc3], true),
+            ("a".into(), ContentEncoding::Utf8)
+        );
     }
 }

@@ -27,26 +27,57 @@ const NETWORK_HINTS: [&str; 6] = [
 /// Runs the step.
 pub fn run(ctx: &StepContext<'_>, args: &RunCommandArgs) -> Outcome {
     match prepare(ctx, args) {
-        Ok((cwd, env, deadline)) => launch(ctx, args, &cwd, env, deadline),
+        Ok((program, cwd, env, deadline)) => launch(ctx, args, &program, &cwd, env, deadline),
         Err(e) => Err(e).into(),
     }
 }
 
-type Prepared = (std::os::fd::OwnedFd, Vec<(String, String)>, Instant);
+type Prepared = (String, std::os::fd::OwnedFd, Vec<(String, String)>, Instant);
+
+/// Applies `allowed_commands`. A command with a `/` must equal an entry exactly. A bare
+/// name must be an entry and is resolved here against the runner's PATH, never the step's
+/// (a step could otherwise put a workspace script named like an allowed tool first on its
+/// PATH). Without an allowlist the command is passed through unchanged.
+fn resolve_program(ctx: &StepContext<'_>, command: &str) -> Result<String, StepError> {
+    let Some(allowed) = &ctx.job.constraints.allowed_commands else {
+        return Ok(command.to_string());
+    };
+    let refuse = || {
+        StepError::policy(format!(
+            "command `{command}` is not in constraints.allowed_commands"
+        ))
+    };
+    if !allowed.iter().any(|a| a == command) {
+        return Err(refuse());
+    }
+    if command.contains('/') {
+        return Ok(command.to_string());
+    }
+    let path = ctx
+        .base_env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.as_str())
+        .unwrap_or_default();
+    path.split(':')
+        .filter(|dir| dir.starts_with('/'))
+        .map(|dir| Path::new(dir).join(command))
+        .find(|p| is_executable(p))
+        .map(|p| p.display().to_string())
+        .ok_or_else(|| {
+            StepError::new(
+                FailureCode::ExecutionFailure,
+                format!("cannot start `{command}`: not found on the runner's PATH"),
+            )
+        })
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
 
 fn prepare(ctx: &StepContext<'_>, args: &RunCommandArgs) -> Result<Prepared, StepError> {
-    if let Some(allowed) = &ctx.job.constraints.allowed_commands {
-        let base = Path::new(&args.command)
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default();
-        if !allowed.iter().any(|a| *a == args.command || *a == base) {
-            return Err(StepError::policy(format!(
-                "command `{}` is not in constraints.allowed_commands",
-                args.command
-            )));
-        }
-    }
     let rel = ctx.path(args.working_dir.as_deref().unwrap_or(""))?;
     let cwd = ctx
         .ws
@@ -63,12 +94,14 @@ fn prepare(ctx: &StepContext<'_>, args: &RunCommandArgs) -> Result<Prepared, Ste
         Some(s) => ctx.deadline.min(Instant::now() + Duration::from_secs(s)),
         None => ctx.deadline,
     };
-    Ok((cwd, env, deadline))
+    let program = resolve_program(ctx, &args.command)?;
+    Ok((program, cwd, env, deadline))
 }
 
 fn launch(
     ctx: &StepContext<'_>,
     args: &RunCommandArgs,
+    program: &str,
     cwd: &std::os::fd::OwnedFd,
     env: Vec<(String, String)>,
     deadline: Instant,
@@ -76,7 +109,7 @@ fn launch(
     use std::os::fd::AsFd;
     let cap = ctx.output_cap();
     let spec = process::Spec {
-        program: &args.command,
+        program,
         args: &args.args,
         env,
         cwd: cwd.as_fd(),
@@ -156,13 +189,17 @@ fn classify(
                 format!("command `{cmd}` was killed by SIGKILL (out of memory or a limit)"),
             ));
         }
-        return Some(StepError::failed(format!("command `{cmd}` was killed by signal {sig}")));
+        return Some(StepError::failed(format!(
+            "command `{cmd}` was killed by signal {sig}"
+        )));
     }
     match out.exit_code {
         Some(0) => None,
         Some(code) => {
             let stderr = output.stderr.to_lowercase();
-            if !ctx.job.constraints.ext_net_allowed && NETWORK_HINTS.iter().any(|h| stderr.contains(h)) {
+            if !ctx.job.constraints.ext_net_allowed
+                && NETWORK_HINTS.iter().any(|h| stderr.contains(h))
+            {
                 return Some(StepError::new(
                     FailureCode::ExtNetRequired,
                     format!(
@@ -171,8 +208,12 @@ fn classify(
                     ),
                 ));
             }
-            Some(StepError::failed(format!("command `{cmd}` exited with status {code}")))
+            Some(StepError::failed(format!(
+                "command `{cmd}` exited with status {code}"
+            )))
         }
-        None => Some(StepError::internal(format!("command `{cmd}` ended without a status"))),
+        None => Some(StepError::internal(format!(
+            "command `{cmd}` ended without a status"
+        ))),
     }
 }

@@ -44,7 +44,7 @@ pub fn run(ctx: &StepContext<'_>, args: &SearchFilesArgs) -> Result<StepOutput> 
     let mut buf = Vec::new();
     for_each_file(dir, &rel, &mut |path, dir, name| {
         visited += 1;
-        if visited % 256 == 0 {
+        if visited.is_multiple_of(256) {
             if let Err(e) = ctx.check_time() {
                 time_error = Some(e);
                 return false;
@@ -53,7 +53,9 @@ pub fn run(ctx: &StepContext<'_>, args: &SearchFilesArgs) -> Result<StepOutput> 
         if include.as_ref().is_some_and(|m| !m.is_match(path)) {
             return true;
         }
-        let Some((mut file, size)) = open_child_file(dir, name) else { return true };
+        let Some((mut file, size)) = open_child_file(dir, name) else {
+            return true;
+        };
         if size > MAX_FILE_BYTES {
             return true;
         }
@@ -67,7 +69,10 @@ pub fn run(ctx: &StepContext<'_>, args: &SearchFilesArgs) -> Result<StepOutput> 
                 continue;
             }
             let line = line.strip_suffix(b"\r").unwrap_or(line);
-            let text: String = String::from_utf8_lossy(line).chars().take(MAX_LINE_CHARS).collect();
+            let text: String = String::from_utf8_lossy(line)
+                .chars()
+                .take(MAX_LINE_CHARS)
+                .collect();
             let cost = shown.len() + text.len() + 32;
             if matches.len() >= MAX_MATCHES || cost > bytes_left {
                 truncated = true;
@@ -86,5 +91,8 @@ pub fn run(ctx: &StepContext<'_>, args: &SearchFilesArgs) -> Result<StepOutput> 
     if let Some(e) = time_error {
         return Err(e);
     }
-    Ok(StepOutput::SearchFiles(SearchFilesOutput { matches, truncated }))
+    Ok(StepOutput::SearchFiles(SearchFilesOutput {
+        matches,
+        truncated,
+    }))
 }
