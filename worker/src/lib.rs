@@ -1,4 +1,20 @@
-//! cynode-worker: the Worker API node (design.md §3.4).
+//! cynode-worker: the Worker API node (design.md §3.4). It runs each job in a sandbox
+//! with timeouts, output caps and no network, records it durably, and keeps the result
+//! until the caller acks it. It decides nothing about what a job should do.
 //!
-//! Not built yet: this crate is filled by the worker issue. It deliberately exports nothing,
-//! so nothing can depend on a worker that does not exist.
+//! - [`api`]: the HTTP surface (`app(node) -> Router`), auth, problem+json errors.
+//! - [`node`]: sync and async jobs, backpressure, ack, restart reconciliation.
+//! - [`executor`]: job directory, sandbox spec, result verification.
+//! - [`backend`]: Podman/Docker ([`backend::engine`]) and bubblewrap ([`backend::bwrap`]).
+//! - [`store`]: the node-local SQLite job records; [`callback`]: the SBA status socket.
+//! - [`config`], [`cli`]: configuration and the `serve`/`check` commands.
+
+pub mod api;
+pub mod backend;
+pub mod callback;
+pub mod cli;
+pub mod clock;
+pub mod config;
+pub mod executor;
+pub mod node;
+pub mod store;

@@ -1,0 +1,390 @@
+//! bubblewrap: namespaces without a container engine. The fast path, and the backend for
+//! hosts that have no Podman or Docker.
+//!
+//! Each sandbox gets new user, pid, network, ipc, uts and cgroup namespaces (so no network
+//! at all), uid/gid 1000 inside, every capability dropped, a read-only root taken from the
+//! image's root filesystem directory (`bwrap.rootfs` in the config), a fresh /dev, /proc
+//! and tmpfs /tmp, and only the job and workspace directories writable. `--die-with-parent`
+//! ties the sandbox to the node. Memory and pids limits come from a per-sandbox cgroup
+//! (v2, or the v1 `memory` and `pids` hierarchies) joined before bwrap executes, so even
+//! bwrap's first child is inside it.
+//!
+//! When the node runs as root, bwrap itself is started as uid/gid 1000 (after joining the
+//! cgroup), so the unprivileged user namespace maps the sandbox's uid 1000 to host uid
+//! 1000: files in the workspace are owned by 1000 on the host, exactly as with Podman, and
+//! the sandbox holds no host privilege at all. This needs unprivileged user namespaces and
+//! a state directory that uid 1000 can traverse.
+
+use std::ffi::CString;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use cynode_protocol::worker_api::Truncated;
+use tokio::process::Command;
+use tokio_util::sync::CancellationToken;
+
+use super::{capture, EndReason, ResourceLimits, SandboxOutcome, SandboxSpec};
+use crate::config::BwrapConfig;
+
+/// What runs when an SBA job's image has no explicit command.
+pub const SBA_ENTRYPOINT: &str = "/usr/local/bin/cynode-sba";
+const DRAIN_BOUND: Duration = Duration::from_secs(2);
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+const CGROUP_PARENT: &str = "cynode";
+
+/// The bubblewrap backend.
+#[derive(Debug, Clone)]
+pub struct BwrapBackend {
+    cfg: BwrapConfig,
+}
+
+impl BwrapBackend {
+    /// A backend with `cfg`.
+    pub fn new(cfg: BwrapConfig) -> Self {
+        Self { cfg }
+    }
+
+    fn binary(&self) -> &str {
+        self.cfg.binary.as_deref().unwrap_or("bwrap")
+    }
+
+    /// The root filesystem directory configured for `image`.
+    pub fn rootfs_for(&self, image: &str) -> Option<&Path> {
+        self.cfg
+            .rootfs
+            .get(image)
+            .map(PathBuf::as_path)
+            .filter(|p| p.is_dir())
+    }
+
+    /// bwrap runs, and cgroups are usable for limits.
+    pub async fn check(&self) -> Result<String, String> {
+        let out = Command::new(self.binary())
+            .arg("--version")
+            .output()
+            .await
+            .map_err(|e| format!("{} not runnable: {e}", self.binary()))?;
+        if !out.status.success() {
+            return Err(format!("{} --version failed", self.binary()));
+        }
+        let limits = match Cgroup::layout() {
+            Some(CgroupLayout::V2) => "cgroup v2 limits",
+            Some(CgroupLayout::V1) => "cgroup v1 limits",
+            None => return Err("no writable cgroup hierarchy for memory/pids limits".into()),
+        };
+        Ok(format!(
+            "{}, {limits}",
+            String::from_utf8_lossy(&out.stdout).trim()
+        ))
+    }
+
+    /// The bwrap argv for `spec` with `rootfs` as `/`.
+    pub fn args(&self, spec: &SandboxSpec, rootfs: &Path) -> Vec<String> {
+        let mut a: Vec<String> = [
+            "--unshare-all",
+            "--unshare-user",
+            "--die-with-parent",
+            "--new-session",
+            "--uid",
+            "1000",
+            "--gid",
+            "1000",
+            "--hostname",
+            "sandbox",
+            "--cap-drop",
+            "ALL",
+        ]
+        .map(String::from)
+        .to_vec();
+        a.extend(["--ro-bind".into(), rootfs.display().to_string(), "/".into()]);
+        a.extend(["--dev", "/dev", "--proc", "/proc"].map(String::from));
+        a.extend([
+            "--size".into(),
+            (spec.limits.tmpfs_mb * 1024 * 1024).to_string(),
+            "--tmpfs".into(),
+            "/tmp".into(),
+        ]);
+        for m in &spec.mounts {
+            let flag = if m.writable { "--bind" } else { "--ro-bind" };
+            a.extend([flag.into(), m.host.display().to_string(), m.target.clone()]);
+        }
+        a.extend(["--chdir".into(), spec.workdir.clone(), "--clearenv".into()]);
+        for (k, v) in &spec.env {
+            a.extend(["--setenv".into(), k.clone(), v.clone()]);
+        }
+        a.push("--".into());
+        if !spec.override_entrypoint {
+            a.push(SBA_ENTRYPOINT.into());
+        }
+        a.extend(spec.command.iter().cloned());
+        a
+    }
+
+    /// Runs the sandbox to the end.
+    pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
+        let started = Instant::now();
+        let fail = |msg: String| SandboxOutcome {
+            exit_code: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            truncated: Truncated::default(),
+            end: EndReason::StartFailed(msg),
+            duration: started.elapsed(),
+        };
+        let Some(rootfs) = self.rootfs_for(&spec.image) else {
+            return fail(format!(
+                "no root filesystem configured for image `{}`",
+                spec.image
+            ));
+        };
+        let cgroup = match Cgroup::create(&spec.name, &spec.limits) {
+            Ok(c) => c,
+            Err(e) => return fail(format!("cannot create cgroup for limits: {e}")),
+        };
+        let mut cmd = Command::new(self.binary());
+        cmd.args(self.args(spec, rootfs))
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0)
+            .kill_on_drop(true);
+        let procs = cgroup.procs_files();
+        // SAFETY: between fork and exec this only calls getpid/open/write/close on paths
+        // prepared before the fork, and formats the pid into a stack buffer.
+        // SAFETY: see above; setgroups/setgid/setuid are async-signal-safe syscalls.
+        let drop_to_sandbox_user = unsafe { libc::geteuid() } == 0;
+        unsafe {
+            cmd.pre_exec(move || {
+                join_cgroups(&procs)?;
+                if drop_to_sandbox_user {
+                    become_sandbox_user()?;
+                }
+                Ok(())
+            });
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                cgroup.destroy();
+                return fail(format!("cannot start {}: {e}", self.binary()));
+            }
+        };
+        let pgid = child.id().map(|p| p as i32);
+        let out = capture::spawn(child.stdout.take(), spec.output_cap);
+        let err = capture::spawn(child.stderr.take(), spec.output_cap);
+        let (status, end) = tokio::select! {
+            s = child.wait() => (s.ok(), EndReason::Exited),
+            _ = tokio::time::sleep(spec.timeout) => (None, EndReason::TimedOut),
+            _ = cancel.cancelled() => (None, EndReason::Canceled),
+        };
+        let status = match status {
+            Some(s) => Some(s),
+            None => {
+                if let Some(pg) = pgid {
+                    // SAFETY: signalling the process group we created.
+                    unsafe {
+                        libc::kill(-pg, libc::SIGKILL);
+                    }
+                }
+                cgroup.kill_all();
+                child.wait().await.ok()
+            }
+        };
+        cgroup.kill_all();
+        let stdout = capture::collect(out, DRAIN_BOUND).await;
+        let stderr = capture::collect(err, DRAIN_BOUND).await;
+        cgroup.destroy();
+        use std::os::unix::process::ExitStatusExt;
+        let exit_code = status.and_then(|s| s.code().or_else(|| s.signal().map(|sig| 128 + sig)));
+        SandboxOutcome {
+            exit_code,
+            truncated: Truncated {
+                stdout: stdout.truncated,
+                stderr: stderr.truncated,
+            },
+            stdout: stdout.text,
+            stderr: stderr.text,
+            end,
+            duration: started.elapsed(),
+        }
+    }
+
+    /// Removes leftover cgroups of sandboxes (their processes died with the node).
+    pub async fn remove_all_managed(&self) -> usize {
+        let mut removed = 0;
+        for dir in Cgroup::parent_dirs() {
+            let Ok(entries) = std::fs::read_dir(&dir) else {
+                continue;
+            };
+            for e in entries.flatten() {
+                if e.path().is_dir() {
+                    let cg = Cgroup {
+                        dirs: vec![e.path()],
+                    };
+                    cg.kill_all();
+                    cg.destroy();
+                    removed += 1;
+                }
+            }
+        }
+        removed
+    }
+}
+
+/// Drops from root to uid/gid 1000 with no supplementary groups (between fork and exec).
+fn become_sandbox_user() -> std::io::Result<()> {
+    let id = crate::executor::SANDBOX_UID;
+    // SAFETY: plain syscalls on integers; called in the forked child only.
+    unsafe {
+        if libc::setgroups(0, std::ptr::null()) != 0
+            || libc::setgid(id) != 0
+            || libc::setuid(id) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+fn join_cgroups(procs: &[CString]) -> std::io::Result<()> {
+    // SAFETY: getpid has no preconditions.
+    let mut pid = unsafe { libc::getpid() } as u32;
+    let mut buf = [0u8; 12];
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (pid % 10) as u8;
+        pid /= 10;
+        if pid == 0 || i == 0 {
+            break;
+        }
+    }
+    let digits = &buf[i..];
+    for path in procs {
+        // SAFETY: path is a valid NUL-terminated string owned by the closure.
+        let fd = unsafe { libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        // SAFETY: writing a valid buffer to the fd just opened.
+        let n = unsafe { libc::write(fd, digits.as_ptr().cast(), digits.len()) };
+        // SAFETY: closing the fd just opened.
+        unsafe { libc::close(fd) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+enum CgroupLayout {
+    V1,
+    V2,
+}
+
+/// The cgroup directories of one sandbox.
+struct Cgroup {
+    dirs: Vec<PathBuf>,
+}
+
+impl Cgroup {
+    fn layout() -> Option<CgroupLayout> {
+        let root = Path::new(CGROUP_ROOT);
+        if root.join("cgroup.controllers").exists() {
+            Some(CgroupLayout::V2)
+        } else if root.join("pids").is_dir() && root.join("memory").is_dir() {
+            Some(CgroupLayout::V1)
+        } else {
+            None
+        }
+    }
+
+    fn parent_dirs() -> Vec<PathBuf> {
+        let root = Path::new(CGROUP_ROOT);
+        match Self::layout() {
+            Some(CgroupLayout::V2) => vec![root.join(CGROUP_PARENT)],
+            Some(CgroupLayout::V1) => vec![
+                root.join("pids").join(CGROUP_PARENT),
+                root.join("memory").join(CGROUP_PARENT),
+            ],
+            None => Vec::new(),
+        }
+    }
+
+    fn create(name: &str, limits: &ResourceLimits) -> std::io::Result<Cgroup> {
+        let layout = Self::layout()
+            .ok_or_else(|| std::io::Error::other("no cgroup hierarchy for limits"))?;
+        let memory = (limits.memory_mb * 1024 * 1024).to_string();
+        let pids = limits.pids.to_string();
+        let cg = Cgroup {
+            dirs: Self::parent_dirs()
+                .into_iter()
+                .map(|p| p.join(name))
+                .collect(),
+        };
+        for d in &cg.dirs {
+            std::fs::create_dir_all(d)?;
+        }
+        let write = |dir: &Path, file: &str, value: &str| std::fs::write(dir.join(file), value);
+        let res = match layout {
+            CgroupLayout::V2 => {
+                let d = &cg.dirs[0];
+                write(d, "pids.max", &pids)
+                    .and_then(|()| write(d, "memory.max", &memory))
+                    .map(|()| {
+                        let _ = write(d, "memory.swap.max", "0");
+                    })
+            }
+            CgroupLayout::V1 => write(&cg.dirs[0], "pids.max", &pids)
+                .and_then(|()| write(&cg.dirs[1], "memory.limit_in_bytes", &memory))
+                .map(|()| {
+                    let _ = write(&cg.dirs[1], "memory.memsw.limit_in_bytes", &memory);
+                }),
+        };
+        if let Err(e) = res {
+            cg.destroy();
+            return Err(e);
+        }
+        Ok(cg)
+    }
+
+    fn procs_files(&self) -> Vec<CString> {
+        self.dirs
+            .iter()
+            .filter_map(|d| {
+                use std::os::unix::ffi::OsStrExt;
+                CString::new(d.join("cgroup.procs").as_os_str().as_bytes()).ok()
+            })
+            .collect()
+    }
+
+    /// SIGKILLs every process still in the cgroup.
+    fn kill_all(&self) {
+        for _ in 0..50 {
+            let mut any = false;
+            for d in &self.dirs {
+                let Ok(text) = std::fs::read_to_string(d.join("cgroup.procs")) else {
+                    continue;
+                };
+                for pid in text.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+                    any = true;
+                    // SAFETY: signalling a process in our own sandbox cgroup.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                    }
+                }
+            }
+            if !any {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn destroy(&self) {
+        for d in &self.dirs {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}

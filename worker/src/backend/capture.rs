@@ -1,0 +1,90 @@
+//! Capturing a sandbox's stdout/stderr concurrently from the start: the first `cap` bytes
+//! are kept (cut back to a UTF-8 boundary), the rest is drained and counted so the
+//! sandbox never blocks on a full pipe.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt};
+use tokio::task::JoinHandle;
+
+/// The kept head of one stream.
+#[derive(Debug, Default)]
+pub struct Captured {
+    pub text: String,
+    pub truncated: bool,
+}
+
+/// Starts draining `stream` in the background.
+pub fn spawn<R: AsyncRead + Unpin + Send + 'static>(
+    stream: Option<R>,
+    cap: usize,
+) -> JoinHandle<Captured> {
+    tokio::spawn(async move {
+        let Some(mut stream) = stream else {
+            return Captured::default();
+        };
+        let mut kept = Vec::new();
+        let mut total = 0usize;
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    total += n;
+                    if kept.len() < cap {
+                        let take = n.min(cap - kept.len());
+                        kept.extend_from_slice(&buf[..take]);
+                    }
+                }
+            }
+        }
+        finish(kept, total > cap)
+    })
+}
+
+/// Waits for a capture task, giving up (and reporting truncation) after `bound`: a
+/// descendant that holds the pipe open must not hang the node.
+pub async fn collect(handle: JoinHandle<Captured>, bound: Duration) -> Captured {
+    let abort = handle.abort_handle();
+    match tokio::time::timeout(bound, handle).await {
+        Ok(Ok(c)) => c,
+        _ => {
+            abort.abort();
+            Captured {
+                text: String::new(),
+                truncated: true,
+            }
+        }
+    }
+}
+
+/// Cuts `bytes` back to a UTF-8 boundary and converts; invalid sequences inside become
+/// U+FFFD.
+fn finish(mut bytes: Vec<u8>, truncated: bool) -> Captured {
+    if truncated {
+        if let Err(e) = std::str::from_utf8(&bytes) {
+            if e.error_len().is_none() {
+                bytes.truncate(e.valid_up_to());
+            }
+        }
+    }
+    Captured {
+        text: String::from_utf8_lossy(&bytes).into_owned(),
+        truncated,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn caps_on_a_utf8_boundary() {
+        // "é" is two bytes: a cap of 3 over "aéé" must keep "aé", not half a character.
+        let data: &[u8] = "aéé".as_bytes();
+        let c = collect(spawn(Some(data), 4), Duration::from_secs(5)).await;
+        assert_eq!((c.text.as_str(), c.truncated), ("aé", true));
+        let c = collect(spawn(Some("hi".as_bytes()), 4), Duration::from_secs(5)).await;
+        assert_eq!((c.text.as_str(), c.truncated), ("hi", false));
+    }
+}

@@ -1,0 +1,252 @@
+//! Podman and Docker: the same `run` flags, chosen by binary name.
+//!
+//! Every sandbox runs with `--rm`, no network, a read-only root, uid 1000, all
+//! capabilities dropped, no-new-privileges, memory/CPU/pids limits, a tmpfs /tmp, and
+//! labels carrying task_id and job_id. On timeout or cancel the container itself is killed
+//! and removed (not just the client process).
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use tokio::process::Command;
+use tokio_util::sync::CancellationToken;
+
+use super::{capture, EndReason, SandboxOutcome, SandboxSpec, MANAGED_LABEL};
+use crate::config::{BackendKind, EngineConfig};
+use cynode_protocol::worker_api::Truncated;
+
+/// How long output may keep flowing after the client exits.
+const DRAIN_BOUND: Duration = Duration::from_secs(2);
+
+/// A container engine driven through its CLI.
+#[derive(Debug, Clone)]
+pub struct EngineBackend {
+    kind: BackendKind,
+    cfg: EngineConfig,
+}
+
+impl EngineBackend {
+    /// A backend for `kind` (podman or docker).
+    pub fn new(kind: BackendKind, cfg: EngineConfig) -> Self {
+        Self { kind, cfg }
+    }
+
+    /// podman or docker.
+    pub fn kind(&self) -> BackendKind {
+        self.kind
+    }
+
+    fn cmd(&self) -> Command {
+        let mut c = Command::new(&self.cfg.binary);
+        c.stdin(Stdio::null()).kill_on_drop(true);
+        c
+    }
+
+    /// `podman version` answers.
+    pub async fn check(&self) -> Result<String, String> {
+        let out = self
+            .cmd()
+            .args(["version", "--format", "{{.Client.Version}}"])
+            .output()
+            .await
+            .map_err(|e| format!("{} not runnable: {e}", self.cfg.binary))?;
+        if !out.status.success() {
+            return Err(format!(
+                "{} version failed: {}",
+                self.cfg.binary,
+                String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        Ok(format!(
+            "{} {}",
+            self.kind.as_str(),
+            String::from_utf8_lossy(&out.stdout).trim()
+        ))
+    }
+
+    /// Whether the image exists locally (nothing is ever pulled).
+    pub async fn has_image(&self, image: &str) -> bool {
+        let sub = match self.kind {
+            BackendKind::Docker => ["image", "inspect"],
+            _ => ["image", "exists"],
+        };
+        self.cmd()
+            .args(sub)
+            .arg(image)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .map(|s| s.success())
+            .unwrap_or(false)
+    }
+
+    /// The `run` argv for `spec` (without the binary).
+    pub fn run_args(&self, spec: &SandboxSpec) -> Vec<String> {
+        let l = &spec.limits;
+        let mut a: Vec<String> = vec![
+            "run".into(),
+            "--rm".into(),
+            "--name".into(),
+            spec.name.clone(),
+            "--label".into(),
+            format!("{MANAGED_LABEL}=true"),
+        ];
+        for (k, v) in &spec.labels {
+            a.push("--label".into());
+            a.push(format!("{k}={v}"));
+        }
+        if !self.cfg.runtime.is_empty() {
+            a.push("--runtime".into());
+            a.push(self.cfg.runtime.clone());
+        }
+        if self.kind == BackendKind::Podman {
+            a.push("--pull=never".into());
+        }
+        a.extend(
+            [
+                "--network=none",
+                "--read-only",
+                "--user=1000:1000",
+                "--cap-drop=ALL",
+                "--security-opt=no-new-privileges",
+                "--ulimit=nofile=1024:1024",
+                "--ulimit=nproc=4096:4096",
+            ]
+            .map(String::from),
+        );
+        a.push(format!("--memory={}m", l.memory_mb));
+        a.push(format!("--memory-swap={}m", l.memory_mb));
+        a.push(format!("--pids-limit={}", l.pids));
+        a.push(format!("--cpus={}", l.cpus));
+        a.push(format!("--tmpfs=/tmp:rw,size={}m,mode=1777", l.tmpfs_mb));
+        for m in &spec.mounts {
+            let mode = if m.writable { "rw" } else { "ro" };
+            a.push(format!("--volume={}:{}:{mode}", m.host.display(), m.target));
+        }
+        a.push(format!("--workdir={}", spec.workdir));
+        for (k, v) in &spec.env {
+            a.push(format!("--env={k}={v}"));
+        }
+        let mut cmd = spec.command.iter();
+        if spec.override_entrypoint {
+            if let Some(first) = cmd.next() {
+                a.push(format!("--entrypoint={first}"));
+            }
+        }
+        a.push(spec.image.clone());
+        a.extend(cmd.cloned());
+        a
+    }
+
+    /// Runs the container to the end.
+    pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
+        let started = Instant::now();
+        let mut child = match self
+            .cmd()
+            .args(self.run_args(spec))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                return SandboxOutcome {
+                    exit_code: None,
+                    stdout: String::new(),
+                    stderr: String::new(),
+                    truncated: Truncated::default(),
+                    end: EndReason::StartFailed(format!("cannot start {}: {e}", self.cfg.binary)),
+                    duration: started.elapsed(),
+                }
+            }
+        };
+        let out = capture::spawn(child.stdout.take(), spec.output_cap);
+        let err = capture::spawn(child.stderr.take(), spec.output_cap);
+        let (status, end) = tokio::select! {
+            s = child.wait() => (s.ok(), EndReason::Exited),
+            _ = tokio::time::sleep(spec.timeout) => (None, EndReason::TimedOut),
+            _ = cancel.cancelled() => (None, EndReason::Canceled),
+        };
+        let status = match status {
+            Some(s) => Some(s),
+            None => {
+                self.force_remove(&spec.name).await;
+                tokio::time::timeout(Duration::from_secs(10), child.wait())
+                    .await
+                    .ok()
+                    .and_then(Result::ok)
+            }
+        };
+        let stdout = capture::collect(out, DRAIN_BOUND).await;
+        let stderr = capture::collect(err, DRAIN_BOUND).await;
+        if end != EndReason::Exited {
+            // The client may have exited before --rm finished; make sure.
+            self.force_remove(&spec.name).await;
+        }
+        let exit_code = status.and_then(|s| s.code());
+        // Exit 125 is the engine's own "could not run the container" code.
+        let end = match (end, exit_code) {
+            (EndReason::Exited, Some(125)) => EndReason::StartFailed(format!(
+                "{} could not start the container: {}",
+                self.cfg.binary,
+                stderr.text.lines().last().unwrap_or("").trim()
+            )),
+            (e, _) => e,
+        };
+        SandboxOutcome {
+            exit_code,
+            truncated: Truncated {
+                stdout: stdout.truncated,
+                stderr: stderr.truncated,
+            },
+            stdout: stdout.text,
+            stderr: stderr.text,
+            end,
+            duration: started.elapsed(),
+        }
+    }
+
+    /// Kills and removes a container by name; absent is fine.
+    pub async fn force_remove(&self, name: &str) {
+        let mut c = self.cmd();
+        c.args(["rm", "--force", "--time", "0"]);
+        if self.kind == BackendKind::Podman {
+            c.arg("--ignore");
+        }
+        let _ = c
+            .arg(name)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await;
+    }
+
+    /// Names of running or stopped containers with the managed label.
+    pub async fn list_managed(&self) -> Vec<String> {
+        let out = self
+            .cmd()
+            .args(["ps", "--all", "--filter"])
+            .arg(format!("label={MANAGED_LABEL}=true"))
+            .args(["--format", "{{.Names}}"])
+            .output()
+            .await;
+        match out {
+            Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .map(|l| l.trim().to_string())
+                .filter(|l| !l.is_empty())
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Removes every managed container.
+    pub async fn remove_all_managed(&self) -> usize {
+        let names = self.list_managed().await;
+        for n in &names {
+            self.force_remove(n).await;
+        }
+        names.len()
+    }
+}

@@ -1,0 +1,142 @@
+//! Sandbox backends behind one interface: Podman and Docker (same CLI flags) and
+//! bubblewrap. The worker decides nothing about what a job does; a backend only starts an
+//! isolated process tree with the limits it is given, captures its output with caps, and
+//! guarantees it is gone afterwards.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use cynode_protocol::worker_api::{NetworkPolicy, Truncated};
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{BackendKind, Config};
+
+pub mod bwrap;
+pub mod capture;
+pub mod engine;
+
+/// Label every sandbox of this node carries, so orphans can be found and removed.
+pub const MANAGED_LABEL: &str = "io.cynode.managed";
+
+/// A bind mount into the sandbox.
+#[derive(Debug, Clone)]
+pub struct Mount {
+    pub host: PathBuf,
+    pub target: String,
+    pub writable: bool,
+}
+
+/// Resource limits for one sandbox.
+#[derive(Debug, Clone, Copy)]
+pub struct ResourceLimits {
+    pub memory_mb: u64,
+    pub pids: u64,
+    pub cpus: f64,
+    pub tmpfs_mb: u64,
+}
+
+/// Everything a backend needs to start one sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    /// Unique name (`cynode-<job_id>`), also the container name.
+    pub name: String,
+    pub image: String,
+    /// argv; empty means the image's entrypoint with no arguments.
+    pub command: Vec<String>,
+    /// Whether `command` replaces the image entrypoint (plain jobs) or is passed to it
+    /// (SBA jobs).
+    pub override_entrypoint: bool,
+    pub env: Vec<(String, String)>,
+    pub mounts: Vec<Mount>,
+    pub workdir: String,
+    pub network: NetworkPolicy,
+    pub limits: ResourceLimits,
+    pub labels: Vec<(String, String)>,
+    pub timeout: Duration,
+    pub output_cap: usize,
+}
+
+/// Why the sandbox ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EndReason {
+    Exited,
+    TimedOut,
+    Canceled,
+    /// The sandbox could not be started at all.
+    StartFailed(String),
+}
+
+/// How a sandbox run ended.
+#[derive(Debug, Clone)]
+pub struct SandboxOutcome {
+    pub exit_code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+    pub truncated: Truncated,
+    pub end: EndReason,
+    pub duration: Duration,
+}
+
+/// The configured backend.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    Engine(engine::EngineBackend),
+    Bwrap(bwrap::BwrapBackend),
+}
+
+impl Backend {
+    /// Builds the backend the config names.
+    pub fn from_config(cfg: &Config) -> Backend {
+        match cfg.backend {
+            BackendKind::Podman => Backend::Engine(engine::EngineBackend::new(
+                BackendKind::Podman,
+                cfg.podman.clone(),
+            )),
+            BackendKind::Docker => Backend::Engine(engine::EngineBackend::new(
+                BackendKind::Docker,
+                cfg.docker.clone(),
+            )),
+            BackendKind::Bwrap => Backend::Bwrap(bwrap::BwrapBackend::new(cfg.bwrap.clone())),
+        }
+    }
+
+    /// `podman`, `docker` or `bwrap`.
+    pub fn kind(&self) -> BackendKind {
+        match self {
+            Backend::Engine(e) => e.kind(),
+            Backend::Bwrap(_) => BackendKind::Bwrap,
+        }
+    }
+
+    /// Checks that the backend answers; `Ok` carries a version line.
+    pub async fn check(&self) -> Result<String, String> {
+        match self {
+            Backend::Engine(e) => e.check().await,
+            Backend::Bwrap(b) => b.check().await,
+        }
+    }
+
+    /// Whether `image` can be run by this backend (exists locally / has a rootfs).
+    pub async fn has_image(&self, image: &str) -> bool {
+        match self {
+            Backend::Engine(e) => e.has_image(image).await,
+            Backend::Bwrap(b) => b.rootfs_for(image).is_some(),
+        }
+    }
+
+    /// Runs one sandbox to the end; never leaves it running.
+    pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
+        match self {
+            Backend::Engine(e) => e.run(spec, cancel).await,
+            Backend::Bwrap(b) => b.run(spec, cancel).await,
+        }
+    }
+
+    /// Removes every sandbox this node manages (startup reconciliation). Returns how many.
+    pub async fn remove_all_managed(&self) -> usize {
+        match self {
+            Backend::Engine(e) => e.remove_all_managed().await,
+            Backend::Bwrap(b) => b.remove_all_managed().await,
+        }
+    }
+}

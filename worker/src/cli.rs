@@ -1,0 +1,189 @@
+//! `cynode-worker serve | check`: flags override the config file; with no file at all the
+//! flags give a working node with safe defaults.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::{BackendKind, Config};
+use crate::node::Node;
+
+/// The CyNode Worker API node.
+#[derive(Debug, Parser)]
+#[command(name = "cynode-worker", version, about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// What to do.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve the Worker API.
+    Serve(NodeArgs),
+    /// Run the startup checks and print what is missing.
+    Check(NodeArgs),
+}
+
+/// Config file and the flags that override it.
+#[derive(Debug, Args)]
+pub struct NodeArgs {
+    /// YAML configuration file.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// Sandbox backend.
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
+    /// Directory for the job database, job directories and workspaces.
+    #[arg(long)]
+    pub state_dir: Option<PathBuf>,
+    /// File holding the bearer token (else WORKER_API_BEARER_TOKEN).
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// bwrap: `IMAGE=ROOTFS_DIR`, the root filesystem used for an image (repeatable).
+    #[arg(long = "bwrap-rootfs", value_parser = parse_rootfs)]
+    pub bwrap_rootfs: Vec<(String, PathBuf)>,
+}
+
+fn parse_rootfs(s: &str) -> Result<(String, PathBuf), String> {
+    let (image, dir) = s.split_once('=').ok_or("expected IMAGE=ROOTFS_DIR")?;
+    Ok((image.to_string(), PathBuf::from(dir)))
+}
+
+impl NodeArgs {
+    /// The effective configuration.
+    pub fn config(&self) -> anyhow::Result<Config> {
+        let mut cfg = match &self.config {
+            Some(p) => Config::load(p)?,
+            None => Config::default(),
+        };
+        if let Some(l) = self.listen {
+            cfg.listen = l;
+        }
+        if let Some(b) = self.backend {
+            cfg.backend = b;
+        }
+        if let Some(d) = &self.state_dir {
+            cfg.state_dir = d.clone();
+        }
+        if let Some(t) = &self.token_file {
+            cfg.token_file = Some(t.clone());
+        }
+        for (image, dir) in &self.bwrap_rootfs {
+            cfg.bwrap.rootfs.insert(image.clone(), dir.clone());
+        }
+        Ok(cfg)
+    }
+}
+
+/// Entry point; returns the process exit code.
+pub fn main() -> anyhow::Result<i32> {
+    let cli = Cli::parse();
+    init_logging();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(async move {
+        match cli.command {
+            Command::Serve(args) => serve(args).await.map(|()| 0),
+            Command::Check(args) => check(args).await,
+        }
+    })
+}
+
+async fn check(args: NodeArgs) -> anyhow::Result<i32> {
+    let cfg = args.config()?;
+    let mut missing = Vec::new();
+    if let Err(e) = cfg.token() {
+        missing.push(format!("token: {e}"));
+    }
+    let backend = crate::backend::Backend::from_config(&cfg);
+    match backend.check().await {
+        Ok(v) => println!("ok   backend {}: {v}", cfg.backend.as_str()),
+        Err(e) => missing.push(format!("backend {}: {e}", cfg.backend.as_str())),
+    }
+    for image in &cfg.images {
+        if backend.has_image(image).await {
+            println!("ok   image {image}");
+        } else {
+            missing.push(format!("image {image}: not available locally"));
+        }
+    }
+    if let Err(e) = std::fs::create_dir_all(&cfg.state_dir) {
+        missing.push(format!("state dir {}: {e}", cfg.state_dir.display()));
+    }
+    for m in &missing {
+        println!("MISSING {m}");
+    }
+    Ok(if missing.is_empty() { 0 } else { 1 })
+}
+
+async fn serve(args: NodeArgs) -> anyhow::Result<()> {
+    let cfg = args.config()?;
+    let token = cfg.token()?;
+    let listen = cfg.listen;
+    let node = Node::start(cfg, token).await?;
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("cannot listen on {listen}"))?;
+    let ready = node.readiness();
+    tracing::info!(addr = %listener.local_addr()?, backend = node.backend.kind().as_str(), ready = ready.ready, detail = %ready.detail, "cynode-worker listening");
+    let app = crate::api::app(Arc::clone(&node));
+    axum::serve(listener, app)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("server failed")?;
+    // Stop accepting is done; give running jobs a grace period, then stop them. Results
+    // are recorded either way.
+    let grace = tokio::time::Instant::now() + Duration::from_secs(30);
+    while node.active() > 0 && tokio::time::Instant::now() < grace {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if node.active() > 0 {
+        tracing::warn!(
+            active = node.active(),
+            "stopping jobs still running after the grace period"
+        );
+        node.cancel_all();
+        while node.active() > 0 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    tracing::info!("cynode-worker stopped");
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    match (term, int) {
+        (Ok(mut t), Ok(mut i)) => {
+            tokio::select! {
+                _ = t.recv() => {},
+                _ = i.recv() => {},
+            }
+        }
+        _ => std::future::pending::<()>().await,
+    }
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CYNODE_LOG_LEVEL")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_current_span(false)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .init();
+}

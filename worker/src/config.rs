@@ -1,0 +1,242 @@
+//! Node configuration: a YAML file, overridden by flags, with safe defaults when neither
+//! says anything. The bearer token never lives in the file itself: it comes from
+//! `--token-file`, the file's `token_file`, or `WORKER_API_BEARER_TOKEN`.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use cynode_protocol::worker_api::{
+    DEFAULT_MAX_REQUEST_BYTES, DEFAULT_OUTPUT_CAP_BYTES, DEFAULT_TIMEOUT_SECONDS,
+    MAX_TIMEOUT_SECONDS,
+};
+use serde::{Deserialize, Serialize};
+
+/// Which sandbox technology runs jobs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    Podman,
+    Docker,
+    Bwrap,
+}
+
+impl BackendKind {
+    /// The name readyz and logs use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BackendKind::Podman => "podman",
+            BackendKind::Docker => "docker",
+            BackendKind::Bwrap => "bwrap",
+        }
+    }
+}
+
+/// The whole node configuration.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub listen: SocketAddr,
+    /// File holding the bearer token (first line, trimmed).
+    pub token_file: Option<PathBuf>,
+    pub backend: BackendKind,
+    /// Where job records, job directories and workspaces live.
+    pub state_dir: PathBuf,
+    pub podman: EngineConfig,
+    pub docker: EngineConfig,
+    pub bwrap: BwrapConfig,
+    /// Images jobs may use; empty allows any.
+    pub images: Vec<String>,
+    pub limits: Limits,
+    pub queue: QueueConfig,
+    /// Host directories a workspace may be seeded from.
+    pub seed_roots: Vec<PathBuf>,
+    /// Terminal jobs not acked within this time are deleted.
+    pub retention_seconds: u64,
+}
+
+/// Podman or Docker settings.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    pub binary: String,
+    /// OCI runtime (`runc`: crun refuses hybrid cgroup layouts); empty for the default.
+    pub runtime: String,
+}
+
+/// bubblewrap settings.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct BwrapConfig {
+    pub binary: Option<String>,
+    /// Image name → root filesystem directory used as `/` inside the sandbox.
+    pub rootfs: BTreeMap<String, PathBuf>,
+}
+
+/// Per-sandbox limits and API limits.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Limits {
+    pub memory_mb: u64,
+    pub pids: u64,
+    pub cpus: f64,
+    pub tmpfs_mb: u64,
+    pub default_timeout_seconds: u64,
+    pub max_timeout_seconds: u64,
+    /// Cap on each of stdout and stderr in a response.
+    pub output_cap_bytes: usize,
+    pub max_request_bytes: usize,
+}
+
+/// Async job backpressure.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QueueConfig {
+    /// Jobs running at once.
+    pub max_running: usize,
+    /// Jobs waiting beyond those; more are refused with 503.
+    pub max_queued: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9190)),
+            token_file: None,
+            backend: BackendKind::Podman,
+            state_dir: PathBuf::from("/var/lib/cynode-worker"),
+            podman: EngineConfig {
+                binary: "podman".into(),
+                runtime: "runc".into(),
+            },
+            docker: EngineConfig {
+                binary: "docker".into(),
+                runtime: String::new(),
+            },
+            bwrap: BwrapConfig::default(),
+            images: Vec::new(),
+            limits: Limits::default(),
+            queue: QueueConfig::default(),
+            seed_roots: Vec::new(),
+            retention_seconds: 7 * 24 * 3600,
+        }
+    }
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            binary: "podman".into(),
+            runtime: String::new(),
+        }
+    }
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            memory_mb: 512,
+            pids: 256,
+            cpus: 1.0,
+            tmpfs_mb: 64,
+            default_timeout_seconds: DEFAULT_TIMEOUT_SECONDS,
+            max_timeout_seconds: MAX_TIMEOUT_SECONDS,
+            output_cap_bytes: DEFAULT_OUTPUT_CAP_BYTES,
+            max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+        }
+    }
+}
+
+impl Default for QueueConfig {
+    fn default() -> Self {
+        Self {
+            max_running: 2,
+            max_queued: 64,
+        }
+    }
+}
+
+impl Limits {
+    /// The upstream rule: min(requested or default, max).
+    pub fn effective_timeout(&self, requested: Option<u64>) -> u64 {
+        requested
+            .unwrap_or(self.default_timeout_seconds)
+            .min(self.max_timeout_seconds)
+            .max(1)
+    }
+}
+
+impl Config {
+    /// Reads a YAML file; unknown keys are errors.
+    pub fn load(path: &Path) -> anyhow::Result<Config> {
+        use anyhow::Context;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read config {}", path.display()))?;
+        let cfg: Config = serde_yaml::from_str(&text)
+            .with_context(|| format!("invalid config {}", path.display()))?;
+        Ok(cfg)
+    }
+
+    /// The token: the token file if configured, else `WORKER_API_BEARER_TOKEN`.
+    pub fn token(&self) -> anyhow::Result<String> {
+        use anyhow::Context;
+        let token = match &self.token_file {
+            Some(p) => std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read token file {}", p.display()))?
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+            None => std::env::var("WORKER_API_BEARER_TOKEN").unwrap_or_default(),
+        };
+        if token.len() < 16 {
+            anyhow::bail!(
+                "no usable bearer token: give --token-file or WORKER_API_BEARER_TOKEN (at least 16 characters)"
+            );
+        }
+        Ok(token)
+    }
+
+    /// Directory of per-job directories.
+    pub fn jobs_dir(&self) -> PathBuf {
+        self.state_dir.join("jobs")
+    }
+
+    /// Directory of per-task workspaces.
+    pub fn workspaces_dir(&self) -> PathBuf {
+        self.state_dir.join("workspaces")
+    }
+
+    /// The node's SQLite database.
+    pub fn database_path(&self) -> PathBuf {
+        self.state_dir.join("worker.db")
+    }
+
+    /// Whether `image` may run here.
+    pub fn image_allowed(&self, image: &str) -> bool {
+        self.images.is_empty() || self.images.iter().any(|i| i == image)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timeout_rule_matches_upstream() {
+        let l = Limits::default();
+        assert_eq!(l.effective_timeout(None), 3600);
+        assert_eq!(l.effective_timeout(Some(20000)), 10800);
+        assert_eq!(l.effective_timeout(Some(5)), 5);
+    }
+
+    #[test]
+    fn yaml_rejects_unknown_keys_and_fills_defaults() {
+        let cfg: Config = serde_yaml::from_str("backend: bwrap\nlimits:\n  pids: 32\n").unwrap();
+        assert_eq!(cfg.backend, BackendKind::Bwrap);
+        assert_eq!(cfg.limits.pids, 32);
+        assert_eq!(cfg.limits.memory_mb, 512);
+        assert!(serde_yaml::from_str::<Config>("bakend: bwrap\n").is_err());
+    }
+}

@@ -1,0 +1,461 @@
+//! The node: accepts jobs (sync and async), bounds how many run and wait, records every
+//! job durably before acting, serves results until they are acked, and reconciles after a
+//! restart so nothing is silently lost.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cynode_protocol::worker_api::{
+    AsyncJobState, AsyncJobStatus, RunJobRequest, RunJobResponse, SbaLifecycle, WorkerJobStatus,
+    API_VERSION,
+};
+use cynode_protocol::ValidationError;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+use crate::backend::Backend;
+use crate::callback;
+use crate::config::Config;
+use crate::executor::{self, JobPaths};
+use crate::store::{JobRecord, Mode, Store};
+
+/// Why the node refused or could not serve a call.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("{0}")]
+    Invalid(#[from] ValidationError),
+    #[error("the node is at capacity")]
+    Busy,
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<crate::store::StoreError> for NodeError {
+    fn from(e: crate::store::StoreError) -> Self {
+        NodeError::Internal(e.to_string())
+    }
+}
+
+/// Readiness as last checked.
+#[derive(Debug, Clone)]
+pub struct Readiness {
+    pub ready: bool,
+    pub detail: String,
+}
+
+/// The node's shared state.
+pub struct Node {
+    pub cfg: Arc<Config>,
+    pub backend: Backend,
+    pub store: Store,
+    pub token: String,
+    running: Mutex<HashMap<String, CancellationToken>>,
+    permits: Arc<Semaphore>,
+    waiting: AtomicUsize,
+    readiness: Mutex<Readiness>,
+}
+
+impl std::fmt::Debug for Node {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Node")
+            .field("backend", &self.backend.kind())
+            .finish()
+    }
+}
+
+impl Node {
+    /// Opens the state directory, reconciles what a previous run left, checks readiness.
+    pub async fn start(cfg: Config, token: String) -> anyhow::Result<Arc<Node>> {
+        use anyhow::Context;
+        for d in [cfg.state_dir.clone(), cfg.jobs_dir(), cfg.workspaces_dir()] {
+            std::fs::create_dir_all(&d)
+                .with_context(|| format!("cannot create {}", d.display()))?;
+            // Sandboxes run as uid 1000 and must traverse to their job and workspace.
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755))
+                .with_context(|| format!("cannot set permissions on {}", d.display()))?;
+        }
+        let store = Store::open(&cfg.database_path())
+            .await
+            .context("cannot open the job database")?;
+        let backend = Backend::from_config(&cfg);
+        let node = Arc::new(Node {
+            permits: Arc::new(Semaphore::new(cfg.queue.max_running.max(1))),
+            cfg: Arc::new(cfg),
+            backend,
+            store,
+            token,
+            running: Mutex::new(HashMap::new()),
+            waiting: AtomicUsize::new(0),
+            readiness: Mutex::new(Readiness {
+                ready: false,
+                detail: "starting".into(),
+            }),
+        });
+        node.reconcile().await?;
+        node.check_ready().await;
+        Ok(node)
+    }
+
+    /// Re-runs the startup checks and records the outcome.
+    pub async fn check_ready(&self) -> Readiness {
+        let r = match (self.backend.check().await, self.store.ping().await) {
+            (Ok(v), Ok(())) => Readiness {
+                ready: true,
+                detail: format!("backend {}: {v}", self.backend.kind().as_str()),
+            },
+            (Err(e), _) => Readiness {
+                ready: false,
+                detail: format!("backend {}: {e}", self.backend.kind().as_str()),
+            },
+            (_, Err(e)) => Readiness {
+                ready: false,
+                detail: format!("database: {e}"),
+            },
+        };
+        if let Ok(mut g) = self.readiness.lock() {
+            *g = r.clone();
+        }
+        r
+    }
+
+    /// The last readiness outcome.
+    pub fn readiness(&self) -> Readiness {
+        self.readiness
+            .lock()
+            .map(|g| g.clone())
+            .unwrap_or(Readiness {
+                ready: false,
+                detail: "readiness lock poisoned".into(),
+            })
+    }
+
+    /// After a restart: remove every sandbox a previous run left, and settle every job that
+    /// was accepted or running. A job whose result.json is complete keeps that result; any
+    /// other is failed with reason `worker_restarted`.
+    pub async fn reconcile(&self) -> anyhow::Result<()> {
+        let removed = self.backend.remove_all_managed().await;
+        if removed > 0 {
+            tracing::warn!(removed, "removed sandboxes left by a previous run");
+        }
+        for rec in self.store.unfinished().await? {
+            let paths = JobPaths::new(&self.cfg, &rec.request);
+            let mut resp = restarted_response(&rec);
+            if rec.request.sandbox.job_spec_json.is_some() {
+                if let Ok(text) = std::fs::read(paths.result()) {
+                    if let Ok(result) = serde_json::from_slice::<cynode_protocol::JobResult>(&text)
+                    {
+                        resp.status = match result.status {
+                            cynode_protocol::result::JobStatus::Success => {
+                                WorkerJobStatus::Completed
+                            }
+                            cynode_protocol::result::JobStatus::Failure => WorkerJobStatus::Failed,
+                            cynode_protocol::result::JobStatus::Timeout => WorkerJobStatus::Timeout,
+                        };
+                        resp.failure_reason = None;
+                        resp.artifacts = Some(executor::hash_tree(&paths.artifacts()));
+                        resp.sba_result = Some(result);
+                    }
+                }
+            }
+            let state = state_of(&resp);
+            tracing::warn!(job_id = %rec.job_id, task_id = %rec.task_id, state = ?state, "reconciled job after restart");
+            self.store.finish(&rec.job_id, state, &resp).await?;
+        }
+        Ok(())
+    }
+
+    fn take_slot(&self) -> Result<(), NodeError> {
+        let limit = self.cfg.queue.max_queued + self.cfg.queue.max_running.max(1);
+        let prev = self.waiting.fetch_add(1, Ordering::SeqCst);
+        if prev >= limit {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(NodeError::Busy);
+        }
+        Ok(())
+    }
+
+    /// `jobs:run`: validate, record, run, answer. A repeat of a finished job returns its
+    /// stored response without running it again.
+    pub async fn run_sync(
+        self: &Arc<Self>,
+        req: RunJobRequest,
+    ) -> Result<RunJobResponse, NodeError> {
+        executor::validate(&self.cfg, &req)?;
+        self.take_slot()?;
+        if !self.store.insert(&req, Mode::Sync).await? {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return match self.store.get(&req.job_id).await? {
+                Some(JobRecord {
+                    response: Some(resp),
+                    ..
+                }) => Ok(resp),
+                _ => Err(NodeError::Conflict(format!(
+                    "job {} is already running",
+                    req.job_id
+                ))),
+            };
+        }
+        Ok(self.execute(req).await)
+    }
+
+    /// `POST /jobs`: validate, record, queue. Idempotent on job_id: a repeat returns the
+    /// existing job (`false`) and never runs it twice.
+    pub async fn submit(
+        self: &Arc<Self>,
+        req: RunJobRequest,
+    ) -> Result<(bool, AsyncJobStatus), NodeError> {
+        executor::validate(&self.cfg, &req)?;
+        if let Some(existing) = self.store.get(&req.job_id).await? {
+            return Ok((false, status_of(existing)));
+        }
+        self.take_slot()?;
+        if !self.store.insert(&req, Mode::Async).await? {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            let existing = self
+                .store
+                .get(&req.job_id)
+                .await?
+                .ok_or_else(|| NodeError::NotFound(format!("job {} not found", req.job_id)))?;
+            return Ok((false, status_of(existing)));
+        }
+        let status = AsyncJobStatus {
+            version: API_VERSION,
+            task_id: req.task_id.clone(),
+            job_id: req.job_id.clone(),
+            status: AsyncJobState::Accepted,
+            result: None,
+        };
+        let node = Arc::clone(self);
+        tokio::spawn(async move {
+            node.execute(req).await;
+        });
+        Ok((true, status))
+    }
+
+    /// Runs a recorded job to its end; the caller has taken a waiting slot.
+    async fn execute(self: &Arc<Self>, req: RunJobRequest) -> RunJobResponse {
+        let cancel = CancellationToken::new();
+        if let Ok(mut g) = self.running.lock() {
+            g.insert(req.job_id.clone(), cancel.clone());
+        }
+        let permit = Arc::clone(&self.permits).acquire_owned().await;
+        let resp = if cancel.is_cancelled() {
+            canceled_before_start(&req)
+        } else {
+            self.execute_inner(&req, &cancel).await
+        };
+        drop(permit);
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+        let state = if cancel.is_cancelled() && resp.status != WorkerJobStatus::Completed {
+            AsyncJobState::Canceled
+        } else {
+            state_of(&resp)
+        };
+        if let Err(e) = self.store.finish(&req.job_id, state, &resp).await {
+            tracing::error!(job_id = %req.job_id, error = %e, "cannot record job result");
+        }
+        if let Ok(mut g) = self.running.lock() {
+            g.remove(&req.job_id);
+        }
+        tracing::info!(job_id = %req.job_id, task_id = %req.task_id, state = ?state, exit_code = resp.exit_code, "job finished");
+        resp
+    }
+
+    async fn execute_inner(
+        self: &Arc<Self>,
+        req: &RunJobRequest,
+        cancel: &CancellationToken,
+    ) -> RunJobResponse {
+        let paths = JobPaths::new(&self.cfg, req);
+        if let Err(e) = executor::prepare(&paths, req) {
+            let mut resp = restarted_response_for(req);
+            resp.failure_reason = Some(format!("cannot prepare job directory: {e}"));
+            return resp;
+        }
+        let _callbacks = if req.sandbox.job_spec_json.is_some() {
+            let store = self.store.clone();
+            let job_id = req.job_id.clone();
+            let on_status: callback::OnStatus = Arc::new(move |s| {
+                if s == SbaLifecycle::InProgress {
+                    let store = store.clone();
+                    let job_id = job_id.clone();
+                    tokio::spawn(async move {
+                        let _ = store.set_state(&job_id, AsyncJobState::InProgress).await;
+                    });
+                }
+            });
+            match callback::listen(&paths.mount, &req.job_id, on_status) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(job_id = %req.job_id, error = %e, "no lifecycle socket; in_progress will not be reported");
+                    None
+                }
+            }
+        } else {
+            let _ = self
+                .store
+                .set_state(&req.job_id, AsyncJobState::InProgress)
+                .await;
+            None
+        };
+        let spec = executor::sandbox_spec(&self.cfg, req, &paths);
+        tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, "job started");
+        executor::run(&self.backend, &spec, req, &paths, cancel).await
+    }
+
+    /// `GET /jobs/{id}`.
+    pub async fn status(&self, job_id: &str) -> Result<AsyncJobStatus, NodeError> {
+        let rec = self
+            .store
+            .get(job_id)
+            .await?
+            .ok_or_else(|| NodeError::NotFound(format!("job {job_id} not found")))?;
+        Ok(status_of(rec))
+    }
+
+    /// `POST /jobs/{id}:stop`: cancels a waiting or running job (its sandbox is killed).
+    pub async fn stop(&self, job_id: &str) -> Result<AsyncJobStatus, NodeError> {
+        let token = self
+            .running
+            .lock()
+            .ok()
+            .and_then(|g| g.get(job_id).cloned());
+        if let Some(t) = token {
+            t.cancel();
+        }
+        self.status(job_id).await
+    }
+
+    /// `POST /jobs/{id}:ack`: the caller has the result; only now are the record and the
+    /// job directory deleted. A job still running cannot be acked.
+    pub async fn ack(&self, job_id: &str) -> Result<(), NodeError> {
+        let rec = self
+            .store
+            .get(job_id)
+            .await?
+            .ok_or_else(|| NodeError::NotFound(format!("job {job_id} not found")))?;
+        if !rec.state.is_terminal() {
+            return Err(NodeError::Conflict(format!("job {job_id} is not finished")));
+        }
+        let paths = JobPaths::new(&self.cfg, &rec.request);
+        if let Err(e) = std::fs::remove_dir_all(&paths.root) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                return Err(NodeError::Internal(format!(
+                    "cannot remove job directory: {e}"
+                )));
+            }
+        }
+        self.store.delete(job_id).await?;
+        Ok(())
+    }
+
+    /// The host path of an artifact of a finished job; refuses escapes and symlinks.
+    pub async fn artifact(&self, job_id: &str, rel: &str) -> Result<PathBuf, NodeError> {
+        let rec = self
+            .store
+            .get(job_id)
+            .await?
+            .ok_or_else(|| NodeError::NotFound(format!("job {job_id} not found")))?;
+        if !rec.state.is_terminal() {
+            return Err(NodeError::Conflict(format!("job {job_id} is not finished")));
+        }
+        let base = JobPaths::new(&self.cfg, &rec.request).artifacts();
+        let mut p = base.clone();
+        for comp in std::path::Path::new(rel).components() {
+            match comp {
+                std::path::Component::Normal(c) => {
+                    p.push(c);
+                    let meta = std::fs::symlink_metadata(&p)
+                        .map_err(|_| NodeError::NotFound(format!("artifact {rel}")))?;
+                    if meta.file_type().is_symlink() {
+                        return Err(NodeError::NotFound(format!("artifact {rel}")));
+                    }
+                }
+                _ => {
+                    return Err(NodeError::Invalid(ValidationError::new(
+                        "path",
+                        "artifact paths are relative and contain no `..`",
+                    )))
+                }
+            }
+        }
+        if p == base || !p.is_file() {
+            return Err(NodeError::NotFound(format!("artifact {rel}")));
+        }
+        Ok(p)
+    }
+
+    /// Cancels every running job (graceful shutdown after the grace period).
+    pub fn cancel_all(&self) {
+        if let Ok(g) = self.running.lock() {
+            for t in g.values() {
+                t.cancel();
+            }
+        }
+    }
+
+    /// Jobs currently waiting or running.
+    pub fn active(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+}
+
+fn state_of(resp: &RunJobResponse) -> AsyncJobState {
+    match resp.status {
+        WorkerJobStatus::Completed => AsyncJobState::Completed,
+        WorkerJobStatus::Failed => AsyncJobState::Failed,
+        WorkerJobStatus::Timeout => AsyncJobState::Timeout,
+    }
+}
+
+fn status_of(rec: JobRecord) -> AsyncJobStatus {
+    AsyncJobStatus {
+        version: API_VERSION,
+        task_id: rec.task_id,
+        job_id: rec.job_id,
+        status: rec.state,
+        result: if rec.state.is_terminal() {
+            rec.response
+        } else {
+            None
+        },
+    }
+}
+
+fn restarted_response_for(req: &RunJobRequest) -> RunJobResponse {
+    let now = crate::clock::now_rfc3339();
+    RunJobResponse {
+        version: API_VERSION,
+        task_id: req.task_id.clone(),
+        job_id: req.job_id.clone(),
+        status: WorkerJobStatus::Failed,
+        exit_code: -1,
+        stdout: String::new(),
+        stderr: String::new(),
+        started_at: now.clone(),
+        ended_at: now,
+        truncated: Default::default(),
+        sba_result: None,
+        artifacts: None,
+        failure_reason: None,
+    }
+}
+
+fn restarted_response(rec: &JobRecord) -> RunJobResponse {
+    let mut r = restarted_response_for(&rec.request);
+    r.failure_reason = Some("worker_restarted".into());
+    r
+}
+
+fn canceled_before_start(req: &RunJobRequest) -> RunJobResponse {
+    let mut r = restarted_response_for(req);
+    r.failure_reason = Some("canceled before it started".into());
+    r
+}

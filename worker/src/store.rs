@@ -1,0 +1,248 @@
+//! Node-local durable job records in SQLite (sqlx, migrations under
+//! `migrations/worker/`). A record is written before a job starts and updated before any
+//! answer is given, so a node killed at any point knows every job it accepted.
+
+use std::path::Path;
+use std::str::FromStr;
+
+use cynode_protocol::worker_api::{AsyncJobState, RunJobRequest, RunJobResponse};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Row, SqlitePool};
+
+/// Errors of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("stored json: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("unknown stored state `{0}`")]
+    State(String),
+}
+
+/// Crate-local result alias.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// Sync (`jobs:run`) or async (`jobs`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    Sync,
+    Async,
+}
+
+/// One stored job.
+#[derive(Debug, Clone)]
+pub struct JobRecord {
+    pub job_id: String,
+    pub task_id: String,
+    pub mode: Mode,
+    pub state: AsyncJobState,
+    pub request: RunJobRequest,
+    pub response: Option<RunJobResponse>,
+}
+
+/// The job database.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: SqlitePool,
+}
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/worker");
+
+fn state_str(s: AsyncJobState) -> &'static str {
+    match s {
+        AsyncJobState::Accepted => "accepted",
+        AsyncJobState::InProgress => "in_progress",
+        AsyncJobState::Completed => "completed",
+        AsyncJobState::Failed => "failed",
+        AsyncJobState::Timeout => "timeout",
+        AsyncJobState::Canceled => "canceled",
+    }
+}
+
+fn parse_state(s: &str) -> Result<AsyncJobState> {
+    Ok(match s {
+        "accepted" => AsyncJobState::Accepted,
+        "in_progress" => AsyncJobState::InProgress,
+        "completed" => AsyncJobState::Completed,
+        "failed" => AsyncJobState::Failed,
+        "timeout" => AsyncJobState::Timeout,
+        "canceled" => AsyncJobState::Canceled,
+        other => return Err(StoreError::State(other.to_string())),
+    })
+}
+
+fn now() -> String {
+    crate::clock::now_rfc3339()
+}
+
+impl Store {
+    /// Opens (creating) the database at `path` and migrates it.
+    pub async fn open(path: &Path) -> Result<Store> {
+        let opts = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(std::time::Duration::from_secs(10));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(opts)
+            .await?;
+        MIGRATOR.run(&pool).await?;
+        Ok(Store { pool })
+    }
+
+    /// Inserts a new job; returns false (and changes nothing) when the id exists.
+    pub async fn insert(&self, req: &RunJobRequest, mode: Mode) -> Result<bool> {
+        let mode = match mode {
+            Mode::Sync => "sync",
+            Mode::Async => "async",
+        };
+        let at = now();
+        let res = sqlx::query(
+            "INSERT INTO jobs (job_id, task_id, mode, state, request_json, created_at, updated_at) \
+             VALUES (?1, ?2, ?3, 'accepted', ?4, ?5, ?5) ON CONFLICT (job_id) DO NOTHING",
+        )
+        .bind(&req.job_id)
+        .bind(&req.task_id)
+        .bind(mode)
+        .bind(serde_json::to_string(req)?)
+        .bind(at)
+        .execute(&self.pool)
+        .await?;
+        Ok(res.rows_affected() == 1)
+    }
+
+    /// Moves a non-terminal job to `state`.
+    pub async fn set_state(&self, job_id: &str, state: AsyncJobState) -> Result<()> {
+        sqlx::query(
+            "UPDATE jobs SET state = ?2, updated_at = ?3 WHERE job_id = ?1 \
+             AND state IN ('accepted', 'in_progress')",
+        )
+        .bind(job_id)
+        .bind(state_str(state))
+        .bind(now())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Records the terminal state and response.
+    pub async fn finish(
+        &self,
+        job_id: &str,
+        state: AsyncJobState,
+        resp: &RunJobResponse,
+    ) -> Result<()> {
+        sqlx::query(
+            "UPDATE jobs SET state = ?2, response_json = ?3, updated_at = ?4 WHERE job_id = ?1",
+        )
+        .bind(job_id)
+        .bind(state_str(state))
+        .bind(serde_json::to_string(resp)?)
+        .bind(now())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// One job, if known.
+    pub async fn get(&self, job_id: &str) -> Result<Option<JobRecord>> {
+        let row = sqlx::query(
+            "SELECT job_id, task_id, mode, state, request_json, response_json FROM jobs WHERE job_id = ?1",
+        )
+        .bind(job_id)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(|r| decode(&r)).transpose()
+    }
+
+    /// Jobs that were accepted or running: after a restart they need reconciling.
+    pub async fn unfinished(&self) -> Result<Vec<JobRecord>> {
+        let rows = sqlx::query(
+            "SELECT job_id, task_id, mode, state, request_json, response_json FROM jobs \
+             WHERE state IN ('accepted', 'in_progress') ORDER BY created_at",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter().map(decode).collect()
+    }
+
+    /// Terminal jobs last updated before `cutoff` (RFC 3339), for retention.
+    pub async fn expired(&self, cutoff: &str) -> Result<Vec<String>> {
+        let rows = sqlx::query(
+            "SELECT job_id FROM jobs WHERE state NOT IN ('accepted', 'in_progress') AND updated_at < ?1",
+        )
+        .bind(cutoff)
+        .fetch_all(&self.pool)
+        .await?;
+        Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
+    }
+
+    /// Forgets a job (after ack or retention).
+    pub async fn delete(&self, job_id: &str) -> Result<bool> {
+        let res = sqlx::query("DELETE FROM jobs WHERE job_id = ?1")
+            .bind(job_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(res.rows_affected() == 1)
+    }
+
+    /// The database answers.
+    pub async fn ping(&self) -> Result<()> {
+        sqlx::query("SELECT 1").execute(&self.pool).await?;
+        Ok(())
+    }
+}
+
+fn decode(r: &sqlx::sqlite::SqliteRow) -> Result<JobRecord> {
+    let mode: String = r.get("mode");
+    let response: Option<String> = r.get("response_json");
+    Ok(JobRecord {
+        job_id: r.get("job_id"),
+        task_id: r.get("task_id"),
+        mode: if mode == "sync" {
+            Mode::Sync
+        } else {
+            Mode::Async
+        },
+        state: parse_state(&r.get::<String, _>("state"))?,
+        request: serde_json::from_str(&r.get::<String, _>("request_json"))?,
+        response: response.map(|s| serde_json::from_str(&s)).transpose()?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(id: &str) -> RunJobRequest {
+        serde_json::from_value(serde_json::json!({
+            "version": 1, "task_id": "t", "job_id": id,
+            "sandbox": { "image": "i", "command": ["true"] }
+        }))
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn insert_is_idempotent_and_states_move_forward() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(&dir.path().join("w.db")).await.unwrap();
+        assert!(store.insert(&req("a"), Mode::Async).await.unwrap());
+        assert!(!store.insert(&req("a"), Mode::Async).await.unwrap());
+        store
+            .set_state("a", AsyncJobState::InProgress)
+            .await
+            .unwrap();
+        assert_eq!(store.unfinished().await.unwrap().len(), 1);
+        let got = store.get("a").await.unwrap().unwrap();
+        assert_eq!(
+            (got.state, got.mode),
+            (AsyncJobState::InProgress, Mode::Async)
+        );
+        assert!(store.delete("a").await.unwrap());
+        assert!(store.get("a").await.unwrap().is_none());
+    }
+}
