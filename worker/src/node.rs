@@ -144,7 +144,26 @@ impl Node {
         if removed > 0 {
             tracing::warn!(removed, "removed sandboxes left by a previous run");
         }
-        for rec in self.store.unfinished().await? {
+        let unfinished = self.store.unfinished().await?;
+        // A client killed with the node may still have been creating its container: sweep
+        // those names once more a little later.
+        let names: Vec<String> = unfinished
+            .iter()
+            .map(|r| format!("cynode-{}", r.job_id))
+            .collect();
+        if !names.is_empty() {
+            let backend = self.backend.clone();
+            tokio::spawn(async move {
+                for delay in [1, 3, 10] {
+                    tokio::time::sleep(std::time::Duration::from_secs(delay)).await;
+                    for n in &names {
+                        crate::backend::remove_named(&backend, n).await;
+                    }
+                }
+            });
+        }
+        for rec in unfinished {
+            crate::backend::remove_named(&self.backend, &format!("cynode-{}", rec.job_id)).await;
             let paths = JobPaths::new(&self.cfg, &rec.request);
             let mut resp = restarted_response(&rec);
             if rec.request.sandbox.job_spec_json.is_some() {

@@ -37,12 +37,13 @@ const CGROUP_PARENT: &str = "cynode";
 #[derive(Debug, Clone)]
 pub struct BwrapBackend {
     cfg: BwrapConfig,
+    node: String,
 }
 
 impl BwrapBackend {
     /// A backend with `cfg`.
-    pub fn new(cfg: BwrapConfig) -> Self {
-        Self { cfg }
+    pub fn new(cfg: BwrapConfig, node: String) -> Self {
+        Self { cfg, node }
     }
 
     fn binary(&self) -> &str {
@@ -138,7 +139,7 @@ impl BwrapBackend {
                 spec.image
             ));
         };
-        let cgroup = match Cgroup::create(&spec.name, &spec.limits) {
+        let cgroup = match Cgroup::create(&self.node, &spec.name, &spec.limits) {
             Ok(c) => c,
             Err(e) => return fail(format!("cannot create cgroup for limits: {e}")),
         };
@@ -160,7 +161,7 @@ impl BwrapBackend {
                 if drop_to_sandbox_user {
                     become_sandbox_user()?;
                 }
-                Ok(())
+                super::die_with_node()
             });
         }
         let mut child = match cmd.spawn() {
@@ -213,7 +214,7 @@ impl BwrapBackend {
     /// Removes leftover cgroups of sandboxes (their processes died with the node).
     pub async fn remove_all_managed(&self) -> usize {
         let mut removed = 0;
-        for dir in Cgroup::parent_dirs() {
+        for dir in Cgroup::parent_dirs(&self.node) {
             let Ok(entries) = std::fs::read_dir(&dir) else {
                 continue;
             };
@@ -300,25 +301,26 @@ impl Cgroup {
         }
     }
 
-    fn parent_dirs() -> Vec<PathBuf> {
+    /// `cynode/<node id>` in each hierarchy: a node only ever touches its own sandboxes.
+    fn parent_dirs(node: &str) -> Vec<PathBuf> {
         let root = Path::new(CGROUP_ROOT);
         match Self::layout() {
-            Some(CgroupLayout::V2) => vec![root.join(CGROUP_PARENT)],
+            Some(CgroupLayout::V2) => vec![root.join(CGROUP_PARENT).join(node)],
             Some(CgroupLayout::V1) => vec![
-                root.join("pids").join(CGROUP_PARENT),
-                root.join("memory").join(CGROUP_PARENT),
+                root.join("pids").join(CGROUP_PARENT).join(node),
+                root.join("memory").join(CGROUP_PARENT).join(node),
             ],
             None => Vec::new(),
         }
     }
 
-    fn create(name: &str, limits: &ResourceLimits) -> std::io::Result<Cgroup> {
+    fn create(node: &str, name: &str, limits: &ResourceLimits) -> std::io::Result<Cgroup> {
         let layout = Self::layout()
             .ok_or_else(|| std::io::Error::other("no cgroup hierarchy for limits"))?;
         let memory = (limits.memory_mb * 1024 * 1024).to_string();
         let pids = limits.pids.to_string();
         let cg = Cgroup {
-            dirs: Self::parent_dirs()
+            dirs: Self::parent_dirs(node)
                 .into_iter()
                 .map(|p| p.join(name))
                 .collect(),
@@ -327,6 +329,14 @@ impl Cgroup {
             std::fs::create_dir_all(d)?;
         }
         let write = |dir: &Path, file: &str, value: &str| std::fs::write(dir.join(file), value);
+        if let (CgroupLayout::V2, Some(leaf)) = (&layout, cg.dirs.first()) {
+            // v2: the controllers must be enabled on every ancestor of the leaf.
+            let mut ancestors: Vec<&Path> = leaf.ancestors().skip(1).collect();
+            ancestors.retain(|a| a.starts_with(CGROUP_ROOT));
+            for a in ancestors.into_iter().rev() {
+                let _ = write(a, "cgroup.subtree_control", "+pids +memory");
+            }
+        }
         let res = match layout {
             CgroupLayout::V2 => {
                 let d = &cg.dirs[0];

@@ -23,12 +23,13 @@ const DRAIN_BOUND: Duration = Duration::from_secs(2);
 pub struct EngineBackend {
     kind: BackendKind,
     cfg: EngineConfig,
+    node: String,
 }
 
 impl EngineBackend {
     /// A backend for `kind` (podman or docker).
-    pub fn new(kind: BackendKind, cfg: EngineConfig) -> Self {
-        Self { kind, cfg }
+    pub fn new(kind: BackendKind, cfg: EngineConfig, node: String) -> Self {
+        Self { kind, cfg, node }
     }
 
     /// podman or docker.
@@ -90,7 +91,7 @@ impl EngineBackend {
             "--name".into(),
             spec.name.clone(),
             "--label".into(),
-            format!("{MANAGED_LABEL}=true"),
+            format!("{MANAGED_LABEL}={}", self.node),
         ];
         for (k, v) in &spec.labels {
             a.push("--label".into());
@@ -142,13 +143,15 @@ impl EngineBackend {
     /// Runs the container to the end.
     pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
         let started = Instant::now();
-        let mut child = match self
-            .cmd()
-            .args(self.run_args(spec))
+        let mut cmd = self.cmd();
+        cmd.args(self.run_args(spec))
             .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-        {
+            .stderr(Stdio::piped());
+        // SAFETY: the closure only calls prctl between fork and exec.
+        unsafe {
+            cmd.pre_exec(super::die_with_node);
+        }
+        let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
                 return SandboxOutcome {
@@ -222,12 +225,12 @@ impl EngineBackend {
             .await;
     }
 
-    /// Names of running or stopped containers with the managed label.
+    /// Names of running or stopped containers of this node.
     pub async fn list_managed(&self) -> Vec<String> {
         let out = self
             .cmd()
             .args(["ps", "--all", "--filter"])
-            .arg(format!("label={MANAGED_LABEL}=true"))
+            .arg(format!("label={MANAGED_LABEL}={}", self.node))
             .args(["--format", "{{.Names}}"])
             .output()
             .await;
@@ -241,7 +244,7 @@ impl EngineBackend {
         }
     }
 
-    /// Removes every managed container.
+    /// Removes every container of this node.
     pub async fn remove_all_managed(&self) -> usize {
         let names = self.list_managed().await;
         for n in &names {

@@ -15,8 +15,18 @@ pub mod bwrap;
 pub mod capture;
 pub mod engine;
 
-/// Label every sandbox of this node carries, so orphans can be found and removed.
-pub const MANAGED_LABEL: &str = "io.cynode.managed";
+/// Label every sandbox of a node carries, valued with the node's id, so that node's
+/// orphans (and only its own) can be found and removed.
+pub const MANAGED_LABEL: &str = "io.cynode.node";
+
+/// A node's id: derived from its state directory, so several nodes can share a host and a
+/// restarted node finds what it left.
+pub fn node_id(cfg: &Config) -> String {
+    use sha2::Digest;
+    let dir = std::fs::canonicalize(&cfg.state_dir).unwrap_or_else(|_| cfg.state_dir.clone());
+    let digest = sha2::Sha256::digest(dir.display().to_string().as_bytes());
+    hex::encode(digest)[..12].to_string()
+}
 
 /// A bind mount into the sandbox.
 #[derive(Debug, Clone)]
@@ -77,6 +87,24 @@ pub struct SandboxOutcome {
     pub duration: Duration,
 }
 
+/// Arranges for the calling (forked, not yet exec'd) process to get SIGKILL when the node
+/// dies, so no sandbox client outlives a node killed with SIGKILL. Must run after any
+/// credential change, which clears it.
+pub fn die_with_node() -> std::io::Result<()> {
+    // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number.
+    if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Removes the named sandbox if it exists (reconciliation of one job).
+pub async fn remove_named(backend: &Backend, name: &str) {
+    if let Backend::Engine(e) = backend {
+        e.force_remove(name).await;
+    }
+}
+
 /// The configured backend.
 #[derive(Debug, Clone)]
 pub enum Backend {
@@ -87,16 +115,19 @@ pub enum Backend {
 impl Backend {
     /// Builds the backend the config names.
     pub fn from_config(cfg: &Config) -> Backend {
+        let node = node_id(cfg);
         match cfg.backend {
             BackendKind::Podman => Backend::Engine(engine::EngineBackend::new(
                 BackendKind::Podman,
                 cfg.podman.clone(),
+                node,
             )),
             BackendKind::Docker => Backend::Engine(engine::EngineBackend::new(
                 BackendKind::Docker,
                 cfg.docker.clone(),
+                node,
             )),
-            BackendKind::Bwrap => Backend::Bwrap(bwrap::BwrapBackend::new(cfg.bwrap.clone())),
+            BackendKind::Bwrap => Backend::Bwrap(bwrap::BwrapBackend::new(cfg.bwrap.clone(), node)),
         }
     }
 

@@ -1,0 +1,43 @@
+//! Every case of `cases.rs`, once per backend.
+
+macro_rules! backend_cases {
+    ($backend:ident: $($case:ident),* $(,)?) => {
+        mod $backend {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    crate::cases::setup();
+                    crate::cases::$case(stringify!($backend)).await;
+                }
+            )*
+        }
+    };
+}
+
+macro_rules! all_backends {
+    ($($case:ident),* $(,)?) => {
+        backend_cases!(podman: $($case),*);
+        backend_cases!(bwrap: $($case),*);
+    };
+}
+
+all_backends!(
+    auth_is_required,
+    readyz_names_the_backend,
+    echo_hello,
+    no_network_for_none_and_restricted,
+    cynode_env_is_present_and_not_overridable,
+    oversized_body_is_413,
+    invalid_requests_name_the_field,
+    sba_job_end_to_end_with_verified_artifacts,
+    in_progress_is_reported_from_the_sandbox,
+    missing_result_is_failed_never_success,
+    timeout_removes_the_sandbox,
+    fork_bomb_is_contained,
+    memory_hog_is_contained,
+    resubmit_is_idempotent,
+    workspace_persists_across_a_tasks_jobs,
+    stop_cancels_and_removes,
+    full_queue_answers_503,
+    kill9_restart_keeps_results_and_fails_the_interrupted,
+);

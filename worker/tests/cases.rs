@@ -1,0 +1,526 @@
+//! Test cases run against every backend (see `backends.rs`), on the real server.
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::harness::{
+    command_job, env, mounts_with, podman_containers, process_with_arg, sba_job, sha256_hex,
+    unique, Server, TOKEN,
+};
+
+/// No leftovers of `job_id`: no container, no process with `marker`, no mount.
+fn assert_no_leaks(sv: &Server, job_id: &str, marker: Option<&str>) {
+    if sv.backend == "podman" {
+        assert_eq!(
+            podman_containers(job_id),
+            Vec::<String>::new(),
+            "container left for {job_id}"
+        );
+    }
+    if let Some(m) = marker {
+        assert!(!process_with_arg(m), "a process with {m} survived");
+    }
+    assert_eq!(
+        mounts_with(&sv.state_dir().display().to_string()),
+        Vec::<String>::new()
+    );
+}
+
+pub async fn auth_is_required(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let body = command_job(&unique("j"), "t", &["true"]);
+    let r = sv
+        .client
+        .post(sv.url("/v1/worker/jobs:run"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    assert_eq!(r.headers()["content-type"], "application/problem+json");
+    let r = sv
+        .client
+        .post(sv.url("/v1/worker/jobs:run"))
+        .bearer_auth(format!("{TOKEN}x"))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 401);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        v,
+        json!({ "type": "urn:cynodeai:error:authentication", "title": "Unauthorized", "status": 401,
+                "detail": "missing or wrong bearer token" })
+    );
+    // Health endpoints need no token.
+    let r = sv.client.get(sv.url("/healthz")).send().await.unwrap();
+    assert_eq!(
+        (r.status().as_u16(), r.text().await.unwrap()),
+        (200, "ok".to_string())
+    );
+}
+
+pub async fn readyz_names_the_backend(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let r = sv.client.get(sv.url("/readyz")).send().await.unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let text = r.text().await.unwrap();
+    assert!(
+        text.starts_with(&format!("ready\nbackend {backend}")),
+        "{text}"
+    );
+}
+
+pub async fn echo_hello(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let id = unique("j");
+    let (code, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &command_job(&id, "t", &["echo", "hello"]),
+        )
+        .await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(
+        (
+            v["status"].clone(),
+            v["exit_code"].clone(),
+            v["stdout"].clone(),
+            v["stderr"].clone(),
+            v["truncated"].clone()
+        ),
+        (
+            json!("completed"),
+            json!(0),
+            json!("hello\n"),
+            json!(""),
+            json!({ "stdout": false, "stderr": false })
+        )
+    );
+    assert_eq!(
+        (v["job_id"].as_str(), v["version"].as_u64()),
+        (Some(id.as_str()), Some(1))
+    );
+    assert_no_leaks(&sv, &id, None);
+}
+
+pub async fn no_network_for_none_and_restricted(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    for policy in ["none", "restricted"] {
+        let mut body = command_job(
+            &unique("j"),
+            "t",
+            &[
+                "sh",
+                "-c",
+                "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '",
+            ],
+        );
+        body["sandbox"]["network_policy"] = json!(policy);
+        let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
+        assert_eq!(v["stdout"], "lo\n", "{policy}: {v}");
+    }
+    let mut body = command_job(&unique("j"), "t", &["true"]);
+    body["sandbox"]["network_policy"] = json!("allow");
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("sandbox.network_policy"),
+        "{v}"
+    );
+}
+
+pub async fn cynode_env_is_present_and_not_overridable(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let id = unique("j");
+    let mut body = command_job(
+        &id,
+        "task-env",
+        &["sh", "-c", "env | grep ^CYNODE_ | sort; echo MINE=$MINE"],
+    );
+    body["sandbox"]["env"] =
+        json!({ "CYNODE_JOB_ID": "forged", "CYNODE_WORKSPACE_DIR": "/etc", "MINE": "yes" });
+    let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(
+        v["stdout"].as_str().unwrap(),
+        format!(
+            "CYNODE_ARTIFACTS_DIR=/job/artifacts\nCYNODE_JOB_ID={id}\nCYNODE_TASK_ID=task-env\nCYNODE_WORKSPACE_DIR=/workspace\nMINE=yes\n"
+        )
+    );
+}
+
+pub async fn oversized_body_is_413(backend: &'static str) {
+    let sv = Server::start(backend, "limits:\n  max_request_bytes: 65536\n");
+    let mut body = command_job(&unique("j"), "t", &["true"]);
+    body["sandbox"]["env"] = json!({ "BIG": "x".repeat(70_000) });
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 413, "{v}");
+    assert_eq!(v["type"], "urn:cynodeai:error:validation");
+}
+
+pub async fn invalid_requests_name_the_field(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let r = sv
+        .client
+        .post(sv.url("/v1/worker/jobs:run"))
+        .bearer_auth(TOKEN)
+        .body("{ not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let mut body = command_job(&unique("j"), "t", &["true"]);
+    body["sandbox"]["surprise"] = json!(1);
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 400);
+    assert!(
+        v["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("sandbox.surprise: unknown field"),
+        "{v}"
+    );
+    let id = unique("j");
+    let mut body = sba_job(&id, "t", json!([]), json!([]));
+    let mut spec: Value =
+        serde_json::from_str(body["sandbox"]["job_spec_json"].as_str().unwrap()).unwrap();
+    spec["constraints"]["max_runtime_seconds"] = json!(0);
+    body["sandbox"]["job_spec_json"] = json!(spec.to_string());
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 400);
+    assert_eq!(
+        v["detail"],
+        "sandbox.job_spec_json.constraints.max_runtime_seconds: must be positive"
+    );
+    // Nothing was created for a rejected job.
+    assert!(!sv.state_dir().join("jobs").join(&id).exists());
+}
+
+pub async fn sba_job_end_to_end_with_verified_artifacts(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let id = unique("j");
+    let body = sba_job(
+        &id,
+        &unique("t"),
+        json!([
+            { "id": "w", "type": "write_file", "arguments": { "path": "report.txt", "content": "all good\n" } },
+            { "id": "r", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", "echo ran >> log.txt; cat report.txt"] } }
+        ]),
+        json!(["report.txt"]),
+    );
+    let (code, accepted) = sv.post("/v1/worker/jobs", &body).await;
+    assert_eq!(
+        (code, accepted["status"].clone()),
+        (202, json!("accepted")),
+        "{accepted}"
+    );
+    let done = sv.wait_terminal(&id).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let result = &done["result"];
+    assert_eq!(result["sba_result"]["status"], "success");
+    assert_eq!(
+        result["sba_result"]["steps"][1]["result"]["stdout"],
+        "all good\n"
+    );
+    let expected =
+        json!([{ "path": "report.txt", "sha256": sha256_hex(b"all good\n"), "size_bytes": 9 }]);
+    assert_eq!(result["artifacts"], expected);
+    assert_eq!(result["sba_result"]["artifacts"], expected);
+    // The downloaded bytes hash to what was reported.
+    let r = sv
+        .client
+        .get(sv.url(&format!("/v1/worker/jobs/{id}/artifacts/report.txt")))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    assert_eq!(
+        sha256_hex(&r.bytes().await.unwrap()),
+        sha256_hex(b"all good\n")
+    );
+    let (code, _) = sv
+        .get(&format!(
+            "/v1/worker/jobs/{id}/artifacts/..%2F..%2Frequest.json"
+        ))
+        .await;
+    assert!(code == 400 || code == 404, "{code}");
+    // in_progress came through the SBA's callback socket before the end.
+    assert_no_leaks(&sv, &id, None);
+    // Ack deletes the result and the job directory; only then.
+    let (code, _) = sv
+        .post(&format!("/v1/worker/jobs/{id}:ack"), &json!({}))
+        .await;
+    assert_eq!(code, 204);
+    let (code, _) = sv.get(&format!("/v1/worker/jobs/{id}")).await;
+    assert_eq!(code, 404);
+    assert!(!sv.state_dir().join("jobs").join(&id).exists());
+}
+
+pub async fn in_progress_is_reported_from_the_sandbox(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let id = unique("j");
+    let body = sba_job(
+        &id,
+        "t",
+        json!([{ "id": "s", "type": "run_command", "arguments": { "command": "sleep", "args": ["3"] } }]),
+        json!([]),
+    );
+    sv.post("/v1/worker/jobs", &body).await;
+    let seen = sv
+        .wait_for(&id, Duration::from_secs(30), |v| {
+            v["status"] == "in_progress" || v["status"] == "completed"
+        })
+        .await;
+    assert_eq!(seen["status"], "in_progress", "{seen}");
+    assert_eq!(sv.wait_terminal(&id).await["status"], "completed");
+}
+
+pub async fn missing_result_is_failed_never_success(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let id = unique("j");
+    let mut body = sba_job(
+        &id,
+        "t",
+        json!([{ "id": "s", "type": "run_command", "arguments": { "command": "true" } }]),
+        json!([]),
+    );
+    // The runner writes its result somewhere else: result.json is missing.
+    body["sandbox"]["command"] = json!(["--result", "/tmp/elsewhere.json"]);
+    let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(v["status"], "failed", "{v}");
+    assert!(
+        v["failure_reason"]
+            .as_str()
+            .unwrap()
+            .starts_with("result.json missing"),
+        "{v}"
+    );
+    assert_eq!(v.get("sba_result"), None);
+}
+
+pub async fn timeout_removes_the_sandbox(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let id = unique("j");
+    let marker = &crate::harness::marker();
+    let mut body = command_job(&id, "t", &["sh", "-c", &format!("sleep {marker}")]);
+    body["sandbox"]["timeout_seconds"] = json!(2);
+    let t = std::time::Instant::now();
+    let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    assert_eq!(
+        (v["status"].clone(), v["exit_code"].clone()),
+        (json!("timeout"), json!(-1)),
+        "{v}"
+    );
+    assert_no_leaks(&sv, &id, Some(marker));
+}
+
+pub async fn fork_bomb_is_contained(backend: &'static str) {
+    let sv = Server::start(backend, "limits:\n  pids: 64\n  memory_mb: 256\n");
+    let id = unique("j");
+    let mut body = command_job(
+        &id,
+        "t",
+        &["sh", "-c", "bomb() { bomb | bomb & }; bomb; sleep 5"],
+    );
+    body["sandbox"]["timeout_seconds"] = json!(8);
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 200, "{v}");
+    assert!(
+        matches!(
+            v["status"].as_str(),
+            Some("timeout" | "failed" | "completed")
+        ),
+        "{v}"
+    );
+    assert_no_leaks(&sv, &id, None);
+    // The node is still healthy and runs the next job.
+    let (_, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &command_job(&unique("j"), "t", &["echo", "alive"]),
+        )
+        .await;
+    assert_eq!(v["stdout"], "alive\n", "{v}");
+}
+
+pub async fn memory_hog_is_contained(backend: &'static str) {
+    let sv = Server::start(backend, "limits:\n  memory_mb: 64\n");
+    let id = unique("j");
+    let body = command_job(
+        &id,
+        "t",
+        &[
+            "sh",
+            "-c",
+            "x=$(head -c 300000000 /dev/zero | tr '\\0' a); echo ${#x}",
+        ],
+    );
+    let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(v["status"], "failed", "{v}");
+    assert_eq!(v["exit_code"], 137, "{v}");
+    assert_eq!(
+        v["failure_reason"],
+        "sandbox killed by SIGKILL: memory or pids limit reached"
+    );
+    assert_no_leaks(&sv, &id, None);
+}
+
+pub async fn resubmit_is_idempotent(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let id = unique("j");
+    let task = unique("t");
+    let body = command_job(
+        &id,
+        &task,
+        &["sh", "-c", "echo run >> /workspace/count; sleep 1"],
+    );
+    let (c1, _) = sv.post("/v1/worker/jobs", &body).await;
+    let (c2, again) = sv.post("/v1/worker/jobs", &body).await;
+    assert_eq!((c1, c2), (202, 200));
+    assert_eq!(again["job_id"], json!(id));
+    sv.wait_terminal(&id).await;
+    let (c3, _) = sv.post("/v1/worker/jobs", &body).await;
+    assert_eq!(c3, 200);
+    // Sync resubmission of a finished job returns the stored response, not a new run.
+    let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(v["job_id"], json!(id));
+    let count =
+        std::fs::read_to_string(sv.state_dir().join("workspaces").join(&task).join("count"))
+            .unwrap();
+    assert_eq!(count, "run\n");
+}
+
+pub async fn workspace_persists_across_a_tasks_jobs(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let task = unique("t");
+    let (_, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &command_job(&unique("j"), &task, &["sh", "-c", "echo first > notes.txt"]),
+        )
+        .await;
+    assert_eq!(v["status"], "completed", "{v}");
+    let (_, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &command_job(&unique("j"), &task, &["cat", "notes.txt"]),
+        )
+        .await;
+    assert_eq!(v["stdout"], "first\n");
+    // Another task does not see it.
+    let (_, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &command_job(&unique("j"), &unique("t"), &["cat", "notes.txt"]),
+        )
+        .await;
+    assert_eq!(v["status"], "failed");
+}
+
+pub async fn stop_cancels_and_removes(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let id = unique("j");
+    let marker = &crate::harness::marker();
+    sv.post(
+        "/v1/worker/jobs",
+        &command_job(&id, "t", &["sh", "-c", &format!("sleep {marker}")]),
+    )
+    .await;
+    sv.wait_for(&id, Duration::from_secs(30), |v| {
+        v["status"] == "in_progress"
+    })
+    .await;
+    let (code, _) = sv
+        .post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
+        .await;
+    assert_eq!(code, 200);
+    let done = sv.wait_terminal(&id).await;
+    assert_eq!(done["status"], "canceled", "{done}");
+    assert_no_leaks(&sv, &id, Some(marker));
+}
+
+pub async fn full_queue_answers_503(backend: &'static str) {
+    let sv = Server::start(backend, "queue:\n  max_running: 1\n  max_queued: 1\n");
+    let ids: Vec<String> = (0..3).map(|_| unique("j")).collect();
+    let mut codes = Vec::new();
+    for id in &ids {
+        let r = sv
+            .client
+            .post(sv.url("/v1/worker/jobs"))
+            .bearer_auth(TOKEN)
+            .json(&command_job(id, "t", &["sleep", "30"]))
+            .send()
+            .await
+            .unwrap();
+        codes.push((
+            r.status().as_u16(),
+            r.headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_string()),
+        ));
+    }
+    assert_eq!(
+        codes,
+        vec![(202, None), (202, None), (503, Some("5".to_string()))]
+    );
+    for id in &ids[..2] {
+        sv.post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
+            .await;
+    }
+    for id in &ids[..2] {
+        assert_eq!(sv.wait_terminal(id).await["status"], "canceled");
+    }
+}
+
+pub async fn kill9_restart_keeps_results_and_fails_the_interrupted(backend: &'static str) {
+    let mut sv = Server::start(backend, "");
+    let done_id = unique("j");
+    sv.post(
+        "/v1/worker/jobs",
+        &command_job(&done_id, "t", &["echo", "kept"]),
+    )
+    .await;
+    let before = sv.wait_terminal(&done_id).await;
+    assert_eq!(before["status"], "completed");
+    let long_id = unique("j");
+    let marker = &crate::harness::marker();
+    sv.post(
+        "/v1/worker/jobs",
+        &command_job(&long_id, "t", &["sh", "-c", &format!("sleep {marker}")]),
+    )
+    .await;
+    sv.wait_for(&long_id, Duration::from_secs(30), |v| {
+        v["status"] == "in_progress"
+    })
+    .await;
+    sv.kill9_and_restart();
+    let (_, after) = sv.get(&format!("/v1/worker/jobs/{done_id}")).await;
+    assert_eq!(after, before);
+    let (_, interrupted) = sv.get(&format!("/v1/worker/jobs/{long_id}")).await;
+    assert_eq!(interrupted["status"], "failed", "{interrupted}");
+    assert_eq!(interrupted["result"]["failure_reason"], "worker_restarted");
+    if backend == "podman" {
+        assert_eq!(podman_containers(&long_id), Vec::<String>::new());
+    }
+    // bwrap sandboxes die with the node (--die-with-parent).
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while process_with_arg(marker) && std::time::Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !process_with_arg(marker),
+        "sandbox process survived the restart"
+    );
+}
+
+/// Keeps `env()` referenced so setup runs first even when a filter selects one case.
+pub fn setup() {
+    let _ = env();
+}

@@ -1,0 +1,317 @@
+//! Test harness: installs and builds what the tests need through the project's own
+//! scripts (once per test binary), and runs the real `cynode-worker serve` on 127.0.0.1.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+pub const TOKEN: &str = "test-token-0123456789abcdef";
+
+/// What the environment setup produced.
+pub struct Env {
+    pub image: String,
+    pub rootfs: PathBuf,
+}
+
+fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn script(args: &[&str]) -> String {
+    let out = Command::new("bash")
+        .args(args)
+        .current_dir(repo_root())
+        .env("CYNODE_SKIP_SMOKE", "1")
+        .stderr(Stdio::inherit())
+        .output()
+        .expect("run setup script");
+    assert!(out.status.success(), "setup script {args:?} failed");
+    String::from_utf8(out.stdout)
+        .expect("utf8")
+        .trim()
+        .lines()
+        .last()
+        .unwrap_or("")
+        .to_string()
+}
+
+/// Installs podman/runc/bubblewrap, builds the static runner and the offline test image,
+/// and exports its root filesystem for bwrap. Runs once per test binary.
+pub fn env() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        script(&["deploy/install-deps.sh"]);
+        let bin = script(&["deploy/sba/build-static.sh"]);
+        script(&["deploy/sba/build-test-image.sh", &bin]);
+        let image = "localhost/cynode-sba-test:latest".to_string();
+        let rootfs = PathBuf::from(script(&["deploy/sba/export-rootfs.sh", &image]));
+        Env { image, rootfs }
+    })
+}
+
+/// A unique id for jobs and tasks of this test process.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::SeqCst)
+    )
+}
+
+/// A number unique to this call, usable as a long `sleep` argument that tags a process.
+pub fn marker() -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!(
+        "99{:03}.{}",
+        N.fetch_add(1, Ordering::SeqCst),
+        std::process::id()
+    )
+}
+
+/// A running worker.
+pub struct Server {
+    pub backend: &'static str,
+    pub dir: tempfile::TempDir,
+    pub addr: String,
+    pub extra_config: String,
+    child: Child,
+    pub log: Arc<Mutex<Vec<String>>>,
+    pub client: reqwest::Client,
+}
+
+impl Server {
+    /// Starts a worker with `backend` and extra YAML config lines.
+    pub fn start(backend: &'static str, extra_config: &str) -> Server {
+        let dir = tempfile::tempdir().expect("tempdir");
+        // Sandboxes run as uid 1000 and must traverse to the state directory.
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+            .expect("chmod");
+        let (child, addr, log) = launch(backend, dir.path(), extra_config);
+        Server {
+            backend,
+            dir,
+            addr,
+            extra_config: extra_config.to_string(),
+            child,
+            log,
+            client: reqwest::Client::new(),
+        }
+    }
+
+    /// SIGKILLs the worker (no graceful anything) and starts it again on the same state.
+    pub fn kill9_and_restart(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let (child, addr, log) = launch(self.backend, self.dir.path(), &self.extra_config);
+        self.child = child;
+        self.addr = addr;
+        self.log = log;
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
+        let r = self
+            .client
+            .post(self.url(path))
+            .bearer_auth(TOKEN)
+            .json(body)
+            .send()
+            .await
+            .expect("post");
+        let status = r.status().as_u16();
+        let text = r.text().await.expect("body");
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    pub async fn get(&self, path: &str) -> (u16, Value) {
+        let r = self
+            .client
+            .get(self.url(path))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("get");
+        let status = r.status().as_u16();
+        let text = r.text().await.expect("body");
+        (
+            status,
+            serde_json::from_str(&text).unwrap_or(Value::String(text)),
+        )
+    }
+
+    /// Polls an async job until `pred` holds on its status (bounded).
+    pub async fn wait_for(
+        &self,
+        job_id: &str,
+        limit: Duration,
+        pred: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let until = Instant::now() + limit;
+        loop {
+            let (_, v) = self.get(&format!("/v1/worker/jobs/{job_id}")).await;
+            if pred(&v) {
+                return v;
+            }
+            assert!(
+                Instant::now() < until,
+                "job {job_id} never reached the state; last: {v}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub async fn wait_terminal(&self, job_id: &str) -> Value {
+        self.wait_for(job_id, Duration::from_secs(120), |v| {
+            matches!(
+                v["status"].as_str(),
+                Some("completed" | "failed" | "timeout" | "canceled")
+            )
+        })
+        .await
+    }
+
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn launch(backend: &str, dir: &Path, extra: &str) -> (Child, String, Arc<Mutex<Vec<String>>>) {
+    let e = env();
+    let token = dir.join("token");
+    std::fs::write(&token, TOKEN).expect("token");
+    let config = dir.join("worker.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nbackend: {backend}\nstate_dir: {}\ntoken_file: {}\nbwrap:\n  rootfs:\n    \"{}\": {}\n{extra}\n",
+            dir.join("state").display(),
+            token.display(),
+            e.image,
+            e.rootfs.display()
+        ),
+    )
+    .expect("config");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_cynode-worker"))
+        .args(["serve", "--config"])
+        .arg(&config)
+        .env_remove("WORKER_API_BEARER_TOKEN")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn worker");
+    let stderr = child.stderr.take().expect("stderr");
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let sink = Arc::clone(&log);
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                if v["fields"]["message"] == "cynode-worker listening" {
+                    if let Some(tx) = tx.take() {
+                        let _ =
+                            tx.send(v["fields"]["addr"].as_str().unwrap_or_default().to_string());
+                    }
+                }
+            }
+            if let Ok(mut g) = sink.lock() {
+                g.push(line);
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| {
+            panic!(
+                "worker did not start; log: {:?}",
+                log.lock().map(|g| g.clone()).unwrap_or_default()
+            )
+        });
+    (child, addr, log)
+}
+
+/// A plain command job request.
+pub fn command_job(job_id: &str, task_id: &str, command: &[&str]) -> Value {
+    json!({
+        "version": 1, "task_id": task_id, "job_id": job_id,
+        "sandbox": { "image": env().image, "command": command }
+    })
+}
+
+/// An SBA job request wrapping `steps`.
+pub fn sba_job(job_id: &str, task_id: &str, steps: Value, artifacts: Value) -> Value {
+    let spec = json!({
+        "protocol_version": "1.0", "job_id": job_id, "task_id": task_id,
+        "constraints": { "max_runtime_seconds": 60, "max_output_bytes": 65536 },
+        "artifacts": artifacts,
+        "steps": steps
+    });
+    json!({
+        "version": 1, "task_id": task_id, "job_id": job_id,
+        "sandbox": { "image": env().image, "job_spec_json": spec.to_string() }
+    })
+}
+
+/// Containers of this node's jobs still known to podman.
+pub fn podman_containers(job_id: &str) -> Vec<String> {
+    let out = Command::new("podman")
+        .args(["ps", "--all", "--format", "{{.Names}}", "--filter"])
+        .arg(format!("label=cynodeai.job_id={job_id}"))
+        .output()
+        .expect("podman ps");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_string)
+        .collect()
+}
+
+/// Whether any process has `needle` in its command line.
+pub fn process_with_arg(needle: &str) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    entries.flatten().any(|e| {
+        std::fs::read(e.path().join("cmdline"))
+            .map(|c| {
+                String::from_utf8_lossy(&c)
+                    .replace('\0', " ")
+                    .contains(needle)
+            })
+            .unwrap_or(false)
+    })
+}
+
+/// Mounts whose path mentions `needle`.
+pub fn mounts_with(needle: &str) -> Vec<String> {
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(needle))
+        .map(str::to_string)
+        .collect()
+}
+
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use sha2::Digest;
+    hex::encode(sha2::Sha256::digest(bytes))
+}
