@@ -27,6 +27,13 @@ pub enum Command {
     Serve(NodeArgs),
     /// Run the startup checks and print what is missing.
     Check(NodeArgs),
+    /// Re-run a retained job from its stored request and report whether the result matches.
+    Replay {
+        /// The job to replay.
+        job_id: String,
+        #[command(flatten)]
+        node: NodeArgs,
+    },
 }
 
 /// Config file and the flags that override it.
@@ -95,6 +102,11 @@ pub fn main() -> anyhow::Result<i32> {
         match cli.command {
             Command::Serve(args) => serve(args).await.map(|()| 0),
             Command::Check(args) => check(args).await,
+            Command::Replay { job_id, node } => {
+                let report = crate::replay::replay(&node.config()?, &job_id).await?;
+                println!("{}", serde_json::to_string_pretty(&report)?);
+                Ok(if report.matches { 0 } else { 1 })
+            }
         }
     })
 }

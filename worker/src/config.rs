@@ -51,6 +51,8 @@ pub struct Config {
     pub queue: QueueConfig,
     /// Host directories a workspace may be seeded from.
     pub seed_roots: Vec<PathBuf>,
+    /// Directory names left out when seeding from a host directory (dependency caches).
+    pub seed_exclude_dirs: Vec<String>,
     /// Terminal jobs not acked within this time are deleted.
     pub retention_seconds: u64,
 }
@@ -118,6 +120,21 @@ impl Default for Config {
             limits: Limits::default(),
             queue: QueueConfig::default(),
             seed_roots: Vec::new(),
+            seed_exclude_dirs: [
+                "node_modules",
+                "target",
+                ".venv",
+                "venv",
+                "__pycache__",
+                ".gradle",
+                ".m2",
+                ".cache",
+                ".tox",
+                ".mypy_cache",
+                ".pytest_cache",
+            ]
+            .map(String::from)
+            .to_vec(),
             retention_seconds: 7 * 24 * 3600,
         }
     }
@@ -206,6 +223,11 @@ impl Config {
     /// Directory of per-task workspaces.
     pub fn workspaces_dir(&self) -> PathBuf {
         self.state_dir.join("workspaces")
+    }
+
+    /// Pristine copies of seeded workspaces without git, for changesets.
+    pub fn baselines_dir(&self) -> PathBuf {
+        self.state_dir.join("baselines")
     }
 
     /// The node's SQLite database.

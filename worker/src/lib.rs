@@ -7,7 +7,9 @@
 //! - [`executor`]: job directory, sandbox spec, result verification.
 //! - [`backend`]: Podman/Docker ([`backend::engine`]) and bubblewrap ([`backend::bwrap`]).
 //! - [`store`]: the node-local SQLite job records; [`callback`]: the SBA status socket.
-//! - [`config`], [`cli`]: configuration and the `serve`/`check` commands.
+//! - [`workspace`]: per-task workspaces: seeding, tar export, changesets.
+//! - [`replay`]: re-running a retained job for audits.
+//! - [`config`], [`cli`]: configuration and the `serve`/`check`/`replay` commands.
 
 pub mod api;
 pub mod backend;
@@ -17,4 +19,6 @@ pub mod clock;
 pub mod config;
 pub mod executor;
 pub mod node;
+pub mod replay;
 pub mod store;
+pub mod workspace;

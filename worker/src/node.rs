@@ -100,6 +100,15 @@ impl Node {
         });
         node.reconcile().await?;
         node.check_ready().await;
+        let weak = Arc::downgrade(&node);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(60));
+            loop {
+                tick.tick().await;
+                let Some(node) = weak.upgrade() else { return };
+                node.expire_retained().await;
+            }
+        });
         Ok(node)
     }
 
@@ -409,6 +418,26 @@ impl Node {
             return Err(NodeError::NotFound(format!("artifact {rel}")));
         }
         Ok(p)
+    }
+
+    /// Deletes finished jobs nobody acked within `retention_seconds`.
+    pub async fn expire_retained(&self) {
+        let cutoff = time::OffsetDateTime::now_utc()
+            - time::Duration::seconds(
+                i64::try_from(self.cfg.retention_seconds).unwrap_or(i64::MAX),
+            );
+        let cutoff = crate::clock::format_rfc3339(cutoff);
+        match self.store.expired(&cutoff).await {
+            Ok(ids) => {
+                for id in ids {
+                    match self.ack(&id).await {
+                        Ok(()) => tracing::info!(job_id = %id, "retention expired; job deleted"),
+                        Err(e) => tracing::warn!(job_id = %id, error = %e, "cannot expire job"),
+                    }
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "retention sweep failed"),
+        }
     }
 
     /// Cancels every running job (graceful shutdown after the grace period).

@@ -6,3 +6,4 @@
 mod backends;
 mod cases;
 mod harness;
+mod workspaces;
