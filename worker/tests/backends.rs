@@ -40,4 +40,5 @@ all_backends!(
     stop_cancels_and_removes,
     full_queue_answers_503,
     kill9_restart_keeps_results_and_fails_the_interrupted,
+    graceful_shutdown_finishes_running_jobs,
 );

@@ -115,6 +115,24 @@ impl Server {
         self.log = log;
     }
 
+    /// SIGTERMs the worker, waits for it to exit (bounded), and starts it again.
+    pub fn terminate_and_restart(&mut self) -> std::time::Duration {
+        let t = Instant::now();
+        // SAFETY: signalling the worker process we spawned.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let until = Instant::now() + Duration::from_secs(60);
+        while self.child.try_wait().expect("try_wait").is_none() {
+            assert!(Instant::now() < until, "worker did not exit after SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let took = t.elapsed();
+        let (child, addr, log) = launch(self.backend, self.dir.path(), &self.extra_config);
+        self.child = child;
+        self.addr = addr;
+        self.log = log;
+        took
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
