@@ -140,6 +140,7 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/v1/worker/jobs/{job_id}", get(job_status).post(job_action))
         .route("/v1/worker/jobs/{job_id}/artifacts/{*path}", get(artifact))
         .merge(crate::workspace::routes())
+        .merge(crate::sessions::routes())
         .route_layer(middleware::from_fn_with_state(Arc::clone(&node), auth));
     Router::new()
         .route("/healthz", get(|| async { "ok" }))

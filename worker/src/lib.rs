@@ -20,5 +20,6 @@ pub mod config;
 pub mod executor;
 pub mod node;
 pub mod replay;
+pub mod sessions;
 pub mod store;
 pub mod workspace;

@@ -55,6 +55,7 @@ pub struct Node {
     pub backend: Backend,
     pub store: Store,
     pub token: String,
+    pub sessions: crate::sessions::Sessions,
     running: Mutex<HashMap<String, CancellationToken>>,
     permits: Arc<Semaphore>,
     waiting: AtomicUsize,
@@ -86,6 +87,7 @@ impl Node {
             .context("cannot open the job database")?;
         let backend = Backend::from_config(&cfg);
         let node = Arc::new(Node {
+            sessions: crate::sessions::Sessions::new(&cfg, backend.clone()),
             permits: Arc::new(Semaphore::new(cfg.queue.max_running.max(1))),
             cfg: Arc::new(cfg),
             backend,
@@ -99,6 +101,7 @@ impl Node {
             }),
         });
         node.reconcile().await?;
+        node.sessions.start_reaper();
         node.check_ready().await;
         let weak = Arc::downgrade(&node);
         tokio::spawn(async move {

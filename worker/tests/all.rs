@@ -6,4 +6,5 @@
 mod backends;
 mod cases;
 mod harness;
+mod sessions;
 mod workspaces;

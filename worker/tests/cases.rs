@@ -523,14 +523,27 @@ pub async fn kill9_restart_keeps_results_and_fails_the_interrupted(backend: &'st
 pub async fn graceful_shutdown_finishes_running_jobs(backend: &'static str) {
     let mut sv = Server::start(backend, "");
     let id = unique("j");
-    sv.post("/v1/worker/jobs", &command_job(&id, "t", &["sh", "-c", "sleep 2; echo finished"])).await;
-    sv.wait_for(&id, Duration::from_secs(30), |v| v["status"] == "in_progress").await;
+    sv.post(
+        "/v1/worker/jobs",
+        &command_job(&id, "t", &["sh", "-c", "sleep 2; echo finished"]),
+    )
+    .await;
+    sv.wait_for(&id, Duration::from_secs(30), |v| {
+        v["status"] == "in_progress"
+    })
+    .await;
     let took = sv.terminate_and_restart();
-    assert!(took >= Duration::from_millis(500), "shut down before the job finished: {took:?}");
+    assert!(
+        took >= Duration::from_millis(500),
+        "shut down before the job finished: {took:?}"
+    );
     let (_, v) = sv.get(&format!("/v1/worker/jobs/{id}")).await;
     assert_eq!(v["status"], "completed", "{v}");
-    assert_eq!(v["result"]["stdout"], "finished
-");
+    assert_eq!(
+        v["result"]["stdout"],
+        "finished
+"
+    );
 }
 
 /// Keeps `env()` referenced so setup runs first even when a filter selects one case.

@@ -14,6 +14,7 @@ use crate::config::{BackendKind, Config};
 pub mod bwrap;
 pub mod capture;
 pub mod engine;
+pub mod session_ops;
 
 /// Label every sandbox of a node carries, valued with the node's id, so that node's
 /// orphans (and only its own) can be found and removed.

@@ -1,0 +1,430 @@
+//! Session sandboxes on each backend: start a long-lived sandbox, run one command in it,
+//! kill what a timed-out command left, remove the sandbox.
+//!
+//! - Podman/Docker: one keep-alive container per session, started detached with exactly
+//!   the job flags ([`EngineBackend::run_args`]: no network, read-only root, uid 1000, all
+//!   capabilities dropped, no-new-privileges, memory/CPU/pids limits, tmpfs /tmp, the node
+//!   label) plus `--init`, running `sleep` for the session's max lifetime plus a margin
+//!   (so a container outlives a node killed with SIGKILL by at most that, even if the node
+//!   never restarts to reconcile). The init (catatonit / tini) is PID 1 so the orphans of
+//!   finished commands are reaped and never pile up against the pids limit. Each command
+//!   is an `exec --user 1000:1000 --workdir … --env …`.
+//! - bubblewrap: there is no natural long-lived sandbox, so each command is a fresh
+//!   sandbox ([`Backend::run`]) over the same persisted workspace; nothing but the
+//!   workspace survives between commands (no background processes, no /tmp).
+//!
+//! Killing a timed-out command: killing the `podman exec` client leaves the command
+//! running inside the container, and `timeout`/`pkill` may not exist in the image. So the
+//! node kills it from the host: every process in the container's PID namespace except the
+//! keep-alive pair (the init and its `sleep`, recorded when the session starts) gets
+//! SIGKILL, repeated until none is left. That reaches every descendant, including ones
+//! that double-forked or cleared their environment; it also ends background processes
+//! earlier commands left, which is why a session runs one command at a time. It needs the
+//! node to see the container's processes (rootful engine on the same host, node as root).
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use cynode_protocol::worker_api::Truncated;
+use tokio::process::Command;
+use tokio_util::sync::CancellationToken;
+
+use super::engine::EngineBackend;
+use super::{capture, Backend, EndReason, SandboxOutcome, SandboxSpec};
+use crate::config::{BackendKind, Config};
+
+/// How long output may keep flowing after the exec client exits.
+const DRAIN_BOUND: Duration = Duration::from_secs(2);
+/// How long a keep-alive container outlives its session's max lifetime by itself; the
+/// reaper removes it at the max lifetime.
+const KEEPALIVE_MARGIN: Duration = Duration::from_secs(60);
+/// Bound on `run -d` and `inspect` calls of the engine CLI.
+const CLI_BOUND: Duration = Duration::from_secs(60);
+
+/// The long-lived part of a session's sandbox.
+#[derive(Debug, Clone)]
+pub enum SessionSandbox {
+    /// A keep-alive container.
+    Container(KeepAlive),
+    /// Nothing lives between commands (bubblewrap).
+    PerCommand,
+}
+
+/// A running keep-alive container.
+#[derive(Debug, Clone)]
+pub struct KeepAlive {
+    pub name: String,
+    /// `pid:[inode]` of the container's PID namespace, as `/proc/<pid>/ns/pid` reads.
+    pid_ns: String,
+    /// Host pids of the init and the `sleep` it runs: never killed by [`kill_commands`].
+    keep: Vec<i32>,
+}
+
+/// Session operations on the configured backend.
+#[derive(Debug, Clone)]
+pub struct SessionOps {
+    backend: Backend,
+    binary: String,
+}
+
+impl SessionOps {
+    /// Operations for `backend` as `cfg` configures it.
+    pub fn new(cfg: &Config, backend: Backend) -> Self {
+        let binary = match cfg.backend {
+            BackendKind::Docker => cfg.docker.binary.clone(),
+            BackendKind::Podman | BackendKind::Bwrap => cfg.podman.binary.clone(),
+        };
+        Self { backend, binary }
+    }
+
+    /// The backend sessions run on.
+    pub fn backend(&self) -> &Backend {
+        &self.backend
+    }
+
+    fn cmd(&self) -> Command {
+        let mut c = Command::new(&self.binary);
+        c.stdin(Stdio::null()).kill_on_drop(true);
+        c
+    }
+
+    /// Starts the session's sandbox described by `spec`, whose `timeout` is the session's
+    /// max lifetime (its command is ignored: the container runs `sleep`). On error nothing
+    /// is left behind.
+    pub async fn start(&self, spec: &SandboxSpec) -> Result<SessionSandbox, String> {
+        let Backend::Engine(engine) = &self.backend else {
+            return Ok(SessionSandbox::PerCommand);
+        };
+        match self.start_container(engine, spec).await {
+            Ok(k) => Ok(SessionSandbox::Container(k)),
+            Err(e) => {
+                engine.force_remove(&spec.name).await;
+                Err(e)
+            }
+        }
+    }
+
+    async fn start_container(
+        &self,
+        engine: &EngineBackend,
+        spec: &SandboxSpec,
+    ) -> Result<KeepAlive, String> {
+        let mut keepalive = spec.clone();
+        let keep_for = spec.timeout + KEEPALIVE_MARGIN;
+        keepalive.command = vec!["sleep".into(), keep_for.as_secs().to_string()];
+        keepalive.override_entrypoint = true;
+        let mut args = engine.run_args(&keepalive);
+        // `run --rm …` becomes `run --detach --init --rm …`.
+        args.splice(1..1, ["--detach".to_string(), "--init".to_string()]);
+        let out = self.output(self.cmd().args(&args)).await?;
+        if !out.status.success() {
+            return Err(format!(
+                "{} could not start the session container: {}",
+                self.binary,
+                last_line(&out.stderr)
+            ));
+        }
+        let out = self
+            .output(
+                self.cmd()
+                    .args(["inspect", "--format", "{{.State.Pid}}"])
+                    .arg(&spec.name),
+            )
+            .await?;
+        let init: i32 = String::from_utf8_lossy(&out.stdout)
+            .trim()
+            .parse()
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| {
+                format!(
+                    "the session container is not running: {}",
+                    last_line(&out.stderr)
+                )
+            })?;
+        let pid_ns = pid_ns_of(init)
+            .ok_or_else(|| format!("cannot read the PID namespace of pid {init}"))?;
+        // The init forks the keep-alive `sleep` right away; wait for it (bounded).
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            let children: Vec<i32> = processes_in(&pid_ns)
+                .into_iter()
+                .filter(|p| ppid_of(*p) == Some(init))
+                .collect();
+            if !children.is_empty() {
+                let mut keep = vec![init];
+                keep.extend(children);
+                return Ok(KeepAlive {
+                    name: spec.name.clone(),
+                    pid_ns,
+                    keep,
+                });
+            }
+            if Instant::now() > until {
+                return Err("the session container's keep-alive process did not start".into());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    async fn output(&self, cmd: &mut Command) -> Result<std::process::Output, String> {
+        match tokio::time::timeout(CLI_BOUND, cmd.output()).await {
+            Ok(Ok(o)) => Ok(o),
+            Ok(Err(e)) => Err(format!("cannot run {}: {e}", self.binary)),
+            Err(_) => Err(format!(
+                "{} did not answer within {}s",
+                self.binary,
+                CLI_BOUND.as_secs()
+            )),
+        }
+    }
+
+    /// Runs `spec.command` in the session's sandbox to its end, within `spec.timeout`;
+    /// `cancel` (the session ending) stops it.
+    pub async fn exec(
+        &self,
+        sandbox: &SessionSandbox,
+        spec: &SandboxSpec,
+        cancel: &CancellationToken,
+    ) -> SandboxOutcome {
+        match sandbox {
+            SessionSandbox::PerCommand => self.backend.run(spec, cancel).await,
+            SessionSandbox::Container(k) => self.exec_in(k, spec, cancel).await,
+        }
+    }
+
+    /// The `exec` argv (without the binary) for `spec` in container `name`.
+    pub fn exec_args(name: &str, spec: &SandboxSpec) -> Vec<String> {
+        let mut a: Vec<String> = vec![
+            "exec".into(),
+            "--user=1000:1000".into(),
+            format!("--workdir={}", spec.workdir),
+        ];
+        for (k, v) in &spec.env {
+            a.push(format!("--env={k}={v}"));
+        }
+        a.push(name.to_string());
+        a.extend(spec.command.iter().cloned());
+        a
+    }
+
+    async fn exec_in(
+        &self,
+        k: &KeepAlive,
+        spec: &SandboxSpec,
+        cancel: &CancellationToken,
+    ) -> SandboxOutcome {
+        let started = Instant::now();
+        let mut cmd = self.cmd();
+        cmd.args(Self::exec_args(&k.name, spec))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        // SAFETY: the closure only calls prctl between fork and exec.
+        unsafe {
+            cmd.pre_exec(super::die_with_node);
+        }
+        let mut child = match cmd.spawn() {
+            Ok(c) => c,
+            Err(e) => {
+                return SandboxOutcome {
+                    exit_code: None,
+                    stdout: String::new(),
+                    stderr: String::new(),
+                    truncated: Truncated::default(),
+                    end: EndReason::StartFailed(format!("cannot start {}: {e}", self.binary)),
+                    duration: started.elapsed(),
+                }
+            }
+        };
+        let out = capture::spawn(child.stdout.take(), spec.output_cap);
+        let err = capture::spawn(child.stderr.take(), spec.output_cap);
+        let (status, end) = tokio::select! {
+            s = child.wait() => (s.ok(), EndReason::Exited),
+            _ = tokio::time::sleep(spec.timeout) => (None, EndReason::TimedOut),
+            _ = cancel.cancelled() => (None, EndReason::Canceled),
+        };
+        let status = match status {
+            Some(s) => Some(s),
+            None => {
+                // Canceled: the session is ending and its container is being removed,
+                // which ends the command. Timed out: kill it from the host.
+                if end == EndReason::TimedOut {
+                    kill_commands(k).await;
+                }
+                let waited = tokio::time::timeout(Duration::from_secs(10), child.wait()).await;
+                if waited.is_err() {
+                    let _ = child.start_kill();
+                }
+                waited.ok().and_then(Result::ok)
+            }
+        };
+        let stdout = capture::collect(out, DRAIN_BOUND).await;
+        let stderr = capture::collect(err, DRAIN_BOUND).await;
+        let exit_code = status.and_then(|s| s.code());
+        // Exit 125 is the engine's own "could not exec" (e.g. the container is gone).
+        let end = match (end, exit_code) {
+            (EndReason::Exited, Some(125)) => EndReason::StartFailed(format!(
+                "{} could not run the command in the session container: {}",
+                self.binary,
+                stderr.text.lines().last().unwrap_or("").trim()
+            )),
+            (e, _) => e,
+        };
+        SandboxOutcome {
+            exit_code,
+            truncated: Truncated {
+                stdout: stdout.truncated,
+                stderr: stderr.truncated,
+            },
+            stdout: stdout.text,
+            stderr: stderr.text,
+            end,
+            duration: started.elapsed(),
+        }
+    }
+
+    /// Whether the sandbox still lives: a keep-alive container whose init is gone (a
+    /// command killed its `sleep`, the engine stopped it) cannot run commands any more.
+    pub fn is_alive(sandbox: &SessionSandbox) -> bool {
+        match sandbox {
+            SessionSandbox::PerCommand => true,
+            SessionSandbox::Container(k) => k.keep.first().is_some_and(|init| {
+                pid_ns_of(*init).as_deref() == Some(k.pid_ns.as_str()) && !is_zombie(*init)
+            }),
+        }
+    }
+
+    /// Removes the session's sandbox (kills whatever runs in it); absent is fine.
+    pub async fn remove(&self, sandbox: &SessionSandbox) {
+        if let (Backend::Engine(engine), SessionSandbox::Container(k)) = (&self.backend, sandbox) {
+            engine.force_remove(&k.name).await;
+        }
+    }
+}
+
+/// SIGKILLs every process of the container except the keep-alive pair, until none is left
+/// (bounded: the pids limit bounds how many can appear).
+async fn kill_commands(k: &KeepAlive) {
+    for _ in 0..100 {
+        let victims: Vec<i32> = processes_in(&k.pid_ns)
+            .into_iter()
+            .filter(|p| !k.keep.contains(p))
+            .collect();
+        if victims.is_empty() {
+            return;
+        }
+        for pid in victims {
+            // SAFETY: signalling a process inside this session's own PID namespace.
+            unsafe {
+                libc::kill(pid, libc::SIGKILL);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tracing::warn!(container = %k.name, "processes of a timed-out command kept appearing");
+}
+
+fn pid_ns_of(pid: i32) -> Option<String> {
+    std::fs::read_link(format!("/proc/{pid}/ns/pid"))
+        .ok()
+        .map(|p| p.display().to_string())
+}
+
+/// Host pids of the live processes whose PID namespace is `ns`.
+fn processes_in(ns: &str) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| pid_ns_of(*pid).as_deref() == Some(ns))
+        .filter(|pid| !is_zombie(*pid))
+        .collect()
+}
+
+fn stat_fields(pid: i32) -> Option<Vec<String>> {
+    let text =
+        std::fs::read_to_string(Path::new("/proc").join(pid.to_string()).join("stat")).ok()?;
+    // The command name may contain spaces and parentheses: fields follow the last ')'.
+    let rest = &text[text.rfind(')')? + 1..];
+    Some(rest.split_whitespace().map(str::to_string).collect())
+}
+
+fn ppid_of(pid: i32) -> Option<i32> {
+    stat_fields(pid)?.get(1)?.parse().ok()
+}
+
+fn is_zombie(pid: i32) -> bool {
+    stat_fields(pid)
+        .and_then(|f| f.first().cloned())
+        .is_some_and(|s| s == "Z" || s == "X")
+}
+
+fn last_line(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes)
+        .lines()
+        .last()
+        .unwrap_or("")
+        .trim()
+        .to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Mount, ResourceLimits};
+    use cynode_protocol::worker_api::NetworkPolicy;
+
+    #[test]
+    fn exec_args_carry_user_workdir_and_env() {
+        let spec = SandboxSpec {
+            name: "x".into(),
+            image: "img".into(),
+            command: vec!["sh".into(), "-c".into(), "echo hi".into()],
+            override_entrypoint: true,
+            env: vec![("A".into(), "b c".into())],
+            mounts: vec![Mount {
+                host: "/h".into(),
+                target: "/workspace".into(),
+                writable: true,
+            }],
+            workdir: "/workspace".into(),
+            network: NetworkPolicy::None,
+            limits: ResourceLimits {
+                memory_mb: 1,
+                pids: 1,
+                cpus: 1.0,
+                tmpfs_mb: 1,
+            },
+            labels: Vec::new(),
+            timeout: Duration::from_secs(1),
+            output_cap: 1,
+        };
+        assert_eq!(
+            SessionOps::exec_args("cynode-session-s", &spec),
+            [
+                "exec",
+                "--user=1000:1000",
+                "--workdir=/workspace",
+                "--env=A=b c",
+                "cynode-session-s",
+                "sh",
+                "-c",
+                "echo hi"
+            ]
+        );
+    }
+
+    #[test]
+    fn own_process_is_found_in_its_pid_namespace() {
+        let me = std::process::id() as i32;
+        let ns = pid_ns_of(me).unwrap();
+        assert!(processes_in(&ns).contains(&me));
+        assert_eq!(
+            ppid_of(me),
+            Some(std::os::unix::process::parent_id() as i32)
+        );
+    }
+}
