@@ -8,6 +8,7 @@
 //! - [`backend`]: Podman/Docker ([`backend::engine`]) and bubblewrap ([`backend::bwrap`]).
 //! - [`store`]: the node-local SQLite job records; [`callback`]: the SBA status socket.
 //! - [`workspace`]: per-task workspaces: seeding, tar export, changesets.
+//! - [`sessions`]: long-lived session sandboxes (create, exec, end, reaper).
 //! - [`replay`]: re-running a retained job for audits.
 //! - [`config`], [`cli`]: configuration and the `serve`/`check`/`replay` commands.
 
