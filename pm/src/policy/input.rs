@@ -1,0 +1,68 @@
+//! What the policy sees: the rendered job, the skill manifest and the tenant's policy.
+
+use serde::{Deserialize, Serialize};
+
+/// 16 MiB, the default per-step output ceiling of a tenant.
+pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 16 * 1024 * 1024;
+/// One hour, the default whole-job runtime ceiling of a tenant.
+pub const DEFAULT_MAX_RUNTIME_SECONDS: u64 = 3600;
+
+/// The operator's configuration for one tenant, given to the policy as `input.tenant`.
+///
+/// Every field has a safe default (no network, ceilings of 3600 s and 16 MiB), so a
+/// partial YAML/JSON document fills the rest in. Empty `allowed_purposes` or
+/// `allowed_images` mean "any".
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantPolicy {
+    /// Tenant name, used in messages.
+    pub tenant_id: String,
+    /// Whether jobs of this tenant may ever have network access.
+    pub allow_network: bool,
+    /// Sandbox purposes (skill `purpose`, e.g. `go-tools`) the tenant may use; empty = any.
+    pub allowed_purposes: Vec<String>,
+    /// Sandbox images (exact, or a prefix ending in `*`) the tenant may use; empty = any.
+    pub allowed_images: Vec<String>,
+    /// Commands every skill of this tenant may run, on top of the skill's own list.
+    pub global_allowed_commands: Vec<String>,
+    /// Ceiling for `constraints.max_runtime_seconds`.
+    pub max_runtime_seconds: u64,
+    /// Ceiling for `constraints.max_output_bytes`.
+    pub max_output_bytes: u64,
+}
+
+impl Default for TenantPolicy {
+    fn default() -> Self {
+        Self {
+            tenant_id: "default".to_string(),
+            allow_network: false,
+            allowed_purposes: Vec::new(),
+            allowed_images: Vec::new(),
+            global_allowed_commands: Vec::new(),
+            max_runtime_seconds: DEFAULT_MAX_RUNTIME_SECONDS,
+            max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
+        }
+    }
+}
+
+/// The policy's `input` document.
+///
+/// `job` is the rendered job.json (design.md §3.1); `skill` is the skill manifest as JSON
+/// (`skill_id`, `version`, `description`, `purpose`, `allowed_commands`, `network`,
+/// `limits {max_runtime_seconds, max_output_bytes}`, `inputs_schema`, optional `image`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct PolicyInput {
+    /// The rendered job.json.
+    pub job: serde_json::Value,
+    /// The skill manifest the job was rendered from.
+    pub skill: serde_json::Value,
+    /// The tenant's policy.
+    pub tenant: TenantPolicy,
+}
+
+impl PolicyInput {
+    /// Bundles the three parts.
+    pub fn new(job: serde_json::Value, skill: serde_json::Value, tenant: TenantPolicy) -> Self {
+        Self { job, skill, tenant }
+    }
+}

@@ -1,0 +1,236 @@
+//! The in-process gate: Rego evaluated by regorus.
+//!
+//! The policies are parsed and analysed once, when the gate is built; each evaluation
+//! clones that prepared engine (cheap: the modules and schedule are shared behind `Arc`),
+//! sets the input and evaluates `deny` and `warn`. The gate is `Send + Sync`, so one
+//! instance serves every task.
+
+use std::num::NonZeroU32;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use regorus::utils::limits::ExecutionTimerConfig;
+use regorus::Engine;
+use serde::Deserialize;
+use tracing::{debug, warn};
+
+use super::decision::{parse_violations, Decision, Mode, RULE_EVALUATION_FAILED};
+use super::input::PolicyInput;
+use super::{PolicyError, DEFAULT_PACKAGE};
+
+/// The default policy, compiled into the binary (same text as `policies/cynode.rego`).
+pub const BUILTIN_POLICY: &str = include_str!("../../../policies/cynode.rego");
+/// Name under which [`BUILTIN_POLICY`] is loaded.
+pub const BUILTIN_POLICY_NAME: &str = "builtin:policies/cynode.rego";
+
+/// Wall-clock budget of one evaluation; a policy or input that needs more is denied.
+const EVALUATION_TIME_LIMIT: Duration = Duration::from_secs(2);
+
+/// Rego policies evaluated in-process.
+#[derive(Debug, Clone)]
+pub struct LocalGate {
+    /// Parsed, analysed and warmed up: ready to clone per evaluation.
+    engine: Engine,
+    deny_rule: String,
+    warn_rule: Option<String>,
+    mode: Mode,
+    sources: Vec<String>,
+}
+
+impl LocalGate {
+    /// Loads every `*.rego` file of `dir` (not recursive, sorted by name, `*_test.rego`
+    /// skipped) and evaluates package [`DEFAULT_PACKAGE`].
+    pub fn from_dir(dir: &Path, mode: Mode) -> Result<Self, PolicyError> {
+        Self::from_dir_with_package(dir, DEFAULT_PACKAGE, mode)
+    }
+
+    /// Like [`LocalGate::from_dir`] for another package (`a.b` or `a/b`).
+    pub fn from_dir_with_package(
+        dir: &Path,
+        package: &str,
+        mode: Mode,
+    ) -> Result<Self, PolicyError> {
+        let files = rego_files(dir)?;
+        if files.is_empty() {
+            return Err(PolicyError::NoPolicies {
+                dir: dir.to_path_buf(),
+            });
+        }
+        let mut sources = Vec::with_capacity(files.len());
+        for path in files {
+            let text = std::fs::read_to_string(&path).map_err(|source| PolicyError::Io {
+                path: path.clone(),
+                source,
+            })?;
+            sources.push((path.display().to_string(), text));
+        }
+        Self::from_sources(sources, package, mode)
+    }
+
+    /// The built-in default policy ([`BUILTIN_POLICY`]).
+    pub fn builtin(mode: Mode) -> Result<Self, PolicyError> {
+        Self::from_sources(
+            vec![(BUILTIN_POLICY_NAME.to_string(), BUILTIN_POLICY.to_string())],
+            DEFAULT_PACKAGE,
+            mode,
+        )
+    }
+
+    /// Builds a gate from `(name, rego text)` pairs. `package` must define `deny`;
+    /// `warn` is optional.
+    pub fn from_sources(
+        sources: Vec<(String, String)>,
+        package: &str,
+        mode: Mode,
+    ) -> Result<Self, PolicyError> {
+        let package = package
+            .trim_matches(|c| c == '/' || c == '.')
+            .replace('/', ".");
+        let data_package = format!("data.{package}");
+        let mut engine = Engine::new();
+        engine.set_execution_timer_config(ExecutionTimerConfig {
+            limit: EVALUATION_TIME_LIMIT,
+            check_interval: NonZeroU32::MIN.saturating_add(255),
+        });
+        let mut in_package = Vec::new();
+        let mut names = Vec::with_capacity(sources.len());
+        for (name, text) in sources {
+            let declared =
+                engine
+                    .add_policy(name.clone(), text)
+                    .map_err(|e| PolicyError::Parse {
+                        path: name.clone(),
+                        message: format!("{e:#}"),
+                    })?;
+            if declared == data_package {
+                in_package.push(name.clone());
+            }
+            names.push(name);
+        }
+        let declares = |rule: &str| -> Result<bool, PolicyError> {
+            for name in &in_package {
+                let found = engine
+                    .has_declared_rule_rooted_at(name, rule)
+                    .map_err(|e| PolicyError::Parse {
+                        path: name.clone(),
+                        message: format!("{e:#}"),
+                    })?;
+                if found {
+                    return Ok(true);
+                }
+            }
+            Ok(false)
+        };
+        if !declares("deny")? {
+            return Err(PolicyError::MissingRule {
+                rule: format!("{data_package}.deny"),
+            });
+        }
+        let warn_rule = declares("warn")?.then(|| format!("{data_package}.warn"));
+        let deny_rule = format!("{data_package}.deny");
+
+        // Analyse once (and prove the policy evaluates) so every clone starts prepared.
+        engine.set_input(regorus::Value::new_object());
+        for rule in std::iter::once(&deny_rule).chain(warn_rule.as_ref()) {
+            engine
+                .eval_rule(rule.clone())
+                .map_err(|e| PolicyError::Compile {
+                    rule: rule.clone(),
+                    message: format!("{e:#}"),
+                })?;
+        }
+        debug!(package = %package, sources = ?names, "policy loaded");
+        Ok(Self {
+            engine,
+            deny_rule,
+            warn_rule,
+            mode,
+            sources: names,
+        })
+    }
+
+    /// The mode decisions are made in.
+    pub fn mode(&self) -> Mode {
+        self.mode
+    }
+
+    /// The same policies in another mode.
+    pub fn with_mode(mut self, mode: Mode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Names of the loaded policy files, in load order.
+    pub fn sources(&self) -> &[String] {
+        &self.sources
+    }
+
+    /// Evaluates the policy for one job. Never fails: an evaluation error is a denial
+    /// with rule [`RULE_EVALUATION_FAILED`].
+    pub fn evaluate_sync(&self, input: &PolicyInput) -> Decision {
+        match self.findings(input) {
+            Ok((deny, warn)) => Decision::from_findings(deny, warn, self.mode),
+            Err(message) => {
+                warn!(error = %message, "policy evaluation failed; denying (fail closed)");
+                Decision::fail_closed(
+                    RULE_EVALUATION_FAILED,
+                    format!("policy evaluation failed: {message}"),
+                    self.mode,
+                )
+            }
+        }
+    }
+
+    fn findings(
+        &self,
+        input: &PolicyInput,
+    ) -> Result<(Vec<super::Violation>, Vec<super::Violation>), String> {
+        let input = to_rego_value(input)?;
+        let mut engine = self.engine.clone();
+        engine.set_input(input);
+        let deny = eval(&mut engine, &self.deny_rule, "deny")?;
+        let warn = match &self.warn_rule {
+            Some(rule) => eval(&mut engine, rule, "warn")?,
+            None => Vec::new(),
+        };
+        Ok((deny, warn))
+    }
+}
+
+fn eval(engine: &mut Engine, rule: &str, name: &str) -> Result<Vec<super::Violation>, String> {
+    let value = engine
+        .eval_rule(rule.to_string())
+        .map_err(|e| format!("{rule}: {e:#}"))?;
+    if value == regorus::Value::Undefined {
+        return Ok(Vec::new());
+    }
+    let json = serde_json::to_value(&value).map_err(|e| format!("{rule}: {e}"))?;
+    parse_violations(name, &json)
+}
+
+fn to_rego_value(input: &PolicyInput) -> Result<regorus::Value, String> {
+    let json = serde_json::to_value(input).map_err(|e| format!("cannot encode input: {e}"))?;
+    regorus::Value::deserialize(json).map_err(|e| format!("cannot encode input: {e}"))
+}
+
+fn rego_files(dir: &Path) -> Result<Vec<PathBuf>, PolicyError> {
+    let io = |source| PolicyError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let path = entry.map_err(io)?.path();
+        let is_policy = path.extension().is_some_and(|e| e == "rego")
+            && !path
+                .file_stem()
+                .and_then(|s| s.to_str())
+                .is_some_and(|s| s.ends_with("_test"))
+            && path.is_file();
+        if is_policy {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}

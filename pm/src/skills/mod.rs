@@ -1,0 +1,16 @@
+//! Skills: versioned packages the model may choose from, and the deterministic job builder
+//! that turns a skill plus inputs into job.json.
+//!
+//! A skill package is a folder:
+//! - `skill.yaml`: the [`manifest::SkillManifest`] (id, semver, description for the
+//!   model, input JSON Schema, allowed commands, network need, limits, sandbox purpose);
+//! - `job.json.j2`: the job template (minijinja, JSON auto-escaping);
+//! - `examples/*.json`: example inputs, each of which must validate and render.
+
+pub mod build;
+pub mod manifest;
+pub mod registry;
+
+pub use build::{build_job, job_id, BuildError, BuiltJob, JobRef};
+pub use manifest::SkillManifest;
+pub use registry::{Registry, Skill, SkillError};

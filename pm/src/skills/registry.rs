@@ -1,0 +1,256 @@
+//! The skill registry: every skill package found in the skill directories, validated on
+//! load, listable with its schema for the model.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use serde_json::Value;
+
+use super::manifest::SkillManifest;
+
+/// One loaded skill package.
+#[derive(Debug, Clone)]
+pub struct Skill {
+    pub manifest: SkillManifest,
+    pub template: String,
+    pub dir: PathBuf,
+    /// `(file name, inputs)` from `examples/`.
+    pub examples: Vec<(String, Value)>,
+}
+
+/// A problem with a skill package, located as `file:line: message` where known.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{}{}: {message}", file.display(), line.map(|l| format!(":{l}")).unwrap_or_default())]
+pub struct SkillError {
+    pub file: PathBuf,
+    pub line: Option<usize>,
+    pub message: String,
+}
+
+impl SkillError {
+    fn new(file: &Path, line: Option<usize>, message: impl Into<String>) -> Self {
+        Self {
+            file: file.to_path_buf(),
+            line,
+            message: message.into(),
+        }
+    }
+}
+
+/// What the model is shown of a skill.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CatalogEntry {
+    pub skill_id: String,
+    pub version: String,
+    pub description: String,
+    pub inputs_schema: Value,
+}
+
+/// All skills, by id.
+#[derive(Debug, Clone, Default)]
+pub struct Registry {
+    skills: BTreeMap<String, Skill>,
+}
+
+/// Names of the files of a skill package.
+pub const MANIFEST_FILE: &str = "skill.yaml";
+pub const TEMPLATE_FILE: &str = "job.json.j2";
+pub const EXAMPLES_DIR: &str = "examples";
+
+impl Registry {
+    /// Loads every package under each directory (a directory that is itself a package
+    /// counts too). Returns every problem found, not just the first.
+    pub fn load(dirs: &[PathBuf]) -> Result<Registry, Vec<SkillError>> {
+        let mut reg = Registry::default();
+        let mut errors = Vec::new();
+        for dir in dirs {
+            for pkg in package_dirs(dir, &mut errors) {
+                match load_package(&pkg) {
+                    Ok(skill) => {
+                        let id = skill.manifest.skill_id.clone();
+                        if let Some(prev) = reg.skills.get(&id) {
+                            errors.push(SkillError::new(
+                                &pkg.join(MANIFEST_FILE),
+                                None,
+                                format!(
+                                    "duplicate skill_id `{id}` (also in {})",
+                                    prev.dir.display()
+                                ),
+                            ));
+                        } else {
+                            reg.skills.insert(id, skill);
+                        }
+                    }
+                    Err(mut e) => errors.append(&mut e),
+                }
+            }
+        }
+        if errors.is_empty() {
+            Ok(reg)
+        } else {
+            Err(errors)
+        }
+    }
+
+    /// The skill with `id`.
+    pub fn get(&self, id: &str) -> Option<&Skill> {
+        self.skills.get(id)
+    }
+
+    /// All skills in id order.
+    pub fn iter(&self) -> impl Iterator<Item = &Skill> {
+        self.skills.values()
+    }
+
+    /// Number of skills.
+    pub fn len(&self) -> usize {
+        self.skills.len()
+    }
+
+    /// True when no skill is loaded.
+    pub fn is_empty(&self) -> bool {
+        self.skills.is_empty()
+    }
+
+    /// What the model is offered: id, version, description, input schema.
+    pub fn catalog(&self) -> Vec<CatalogEntry> {
+        self.iter()
+            .map(|s| CatalogEntry {
+                skill_id: s.manifest.skill_id.clone(),
+                version: s.manifest.version.clone(),
+                description: s.manifest.description.clone(),
+                inputs_schema: s.manifest.inputs_schema.clone(),
+            })
+            .collect()
+    }
+}
+
+fn package_dirs(dir: &Path, errors: &mut Vec<SkillError>) -> Vec<PathBuf> {
+    if dir.join(MANIFEST_FILE).is_file() {
+        return vec![dir.to_path_buf()];
+    }
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        errors.push(SkillError::new(dir, None, "not a readable skill directory"));
+        return Vec::new();
+    };
+    let mut out: Vec<PathBuf> = rd
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.join(MANIFEST_FILE).is_file())
+        .collect();
+    out.sort();
+    out
+}
+
+/// Loads and checks one package: manifest, schema, template syntax, examples' shape.
+pub fn load_package(dir: &Path) -> Result<Skill, Vec<SkillError>> {
+    let mut errors = Vec::new();
+    let mpath = dir.join(MANIFEST_FILE);
+    let manifest: Option<SkillManifest> = match std::fs::read_to_string(&mpath) {
+        Ok(text) => match serde_yaml::from_str::<SkillManifest>(&text) {
+            Ok(m) => Some(m),
+            Err(e) => {
+                errors.push(SkillError::new(
+                    &mpath,
+                    e.location().map(|l| l.line()),
+                    strip_location(&e.to_string()),
+                ));
+                None
+            }
+        },
+        Err(e) => {
+            errors.push(SkillError::new(&mpath, None, format!("cannot read: {e}")));
+            None
+        }
+    };
+    if let Some(m) = &manifest {
+        if let Err(msg) = m.check() {
+            errors.push(SkillError::new(&mpath, None, msg));
+        }
+        if let Err(e) = jsonschema::meta::validate(&m.inputs_schema) {
+            errors.push(SkillError::new(
+                &mpath,
+                None,
+                format!("inputs_schema is not a valid JSON Schema: {e}"),
+            ));
+        }
+        let expected = dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        if !expected.is_empty() && expected != m.skill_id {
+            errors.push(SkillError::new(
+                &mpath,
+                None,
+                format!(
+                    "skill_id `{}` differs from its folder name `{expected}`",
+                    m.skill_id
+                ),
+            ));
+        }
+    }
+    let tpath = dir.join(TEMPLATE_FILE);
+    let template = match std::fs::read_to_string(&tpath) {
+        Ok(t) => {
+            let mut env = minijinja::Environment::new();
+            if let Err(e) = env.add_template("job", &t) {
+                errors.push(SkillError::new(&tpath, e.line(), e.to_string()));
+            }
+            t
+        }
+        Err(e) => {
+            errors.push(SkillError::new(&tpath, None, format!("cannot read: {e}")));
+            String::new()
+        }
+    };
+    let mut examples = Vec::new();
+    let edir = dir.join(EXAMPLES_DIR);
+    if let Ok(rd) = std::fs::read_dir(&edir) {
+        let mut files: Vec<PathBuf> = rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .collect();
+        files.sort();
+        for f in files {
+            match std::fs::read_to_string(&f)
+                .map_err(|e| e.to_string())
+                .and_then(|t| {
+                    serde_json::from_str::<Value>(&t).map_err(|e| format!("line {}: {e}", e.line()))
+                }) {
+                Ok(v) => examples.push((
+                    f.file_name()
+                        .map(|n| n.to_string_lossy().into_owned())
+                        .unwrap_or_default(),
+                    v,
+                )),
+                Err(msg) => errors.push(SkillError::new(&f, None, msg)),
+            }
+        }
+    }
+    if examples.is_empty() {
+        errors.push(SkillError::new(
+            &edir,
+            None,
+            "a skill needs at least one example input",
+        ));
+    }
+    match (manifest, errors.is_empty()) {
+        (Some(manifest), true) => Ok(Skill {
+            manifest,
+            template,
+            dir: dir.to_path_buf(),
+            examples,
+        }),
+        _ => Err(errors),
+    }
+}
+
+/// serde_yaml appends " at line L column C"; the location is printed as `file:line`.
+fn strip_location(msg: &str) -> String {
+    match msg.find(" at line ") {
+        Some(i) => msg[..i].to_string(),
+        None => msg.to_string(),
+    }
+}

@@ -1,0 +1,5 @@
+//! Integration tests of cynode-pm.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod policy;
+mod skills;
