@@ -107,7 +107,10 @@ fn inputs() -> Vec<(&'static str, PolicyInput)> {
 }
 
 fn load_gate() -> LocalGate {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies");
+    // CYNODE_POLICY_DIR benchmarks another policy directory (e.g. a draft).
+    let dir = std::env::var_os("CYNODE_POLICY_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../policies"));
     match LocalGate::from_dir(&dir, Mode::Enforce) {
         Ok(gate) => gate,
         Err(e) => panic!("cannot load {}: {e}", dir.display()),

@@ -1,11 +1,19 @@
 //! cynode-pm: the project-manager control plane (design.md §1, §3.5).
 //!
-//! Built so far: the deterministic half between "the model chose skill X with inputs Y"
-//! and "this job.json may be dispatched".
 //! - [`skills`]: skill packages, their registry, and the deterministic job builder.
 //! - [`policy`]: the policy gate (Rego in-process with regorus, or an external OPA).
-//! - [`cli`]: `cynode-pm skills …` and `cynode-pm policy check`.
+//! - [`llm`]: the model client, the reply contract and the prompt.
+//! - [`session`], [`store`]: the durable session record in SQLite or PostgreSQL.
+//! - [`driver`]: the loop; [`dispatch`]: the Worker API client; [`artifacts`]: verified,
+//!   content-addressed artifact storage.
+//! - [`cli`]: `cynode-pm skills …`, `policy check`, `run`, `sessions …`.
 
+pub mod artifacts;
 pub mod cli;
+pub mod dispatch;
+pub mod driver;
+pub mod llm;
 pub mod policy;
+pub mod session;
 pub mod skills;
+pub mod store;

@@ -2,4 +2,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod policy;
+mod llm;
 mod skills;
+mod store;

@@ -16,7 +16,7 @@ use tracing::{debug, warn};
 
 use super::decision::{parse_violations, Decision, Mode, RULE_EVALUATION_FAILED};
 use super::input::PolicyInput;
-use super::{PolicyError, DEFAULT_PACKAGE};
+use super::{PolicyError, Violation, DEFAULT_PACKAGE};
 
 /// The default policy, compiled into the binary (same text as `policies/cynode.rego`).
 pub const BUILTIN_POLICY: &str = include_str!("../../../policies/cynode.rego");
@@ -31,8 +31,11 @@ const EVALUATION_TIME_LIMIT: Duration = Duration::from_secs(2);
 pub struct LocalGate {
     /// Parsed, analysed and warmed up: ready to clone per evaluation.
     engine: Engine,
+    /// `data.<package>.deny` / `.warn`, for messages.
     deny_rule: String,
-    warn_rule: Option<String>,
+    /// The internal rule that evaluates `deny` and `warn` together (helper rules the two
+    /// share are then computed once).
+    decision_rule: String,
     mode: Mode,
     sources: Vec<String>,
 }
@@ -126,24 +129,32 @@ impl LocalGate {
                 rule: format!("{data_package}.deny"),
             });
         }
-        let warn_rule = declares("warn")?.then(|| format!("{data_package}.warn"));
+        let has_warn = declares("warn")?;
         let deny_rule = format!("{data_package}.deny");
+        engine
+            .add_policy(
+                DECISION_MODULE_NAME.to_string(),
+                decision_module(&data_package, has_warn),
+            )
+            .map_err(|e| PolicyError::Parse {
+                path: DECISION_MODULE_NAME.to_string(),
+                message: format!("{e:#}"),
+            })?;
+        let decision_rule = format!("data.{DECISION_PACKAGE}.decision");
 
         // Analyse once (and prove the policy evaluates) so every clone starts prepared.
         engine.set_input(regorus::Value::new_object());
-        for rule in std::iter::once(&deny_rule).chain(warn_rule.as_ref()) {
-            engine
-                .eval_rule(rule.clone())
-                .map_err(|e| PolicyError::Compile {
-                    rule: rule.clone(),
-                    message: format!("{e:#}"),
-                })?;
-        }
+        engine
+            .eval_rule(decision_rule.clone())
+            .map_err(|e| PolicyError::Compile {
+                rule: deny_rule.clone(),
+                message: format!("{e:#}"),
+            })?;
         debug!(package = %package, sources = ?names, "policy loaded");
         Ok(Self {
             engine,
             deny_rule,
-            warn_rule,
+            decision_rule,
             mode,
             sources: names,
         })
@@ -181,31 +192,40 @@ impl LocalGate {
         }
     }
 
-    fn findings(
-        &self,
-        input: &PolicyInput,
-    ) -> Result<(Vec<super::Violation>, Vec<super::Violation>), String> {
+    fn findings(&self, input: &PolicyInput) -> Result<(Vec<Violation>, Vec<Violation>), String> {
         let input = to_rego_value(input)?;
         let mut engine = self.engine.clone();
         engine.set_input(input);
-        let deny = eval(&mut engine, &self.deny_rule, "deny")?;
-        let warn = match &self.warn_rule {
-            Some(rule) => eval(&mut engine, rule, "warn")?,
-            None => Vec::new(),
+        let value = engine
+            .eval_rule(self.decision_rule.clone())
+            .map_err(|e| format!("{}: {e:#}", self.deny_rule))?;
+        let json = serde_json::to_value(&value).map_err(|e| format!("{}: {e}", self.deny_rule))?;
+        // Both keys always exist (defaults); anything else means the engine misbehaved.
+        let (Some(deny), Some(warn)) = (json.get("deny"), json.get("warn")) else {
+            return Err(format!("{}: evaluated to no decision", self.deny_rule));
         };
+        let deny = parse_violations("deny", deny)?;
+        let warn = parse_violations("warn", warn)?;
         Ok((deny, warn))
     }
 }
 
-fn eval(engine: &mut Engine, rule: &str, name: &str) -> Result<Vec<super::Violation>, String> {
-    let value = engine
-        .eval_rule(rule.to_string())
-        .map_err(|e| format!("{rule}: {e:#}"))?;
-    if value == regorus::Value::Undefined {
-        return Ok(Vec::new());
-    }
-    let json = serde_json::to_value(&value).map_err(|e| format!("{rule}: {e}"))?;
-    parse_violations(name, &json)
+/// Package of the internal module that gathers `deny` and `warn` in one evaluation.
+const DECISION_PACKAGE: &str = "cynode_gate_internal";
+const DECISION_MODULE_NAME: &str = "internal:decision.rego";
+
+fn decision_module(data_package: &str, has_warn: bool) -> String {
+    let warn = if has_warn {
+        format!("\nwarn := {data_package}.warn\n")
+    } else {
+        String::new()
+    };
+    format!(
+        "package {DECISION_PACKAGE}\n\nimport rego.v1\n\n\
+         default deny := []\n\ndeny := {data_package}.deny\n\n\
+         default warn := []\n{warn}\n\
+         decision := {{\"deny\": deny, \"warn\": warn}}\n"
+    )
 }
 
 fn to_rego_value(input: &PolicyInput) -> Result<regorus::Value, String> {

@@ -1,0 +1,540 @@
+//! The loop of seed §4.1: load state, ask the model, act on plan_update / job_request /
+//! message / final, wait for results, update, repeat.
+//!
+//! Every transition is saved (with its journal entry) before the work it leads to:
+//! - a model reply is journaled and the phase moves to `Act` in one transaction, so a
+//!   resumed session acts on the stored reply instead of asking again;
+//! - a dispatch decision (deterministic job_id) is journaled before the job is submitted,
+//!   and the worker's async API is idempotent on job_id, so a resumed session re-submits
+//!   and waits without ever running the job twice;
+//! - a result is verified, stored and saved before the worker is told it may forget it.
+//!
+//! `CYNODE_PM_FAILPOINT=<name>` aborts the process right after the named save
+//! (`after_model_reply`, `after_dispatch`, `after_result`): fault injection for the
+//! crash-resume tests, inert unless set.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use cynode_protocol::llm::{LlmOutput, TypedPayload};
+use cynode_protocol::session::{PlanEntry, SessionArtifact, TaskStatus};
+use cynode_protocol::worker_api::{AsyncJobState, RunJobRequest, RunJobResponse, SandboxSpec, WorkerJobStatus};
+use serde_json::{json, Value};
+
+use crate::artifacts::{verify_and_store, IntegrityError};
+use crate::dispatch::{DispatchError, WorkerClient};
+use crate::llm::{self, LlmClient, LlmError};
+use crate::policy::{PolicyGate, PolicyInput, TenantPolicy};
+use crate::session::{Deliverable, Dispatch, FailureKind, Phase, SessionRecord, SessionStatus};
+use crate::skills::registry::CatalogEntry;
+use crate::skills::{build_job, JobRef, Registry};
+use crate::store::{Store, StoreError};
+
+/// What the loop reports while it works.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Progress {
+    Turn(u32),
+    Reply { kind: String },
+    Plan(Vec<PlanEntry>),
+    Dispatched { job_id: String, task_id: String, skill_id: String },
+    JobState { job_id: String, state: AsyncJobState },
+    JobDone { job_id: String, status: String },
+    PolicyDenied { task_id: String, reasons: Vec<String> },
+    Question(String),
+    Finished(SessionStatus),
+}
+
+/// Errors that stop the driver itself (not the session: those are recorded in it).
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    #[error("{0}")]
+    Store(#[from] StoreError),
+    #[error("session {0} not found")]
+    NotFound(String),
+}
+
+/// Everything the loop uses.
+pub struct Pm {
+    pub store: Store,
+    pub registry: Registry,
+    pub catalog: Vec<CatalogEntry>,
+    pub gate: PolicyGate,
+    pub tenant: TenantPolicy,
+    pub llm: LlmClient,
+    pub worker: WorkerClient,
+    /// Sandbox image jobs run in.
+    pub image: String,
+    /// Where verified artifacts are stored.
+    pub artifacts_dir: PathBuf,
+}
+
+fn failpoint(name: &str) {
+    if std::env::var("CYNODE_PM_FAILPOINT").is_ok_and(|v| v == name) {
+        eprintln!("cynode-pm: failpoint {name}: aborting");
+        std::process::abort();
+    }
+}
+
+impl Pm {
+    /// Creates a session (idempotent on its id).
+    pub async fn create(&self, rec: &SessionRecord) -> Result<bool, DriverError> {
+        Ok(self.store.create(rec).await?)
+    }
+
+    /// Gives a parked session the user's answer and makes it runnable.
+    pub async fn answer(&self, session_id: &str, text: &str) -> Result<SessionRecord, DriverError> {
+        let (mut rec, version) = self
+            .store
+            .load(session_id)
+            .await?
+            .ok_or_else(|| DriverError::NotFound(session_id.to_string()))?;
+        if let Phase::AwaitInput { question } = &rec.phase {
+            rec.feedback.push(format!("the user answered your question \"{question}\": {text}"));
+            rec.event("user_answer", json!({ "text": text }));
+            rec.phase = Phase::Think;
+            rec.status = SessionStatus::Running;
+            rec.turn += 1;
+            self.store.save(&rec, version, &[("user_answer", json!({ "text": text }))]).await?;
+        }
+        Ok(rec)
+    }
+
+    /// Drives the session until it ends or waits for the user.
+    pub async fn run(&self, session_id: &str, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<SessionRecord, DriverError> {
+        loop {
+            let (mut rec, version) = self
+                .store
+                .load(session_id)
+                .await?
+                .ok_or_else(|| DriverError::NotFound(session_id.to_string()))?;
+            if rec.status.is_terminal() || matches!(rec.phase, Phase::AwaitInput { .. } | Phase::Done) {
+                if let Phase::AwaitInput { question } = &rec.phase {
+                    progress(Progress::Question(question.clone()));
+                }
+                progress(Progress::Finished(rec.status));
+                return Ok(rec);
+            }
+            self.step(&mut rec, version, progress).await?;
+        }
+    }
+
+    async fn step(&self, rec: &mut SessionRecord, version: i64, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<(), DriverError> {
+        let span = tracing::info_span!("turn", session_id = %rec.state.session_id, turn = rec.turn);
+        let _g = span.enter();
+        match rec.phase.clone() {
+            Phase::Think => self.think(rec, version, progress).await,
+            Phase::Act { reply } => self.act(rec, version, reply, progress).await,
+            Phase::Await { dispatch } => self.await_job(rec, version, dispatch, progress).await,
+            Phase::AwaitInput { .. } | Phase::Done => Ok(()),
+        }
+    }
+
+    fn over_budget(&self, rec: &SessionRecord) -> Option<String> {
+        let b = rec.budgets;
+        if rec.turn >= b.max_turns {
+            return Some(format!("max_turns {} reached", b.max_turns));
+        }
+        let elapsed = (crate::session::now_ms() - rec.started_at_ms) / 1000;
+        if elapsed > i64::try_from(b.wall_clock_seconds).unwrap_or(i64::MAX) {
+            return Some(format!("wall clock of {}s reached", b.wall_clock_seconds));
+        }
+        None
+    }
+
+    async fn think(&self, rec: &mut SessionRecord, version: i64, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<(), DriverError> {
+        if let Some(why) = self.over_budget(rec) {
+            rec.fail(FailureKind::BudgetExhausted, why);
+            self.store.save(rec, version, &[]).await?;
+            return Ok(());
+        }
+        progress(Progress::Turn(rec.turn));
+        // A reply this turn already got (journaled before a crash) is never asked again.
+        let journal = self.store.journal(&rec.state.session_id).await?;
+        let stored = journal.iter().rev().find(|e| e.kind == "model_reply" && e.data["turn"] == json!(rec.turn));
+        let reply: LlmOutput = match stored.and_then(|e| serde_json::from_value(e.data["reply"].clone()).ok()) {
+            Some(r) => r,
+            None => {
+                let task_ids: Vec<String> = rec.state.plan.iter().map(|p| p.task_id.clone()).collect();
+                let schema = llm::response_schema(&self.catalog, &task_ids);
+                let messages = llm::compose_context(
+                    &llm::system_prompt(&self.catalog),
+                    &rec.state.objective,
+                    &state_summary(rec),
+                    feedback_text(rec).as_deref(),
+                );
+                match self.llm.next_reply(&messages, &schema, &task_ids, &self.catalog).await {
+                    Ok((reply, raw, attempts)) => {
+                        rec.phase = Phase::Act { reply: reply.clone() };
+                        rec.feedback.clear();
+                        rec.event("model_reply", json!({ "turn": rec.turn, "type": reply.kind, "attempts": attempts }));
+                        self.store
+                            .save(rec, version, &[("model_reply", json!({ "turn": rec.turn, "raw": raw, "reply": reply }))])
+                            .await?;
+                        failpoint("after_model_reply");
+                        return Ok(());
+                    }
+                    Err(e) => {
+                        let kind = match &e {
+                            LlmError::ModelContractViolation { .. } => FailureKind::ModelContractViolation,
+                            _ => FailureKind::ModelUnavailable,
+                        };
+                        rec.fail(kind, e.to_string());
+                        self.store.save(rec, version, &[]).await?;
+                        return Ok(());
+                    }
+                }
+            }
+        };
+        rec.phase = Phase::Act { reply };
+        self.store.save(rec, version, &[]).await?;
+        Ok(())
+    }
+
+    async fn act(&self, rec: &mut SessionRecord, version: i64, reply: LlmOutput, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<(), DriverError> {
+        progress(Progress::Reply { kind: format!("{:?}", reply.kind) });
+        if let Err(e) = apply_state_patch(rec, &reply) {
+            rec.feedback.push(format!("your state_patch was rejected: {e}"));
+        } else if !reply.state_patch.is_empty() {
+            progress(Progress::Plan(rec.state.plan.clone()));
+        }
+        let next_turn = |rec: &mut SessionRecord| {
+            rec.turn += 1;
+            rec.phase = Phase::Think;
+        };
+        match reply.typed_payload() {
+            Err(e) => {
+                rec.feedback.push(format!("your payload was invalid: {e}"));
+                next_turn(rec);
+            }
+            Ok(TypedPayload::PlanUpdate(_)) => next_turn(rec),
+            Ok(TypedPayload::Message(m)) => {
+                rec.status = SessionStatus::AwaitingInput;
+                rec.phase = Phase::AwaitInput { question: m.text.clone() };
+                rec.event("question", json!({ "text": m.text }));
+            }
+            Ok(TypedPayload::Final(f)) => {
+                let changeset = if rec.jobs_dispatched > 0 {
+                    self.worker.changeset(&rec.workspace_id).await.ok().filter(|d| !d.trim().is_empty())
+                } else {
+                    None
+                };
+                rec.deliverable = Some(Deliverable {
+                    summary: f.summary.clone(),
+                    artifacts: rec.state.artifacts.iter().map(|a| a.record.clone()).collect(),
+                    changeset,
+                });
+                rec.status = SessionStatus::Completed;
+                rec.phase = Phase::Done;
+                rec.event("final", json!({ "summary": f.summary }));
+            }
+            Ok(TypedPayload::JobRequest(j)) => {
+                return self.request_job(rec, version, j, progress).await;
+            }
+        }
+        self.store.save(rec, version, &[]).await?;
+        Ok(())
+    }
+
+    async fn request_job(
+        &self,
+        rec: &mut SessionRecord,
+        version: i64,
+        j: cynode_protocol::llm::JobRequestPayload,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<(), DriverError> {
+        rec.turn += 1;
+        rec.phase = Phase::Think;
+        if rec.jobs_dispatched >= rec.budgets.max_jobs {
+            rec.fail(FailureKind::BudgetExhausted, format!("max_jobs {} reached", rec.budgets.max_jobs));
+            self.store.save(rec, version, &[]).await?;
+            return Ok(());
+        }
+        let attempt = rec.attempts.get(&j.task_id).copied().unwrap_or(0);
+        if attempt >= rec.budgets.max_attempts_per_task {
+            set_task_status(rec, &j.task_id, TaskStatus::Failed);
+            rec.fail(
+                FailureKind::TaskFailed,
+                format!("task {} failed after {attempt} attempts", j.task_id),
+            );
+            self.store.save(rec, version, &[]).await?;
+            return Ok(());
+        }
+        let Some(skill) = self.registry.get(&j.skill_id) else {
+            rec.feedback.push(format!("unknown skill `{}`", j.skill_id));
+            self.store.save(rec, version, &[]).await?;
+            return Ok(());
+        };
+        let r = JobRef {
+            session_id: rec.state.session_id.clone(),
+            task_id: j.task_id.clone(),
+            attempt,
+        };
+        let built = match build_job(skill, &j.inputs, &r) {
+            Ok(b) => b,
+            Err(e) => {
+                rec.feedback.push(format!("job_request for task {} could not be built: {e}", j.task_id));
+                self.store.save(rec, version, &[]).await?;
+                return Ok(());
+            }
+        };
+        let input = PolicyInput {
+            job: built.value.clone(),
+            skill: serde_json::to_value(&skill.manifest).unwrap_or(Value::Null),
+            tenant: self.tenant.clone(),
+        };
+        let decision = self.gate.evaluate(&input).await;
+        if !decision.allowed {
+            let reasons: Vec<String> = decision.deny.iter().map(|v| format!("{}: {}", v.rule, v.message)).collect();
+            rec.attempts.insert(j.task_id.clone(), attempt + 1);
+            rec.event("policy_denied", json!({ "task_id": j.task_id, "skill_id": j.skill_id, "reasons": reasons }));
+            rec.feedback.push(format!(
+                "policy_violation: the job for task {} was denied and not run: {}. Choose different inputs or another skill.",
+                j.task_id,
+                reasons.join("; ")
+            ));
+            progress(Progress::PolicyDenied { task_id: j.task_id.clone(), reasons });
+            self.store.save(rec, version, &[]).await?;
+            return Ok(());
+        }
+        let dispatch = Dispatch {
+            job_id: built.job.job_id.clone(),
+            task_id: j.task_id.clone(),
+            skill_id: j.skill_id.clone(),
+            attempt,
+            job_json: String::from_utf8_lossy(&built.canonical).into_owned(),
+        };
+        rec.attempts.insert(j.task_id.clone(), attempt + 1);
+        rec.jobs_dispatched += 1;
+        rec.state.active_job_id = Some(dispatch.job_id.clone());
+        rec.state.skill_context.insert(skill.manifest.skill_id.clone(), skill.manifest.version.clone());
+        set_task_status(rec, &j.task_id, TaskStatus::InProgress);
+        rec.phase = Phase::Await { dispatch: dispatch.clone() };
+        rec.event("job_dispatched", json!({ "job_id": dispatch.job_id, "task_id": dispatch.task_id, "skill_id": dispatch.skill_id }));
+        self.store
+            .save(rec, version, &[("dispatch", serde_json::to_value(&dispatch).unwrap_or(Value::Null))])
+            .await?;
+        failpoint("after_dispatch");
+        Ok(())
+    }
+
+    async fn await_job(&self, rec: &mut SessionRecord, version: i64, d: Dispatch, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<(), DriverError> {
+        progress(Progress::Dispatched {
+            job_id: d.job_id.clone(),
+            task_id: d.task_id.clone(),
+            skill_id: d.skill_id.clone(),
+        });
+        let req = RunJobRequest {
+            version: 1,
+            task_id: d.task_id.clone(),
+            job_id: d.job_id.clone(),
+            sandbox: SandboxSpec {
+                image: self.image.clone(),
+                job_spec_json: Some(d.job_json.clone()),
+                ..Default::default()
+            },
+            workspace_id: Some(rec.workspace_id.clone()),
+        };
+        let outcome = async {
+            self.worker.submit(&req).await?;
+            let job_id = d.job_id.clone();
+            let mut on_state = |s: AsyncJobState| progress(Progress::JobState { job_id: job_id.clone(), state: s });
+            self.worker.wait(&d.job_id, &mut on_state).await
+        }
+        .await;
+        let resp = match outcome {
+            Ok(r) => r,
+            Err(e @ DispatchError::Unavailable(_)) => {
+                rec.fail(FailureKind::WorkerUnavailable, e.to_string());
+                self.store.save(rec, version, &[]).await?;
+                return Ok(());
+            }
+            Err(e) => {
+                rec.fail(FailureKind::InternalError, format!("worker refused job {}: {e}", d.job_id));
+                self.store.save(rec, version, &[]).await?;
+                return Ok(());
+            }
+        };
+        self.take_result(rec, &d, &resp, progress).await;
+        rec.state.active_job_id = None;
+        rec.phase = Phase::Think;
+        self.store
+            .save(rec, version, &[("job_result", json!({ "job_id": d.job_id, "status": resp.status }))])
+            .await?;
+        failpoint("after_result");
+        if let Err(e) = self.worker.ack(&d.job_id).await {
+            tracing::warn!(job_id = %d.job_id, error = %e, "ack failed; the worker's retention will clean up");
+        }
+        Ok(())
+    }
+
+    /// Verifies and stores artifacts, updates the plan, and writes the model's summary.
+    async fn take_result(&self, rec: &mut SessionRecord, d: &Dispatch, resp: &RunJobResponse, progress: &mut (dyn FnMut(Progress) + Send)) {
+        let mut ok = resp.status == WorkerJobStatus::Completed;
+        if resp.job_id != d.job_id {
+            ok = false;
+            rec.feedback.push(format!("the worker answered for job {} instead of {}", resp.job_id, d.job_id));
+        }
+        let claimed = resp.sba_result.as_ref().map(|r| r.artifacts.clone()).unwrap_or_default();
+        let mut integrity = Vec::new();
+        for a in &claimed {
+            let fetched = self.worker.artifact(&d.job_id, &a.path).await;
+            let stored = fetched
+                .map_err(anyhow::Error::from)
+                .and_then(|bytes| verify_and_store(&self.artifacts_dir, &a.path, &a.sha256, a.size_bytes, &bytes));
+            match stored {
+                Ok(loc) => {
+                    let location = loc.display().to_string();
+                    let _ = self.store.put_artifact(&a.sha256, a.size_bytes, &location).await;
+                    rec.state.artifacts.push(SessionArtifact { record: a.clone(), job_id: d.job_id.clone(), location });
+                }
+                Err(e) if e.downcast_ref::<IntegrityError>().is_some() => {
+                    integrity.push(e.to_string());
+                }
+                Err(e) => integrity.push(format!("artifact {} could not be fetched: {e}", a.path)),
+            }
+        }
+        if !integrity.is_empty() {
+            ok = false;
+            rec.event("artifact_integrity_failure", json!({ "job_id": d.job_id, "errors": integrity }));
+            rec.feedback.push(format!(
+                "artifact_integrity_failure: artifacts of job {} were rejected: {}",
+                d.job_id,
+                integrity.join("; ")
+            ));
+        }
+        let exhausted = rec.attempts.get(&d.task_id).copied().unwrap_or(0) >= rec.budgets.max_attempts_per_task;
+        let status = if ok {
+            TaskStatus::Done
+        } else if exhausted || !integrity.is_empty() {
+            TaskStatus::Failed
+        } else {
+            TaskStatus::Pending
+        };
+        set_task_status(rec, &d.task_id, status);
+        let label = format!("{:?}", resp.status).to_lowercase();
+        rec.event("job_finished", json!({ "job_id": d.job_id, "status": label, "task_status": status }));
+        rec.feedback.push(summarize(d, resp));
+        progress(Progress::JobDone { job_id: d.job_id.clone(), status: label });
+    }
+}
+
+fn set_task_status(rec: &mut SessionRecord, task_id: &str, status: TaskStatus) {
+    if let Some(p) = rec.state.plan.iter_mut().find(|p| p.task_id == task_id) {
+        if p.status != status {
+            p.status = status;
+            p.version += 1;
+        }
+    }
+}
+
+/// Applies the reply's RFC 6902 patch to `{plan, notes}` only; plan entries that change
+/// get their version bumped, new ones start at 1.
+pub fn apply_state_patch(rec: &mut SessionRecord, reply: &LlmOutput) -> Result<(), String> {
+    if reply.state_patch.is_empty() {
+        return Ok(());
+    }
+    for op in &reply.state_patch {
+        let allowed = ["/plan", "/notes"].iter().any(|p| op.path == *p || op.path.starts_with(&format!("{p}/")));
+        if !allowed {
+            return Err(format!("path {} is outside /plan and /notes", op.path));
+        }
+    }
+    let before = rec.state.plan.clone();
+    let mut doc = json!({ "plan": rec.state.plan, "notes": rec.state.notes });
+    let patch: json_patch::Patch =
+        serde_json::from_value(serde_json::to_value(&reply.state_patch).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    json_patch::patch(&mut doc, &patch).map_err(|e| e.to_string())?;
+    let mut plan_values = doc["plan"].as_array().cloned().unwrap_or_default();
+    for v in &mut plan_values {
+        if let Some(o) = v.as_object_mut() {
+            o.entry("status").or_insert(json!("pending"));
+            o.entry("version").or_insert(json!(0));
+        }
+    }
+    let mut plan: Vec<PlanEntry> = serde_json::from_value(Value::Array(plan_values)).map_err(|e| format!("plan: {e}"))?;
+    let notes: Vec<String> = serde_json::from_value(doc["notes"].clone()).map_err(|e| format!("notes: {e}"))?;
+    for p in &mut plan {
+        match before.iter().find(|b| b.task_id == p.task_id) {
+            Some(b) if b == p => {}
+            Some(b) => p.version = b.version + 1,
+            None => p.version = 1,
+        }
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(dup) = plan.iter().find(|p| !seen.insert(p.task_id.clone())) {
+        return Err(format!("duplicate task_id {}", dup.task_id));
+    }
+    rec.state.plan = plan;
+    rec.state.notes = notes;
+    Ok(())
+}
+
+fn tail(s: &str, n: usize) -> &str {
+    let start = s.len().saturating_sub(n);
+    let mut i = start;
+    while !s.is_char_boundary(i) {
+        i += 1;
+    }
+    &s[i..]
+}
+
+/// A compact result for the model: statuses, codes, tails, artifacts; never raw megabytes.
+pub fn summarize(d: &Dispatch, resp: &RunJobResponse) -> String {
+    let mut v = json!({
+        "job_id": d.job_id, "task_id": d.task_id, "skill_id": d.skill_id,
+        "status": resp.status, "failure_reason": resp.failure_reason,
+    });
+    if let Some(r) = &resp.sba_result {
+        v["failure_code"] = json!(r.failure_code);
+        v["failure_message"] = json!(r.failure_message);
+        v["steps"] = Value::Array(
+            r.steps
+                .iter()
+                .map(|s| {
+                    let mut o = json!({ "id": s.id, "type": s.step_type, "status": s.status });
+                    if let Some(out) = &s.result {
+                        let full = serde_json::to_value(out).unwrap_or(Value::Null);
+                        for k in ["exit_code", "truncated", "files_modified", "files_created", "files_deleted", "size_bytes", "path"] {
+                            if !full[k].is_null() {
+                                o[k] = full[k].clone();
+                            }
+                        }
+                        for k in ["stdout", "stderr", "content"] {
+                            if let Some(t) = full[k].as_str() {
+                                o[format!("{k}_tail")] = json!(tail(t, 1500));
+                            }
+                        }
+                        if let Some(m) = full["matches"].as_array() {
+                            o["matches"] = Value::Array(m.iter().take(30).cloned().collect());
+                        }
+                        if !full["tree"].is_null() {
+                            let t = full["tree"].to_string();
+                            o["tree"] = json!(tail(&t, 3000));
+                        }
+                    }
+                    o
+                })
+                .collect(),
+        );
+        v["artifacts"] = json!(r.artifacts);
+    }
+    format!("result of job {}: {}", d.job_id, v)
+}
+
+fn state_summary(rec: &SessionRecord) -> Value {
+    json!({
+        "plan": rec.state.plan,
+        "notes": rec.state.notes,
+        "artifacts": rec.state.artifacts.iter().map(|a| json!({ "path": a.record.path, "sha256": a.record.sha256 })).collect::<Vec<_>>(),
+        "turn": rec.turn,
+        "jobs_dispatched": rec.jobs_dispatched,
+        "budgets": rec.budgets,
+    })
+}
+
+fn feedback_text(rec: &SessionRecord) -> Option<String> {
+    (!rec.feedback.is_empty()).then(|| rec.feedback.join("\n"))
+}
+
+/// Default poll bounds used by callers that do not configure the client.
+pub const DEFAULT_POLL: (Duration, Duration) = (Duration::from_millis(50), Duration::from_secs(1));

@@ -1,0 +1,232 @@
+//! What the PM keeps about one session: the protocol's [`SessionState`] (objective,
+//! plan, artifacts, history…) plus where the loop is ([`Phase`]), its budgets, and the
+//! outcome. Serialised whole into the store.
+
+use std::collections::BTreeMap;
+
+use cynode_protocol::llm::LlmOutput;
+use cynode_protocol::session::{HistoryEvent, SessionState};
+use serde::{Deserialize, Serialize};
+
+/// Session status as the API and CLI show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionStatus {
+    Running,
+    AwaitingInput,
+    Completed,
+    Failed,
+    Canceled,
+}
+
+impl SessionStatus {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SessionStatus::Running => "running",
+            SessionStatus::AwaitingInput => "awaiting_input",
+            SessionStatus::Completed => "completed",
+            SessionStatus::Failed => "failed",
+            SessionStatus::Canceled => "canceled",
+        }
+    }
+
+    /// True once nothing more will happen.
+    pub fn is_terminal(self) -> bool {
+        match self {
+            SessionStatus::Running | SessionStatus::AwaitingInput => false,
+            SessionStatus::Completed | SessionStatus::Failed | SessionStatus::Canceled => true,
+        }
+    }
+}
+
+/// The failure types of seed §14.1.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FailureKind {
+    /// The model kept answering outside the contract.
+    ModelContractViolation,
+    /// The model endpoint could not be reached.
+    ModelUnavailable,
+    /// A job was denied by policy (fed back to the model; fatal only past the budget).
+    PolicyViolation,
+    /// An artifact's bytes did not match its sha256.
+    ArtifactIntegrityFailure,
+    /// The worker could not be reached after retries.
+    WorkerUnavailable,
+    /// A task failed more times than allowed.
+    TaskFailed,
+    /// Turns, jobs or wall-clock ran out.
+    BudgetExhausted,
+    /// The session was canceled.
+    Canceled,
+    /// A bug or an unexpected state.
+    InternalError,
+}
+
+impl FailureKind {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FailureKind::ModelContractViolation => "model_contract_violation",
+            FailureKind::ModelUnavailable => "model_unavailable",
+            FailureKind::PolicyViolation => "policy_violation",
+            FailureKind::ArtifactIntegrityFailure => "artifact_integrity_failure",
+            FailureKind::WorkerUnavailable => "worker_unavailable",
+            FailureKind::TaskFailed => "task_failed",
+            FailureKind::BudgetExhausted => "budget_exhausted",
+            FailureKind::Canceled => "canceled",
+            FailureKind::InternalError => "internal_error",
+        }
+    }
+}
+
+/// Why a session failed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Failure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+/// A job the loop dispatched (or is about to).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Dispatch {
+    pub job_id: String,
+    pub task_id: String,
+    pub skill_id: String,
+    pub attempt: u32,
+    /// The canonical job.json.
+    pub job_json: String,
+}
+
+/// Where the loop is. Each transition is saved before the work it leads to.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "phase", rename_all = "snake_case")]
+pub enum Phase {
+    /// Ask the model for the reply of `turn` (unless the journal has it).
+    Think,
+    /// Act on a reply already journaled.
+    Act { reply: LlmOutput },
+    /// A dispatch decision is journaled; (re)submit and wait for the result.
+    Await { dispatch: Dispatch },
+    /// A question is out; wait for the user's answer.
+    AwaitInput { question: String },
+    /// Nothing left to do.
+    Done,
+}
+
+/// The deliverable of a completed session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Deliverable {
+    pub summary: String,
+    /// `(path, sha256, size)` of every verified artifact.
+    pub artifacts: Vec<cynode_protocol::result::ArtifactRecord>,
+    /// The workspace changeset (`git diff` style), when files changed.
+    pub changeset: Option<String>,
+}
+
+/// Limits of one session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Budgets {
+    pub max_turns: u32,
+    pub max_jobs: u32,
+    pub max_attempts_per_task: u32,
+    pub wall_clock_seconds: u64,
+}
+
+impl Default for Budgets {
+    fn default() -> Self {
+        Self {
+            max_turns: 30,
+            max_jobs: 20,
+            max_attempts_per_task: 3,
+            wall_clock_seconds: 3600,
+        }
+    }
+}
+
+/// Everything stored about a session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SessionRecord {
+    pub state: SessionState,
+    pub tenant_id: String,
+    pub status: SessionStatus,
+    pub phase: Phase,
+    /// The turn whose reply the loop needs next (or acts on).
+    pub turn: u32,
+    pub jobs_dispatched: u32,
+    /// task_id → attempts used.
+    pub attempts: BTreeMap<String, u32>,
+    /// What the model has not seen yet (job summaries, denials, answers), oldest first.
+    pub feedback: Vec<String>,
+    pub budgets: Budgets,
+    pub workspace_id: String,
+    pub started_at_ms: i64,
+    pub deliverable: Option<Deliverable>,
+    pub failure: Option<Failure>,
+}
+
+impl SessionRecord {
+    /// A new running session.
+    pub fn new(session_id: &str, tenant_id: &str, objective: &str, budgets: Budgets) -> Self {
+        SessionRecord {
+            state: SessionState {
+                session_id: session_id.to_string(),
+                objective: objective.to_string(),
+                constraints: Default::default(),
+                plan: Vec::new(),
+                artifacts: Vec::new(),
+                active_job_id: None,
+                history: Vec::new(),
+                skill_context: BTreeMap::new(),
+                notes: Vec::new(),
+            },
+            tenant_id: tenant_id.to_string(),
+            status: SessionStatus::Running,
+            phase: Phase::Think,
+            turn: 0,
+            jobs_dispatched: 0,
+            attempts: BTreeMap::new(),
+            feedback: Vec::new(),
+            budgets,
+            workspace_id: session_id.to_string(),
+            started_at_ms: now_ms(),
+            deliverable: None,
+            failure: None,
+        }
+    }
+
+    /// Appends a history event.
+    pub fn event(&mut self, kind: &str, data: serde_json::Value) {
+        let seq = self.state.history.len() as u64 + 1;
+        self.state.history.push(HistoryEvent {
+            seq,
+            at: now_rfc3339(),
+            kind: kind.to_string(),
+            data,
+        });
+    }
+
+    /// Ends the session as failed.
+    pub fn fail(&mut self, kind: FailureKind, message: impl Into<String>) {
+        let message = message.into();
+        self.event("failed", serde_json::json!({ "kind": kind.as_str(), "message": message }));
+        self.failure = Some(Failure { kind, message });
+        self.status = SessionStatus::Failed;
+        self.phase = Phase::Done;
+        self.state.active_job_id = None;
+    }
+}
+
+/// Milliseconds since the epoch.
+pub fn now_ms() -> i64 {
+    (time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as i64
+}
+
+/// Now as RFC 3339.
+pub fn now_rfc3339() -> String {
+    let fmt = time::macros::format_description!(
+        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+    );
+    time::OffsetDateTime::now_utc().format(&fmt).unwrap_or_default()
+}

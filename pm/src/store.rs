@@ -1,0 +1,215 @@
+//! Durable session state in SQL: SQLite (the embedded default, a file) or PostgreSQL,
+//! through sqlx's `Any` driver with migrations per dialect under `migrations/`.
+//!
+//! A session row holds the whole [`SessionRecord`](crate::session::SessionRecord) as JSON
+//! plus a version for optimistic concurrency; the journal holds every model reply and
+//! dispatch decision, written in the same transaction as the state change that follows
+//! from it, so a crash at any point resumes without asking the model again for a reply it
+//! already gave and without dispatching a job twice.
+
+use sqlx::any::{AnyPoolOptions, AnyRow};
+use sqlx::{AnyPool, Row};
+
+use crate::session::SessionRecord;
+
+/// Errors of the store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database: {0}")]
+    Db(#[from] sqlx::Error),
+    #[error("migration: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("stored json: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("session {0} was changed concurrently")]
+    Conflict(String),
+    #[error("unsupported datastore `{0}`: use sqlite://PATH or postgres://…")]
+    Unsupported(String),
+}
+
+impl StoreError {
+    /// Whether retrying the same operation may succeed.
+    pub fn is_retryable(&self) -> bool {
+        match self {
+            StoreError::Db(_) => true,
+            StoreError::Migrate(_) => false,
+            StoreError::Json(_) => false,
+            StoreError::Conflict(_) => false,
+            StoreError::Unsupported(_) => false,
+        }
+    }
+}
+
+/// Crate-local result alias.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// One journal entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JournalEntry {
+    pub seq: i64,
+    pub kind: String,
+    pub data: serde_json::Value,
+}
+
+/// The session database.
+#[derive(Debug, Clone)]
+pub struct Store {
+    pool: AnyPool,
+}
+
+static SQLITE: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
+static POSTGRES: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/postgres");
+
+fn now() -> String {
+    let t = time::OffsetDateTime::now_utc();
+    let fmt = time::macros::format_description!(
+        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
+    );
+    t.format(&fmt).unwrap_or_default()
+}
+
+impl Store {
+    /// Connects to `url` (`sqlite://path` creating the file, or `postgres://…`) and migrates.
+    pub async fn connect(url: &str) -> Result<Store> {
+        sqlx::any::install_default_drivers();
+        let (url, migrator) = if let Some(path) = url.strip_prefix("sqlite://") {
+            if let Some(parent) = std::path::Path::new(path).parent() {
+                let _ = std::fs::create_dir_all(parent);
+            }
+            let sep = if path.contains('?') { "&" } else { "?" };
+            (format!("sqlite://{path}{sep}mode=rwc"), &SQLITE)
+        } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            (url.to_string(), &POSTGRES)
+        } else {
+            return Err(StoreError::Unsupported(url.to_string()));
+        };
+        let pool = AnyPoolOptions::new().max_connections(8).connect(&url).await?;
+        if url.starts_with("sqlite://") {
+            sqlx::query("PRAGMA journal_mode=WAL").execute(&pool).await?;
+            sqlx::query("PRAGMA busy_timeout=10000").execute(&pool).await?;
+        }
+        migrator.run(&pool).await?;
+        Ok(Store { pool })
+    }
+
+    /// Inserts a new session; false when the id exists.
+    pub async fn create(&self, rec: &SessionRecord) -> Result<bool> {
+        let at = now();
+        let res = sqlx::query(
+            "INSERT INTO sessions (session_id, tenant_id, objective, status, record_json, version, created_at, updated_at) \
+             VALUES ($1, $2, $3, $4, $5, 1, $6, $7) ON CONFLICT (session_id) DO NOTHING",
+        )
+        .bind(rec.state.session_id.clone())
+        .bind(rec.tenant_id.clone())
+        .bind(rec.state.objective.clone())
+        .bind(rec.status.as_str().to_string())
+        .bind(serde_json::to_string(rec)?)
+        .bind(at.clone())
+        .bind(at)
+        .execute(&self.pool)
+        .await?;
+        Ok(res.rows_affected() == 1)
+    }
+
+    /// The session and its version.
+    pub async fn load(&self, session_id: &str) -> Result<Option<(SessionRecord, i64)>> {
+        let row = sqlx::query("SELECT record_json, version FROM sessions WHERE session_id = $1")
+            .bind(session_id.to_string())
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|r| -> Result<(SessionRecord, i64)> {
+            let text: String = r.try_get(0)?;
+            Ok((serde_json::from_str(&text)?, r.try_get(1)?))
+        })
+        .transpose()
+    }
+
+    /// Saves `rec` if nobody changed it since `version`, appending `journal` entries in the
+    /// same transaction. Returns the new version.
+    pub async fn save(&self, rec: &SessionRecord, version: i64, journal: &[(&str, serde_json::Value)]) -> Result<i64> {
+        let mut tx = self.pool.begin().await?;
+        let res = sqlx::query(
+            "UPDATE sessions SET status = $1, record_json = $2, version = version + 1, updated_at = $3 \
+             WHERE session_id = $4 AND version = $5",
+        )
+        .bind(rec.status.as_str().to_string())
+        .bind(serde_json::to_string(rec)?)
+        .bind(now())
+        .bind(rec.state.session_id.clone())
+        .bind(version)
+        .execute(&mut *tx)
+        .await?;
+        if res.rows_affected() != 1 {
+            return Err(StoreError::Conflict(rec.state.session_id.clone()));
+        }
+        if !journal.is_empty() {
+            let next: i64 = sqlx::query("SELECT COALESCE(MAX(seq), 0) FROM journal WHERE session_id = $1")
+                .bind(rec.state.session_id.clone())
+                .fetch_one(&mut *tx)
+                .await?
+                .try_get(0)?;
+            for (i, (kind, data)) in journal.iter().enumerate() {
+                sqlx::query(
+                    "INSERT INTO journal (session_id, seq, kind, data_json, created_at) VALUES ($1, $2, $3, $4, $5)",
+                )
+                .bind(rec.state.session_id.clone())
+                .bind(next + 1 + i as i64)
+                .bind(kind.to_string())
+                .bind(serde_json::to_string(data)?)
+                .bind(now())
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
+        tx.commit().await?;
+        Ok(version + 1)
+    }
+
+    /// The session's journal in order.
+    pub async fn journal(&self, session_id: &str) -> Result<Vec<JournalEntry>> {
+        let rows = sqlx::query("SELECT seq, kind, data_json FROM journal WHERE session_id = $1 ORDER BY seq")
+            .bind(session_id.to_string())
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(entry).collect()
+    }
+
+    /// Sessions, newest first, optionally with one status.
+    pub async fn list(&self, status: Option<&str>) -> Result<Vec<SessionRecord>> {
+        let rows = match status {
+            Some(s) => {
+                sqlx::query("SELECT record_json FROM sessions WHERE status = $1 ORDER BY created_at DESC")
+                    .bind(s.to_string())
+                    .fetch_all(&self.pool)
+                    .await?
+            }
+            None => sqlx::query("SELECT record_json FROM sessions ORDER BY created_at DESC").fetch_all(&self.pool).await?,
+        };
+        rows.iter()
+            .map(|r| -> Result<SessionRecord> { Ok(serde_json::from_str(&r.try_get::<String, _>(0)?)?) })
+            .collect()
+    }
+
+    /// Records a verified artifact's storage location (idempotent).
+    pub async fn put_artifact(&self, sha256: &str, size: u64, location: &str) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO artifacts (sha256, size_bytes, location, created_at) VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (sha256) DO NOTHING",
+        )
+        .bind(sha256.to_string())
+        .bind(i64::try_from(size).unwrap_or(i64::MAX))
+        .bind(location.to_string())
+        .bind(now())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+}
+
+fn entry(r: &AnyRow) -> Result<JournalEntry> {
+    Ok(JournalEntry {
+        seq: r.try_get(0)?,
+        kind: r.try_get(1)?,
+        data: serde_json::from_str(&r.try_get::<String, _>(2)?)?,
+    })
+}
