@@ -17,7 +17,13 @@ pub struct IntegrityError {
 }
 
 /// Verifies `bytes` and stores them; returns the storage location.
-pub fn verify_and_store(dir: &Path, path: &str, expected_sha: &str, expected_size: u64, bytes: &[u8]) -> Result<PathBuf, anyhow::Error> {
+pub fn verify_and_store(
+    dir: &Path,
+    path: &str,
+    expected_sha: &str,
+    expected_size: u64,
+    bytes: &[u8],
+) -> Result<PathBuf, anyhow::Error> {
     let actual = hex::encode(Sha256::digest(bytes));
     if actual != expected_sha || bytes.len() as u64 != expected_size {
         return Err(IntegrityError {

@@ -59,6 +59,45 @@ pub enum Command {
     /// Work with the policy gate.
     #[command(subcommand)]
     Policy(PolicyCmd),
+    /// Run one objective end to end.
+    Run {
+        /// What to achieve.
+        objective: String,
+        /// A directory the session's workspace is seeded from.
+        #[arg(long)]
+        workspace: Option<PathBuf>,
+        #[command(flatten)]
+        args: crate::run::RunArgs,
+    },
+    /// Work with stored sessions.
+    #[command(subcommand)]
+    Sessions(SessionsCmd),
+}
+
+/// `sessions …`
+#[derive(Debug, Subcommand)]
+pub enum SessionsCmd {
+    /// List sessions, newest first.
+    List {
+        #[arg(long)]
+        status: Option<String>,
+        #[command(flatten)]
+        args: crate::run::RunArgs,
+    },
+    /// Show one session's state.
+    Show {
+        id: String,
+        #[command(flatten)]
+        args: crate::run::RunArgs,
+    },
+    /// Continue a session (after a crash, or with the answer to its question).
+    Resume {
+        id: String,
+        #[arg(long)]
+        answer: Option<String>,
+        #[command(flatten)]
+        args: crate::run::RunArgs,
+    },
 }
 
 /// `skills …`
@@ -120,6 +159,25 @@ pub fn main() -> i32 {
 fn run(cli: Cli) -> anyhow::Result<i32> {
     let g = &cli.global;
     match &cli.command {
+        Command::Run {
+            objective,
+            workspace,
+            args,
+        } => {
+            init_logging();
+            runtime()?.block_on(crate::run::run_session(
+                args,
+                g,
+                Some(objective),
+                None,
+                workspace.as_deref(),
+                None,
+            ))
+        }
+        Command::Sessions(cmd) => {
+            init_logging();
+            runtime()?.block_on(sessions(cmd, g))
+        }
         Command::Skills(SkillsCmd::List) => {
             let reg = load_registry(&skill_dirs(g))?;
             match g.output {
@@ -229,7 +287,72 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
     }
 }
 
-fn skill_dirs(g: &Global) -> Vec<PathBuf> {
+fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")
+}
+
+/// JSON log lines on stderr, level from CYNODE_LOG_LEVEL (default warn for the CLI).
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("CYNODE_LOG_LEVEL")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .json()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+async fn sessions(cmd: &SessionsCmd, g: &Global) -> anyhow::Result<i32> {
+    let args = match cmd {
+        SessionsCmd::List { args, .. }
+        | SessionsCmd::Show { args, .. }
+        | SessionsCmd::Resume { args, .. } => args,
+    };
+    let url = match &args.datastore_endpoint {
+        Some(u) => u.clone(),
+        None => format!("sqlite://{}", args.state_dir.join("pm.db").display()),
+    };
+    match cmd {
+        SessionsCmd::List { status, .. } => {
+            let store = crate::store::Store::connect(&url).await?;
+            let list = store.list(status.as_deref()).await?;
+            match g.output {
+                Output::Json => print_json(&serde_json::to_value(&list)?),
+                Output::Human => {
+                    for r in &list {
+                        println!(
+                            "{}  {:<15} {}",
+                            r.state.session_id,
+                            r.status.as_str(),
+                            first_line(&r.state.objective)
+                        );
+                    }
+                }
+            }
+            Ok(0)
+        }
+        SessionsCmd::Show { id, .. } => {
+            let store = crate::store::Store::connect(&url).await?;
+            let (rec, _) = store
+                .load(id)
+                .await?
+                .with_context(|| format!("no session {id}"))?;
+            match g.output {
+                Output::Json => print_json(&serde_json::to_value(&rec)?),
+                Output::Human => println!("{}", serde_yaml::to_string(&rec)?),
+            }
+            Ok(0)
+        }
+        SessionsCmd::Resume { id, answer, .. } => {
+            crate::run::run_session(args, g, None, Some(id), None, answer.as_deref()).await
+        }
+    }
+}
+
+pub(crate) fn skill_dirs(g: &Global) -> Vec<PathBuf> {
     if g.skill_dirs.is_empty() {
         vec![PathBuf::from("skills")]
     } else {
@@ -249,7 +372,7 @@ fn load_registry(dirs: &[PathBuf]) -> anyhow::Result<Registry> {
     })
 }
 
-fn gate(g: &Global, mode: Mode) -> anyhow::Result<PolicyGate> {
+pub(crate) fn gate(g: &Global, mode: Mode) -> anyhow::Result<PolicyGate> {
     Ok(match &g.policy_endpoint {
         Some(url) => PolicyGate::remote(url, "cynode/policy", mode),
         None => {
@@ -267,7 +390,7 @@ fn gate(g: &Global, mode: Mode) -> anyhow::Result<PolicyGate> {
     })
 }
 
-fn tenant(g: &Global) -> anyhow::Result<TenantPolicy> {
+pub(crate) fn tenant(g: &Global) -> anyhow::Result<TenantPolicy> {
     match &g.tenant {
         Some(p) => {
             let text = std::fs::read_to_string(p)

@@ -42,7 +42,10 @@ pub struct WorkerClient {
 
 impl std::fmt::Debug for WorkerClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("WorkerClient").field("base", &self.base).field("token", &"<redacted>").finish()
+        f.debug_struct("WorkerClient")
+            .field("base", &self.base)
+            .field("token", &"<redacted>")
+            .finish()
     }
 }
 
@@ -61,7 +64,12 @@ impl WorkerClient {
         }
     }
 
-    async fn call(&self, method: reqwest::Method, path: &str, body: Option<&serde_json::Value>) -> Result<reqwest::Response, DispatchError> {
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<reqwest::Response, DispatchError> {
         let mut delay = Duration::from_millis(100);
         let mut last = String::new();
         for attempt in 0..=self.retries {
@@ -69,16 +77,26 @@ impl WorkerClient {
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(5));
             }
-            let mut req = self.http.request(method.clone(), format!("{}{path}", self.base)).bearer_auth(&self.token);
+            let mut req = self
+                .http
+                .request(method.clone(), format!("{}{path}", self.base))
+                .bearer_auth(&self.token);
             if let Some(b) = body {
                 req = req.json(b);
             }
             match req.send().await {
                 Ok(r) if r.status().is_server_error() => {
                     last = format!("{} answered {}", self.base, r.status());
-                    tracing::warn!(path, status = r.status().as_u16(), attempt, "worker error; retrying");
+                    tracing::warn!(
+                        path,
+                        status = r.status().as_u16(),
+                        attempt,
+                        "worker error; retrying"
+                    );
                 }
-                Ok(r) if r.status().as_u16() == 404 => return Err(DispatchError::NotFound(path.to_string())),
+                Ok(r) if r.status().as_u16() == 404 => {
+                    return Err(DispatchError::NotFound(path.to_string()))
+                }
                 Ok(r) if r.status().is_client_error() => {
                     let status = r.status().as_u16();
                     let detail = r
@@ -99,23 +117,44 @@ impl WorkerClient {
         Err(DispatchError::Unavailable(last))
     }
 
-    async fn json<T: serde::de::DeserializeOwned>(r: reqwest::Response) -> Result<T, DispatchError> {
-        r.json::<T>().await.map_err(|e| DispatchError::Unavailable(format!("unreadable worker answer: {e}")))
+    async fn json<T: serde::de::DeserializeOwned>(
+        r: reqwest::Response,
+    ) -> Result<T, DispatchError> {
+        r.json::<T>()
+            .await
+            .map_err(|e| DispatchError::Unavailable(format!("unreadable worker answer: {e}")))
     }
 
     /// `POST /v1/worker/jobs`: idempotent on job_id.
     pub async fn submit(&self, req: &RunJobRequest) -> Result<AsyncJobStatus, DispatchError> {
-        let body = serde_json::to_value(req).map_err(|e| DispatchError::Unavailable(e.to_string()))?;
-        Self::json(self.call(reqwest::Method::POST, "/v1/worker/jobs", Some(&body)).await?).await
+        let body =
+            serde_json::to_value(req).map_err(|e| DispatchError::Unavailable(e.to_string()))?;
+        Self::json(
+            self.call(reqwest::Method::POST, "/v1/worker/jobs", Some(&body))
+                .await?,
+        )
+        .await
     }
 
     /// `GET /v1/worker/jobs/{id}`.
     pub async fn status(&self, job_id: &str) -> Result<AsyncJobStatus, DispatchError> {
-        Self::json(self.call(reqwest::Method::GET, &format!("/v1/worker/jobs/{job_id}"), None).await?).await
+        Self::json(
+            self.call(
+                reqwest::Method::GET,
+                &format!("/v1/worker/jobs/{job_id}"),
+                None,
+            )
+            .await?,
+        )
+        .await
     }
 
     /// Polls until the job ends, reporting each new state.
-    pub async fn wait(&self, job_id: &str, on_state: &mut (dyn FnMut(AsyncJobState) + Send)) -> Result<RunJobResponse, DispatchError> {
+    pub async fn wait(
+        &self,
+        job_id: &str,
+        on_state: &mut (dyn FnMut(AsyncJobState) + Send),
+    ) -> Result<RunJobResponse, DispatchError> {
         let mut delay = self.poll.0;
         let mut last = None;
         loop {
@@ -125,7 +164,9 @@ impl WorkerClient {
                 last = Some(s.status);
             }
             if s.status.is_terminal() {
-                return s.result.ok_or_else(|| DispatchError::Unavailable(format!("job {job_id} ended without a result")));
+                return s.result.ok_or_else(|| {
+                    DispatchError::Unavailable(format!("job {job_id} ended without a result"))
+                });
             }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(self.poll.1);
@@ -135,7 +176,11 @@ impl WorkerClient {
     /// The bytes of one artifact.
     pub async fn artifact(&self, job_id: &str, path: &str) -> Result<Vec<u8>, DispatchError> {
         let r = self
-            .call(reqwest::Method::GET, &format!("/v1/worker/jobs/{job_id}/artifacts/{path}"), None)
+            .call(
+                reqwest::Method::GET,
+                &format!("/v1/worker/jobs/{job_id}/artifacts/{path}"),
+                None,
+            )
             .await?;
         r.bytes()
             .await
@@ -145,16 +190,42 @@ impl WorkerClient {
 
     /// Tells the worker it may delete the job's result.
     pub async fn ack(&self, job_id: &str) -> Result<(), DispatchError> {
-        self.call(reqwest::Method::POST, &format!("/v1/worker/jobs/{job_id}:ack"), Some(&serde_json::json!({}))).await?;
+        self.call(
+            reqwest::Method::POST,
+            &format!("/v1/worker/jobs/{job_id}:ack"),
+            Some(&serde_json::json!({})),
+        )
+        .await?;
         Ok(())
     }
 
     /// The workspace's changes as a git diff (empty when nothing changed).
     pub async fn changeset(&self, workspace_id: &str) -> Result<String, DispatchError> {
         let r = self
-            .call(reqwest::Method::GET, &format!("/v1/worker/workspaces/{workspace_id}/changeset"), None)
+            .call(
+                reqwest::Method::GET,
+                &format!("/v1/worker/workspaces/{workspace_id}/changeset"),
+                None,
+            )
             .await?;
-        r.text().await.map_err(|e| DispatchError::Unavailable(e.to_string()))
+        r.text()
+            .await
+            .map_err(|e| DispatchError::Unavailable(e.to_string()))
+    }
+
+    /// Creates the session's workspace, seeded from a host directory the worker allows.
+    pub async fn create_workspace(
+        &self,
+        workspace_id: &str,
+        seed_from: Option<&std::path::Path>,
+    ) -> Result<(), DispatchError> {
+        let mut body = serde_json::json!({ "version": 1, "workspace_id": workspace_id });
+        if let Some(dir) = seed_from {
+            body["seed_from"] = serde_json::json!(dir);
+        }
+        self.call(reqwest::Method::POST, "/v1/worker/workspaces", Some(&body))
+            .await?;
+        Ok(())
     }
 
     /// `GET /readyz` answers 200.

@@ -18,7 +18,9 @@ use std::time::Duration;
 
 use cynode_protocol::llm::{LlmOutput, TypedPayload};
 use cynode_protocol::session::{PlanEntry, SessionArtifact, TaskStatus};
-use cynode_protocol::worker_api::{AsyncJobState, RunJobRequest, RunJobResponse, SandboxSpec, WorkerJobStatus};
+use cynode_protocol::worker_api::{
+    AsyncJobState, RunJobRequest, RunJobResponse, SandboxSpec, WorkerJobStatus,
+};
 use serde_json::{json, Value};
 
 use crate::artifacts::{verify_and_store, IntegrityError};
@@ -34,12 +36,27 @@ use crate::store::{Store, StoreError};
 #[derive(Debug, Clone, PartialEq)]
 pub enum Progress {
     Turn(u32),
-    Reply { kind: String },
+    Reply {
+        kind: String,
+    },
     Plan(Vec<PlanEntry>),
-    Dispatched { job_id: String, task_id: String, skill_id: String },
-    JobState { job_id: String, state: AsyncJobState },
-    JobDone { job_id: String, status: String },
-    PolicyDenied { task_id: String, reasons: Vec<String> },
+    Dispatched {
+        job_id: String,
+        task_id: String,
+        skill_id: String,
+    },
+    JobState {
+        job_id: String,
+        state: AsyncJobState,
+    },
+    JobDone {
+        job_id: String,
+        status: String,
+    },
+    PolicyDenied {
+        task_id: String,
+        reasons: Vec<String>,
+    },
     Question(String),
     Finished(SessionStatus),
 }
@@ -89,25 +106,35 @@ impl Pm {
             .await?
             .ok_or_else(|| DriverError::NotFound(session_id.to_string()))?;
         if let Phase::AwaitInput { question } = &rec.phase {
-            rec.feedback.push(format!("the user answered your question \"{question}\": {text}"));
+            rec.feedback.push(format!(
+                "the user answered your question \"{question}\": {text}"
+            ));
             rec.event("user_answer", json!({ "text": text }));
             rec.phase = Phase::Think;
             rec.status = SessionStatus::Running;
             rec.turn += 1;
-            self.store.save(&rec, version, &[("user_answer", json!({ "text": text }))]).await?;
+            self.store
+                .save(&rec, version, &[("user_answer", json!({ "text": text }))])
+                .await?;
         }
         Ok(rec)
     }
 
     /// Drives the session until it ends or waits for the user.
-    pub async fn run(&self, session_id: &str, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<SessionRecord, DriverError> {
+    pub async fn run(
+        &self,
+        session_id: &str,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<SessionRecord, DriverError> {
         loop {
             let (mut rec, version) = self
                 .store
                 .load(session_id)
                 .await?
                 .ok_or_else(|| DriverError::NotFound(session_id.to_string()))?;
-            if rec.status.is_terminal() || matches!(rec.phase, Phase::AwaitInput { .. } | Phase::Done) {
+            if rec.status.is_terminal()
+                || matches!(rec.phase, Phase::AwaitInput { .. } | Phase::Done)
+            {
                 if let Phase::AwaitInput { question } = &rec.phase {
                     progress(Progress::Question(question.clone()));
                 }
@@ -118,7 +145,12 @@ impl Pm {
         }
     }
 
-    async fn step(&self, rec: &mut SessionRecord, version: i64, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<(), DriverError> {
+    async fn step(
+        &self,
+        rec: &mut SessionRecord,
+        version: i64,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<(), DriverError> {
         let span = tracing::info_span!("turn", session_id = %rec.state.session_id, turn = rec.turn);
         let _g = span.enter();
         match rec.phase.clone() {
@@ -141,7 +173,12 @@ impl Pm {
         None
     }
 
-    async fn think(&self, rec: &mut SessionRecord, version: i64, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<(), DriverError> {
+    async fn think(
+        &self,
+        rec: &mut SessionRecord,
+        version: i64,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<(), DriverError> {
         if let Some(why) = self.over_budget(rec) {
             rec.fail(FailureKind::BudgetExhausted, why);
             self.store.save(rec, version, &[]).await?;
@@ -150,11 +187,17 @@ impl Pm {
         progress(Progress::Turn(rec.turn));
         // A reply this turn already got (journaled before a crash) is never asked again.
         let journal = self.store.journal(&rec.state.session_id).await?;
-        let stored = journal.iter().rev().find(|e| e.kind == "model_reply" && e.data["turn"] == json!(rec.turn));
-        let reply: LlmOutput = match stored.and_then(|e| serde_json::from_value(e.data["reply"].clone()).ok()) {
+        let stored = journal
+            .iter()
+            .rev()
+            .find(|e| e.kind == "model_reply" && e.data["turn"] == json!(rec.turn));
+        let reply: LlmOutput = match stored
+            .and_then(|e| serde_json::from_value(e.data["reply"].clone()).ok())
+        {
             Some(r) => r,
             None => {
-                let task_ids: Vec<String> = rec.state.plan.iter().map(|p| p.task_id.clone()).collect();
+                let task_ids: Vec<String> =
+                    rec.state.plan.iter().map(|p| p.task_id.clone()).collect();
                 let schema = llm::response_schema(&self.catalog, &task_ids);
                 let messages = llm::compose_context(
                     &llm::system_prompt(&self.catalog),
@@ -162,20 +205,38 @@ impl Pm {
                     &state_summary(rec),
                     feedback_text(rec).as_deref(),
                 );
-                match self.llm.next_reply(&messages, &schema, &task_ids, &self.catalog).await {
+                match self
+                    .llm
+                    .next_reply(&messages, &schema, &task_ids, &self.catalog)
+                    .await
+                {
                     Ok((reply, raw, attempts)) => {
-                        rec.phase = Phase::Act { reply: reply.clone() };
+                        rec.phase = Phase::Act {
+                            reply: reply.clone(),
+                        };
                         rec.feedback.clear();
-                        rec.event("model_reply", json!({ "turn": rec.turn, "type": reply.kind, "attempts": attempts }));
+                        rec.event(
+                            "model_reply",
+                            json!({ "turn": rec.turn, "type": reply.kind, "attempts": attempts }),
+                        );
                         self.store
-                            .save(rec, version, &[("model_reply", json!({ "turn": rec.turn, "raw": raw, "reply": reply }))])
+                            .save(
+                                rec,
+                                version,
+                                &[(
+                                    "model_reply",
+                                    json!({ "turn": rec.turn, "raw": raw, "reply": reply }),
+                                )],
+                            )
                             .await?;
                         failpoint("after_model_reply");
                         return Ok(());
                     }
                     Err(e) => {
                         let kind = match &e {
-                            LlmError::ModelContractViolation { .. } => FailureKind::ModelContractViolation,
+                            LlmError::ModelContractViolation { .. } => {
+                                FailureKind::ModelContractViolation
+                            }
                             _ => FailureKind::ModelUnavailable,
                         };
                         rec.fail(kind, e.to_string());
@@ -190,10 +251,19 @@ impl Pm {
         Ok(())
     }
 
-    async fn act(&self, rec: &mut SessionRecord, version: i64, reply: LlmOutput, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<(), DriverError> {
-        progress(Progress::Reply { kind: format!("{:?}", reply.kind) });
+    async fn act(
+        &self,
+        rec: &mut SessionRecord,
+        version: i64,
+        reply: LlmOutput,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<(), DriverError> {
+        progress(Progress::Reply {
+            kind: format!("{:?}", reply.kind),
+        });
         if let Err(e) = apply_state_patch(rec, &reply) {
-            rec.feedback.push(format!("your state_patch was rejected: {e}"));
+            rec.feedback
+                .push(format!("your state_patch was rejected: {e}"));
         } else if !reply.state_patch.is_empty() {
             progress(Progress::Plan(rec.state.plan.clone()));
         }
@@ -209,18 +279,29 @@ impl Pm {
             Ok(TypedPayload::PlanUpdate(_)) => next_turn(rec),
             Ok(TypedPayload::Message(m)) => {
                 rec.status = SessionStatus::AwaitingInput;
-                rec.phase = Phase::AwaitInput { question: m.text.clone() };
+                rec.phase = Phase::AwaitInput {
+                    question: m.text.clone(),
+                };
                 rec.event("question", json!({ "text": m.text }));
             }
             Ok(TypedPayload::Final(f)) => {
                 let changeset = if rec.jobs_dispatched > 0 {
-                    self.worker.changeset(&rec.workspace_id).await.ok().filter(|d| !d.trim().is_empty())
+                    self.worker
+                        .changeset(&rec.workspace_id)
+                        .await
+                        .ok()
+                        .filter(|d| !d.trim().is_empty())
                 } else {
                     None
                 };
                 rec.deliverable = Some(Deliverable {
                     summary: f.summary.clone(),
-                    artifacts: rec.state.artifacts.iter().map(|a| a.record.clone()).collect(),
+                    artifacts: rec
+                        .state
+                        .artifacts
+                        .iter()
+                        .map(|a| a.record.clone())
+                        .collect(),
                     changeset,
                 });
                 rec.status = SessionStatus::Completed;
@@ -245,7 +326,10 @@ impl Pm {
         rec.turn += 1;
         rec.phase = Phase::Think;
         if rec.jobs_dispatched >= rec.budgets.max_jobs {
-            rec.fail(FailureKind::BudgetExhausted, format!("max_jobs {} reached", rec.budgets.max_jobs));
+            rec.fail(
+                FailureKind::BudgetExhausted,
+                format!("max_jobs {} reached", rec.budgets.max_jobs),
+            );
             self.store.save(rec, version, &[]).await?;
             return Ok(());
         }
@@ -272,7 +356,10 @@ impl Pm {
         let built = match build_job(skill, &j.inputs, &r) {
             Ok(b) => b,
             Err(e) => {
-                rec.feedback.push(format!("job_request for task {} could not be built: {e}", j.task_id));
+                rec.feedback.push(format!(
+                    "job_request for task {} could not be built: {e}",
+                    j.task_id
+                ));
                 self.store.save(rec, version, &[]).await?;
                 return Ok(());
             }
@@ -284,15 +371,25 @@ impl Pm {
         };
         let decision = self.gate.evaluate(&input).await;
         if !decision.allowed {
-            let reasons: Vec<String> = decision.deny.iter().map(|v| format!("{}: {}", v.rule, v.message)).collect();
+            let reasons: Vec<String> = decision
+                .deny
+                .iter()
+                .map(|v| format!("{}: {}", v.rule, v.message))
+                .collect();
             rec.attempts.insert(j.task_id.clone(), attempt + 1);
-            rec.event("policy_denied", json!({ "task_id": j.task_id, "skill_id": j.skill_id, "reasons": reasons }));
+            rec.event(
+                "policy_denied",
+                json!({ "task_id": j.task_id, "skill_id": j.skill_id, "reasons": reasons }),
+            );
             rec.feedback.push(format!(
                 "policy_violation: the job for task {} was denied and not run: {}. Choose different inputs or another skill.",
                 j.task_id,
                 reasons.join("; ")
             ));
-            progress(Progress::PolicyDenied { task_id: j.task_id.clone(), reasons });
+            progress(Progress::PolicyDenied {
+                task_id: j.task_id.clone(),
+                reasons,
+            });
             self.store.save(rec, version, &[]).await?;
             return Ok(());
         }
@@ -306,18 +403,36 @@ impl Pm {
         rec.attempts.insert(j.task_id.clone(), attempt + 1);
         rec.jobs_dispatched += 1;
         rec.state.active_job_id = Some(dispatch.job_id.clone());
-        rec.state.skill_context.insert(skill.manifest.skill_id.clone(), skill.manifest.version.clone());
+        rec.state.skill_context.insert(
+            skill.manifest.skill_id.clone(),
+            skill.manifest.version.clone(),
+        );
         set_task_status(rec, &j.task_id, TaskStatus::InProgress);
-        rec.phase = Phase::Await { dispatch: dispatch.clone() };
+        rec.phase = Phase::Await {
+            dispatch: dispatch.clone(),
+        };
         rec.event("job_dispatched", json!({ "job_id": dispatch.job_id, "task_id": dispatch.task_id, "skill_id": dispatch.skill_id }));
         self.store
-            .save(rec, version, &[("dispatch", serde_json::to_value(&dispatch).unwrap_or(Value::Null))])
+            .save(
+                rec,
+                version,
+                &[(
+                    "dispatch",
+                    serde_json::to_value(&dispatch).unwrap_or(Value::Null),
+                )],
+            )
             .await?;
         failpoint("after_dispatch");
         Ok(())
     }
 
-    async fn await_job(&self, rec: &mut SessionRecord, version: i64, d: Dispatch, progress: &mut (dyn FnMut(Progress) + Send)) -> Result<(), DriverError> {
+    async fn await_job(
+        &self,
+        rec: &mut SessionRecord,
+        version: i64,
+        d: Dispatch,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<(), DriverError> {
         progress(Progress::Dispatched {
             job_id: d.job_id.clone(),
             task_id: d.task_id.clone(),
@@ -337,7 +452,12 @@ impl Pm {
         let outcome = async {
             self.worker.submit(&req).await?;
             let job_id = d.job_id.clone();
-            let mut on_state = |s: AsyncJobState| progress(Progress::JobState { job_id: job_id.clone(), state: s });
+            let mut on_state = |s: AsyncJobState| {
+                progress(Progress::JobState {
+                    job_id: job_id.clone(),
+                    state: s,
+                })
+            };
             self.worker.wait(&d.job_id, &mut on_state).await
         }
         .await;
@@ -349,7 +469,10 @@ impl Pm {
                 return Ok(());
             }
             Err(e) => {
-                rec.fail(FailureKind::InternalError, format!("worker refused job {}: {e}", d.job_id));
+                rec.fail(
+                    FailureKind::InternalError,
+                    format!("worker refused job {}: {e}", d.job_id),
+                );
                 self.store.save(rec, version, &[]).await?;
                 return Ok(());
             }
@@ -358,7 +481,14 @@ impl Pm {
         rec.state.active_job_id = None;
         rec.phase = Phase::Think;
         self.store
-            .save(rec, version, &[("job_result", json!({ "job_id": d.job_id, "status": resp.status }))])
+            .save(
+                rec,
+                version,
+                &[(
+                    "job_result",
+                    json!({ "job_id": d.job_id, "status": resp.status }),
+                )],
+            )
             .await?;
         failpoint("after_result");
         if let Err(e) = self.worker.ack(&d.job_id).await {
@@ -368,24 +498,50 @@ impl Pm {
     }
 
     /// Verifies and stores artifacts, updates the plan, and writes the model's summary.
-    async fn take_result(&self, rec: &mut SessionRecord, d: &Dispatch, resp: &RunJobResponse, progress: &mut (dyn FnMut(Progress) + Send)) {
+    async fn take_result(
+        &self,
+        rec: &mut SessionRecord,
+        d: &Dispatch,
+        resp: &RunJobResponse,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) {
         let mut ok = resp.status == WorkerJobStatus::Completed;
         if resp.job_id != d.job_id {
             ok = false;
-            rec.feedback.push(format!("the worker answered for job {} instead of {}", resp.job_id, d.job_id));
+            rec.feedback.push(format!(
+                "the worker answered for job {} instead of {}",
+                resp.job_id, d.job_id
+            ));
         }
-        let claimed = resp.sba_result.as_ref().map(|r| r.artifacts.clone()).unwrap_or_default();
+        let claimed = resp
+            .sba_result
+            .as_ref()
+            .map(|r| r.artifacts.clone())
+            .unwrap_or_default();
         let mut integrity = Vec::new();
         for a in &claimed {
             let fetched = self.worker.artifact(&d.job_id, &a.path).await;
-            let stored = fetched
-                .map_err(anyhow::Error::from)
-                .and_then(|bytes| verify_and_store(&self.artifacts_dir, &a.path, &a.sha256, a.size_bytes, &bytes));
+            let stored = fetched.map_err(anyhow::Error::from).and_then(|bytes| {
+                verify_and_store(
+                    &self.artifacts_dir,
+                    &a.path,
+                    &a.sha256,
+                    a.size_bytes,
+                    &bytes,
+                )
+            });
             match stored {
                 Ok(loc) => {
                     let location = loc.display().to_string();
-                    let _ = self.store.put_artifact(&a.sha256, a.size_bytes, &location).await;
-                    rec.state.artifacts.push(SessionArtifact { record: a.clone(), job_id: d.job_id.clone(), location });
+                    let _ = self
+                        .store
+                        .put_artifact(&a.sha256, a.size_bytes, &location)
+                        .await;
+                    rec.state.artifacts.push(SessionArtifact {
+                        record: a.clone(),
+                        job_id: d.job_id.clone(),
+                        location,
+                    });
                 }
                 Err(e) if e.downcast_ref::<IntegrityError>().is_some() => {
                     integrity.push(e.to_string());
@@ -395,14 +551,18 @@ impl Pm {
         }
         if !integrity.is_empty() {
             ok = false;
-            rec.event("artifact_integrity_failure", json!({ "job_id": d.job_id, "errors": integrity }));
+            rec.event(
+                "artifact_integrity_failure",
+                json!({ "job_id": d.job_id, "errors": integrity }),
+            );
             rec.feedback.push(format!(
                 "artifact_integrity_failure: artifacts of job {} were rejected: {}",
                 d.job_id,
                 integrity.join("; ")
             ));
         }
-        let exhausted = rec.attempts.get(&d.task_id).copied().unwrap_or(0) >= rec.budgets.max_attempts_per_task;
+        let exhausted =
+            rec.attempts.get(&d.task_id).copied().unwrap_or(0) >= rec.budgets.max_attempts_per_task;
         let status = if ok {
             TaskStatus::Done
         } else if exhausted || !integrity.is_empty() {
@@ -412,9 +572,15 @@ impl Pm {
         };
         set_task_status(rec, &d.task_id, status);
         let label = format!("{:?}", resp.status).to_lowercase();
-        rec.event("job_finished", json!({ "job_id": d.job_id, "status": label, "task_status": status }));
+        rec.event(
+            "job_finished",
+            json!({ "job_id": d.job_id, "status": label, "task_status": status }),
+        );
         rec.feedback.push(summarize(d, resp));
-        progress(Progress::JobDone { job_id: d.job_id.clone(), status: label });
+        progress(Progress::JobDone {
+            job_id: d.job_id.clone(),
+            status: label,
+        });
     }
 }
 
@@ -434,15 +600,19 @@ pub fn apply_state_patch(rec: &mut SessionRecord, reply: &LlmOutput) -> Result<(
         return Ok(());
     }
     for op in &reply.state_patch {
-        let allowed = ["/plan", "/notes"].iter().any(|p| op.path == *p || op.path.starts_with(&format!("{p}/")));
+        let allowed = ["/plan", "/notes"]
+            .iter()
+            .any(|p| op.path == *p || op.path.starts_with(&format!("{p}/")));
         if !allowed {
             return Err(format!("path {} is outside /plan and /notes", op.path));
         }
     }
     let before = rec.state.plan.clone();
     let mut doc = json!({ "plan": rec.state.plan, "notes": rec.state.notes });
-    let patch: json_patch::Patch =
-        serde_json::from_value(serde_json::to_value(&reply.state_patch).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let patch: json_patch::Patch = serde_json::from_value(
+        serde_json::to_value(&reply.state_patch).map_err(|e| e.to_string())?,
+    )
+    .map_err(|e| e.to_string())?;
     json_patch::patch(&mut doc, &patch).map_err(|e| e.to_string())?;
     let mut plan_values = doc["plan"].as_array().cloned().unwrap_or_default();
     for v in &mut plan_values {
@@ -451,8 +621,10 @@ pub fn apply_state_patch(rec: &mut SessionRecord, reply: &LlmOutput) -> Result<(
             o.entry("version").or_insert(json!(0));
         }
     }
-    let mut plan: Vec<PlanEntry> = serde_json::from_value(Value::Array(plan_values)).map_err(|e| format!("plan: {e}"))?;
-    let notes: Vec<String> = serde_json::from_value(doc["notes"].clone()).map_err(|e| format!("notes: {e}"))?;
+    let mut plan: Vec<PlanEntry> =
+        serde_json::from_value(Value::Array(plan_values)).map_err(|e| format!("plan: {e}"))?;
+    let notes: Vec<String> =
+        serde_json::from_value(doc["notes"].clone()).map_err(|e| format!("notes: {e}"))?;
     for p in &mut plan {
         match before.iter().find(|b| b.task_id == p.task_id) {
             Some(b) if b == p => {}
@@ -494,7 +666,15 @@ pub fn summarize(d: &Dispatch, resp: &RunJobResponse) -> String {
                     let mut o = json!({ "id": s.id, "type": s.step_type, "status": s.status });
                     if let Some(out) = &s.result {
                         let full = serde_json::to_value(out).unwrap_or(Value::Null);
-                        for k in ["exit_code", "truncated", "files_modified", "files_created", "files_deleted", "size_bytes", "path"] {
+                        for k in [
+                            "exit_code",
+                            "truncated",
+                            "files_modified",
+                            "files_created",
+                            "files_deleted",
+                            "size_bytes",
+                            "path",
+                        ] {
                             if !full[k].is_null() {
                                 o[k] = full[k].clone();
                             }

@@ -14,6 +14,7 @@ pub mod dispatch;
 pub mod driver;
 pub mod llm;
 pub mod policy;
+pub mod run;
 pub mod session;
 pub mod skills;
 pub mod store;

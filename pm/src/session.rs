@@ -210,7 +210,10 @@ impl SessionRecord {
     /// Ends the session as failed.
     pub fn fail(&mut self, kind: FailureKind, message: impl Into<String>) {
         let message = message.into();
-        self.event("failed", serde_json::json!({ "kind": kind.as_str(), "message": message }));
+        self.event(
+            "failed",
+            serde_json::json!({ "kind": kind.as_str(), "message": message }),
+        );
         self.failure = Some(Failure { kind, message });
         self.status = SessionStatus::Failed;
         self.phase = Phase::Done;
@@ -228,5 +231,7 @@ pub fn now_rfc3339() -> String {
     let fmt = time::macros::format_description!(
         "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
     );
-    time::OffsetDateTime::now_utc().format(&fmt).unwrap_or_default()
+    time::OffsetDateTime::now_utc()
+        .format(&fmt)
+        .unwrap_or_default()
 }

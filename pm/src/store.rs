@@ -83,10 +83,17 @@ impl Store {
         } else {
             return Err(StoreError::Unsupported(url.to_string()));
         };
-        let pool = AnyPoolOptions::new().max_connections(8).connect(&url).await?;
+        let pool = AnyPoolOptions::new()
+            .max_connections(8)
+            .connect(&url)
+            .await?;
         if url.starts_with("sqlite://") {
-            sqlx::query("PRAGMA journal_mode=WAL").execute(&pool).await?;
-            sqlx::query("PRAGMA busy_timeout=10000").execute(&pool).await?;
+            sqlx::query("PRAGMA journal_mode=WAL")
+                .execute(&pool)
+                .await?;
+            sqlx::query("PRAGMA busy_timeout=10000")
+                .execute(&pool)
+                .await?;
         }
         migrator.run(&pool).await?;
         Ok(Store { pool })
@@ -126,7 +133,12 @@ impl Store {
 
     /// Saves `rec` if nobody changed it since `version`, appending `journal` entries in the
     /// same transaction. Returns the new version.
-    pub async fn save(&self, rec: &SessionRecord, version: i64, journal: &[(&str, serde_json::Value)]) -> Result<i64> {
+    pub async fn save(
+        &self,
+        rec: &SessionRecord,
+        version: i64,
+        journal: &[(&str, serde_json::Value)],
+    ) -> Result<i64> {
         let mut tx = self.pool.begin().await?;
         let res = sqlx::query(
             "UPDATE sessions SET status = $1, record_json = $2, version = version + 1, updated_at = $3 \
@@ -143,11 +155,12 @@ impl Store {
             return Err(StoreError::Conflict(rec.state.session_id.clone()));
         }
         if !journal.is_empty() {
-            let next: i64 = sqlx::query("SELECT COALESCE(MAX(seq), 0) FROM journal WHERE session_id = $1")
-                .bind(rec.state.session_id.clone())
-                .fetch_one(&mut *tx)
-                .await?
-                .try_get(0)?;
+            let next: i64 =
+                sqlx::query("SELECT COALESCE(MAX(seq), 0) FROM journal WHERE session_id = $1")
+                    .bind(rec.state.session_id.clone())
+                    .fetch_one(&mut *tx)
+                    .await?
+                    .try_get(0)?;
             for (i, (kind, data)) in journal.iter().enumerate() {
                 sqlx::query(
                     "INSERT INTO journal (session_id, seq, kind, data_json, created_at) VALUES ($1, $2, $3, $4, $5)",
@@ -167,26 +180,35 @@ impl Store {
 
     /// The session's journal in order.
     pub async fn journal(&self, session_id: &str) -> Result<Vec<JournalEntry>> {
-        let rows = sqlx::query("SELECT seq, kind, data_json FROM journal WHERE session_id = $1 ORDER BY seq")
-            .bind(session_id.to_string())
-            .fetch_all(&self.pool)
-            .await?;
+        let rows = sqlx::query(
+            "SELECT seq, kind, data_json FROM journal WHERE session_id = $1 ORDER BY seq",
+        )
+        .bind(session_id.to_string())
+        .fetch_all(&self.pool)
+        .await?;
         rows.iter().map(entry).collect()
     }
 
     /// Sessions, newest first, optionally with one status.
     pub async fn list(&self, status: Option<&str>) -> Result<Vec<SessionRecord>> {
-        let rows = match status {
-            Some(s) => {
-                sqlx::query("SELECT record_json FROM sessions WHERE status = $1 ORDER BY created_at DESC")
-                    .bind(s.to_string())
-                    .fetch_all(&self.pool)
-                    .await?
-            }
-            None => sqlx::query("SELECT record_json FROM sessions ORDER BY created_at DESC").fetch_all(&self.pool).await?,
-        };
+        let rows =
+            match status {
+                Some(s) => sqlx::query(
+                    "SELECT record_json FROM sessions WHERE status = $1 ORDER BY created_at DESC",
+                )
+                .bind(s.to_string())
+                .fetch_all(&self.pool)
+                .await?,
+                None => {
+                    sqlx::query("SELECT record_json FROM sessions ORDER BY created_at DESC")
+                        .fetch_all(&self.pool)
+                        .await?
+                }
+            };
         rows.iter()
-            .map(|r| -> Result<SessionRecord> { Ok(serde_json::from_str(&r.try_get::<String, _>(0)?)?) })
+            .map(|r| -> Result<SessionRecord> {
+                Ok(serde_json::from_str(&r.try_get::<String, _>(0)?)?)
+            })
             .collect()
     }
 

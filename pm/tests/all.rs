@@ -1,7 +1,8 @@
 //! Integration tests of cynode-pm.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-mod policy;
+mod e2e;
 mod llm;
+mod policy;
 mod skills;
 mod store;

@@ -934,7 +934,9 @@ fn context_is_system_then_objective_state_and_event_in_order() {
 // TEMPORARY PROBE (removed before handing back)
 #[tokio::test]
 async fn zz_real_llama_probe() {
-    let Ok(url) = std::env::var("CYNODE_LLM_PROBE") else { return };
+    let Ok(url) = std::env::var("CYNODE_LLM_PROBE") else {
+        return;
+    };
     let mut cfg = ModelConfig::new(url, "smollm2");
     cfg.timeout = Duration::from_secs(120);
     cfg.max_tokens = 400;
@@ -942,7 +944,12 @@ async fn zz_real_llama_probe() {
     eprintln!("models: {:?}", client.models().await);
     let cat = catalog();
     let schema = response_schema(&cat, &[]);
-    let msgs = compose_context(&system_prompt(&cat), "list the files of the repository", &json!({"plan": [], "notes": []}), None);
+    let msgs = compose_context(
+        &system_prompt(&cat),
+        "list the files of the repository",
+        &json!({"plan": [], "notes": []}),
+        None,
+    );
     for i in 0..3 {
         let t = Instant::now();
         let r = client.next_reply(&msgs, &schema, &[], &cat).await;

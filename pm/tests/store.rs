@@ -12,10 +12,17 @@ fn postgres_url() -> &'static str {
     static URL: OnceLock<String> = OnceLock::new();
     URL.get_or_init(|| {
         let out = Command::new("bash")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/postgres/start.sh"))
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../deploy/postgres/start.sh"
+            ))
             .output()
             .expect("run deploy/postgres/start.sh");
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         let text = String::from_utf8_lossy(&out.stdout);
         text.lines()
             .find_map(|l| l.strip_prefix("CYNODE_TEST_POSTGRES_URL="))
@@ -32,14 +39,26 @@ async fn state_round_trip(store: &Store) {
     let id = unique("s");
     let mut rec = SessionRecord::new(&id, "tenant-a", "make the tests pass", Budgets::default());
     assert!(store.create(&rec).await.unwrap());
-    assert!(!store.create(&rec).await.unwrap(), "create is idempotent on session_id");
+    assert!(
+        !store.create(&rec).await.unwrap(),
+        "create is idempotent on session_id"
+    );
     let (loaded, v1) = store.load(&id).await.unwrap().unwrap();
     assert_eq!((loaded, v1), (rec.clone(), 1));
 
-    rec.phase = Phase::AwaitInput { question: "which branch?".into() };
+    rec.phase = Phase::AwaitInput {
+        question: "which branch?".into(),
+    };
     rec.status = SessionStatus::AwaitingInput;
     let v2 = store
-        .save(&rec, v1, &[("model_reply", json!({ "turn": 0, "raw": "{}" })), ("note", json!({ "x": 1 }))])
+        .save(
+            &rec,
+            v1,
+            &[
+                ("model_reply", json!({ "turn": 0, "raw": "{}" })),
+                ("note", json!({ "x": 1 })),
+            ],
+        )
         .await
         .unwrap();
     assert_eq!(v2, 2);
@@ -57,18 +76,28 @@ async fn state_round_trip(store: &Store) {
     let waiting = store.list(Some("awaiting_input")).await.unwrap();
     assert!(waiting.iter().any(|r| r.state.session_id == id));
     assert!(store.load("no-such-session").await.unwrap().is_none());
-    store.put_artifact("ab".repeat(32).as_str(), 3, "/x").await.unwrap();
-    store.put_artifact("ab".repeat(32).as_str(), 3, "/x").await.unwrap();
+    store
+        .put_artifact("ab".repeat(32).as_str(), 3, "/x")
+        .await
+        .unwrap();
+    store
+        .put_artifact("ab".repeat(32).as_str(), 3, "/x")
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
 async fn sqlite_state() {
     let dir = tempfile::tempdir().unwrap();
-    let store = Store::connect(&format!("sqlite://{}", dir.path().join("pm.db").display())).await.unwrap();
+    let store = Store::connect(&format!("sqlite://{}", dir.path().join("pm.db").display()))
+        .await
+        .unwrap();
     state_round_trip(&store).await;
     // Reopening the file keeps everything.
     drop(store);
-    let again = Store::connect(&format!("sqlite://{}", dir.path().join("pm.db").display())).await.unwrap();
+    let again = Store::connect(&format!("sqlite://{}", dir.path().join("pm.db").display()))
+        .await
+        .unwrap();
     assert_eq!(again.list(None).await.unwrap().len(), 1);
 }
 
@@ -81,5 +110,8 @@ async fn postgres_state() {
 #[tokio::test]
 async fn unsupported_datastore_is_a_clear_error() {
     let e = Store::connect("mysql://x").await.unwrap_err();
-    assert_eq!(e.to_string(), "unsupported datastore `mysql://x`: use sqlite://PATH or postgres://…");
+    assert_eq!(
+        e.to_string(),
+        "unsupported datastore `mysql://x`: use sqlite://PATH or postgres://…"
+    );
 }

@@ -1,0 +1,352 @@
+//! `cynode-pm run` end to end: the real binary, a real local `cynode-worker` (bwrap
+//! backend) running the real SBA, SQLite, and a scripted OpenAI-compatible model server
+//! (real HTTP) whose replies drive the loop. Crash-resume uses the PM's failpoints.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use axum::extract::State;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn script(args: &[&str]) -> String {
+    let out = Command::new("bash")
+        .args(args)
+        .current_dir(repo())
+        .env("CYNODE_SKIP_SMOKE", "1")
+        .output()
+        .expect("run setup script");
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .lines()
+        .last()
+        .unwrap_or("")
+        .to_string()
+}
+
+/// The sandbox image's root filesystem for bwrap, and the worker binary beside cynode-pm.
+fn env() -> &'static PathBuf {
+    static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
+    ROOTFS.get_or_init(|| {
+        script(&["deploy/install-deps.sh"]);
+        let bin = script(&["deploy/sba/build-static.sh"]);
+        script(&["deploy/sba/build-test-image.sh", &bin]);
+        let worker = Path::new(env!("CARGO_BIN_EXE_cynode-pm")).with_file_name("cynode-worker");
+        if !worker.is_file() {
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let ok = Command::new(cargo)
+                .args(["build", "-p", "cynode-worker", "--bin", "cynode-worker"])
+                .current_dir(repo())
+                .status()
+                .unwrap()
+                .success();
+            assert!(ok, "cannot build cynode-worker");
+        }
+        PathBuf::from(script(&[
+            "deploy/sba/export-rootfs.sh",
+            "localhost/cynode-sba-test:latest",
+        ]))
+    })
+}
+
+/// A scripted model: answers each chat completion with the next scripted content.
+#[derive(Clone, Default)]
+struct Model {
+    script: Arc<Mutex<Vec<String>>>,
+    requests: Arc<Mutex<Vec<Value>>>,
+}
+
+impl Model {
+    fn requests(&self) -> Vec<Value> {
+        self.requests.lock().unwrap().clone()
+    }
+}
+
+async fn completions(State(m): State<Model>, Json(body): Json<Value>) -> Json<Value> {
+    m.requests.lock().unwrap().push(body);
+    let content = {
+        let mut s = m.script.lock().unwrap();
+        if s.is_empty() {
+            "{\"type\":\"final\",\"state_patch\":[],\"payload\":{\"summary\":\"script exhausted\"}}"
+                .to_string()
+        } else {
+            s.remove(0)
+        }
+    };
+    Json(json!({
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "smollm2",
+        "choices": [{ "index": 0, "message": { "role": "assistant", "content": content }, "finish_reason": "stop" }],
+        "usage": { "prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20 }
+    }))
+}
+
+async fn models() -> Json<Value> {
+    Json(
+        json!({ "object": "list", "data": [{ "id": "smollm2", "object": "model", "owned_by": "test" }] }),
+    )
+}
+
+/// Starts the scripted model on 127.0.0.1 in a background thread; returns its base URL.
+fn model_server(script: Vec<Value>) -> (String, Model) {
+    let m = Model {
+        script: Arc::new(Mutex::new(
+            script
+                .into_iter()
+                .map(|v| {
+                    if let Value::String(s) = v {
+                        s
+                    } else {
+                        v.to_string()
+                    }
+                })
+                .collect(),
+        )),
+        ..Default::default()
+    };
+    let app = Router::new()
+        .route("/v1/chat/completions", post(completions))
+        .route("/v1/models", get(models))
+        .with_state(m.clone());
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(l.local_addr().unwrap()).unwrap();
+            axum::serve(l, app).await.unwrap();
+        });
+    });
+    let addr = rx.recv().unwrap();
+    (format!("http://{addr}/v1"), m)
+}
+
+fn pm(state: &Path, model: &str, args: &[&str], failpoint: Option<&str>) -> Output {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_cynode-pm"));
+    c.args(["--output", "json"])
+        .args(args)
+        .arg("--state-dir")
+        .arg(state)
+        .args(["--local-backend", "bwrap", "--local-bwrap-rootfs"])
+        .arg(env())
+        .args(["--model-base-url", model])
+        .current_dir(repo())
+        .env_remove("CYNODE_PM_FAILPOINT");
+    if let Some(f) = failpoint {
+        c.env("CYNODE_PM_FAILPOINT", f);
+    }
+    c.output().unwrap()
+}
+
+fn session_id(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("session s-")
+                .map(|r| format!("s-{}", r.split_whitespace().next().unwrap_or("")))
+        })
+        .unwrap_or_else(|| panic!("no session id in: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+fn final_state(out: &Output) -> Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: stdout {} stderr {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+fn happy_script() -> Vec<Value> {
+    vec![
+        json!({ "type": "plan_update", "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write the greeting", "status": "pending" } },
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t2", "description": "find it again", "status": "pending" } }
+        ], "payload": { "note": "two tasks" } }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
+            "inputs": { "files": [{ "path": "hello.txt", "content": "hello from the model\n" }] } } }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t2", "skill_id": "search-code",
+            "inputs": { "pattern": "hello" } } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote hello.txt and found it", "artifacts": [] } }),
+    ]
+}
+
+#[test]
+fn objective_completes_through_worker_and_sba() {
+    let state = tempfile::tempdir().unwrap();
+    let (url, model) = model_server(happy_script());
+    let out = pm(state.path(), &url, &["run", "greet the world"], None);
+    let v = final_state(&out);
+    assert_eq!(out.status.code(), Some(0), "{v}");
+    assert_eq!(v["status"], "completed");
+    assert_eq!(v["deliverable"]["summary"], "wrote hello.txt and found it");
+    let plan: Vec<(String, String)> = v["state"]["plan"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            (
+                p["task_id"].as_str().unwrap().to_string(),
+                p["status"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        plan,
+        [
+            ("t1".to_string(), "done".to_string()),
+            ("t2".to_string(), "done".to_string())
+        ]
+    );
+    assert_eq!(v["jobs_dispatched"], 2);
+    let changeset = v["deliverable"]["changeset"].as_str().unwrap_or("");
+    assert!(changeset.contains("+hello from the model"), "{changeset}");
+    let reqs = model.requests();
+    assert_eq!(reqs.len(), 4);
+    assert_eq!(reqs[0]["response_format"]["type"], "json_schema");
+    // The search result reached the model as a compact summary.
+    let last = reqs[3].to_string();
+    assert!(last.contains("hello.txt"), "{last}");
+}
+
+fn crash_then_resume(failpoint: &str) {
+    let state = tempfile::tempdir().unwrap();
+    let (url, model) = model_server(happy_script());
+    let out = pm(
+        state.path(),
+        &url,
+        &["run", "greet the world"],
+        Some(failpoint),
+    );
+    assert_ne!(out.status.code(), Some(0), "the failpoint did not fire");
+    let id = session_id(&out);
+    let out = pm(state.path(), &url, &["sessions", "resume", &id], None);
+    let v = final_state(&out);
+    assert_eq!(
+        (out.status.code(), v["status"].clone()),
+        (Some(0), json!("completed")),
+        "{v}"
+    );
+    // No duplicate model call: exactly one request per scripted reply.
+    assert_eq!(model.requests().len(), 4, "{failpoint}");
+    // No duplicate job: write-files refuses to overwrite, so a second run would have failed.
+    assert_eq!(v["jobs_dispatched"], 2);
+    let events: Vec<&str> = v["state"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        events.iter().filter(|k| **k == "job_dispatched").count(),
+        2,
+        "{events:?}"
+    );
+    assert!(
+        v["state"]["plan"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|p| p["status"] == "done"),
+        "{v}"
+    );
+}
+
+#[test]
+fn crash_after_model_reply_resumes_without_asking_again() {
+    crash_then_resume("after_model_reply");
+}
+
+#[test]
+fn crash_after_dispatch_resumes_without_a_second_job() {
+    crash_then_resume("after_dispatch");
+}
+
+#[test]
+fn crash_after_result_resumes_without_a_second_job() {
+    crash_then_resume("after_result");
+}
+
+#[test]
+fn invalid_model_output_fails_with_model_contract_violation() {
+    let state = tempfile::tempdir().unwrap();
+    let garbage: Vec<Value> = (0..10)
+        .map(|_| Value::String("this is not json".into()))
+        .collect();
+    let (url, model) = model_server(garbage);
+    let out = pm(state.path(), &url, &["run", "anything"], None);
+    let v = final_state(&out);
+    assert_eq!(out.status.code(), Some(1), "{v}");
+    assert_eq!(v["failure"]["kind"], "model_contract_violation");
+    let n = model.requests().len();
+    assert!((2..=5).contains(&n), "asked {n} times");
+}
+
+#[test]
+fn policy_denial_is_fed_back_and_the_model_replans() {
+    let state = tempfile::tempdir().unwrap();
+    let script = vec![
+        json!({ "type": "plan_update", "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write a file", "status": "pending" } }
+        ], "payload": {} }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
+            "inputs": { "files": [{ "path": "../../etc/cron.d/evil", "content": "x" }] } } }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
+            "inputs": { "files": [{ "path": "ok.txt", "content": "x" }] } } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote ok.txt instead" } }),
+    ];
+    let (url, model) = model_server(script);
+    let out = pm(state.path(), &url, &["run", "write a file"], None);
+    let v = final_state(&out);
+    assert_eq!(out.status.code(), Some(0), "{v}");
+    let reqs = model.requests();
+    let third = reqs[2].to_string();
+    assert!(
+        third.contains("policy_violation") && third.contains("path_traversal"),
+        "{third}"
+    );
+    assert_eq!(v["jobs_dispatched"], 1);
+}
+
+#[test]
+fn clarification_round_trip() {
+    let state = tempfile::tempdir().unwrap();
+    let script = vec![
+        json!({ "type": "message", "state_patch": [], "payload": { "text": "Which file name should I use?" } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "used the answer" } }),
+    ];
+    let (url, model) = model_server(script);
+    let out = pm(state.path(), &url, &["run", "write something"], None);
+    let v = final_state(&out);
+    assert_eq!(out.status.code(), Some(3), "{v}");
+    assert_eq!(v["status"], "awaiting_input");
+    let id = session_id(&out);
+    let out = pm(
+        state.path(),
+        &url,
+        &["sessions", "resume", &id, "--answer", "notes.md"],
+        None,
+    );
+    let v = final_state(&out);
+    assert_eq!(
+        (out.status.code(), v["status"].clone()),
+        (Some(0), json!("completed")),
+        "{v}"
+    );
+    let second = model.requests()[1].to_string();
+    assert!(second.contains("notes.md"), "{second}");
+}
