@@ -191,61 +191,60 @@ impl Pm {
             .iter()
             .rev()
             .find(|e| e.kind == "model_reply" && e.data["turn"] == json!(rec.turn));
-        let reply: LlmOutput = match stored
-            .and_then(|e| serde_json::from_value(e.data["reply"].clone()).ok())
-        {
-            Some(r) => r,
-            None => {
-                let task_ids: Vec<String> =
-                    rec.state.plan.iter().map(|p| p.task_id.clone()).collect();
-                let schema = llm::response_schema(&self.catalog, &task_ids);
-                let messages = llm::compose_context(
-                    &llm::system_prompt(&self.catalog),
-                    &rec.state.objective,
-                    &state_summary(rec),
-                    feedback_text(rec).as_deref(),
-                );
-                match self
-                    .llm
-                    .next_reply(&messages, &schema, &task_ids, &self.catalog)
-                    .await
-                {
-                    Ok((reply, raw, attempts)) => {
-                        rec.phase = Phase::Act {
-                            reply: reply.clone(),
-                        };
-                        rec.feedback.clear();
-                        rec.event(
+        let reply: LlmOutput =
+            match stored.and_then(|e| serde_json::from_value(e.data["reply"].clone()).ok()) {
+                Some(r) => r,
+                None => {
+                    let task_ids: Vec<String> =
+                        rec.state.plan.iter().map(|p| p.task_id.clone()).collect();
+                    let schema = llm::response_schema(&self.catalog, &task_ids);
+                    let messages = llm::compose_context(
+                        &llm::system_prompt(&self.catalog),
+                        &rec.state.objective,
+                        &state_summary(rec),
+                        feedback_text(rec).as_deref(),
+                    );
+                    match self
+                        .llm
+                        .next_reply(&messages, &schema, &task_ids, &self.catalog)
+                        .await
+                    {
+                        Ok((reply, raw, attempts)) => {
+                            rec.phase = Phase::Act {
+                                reply: reply.clone(),
+                            };
+                            rec.feedback.clear();
+                            rec.event(
                             "model_reply",
                             json!({ "turn": rec.turn, "type": reply.kind, "attempts": attempts }),
                         );
-                        self.store
-                            .save(
-                                rec,
-                                version,
-                                &[(
-                                    "model_reply",
-                                    json!({ "turn": rec.turn, "raw": raw, "reply": reply }),
-                                )],
-                            )
-                            .await?;
-                        failpoint("after_model_reply");
-                        return Ok(());
-                    }
-                    Err(e) => {
-                        let kind = match &e {
-                            LlmError::ModelContractViolation { .. } => {
-                                FailureKind::ModelContractViolation
-                            }
-                            _ => FailureKind::ModelUnavailable,
-                        };
-                        rec.fail(kind, e.to_string());
-                        self.store.save(rec, version, &[]).await?;
-                        return Ok(());
+                            self.store
+                                .save(
+                                    rec,
+                                    version,
+                                    &[(
+                                        "model_reply",
+                                        json!({ "turn": rec.turn, "raw": raw, "reply": reply }),
+                                    )],
+                                )
+                                .await?;
+                            failpoint("after_model_reply");
+                            return Ok(());
+                        }
+                        Err(e) => {
+                            let kind = match &e {
+                                LlmError::ModelContractViolation { .. } => {
+                                    FailureKind::ModelContractViolation
+                                }
+                                _ => FailureKind::ModelUnavailable,
+                            };
+                            rec.fail(kind, e.to_string());
+                            self.store.save(rec, version, &[]).await?;
+                            return Ok(());
+                        }
                     }
                 }
-            }
-        };
+            };
         rec.phase = Phase::Act { reply };
         self.store.save(rec, version, &[]).await?;
         Ok(())

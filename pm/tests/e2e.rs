@@ -135,7 +135,18 @@ fn model_server(script: Vec<Value>) -> (String, Model) {
 }
 
 fn pm(state: &Path, model: &str, args: &[&str], failpoint: Option<&str>) -> Output {
+    pm_with(state, model, args, failpoint, &[])
+}
+
+fn pm_with(
+    state: &Path,
+    model: &str,
+    args: &[&str],
+    failpoint: Option<&str>,
+    envs: &[(&str, &str)],
+) -> Output {
     let mut c = Command::new(env!("CARGO_BIN_EXE_cynode-pm"));
+    c.envs(envs.iter().copied());
     c.args(["--output", "json"])
         .args(args)
         .arg("--state-dir")
@@ -349,4 +360,201 @@ fn clarification_round_trip() {
     );
     let second = model.requests()[1].to_string();
     assert!(second.contains("notes.md"), "{second}");
+}
+
+/// A worker started by the test (not by the PM), on `port` (0 = any).
+struct Worker {
+    child: std::process::Child,
+    addr: String,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const TOKEN: &str = "e2e-worker-token-0123456789";
+
+fn start_worker(port: u16) -> Worker {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(dir.path().join("token"), TOKEN).unwrap();
+    let cfg = format!(
+        "listen: 127.0.0.1:{port}\nbackend: bwrap\nstate_dir: {}\ntoken_file: {}\nbwrap:\n  rootfs:\n    \"localhost/cynode-sba-test:latest\": {}\n",
+        dir.path().join("state").display(),
+        dir.path().join("token").display(),
+        env().display()
+    );
+    std::fs::write(dir.path().join("w.yaml"), cfg).unwrap();
+    let bin = Path::new(env!("CARGO_BIN_EXE_cynode-pm")).with_file_name("cynode-worker");
+    let mut child = Command::new(bin)
+        .args(["serve", "--config"])
+        .arg(dir.path().join("w.yaml"))
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                if v["fields"]["message"] == "cynode-worker listening" {
+                    if let Some(t) = tx.take() {
+                        let _ = t.send(v["fields"]["addr"].as_str().unwrap().to_string());
+                    }
+                }
+            }
+        }
+    });
+    let addr = rx.recv_timeout(std::time::Duration::from_secs(60)).unwrap();
+    Worker {
+        child,
+        addr,
+        _dir: dir,
+    }
+}
+
+/// A test-only skill whose job leaves an artifact.
+fn report_skill(dir: &Path) -> PathBuf {
+    let pkg = dir.join("make-report");
+    std::fs::create_dir_all(pkg.join("examples")).unwrap();
+    std::fs::write(
+        pkg.join("skill.yaml"),
+        "skill_id: make-report\nversion: 1.0.0\ndescription: write report.txt and collect it\npurpose: base-tools\nallowed_commands: []\nlimits:\n  max_runtime_seconds: 60\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  required: [text]\n  properties:\n    text: { type: string, maxLength: 1000 }\n",
+    )
+    .unwrap();
+    std::fs::write(
+        pkg.join("job.json.j2"),
+        r#"{ "artifacts": ["report.txt"], "steps": [ { "id": "w", "type": "write_file", "arguments": { "path": "report.txt", "content": {{ inputs.text }} } } ] }"#,
+    )
+    .unwrap();
+    std::fs::write(pkg.join("examples/basic.json"), r#"{ "text": "x" }"#).unwrap();
+    dir.to_path_buf()
+}
+
+async fn tampering_proxy(upstream: String) -> String {
+    async fn forward(
+        State(up): State<String>,
+        req: axum::extract::Request,
+    ) -> axum::response::Response {
+        let (parts, body) = req.into_parts();
+        let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+        let url = format!("http://{up}{}", parts.uri);
+        let mut r = reqwest::Client::new()
+            .request(parts.method.clone(), url)
+            .body(bytes.to_vec());
+        if let Some(a) = parts.headers.get("authorization") {
+            r = r.header("authorization", a.to_str().unwrap());
+        }
+        if let Some(c) = parts.headers.get("content-type") {
+            r = r.header("content-type", c.to_str().unwrap());
+        }
+        let resp = r.send().await.unwrap();
+        let status = resp.status().as_u16();
+        let mut body = resp.bytes().await.unwrap().to_vec();
+        if parts.uri.path().contains("/artifacts/") {
+            body.extend_from_slice(b"tampered");
+        }
+        axum::response::Response::builder()
+            .status(status)
+            .header("content-type", "application/json")
+            .body(axum::body::Body::from(body))
+            .unwrap()
+    }
+    let app = Router::new().fallback(forward).with_state(upstream);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+#[test]
+fn tampered_artifact_is_rejected_with_artifact_integrity_failure() {
+    let worker = start_worker(0);
+    let skills = tempfile::tempdir().unwrap();
+    report_skill(skills.path());
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let proxy = rt.block_on(tampering_proxy(worker.addr.clone()));
+    let script = vec![
+        json!({ "type": "plan_update", "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "report", "status": "pending" } }
+        ], "payload": {} }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "make-report", "inputs": { "text": "genuine" } } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
+    ];
+    let (url, model) = model_server(script);
+    let state = tempfile::tempdir().unwrap();
+    let skill_dir = skills.path().display().to_string();
+    let out = pm_with(
+        state.path(),
+        &url,
+        &[
+            "run",
+            "make a report",
+            "--worker-endpoint",
+            &proxy,
+            "--skill-dir",
+            "skills",
+            "--skill-dir",
+            &skill_dir,
+        ],
+        None,
+        &[("CYNODE_WORKER_TOKEN", TOKEN)],
+    );
+    let v = final_state(&out);
+    let events: Vec<&str> = v["state"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    assert!(events.contains(&"artifact_integrity_failure"), "{events:?}");
+    assert_eq!(v["state"]["plan"][0]["status"], "failed", "{v}");
+    assert_eq!(
+        v["state"]["artifacts"],
+        json!([]),
+        "a rejected artifact must not be attached"
+    );
+    let third = model.requests()[2].to_string();
+    assert!(third.contains("artifact_integrity_failure"), "{third}");
+}
+
+#[test]
+fn worker_down_then_back_is_retried_without_duplicates() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (url, _model) = model_server(happy_script());
+    let state = tempfile::tempdir().unwrap();
+    let endpoint = format!("http://127.0.0.1:{port}");
+    let starter = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        start_worker(port)
+    });
+    let out = pm_with(
+        state.path(),
+        &url,
+        &["run", "greet the world", "--worker-endpoint", &endpoint],
+        None,
+        &[("CYNODE_WORKER_TOKEN", TOKEN)],
+    );
+    let _worker = starter.join().unwrap();
+    let v = final_state(&out);
+    assert_eq!(
+        (out.status.code(), v["status"].clone()),
+        (Some(0), json!("completed")),
+        "{v}"
+    );
+    assert_eq!(v["jobs_dispatched"], 2);
 }
