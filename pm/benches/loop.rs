@@ -1,0 +1,168 @@
+//! PM loop benchmark: the PM's own overhead per turn, and many concurrent sessions.
+//!
+//! `cargo bench -p cynode-pm --bench loop [-- --sessions N --worker URL --token T --image I]`
+//!
+//! 1. Overhead per turn: one session of 400 `plan_update` turns against a scripted model
+//!    that answers instantly over real HTTP on 127.0.0.1, with SQLite. Every turn is a
+//!    model request, reply validation, state patch, and a journaled save; the model's own
+//!    time is measured on the server side and subtracted. Prints p50/p95 (target p50 < 5 ms).
+//! 2. Concurrency: N sessions (default 200) on one process, each `plan_update` →
+//!    `job_request` (write-files) → `final`, dispatched to the worker given with `--worker`
+//!    (a bwrap worker is expected; without `--worker` the job step is skipped and each
+//!    session is plan_update → final). Prints sessions/s and failures (target: none).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::{Json, Router};
+use cynode_pm::dispatch::WorkerClient;
+use cynode_pm::driver::Pm;
+use cynode_pm::llm::{LlmClient, ModelConfig};
+use cynode_pm::policy::{Mode, PolicyGate, TenantPolicy};
+use cynode_pm::session::{Budgets, SessionRecord, SessionStatus};
+use cynode_pm::skills::Registry;
+use cynode_pm::store::Store;
+use serde_json::{json, Value};
+
+#[derive(Clone)]
+struct Model {
+    with_job: bool,
+    server_ns: Arc<AtomicU64>,
+}
+
+/// Answers by looking at the conversation: the reply depends only on how far the session is.
+async fn completions(State(m): State<Model>, Json(body): Json<Value>) -> Json<Value> {
+    let t = Instant::now();
+    let text = body["messages"].to_string();
+    let content = if text.contains("bench-long") {
+        let n = text.matches("bench-note").count();
+        if n >= 400 {
+            json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } })
+        } else {
+            json!({ "type": "plan_update", "state_patch": [{ "op": "add", "path": "/notes/-", "value": "bench-note" }], "payload": {} })
+        }
+    } else if !text.contains("\\\"t1\\\"") && !text.contains("\"t1\"") {
+        json!({ "type": "plan_update", "state_patch": [{ "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write", "status": "pending" } }], "payload": {} })
+    } else if m.with_job && !text.contains("result of job") {
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files", "inputs": { "files": [{ "path": "a.txt", "content": "x" }] } } })
+    } else {
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } })
+    };
+    let reply = json!({
+        "id": "x", "object": "chat.completion", "created": 0, "model": "bench",
+        "choices": [{ "index": 0, "message": { "role": "assistant", "content": content.to_string() }, "finish_reason": "stop" }],
+        "usage": { "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2 }
+    });
+    m.server_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    Json(reply)
+}
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+}
+
+async fn pm(model_url: &str, worker: Option<(String, String)>, image: &str, db: &str) -> Pm {
+    let repo = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let registry = Registry::load(&[repo.join("skills")]).unwrap_or_default();
+    let mut cfg = ModelConfig::new(model_url, "bench");
+    cfg.max_tokens = 256;
+    let (w, t) = worker.unwrap_or_else(|| ("http://127.0.0.1:9".into(), "none".into()));
+    Pm {
+        catalog: registry.catalog(),
+        registry,
+        store: Store::connect(db).await.unwrap_or_else(|e| panic!("store: {e}")),
+        gate: PolicyGate::builtin(Mode::Enforce).unwrap_or_else(|e| panic!("policy: {e}")),
+        tenant: TenantPolicy::default(),
+        llm: LlmClient::new(cfg),
+        worker: WorkerClient::new(&w, &t),
+        image: image.to_string(),
+        artifacts_dir: std::env::temp_dir().join("cynode-bench-artifacts"),
+    }
+}
+
+fn percentile(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() as f64 - 1.0) * p).round() as usize]
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap_or_else(|e| panic!("{e}"));
+    rt.block_on(async {
+        let worker = arg("--worker").map(|w| (w, arg("--token").unwrap_or_default()));
+        let image = arg("--image").unwrap_or_else(|| "localhost/cynode-sba-test:latest".into());
+        let sessions: usize = arg("--sessions").and_then(|s| s.parse().ok()).unwrap_or(200);
+        let model = Model { with_job: worker.is_some(), server_ns: Arc::new(AtomicU64::new(0)) };
+        let app = Router::new().route("/v1/chat/completions", post(completions)).with_state(model.clone());
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
+        let url = format!("http://{}/v1", l.local_addr().unwrap_or_else(|e| panic!("{e}")));
+        tokio::spawn(async move { axum::serve(l, app).await });
+        let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+
+        // 1. Overhead per turn.
+        let p = pm(&url, None, &image, &format!("sqlite://{}", dir.path().join("turns.db").display())).await;
+        let rec = SessionRecord::new("bench-long", "t", "bench-long objective", Budgets { max_turns: 1000, ..Budgets::default() });
+        p.create(&rec).await.unwrap_or_else(|e| panic!("{e}"));
+        let mut stamps = Vec::new();
+        let mut last = Instant::now();
+        let mut last_server = 0u64;
+        let rec = p
+            .run("bench-long", &mut |ev| {
+                if let cynode_pm::driver::Progress::Turn(_) = ev {
+                    let now = Instant::now();
+                    let server = model.server_ns.load(Ordering::Relaxed);
+                    let wall = now.duration_since(last).as_secs_f64() * 1000.0;
+                    let model_ms = (server - last_server) as f64 / 1e6;
+                    stamps.push(wall - model_ms);
+                    last = now;
+                    last_server = server;
+                }
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(rec.status, SessionStatus::Completed, "{:?}", rec.failure);
+        let mut turns: Vec<f64> = stamps.into_iter().skip(2).collect();
+        let n = turns.len();
+        let p50 = percentile(&mut turns, 0.5);
+        let p95 = percentile(&mut turns, 0.95);
+        println!("pm overhead per turn (SQLite, {n} turns): p50 {p50:.2} ms, p95 {p95:.2} ms (target p50 < 5 ms)");
+
+        // 2. Concurrent sessions.
+        let p = Arc::new(pm(&url, worker.clone(), &image, &format!("sqlite://{}", dir.path().join("many.db").display())).await);
+        let t = Instant::now();
+        let mut handles = Vec::new();
+        for i in 0..sessions {
+            let p = Arc::clone(&p);
+            handles.push(tokio::spawn(async move {
+                let id = format!("bench-{i}");
+                let rec = SessionRecord::new(&id, "t", "concurrent objective", Budgets::default());
+                p.create(&rec).await.map_err(|e| e.to_string())?;
+                if p.worker.ready().await {
+                    p.worker.create_workspace(&rec.workspace_id, None).await.map_err(|e| e.to_string())?;
+                }
+                let out = p.run(&id, &mut |_| {}).await.map_err(|e| e.to_string())?;
+                if out.status == SessionStatus::Completed { Ok(()) } else { Err(format!("{:?}", out.failure)) }
+            }));
+        }
+        let mut failures = Vec::new();
+        for h in handles {
+            match h.await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => failures.push(e),
+                Err(e) => failures.push(e.to_string()),
+            }
+        }
+        let secs = t.elapsed().as_secs_f64();
+        println!(
+            "{sessions} concurrent sessions ({}): {secs:.2} s, {:.1} sessions/s, {} failures{}",
+            if worker.is_some() { "with a write-files job each" } else { "no jobs" },
+            sessions as f64 / secs,
+            failures.len(),
+            failures.first().map(|f| format!(" (first: {f})")).unwrap_or_default()
+        );
+        let _ = Duration::from_secs(0);
+    });
+}
