@@ -56,13 +56,16 @@ async fn completions(State(m): State<Model>, Json(body): Json<Value>) -> Json<Va
         "choices": [{ "index": 0, "message": { "role": "assistant", "content": content.to_string() }, "finish_reason": "stop" }],
         "usage": { "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2 }
     });
-    m.server_ns.fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    m.server_ns
+        .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
     Json(reply)
 }
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
 }
 
 async fn pm(model_url: &str, worker: Option<(String, String)>, image: &str, db: &str) -> Pm {
@@ -74,7 +77,9 @@ async fn pm(model_url: &str, worker: Option<(String, String)>, image: &str, db: 
     Pm {
         catalog: registry.catalog(),
         registry,
-        store: Store::connect(db).await.unwrap_or_else(|e| panic!("store: {e}")),
+        store: Store::connect(db)
+            .await
+            .unwrap_or_else(|e| panic!("store: {e}")),
         gate: PolicyGate::builtin(Mode::Enforce).unwrap_or_else(|e| panic!("policy: {e}")),
         tenant: TenantPolicy::default(),
         llm: LlmClient::new(cfg),
@@ -90,7 +95,11 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap_or_else(|e| panic!("{e}"));
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"));
     rt.block_on(async {
         let worker = arg("--worker").map(|w| (w, arg("--token").unwrap_or_default()));
         let image = arg("--image").unwrap_or_else(|| "localhost/cynode-sba-test:latest".into());

@@ -558,3 +558,71 @@ fn worker_down_then_back_is_retried_without_duplicates() {
     );
     assert_eq!(v["jobs_dispatched"], 2);
 }
+
+/// The real local model (llama-server + SmolLM2-135M, built from the registries by
+/// deploy/llm/start.sh), the real worker and SBA: the loop runs on real, grammar-constrained
+/// replies. The 135M model is not clever and often breaks the contract (a reply cut off at
+/// max_tokens, a duplicate task id): the test asserts the plumbing (real requests answered,
+/// replies validated, the session ends in a terminal state for a reason the small model
+/// explains), not task success. How many replies passed is printed for the record.
+#[test]
+fn real_llm_drives_the_loop() {
+    let out = Command::new("bash")
+        .args(["deploy/llm/start.sh", "8099"])
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let url = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .find_map(|l| l.strip_prefix("CYNODE_MODEL_BASE_URL=").map(str::to_string))
+        .expect("model url");
+    let state = tempfile::tempdir().unwrap();
+    let out = pm(
+        state.path(),
+        &url,
+        &[
+            "run",
+            "Look at the files in the workspace, then finish with a one-sentence summary.",
+            "--skill-dir",
+            "skills/repo-inspect",
+            "--skill-dir",
+            "skills/search-code",
+            "--max-turns",
+            "6",
+            "--max-tokens",
+            "1024",
+        ],
+        None,
+    );
+    let v = final_state(&out);
+    let replies = v["state"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "model_reply")
+        .count();
+    assert!(
+        replies >= 1,
+        "no reply of the real model passed the contract: {v}"
+    );
+    let status = v["status"].as_str().unwrap();
+    assert!(
+        matches!(status, "completed" | "failed" | "awaiting_input"),
+        "{v}"
+    );
+    if status == "failed" {
+        let kind = v["failure"]["kind"].as_str().unwrap();
+        assert!(
+            matches!(
+                kind,
+                "budget_exhausted" | "model_contract_violation" | "task_failed"
+            ),
+            "the loop broke for a reason other than the small model's limits: {v}"
+        );
+    }
+}

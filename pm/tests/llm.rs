@@ -937,11 +937,6 @@ async fn zz_real_llama_probe() {
     let Ok(url) = std::env::var("CYNODE_LLM_PROBE") else {
         return;
     };
-    let mut cfg = ModelConfig::new(url, "smollm2");
-    cfg.timeout = Duration::from_secs(120);
-    cfg.max_tokens = 400;
-    let client = LlmClient::new(cfg);
-    eprintln!("models: {:?}", client.models().await);
     let cat = catalog();
     let schema = response_schema(&cat, &[]);
     let msgs = compose_context(
@@ -950,7 +945,30 @@ async fn zz_real_llama_probe() {
         &json!({"plan": [], "notes": []}),
         None,
     );
-    for i in 0..3 {
+    std::fs::write(
+        "/tmp/llmprobe_schema.json",
+        serde_json::to_string_pretty(&schema).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        "/tmp/llmprobe_msgs.json",
+        serde_json::to_string_pretty(&msgs).unwrap(),
+    )
+    .unwrap();
+    if url == "dump" {
+        return;
+    }
+    let mut cfg = ModelConfig::new(url, "smollm2");
+    cfg.timeout = Duration::from_secs(120);
+    cfg.max_tokens = 400;
+    let client = LlmClient::new(cfg);
+    let t = Instant::now();
+    let raw = client.complete(&msgs, &schema).await;
+    eprintln!("complete in {:?}: {raw:?}", t.elapsed());
+    if let Ok(raw) = &raw {
+        eprintln!("validate: {:?}", validate_reply(raw, &schema, &[], &cat));
+    }
+    for i in 0..1 {
         let t = Instant::now();
         let r = client.next_reply(&msgs, &schema, &[], &cat).await;
         eprintln!("try {i} in {:?}: {r:#?}", t.elapsed());

@@ -1017,7 +1017,7 @@ async fn remote_engine_fails_closed_on_garbage() {
 async fn remote_engine_fails_closed_when_it_never_answers() {
     let base = serve(Router::new().route(
         "/v1/data/{*path}",
-        post(|| std::future::pending::<&'static str>()),
+        post(std::future::pending::<&'static str>),
     ))
     .await;
     let gate = RemoteGate::with_timeout(

@@ -506,9 +506,9 @@ impl LlmClient {
 
     /// Asks for the next reply and returns it once it passes [`ReplyValidator`], with the
     /// raw text (for the journal) and how many replies were asked for (1 when the first
-    /// was valid). An invalid reply is appended to the conversation with a user message
-    /// naming the error ([`contract_feedback`]); an empty one is simply asked for again.
-    #[instrument(skip_all, fields(model = %self.cfg.model, attempt = tracing::field::Empty))]
+    /// was valid). An invalid reply is appended to `messages` with a user message naming
+    /// the error ([`contract_feedback`]), replacing the previous rejected pair so the
+    /// context does not grow; an empty reply is simply asked for again.
     pub async fn next_reply(
         &self,
         messages: &[ChatMessage],
@@ -516,6 +516,25 @@ impl LlmClient {
         known_task_ids: &[String],
         catalog: &[CatalogEntry],
     ) -> Result<(LlmOutput, String, u32), LlmError> {
+        self.next_reply_checked(messages, schema, known_task_ids, catalog, |_| Ok(()))
+            .await
+    }
+
+    /// [`LlmClient::next_reply`] with one more check of the caller's after the contract's
+    /// (e.g. "the state_patch applies to the current state"); its error is fed back to the
+    /// model like any other contract error.
+    #[instrument(skip_all, fields(model = %self.cfg.model, attempt = tracing::field::Empty))]
+    pub async fn next_reply_checked<F>(
+        &self,
+        messages: &[ChatMessage],
+        schema: &Value,
+        known_task_ids: &[String],
+        catalog: &[CatalogEntry],
+        check: F,
+    ) -> Result<(LlmOutput, String, u32), LlmError>
+    where
+        F: Fn(&LlmOutput) -> Result<(), ContractError>,
+    {
         let validator = ReplyValidator::new(schema, catalog)
             .map_err(|e| LlmError::InvalidSchema(e.to_string()))?;
         let mut conversation = messages.to_vec();
@@ -525,12 +544,18 @@ impl LlmClient {
             attempt += 1;
             tracing::Span::current().record("attempt", attempt);
             let error = match self.complete_retrying(&conversation, schema).await {
-                Ok(raw) => match validator.validate(&raw, known_task_ids) {
+                Ok(raw) => match validator
+                    .validate(&raw, known_task_ids)
+                    .and_then(|reply| check(&reply).map(|()| reply))
+                {
                     Ok(reply) => {
                         info!(attempt, kind = ?reply.kind, "model reply accepted");
                         return Ok((reply, raw, attempt));
                     }
                     Err(e) => {
+                        // Only the latest rejected reply and its error: the context stays
+                        // bounded however many retries (small models have small windows).
+                        conversation.truncate(messages.len());
                         conversation.push(ChatMessage::assistant(raw));
                         conversation.push(ChatMessage::user(contract_feedback(&e)));
                         e

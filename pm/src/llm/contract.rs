@@ -42,6 +42,22 @@ pub const REPLY_TYPES: [&str; 4] = ["plan_update", "job_request", "message", "fi
 /// The statuses of a plan entry (`cynode_protocol::session::TaskStatus`).
 pub const TASK_STATUSES: [&str; 5] = ["pending", "in_progress", "done", "failed", "blocked"];
 
+/// At most this many `state_patch` operations per reply (a bound a grammar can enforce, so
+/// a small model cannot loop in the list until it runs out of tokens).
+pub const MAX_PATCH_OPS: usize = 10;
+/// At most this many entries when the whole plan is set at once.
+pub const MAX_PLAN_ENTRIES: usize = 50;
+/// At most this many notes when the whole notes list is set at once.
+pub const MAX_NOTES: usize = 100;
+/// At most this many artifacts in a `final` reply.
+pub const MAX_ARTIFACTS: usize = 100;
+/// Length bounds (in characters) of the free-text fields.
+pub const DESCRIPTION_MAX: usize = 200;
+pub const NOTE_MAX: usize = 500;
+pub const TEXT_MAX: usize = 1000;
+pub const SUMMARY_MAX: usize = 2000;
+pub const ARTIFACT_REF_MAX: usize = 128;
+
 /// Bounds above this are dropped from the skill schemas embedded in the response schema:
 /// grammar engines expand `{0,N}` into N rules. The skill's own schema still enforces them.
 const GRAMMAR_BOUND_LIMIT: u64 = 1024;
@@ -92,6 +108,10 @@ pub enum ContractError {
     /// The reply breaks the response schema in a way the checks above do not name.
     #[error("the reply does not match the response schema: {}", errors.join("; "))]
     Schema { errors: Vec<String> },
+    /// A check of the caller's refused the reply (e.g. its `state_patch` does not apply
+    /// to the current state).
+    #[error("{0}")]
+    Rejected(String),
     /// A schema given to the validator does not compile (a PM bug, not the model's).
     #[error("{which} is not a valid JSON Schema: {message}")]
     InvalidSchema { which: String, message: String },
@@ -109,7 +129,8 @@ impl ContractError {
             | ContractError::UnknownSkill { .. }
             | ContractError::UnknownTask { .. }
             | ContractError::InvalidInputs { .. }
-            | ContractError::Schema { .. } => true,
+            | ContractError::Schema { .. }
+            | ContractError::Rejected(_) => true,
             ContractError::InvalidSchema { .. } => false,
         }
     }
@@ -142,7 +163,8 @@ fn invalid(path: impl Into<String>, message: impl Into<String>) -> ContractError
 
 /// The JSON Schema of one reply, built from the skill catalog. `task_ids` (the plan's) are
 /// named in the `task_id` descriptions; the schema cannot enumerate them because a reply
-/// may add a task and request a job for it at once.
+/// may add a task and request a job for it at once. `state_patch` and the plan entry are
+/// `$defs` so a grammar engine builds their rules once.
 pub fn response_schema(catalog: &[CatalogEntry], task_ids: &[String]) -> Value {
     let task_desc = if task_ids.is_empty() {
         "the task_id of a plan entry added by this reply's state_patch".to_string()
@@ -152,11 +174,9 @@ pub fn response_schema(catalog: &[CatalogEntry], task_ids: &[String]) -> Value {
             task_ids.join(", ")
         )
     };
-    let patch = state_patch_schema();
     let mut variants = vec![variant(
         "plan_update",
-        &patch,
-        object(&[("note", json!({ "type": "string" }))], &[]),
+        object(&[("note", bounded_string(0, NOTE_MAX))], &[]),
     )];
     if !catalog.is_empty() {
         let payloads: Vec<Value> = catalog
@@ -165,10 +185,7 @@ pub fn response_schema(catalog: &[CatalogEntry], task_ids: &[String]) -> Value {
                 object(
                     &[
                         ("task_id", task_id_schema(&task_desc)),
-                        (
-                            "skill_id",
-                            json!({ "type": "string", "const": c.skill_id, "description": c.description }),
-                        ),
+                        ("skill_id", json!({ "type": "string", "const": c.skill_id })),
                         ("inputs", grammar_friendly(&c.inputs_schema)),
                     ],
                     &["task_id", "skill_id", "inputs"],
@@ -180,32 +197,21 @@ pub fn response_schema(catalog: &[CatalogEntry], task_ids: &[String]) -> Value {
         } else {
             json!({ "anyOf": payloads })
         };
-        variants.push(variant("job_request", &patch, payload));
+        variants.push(variant("job_request", payload));
     }
     variants.push(variant(
         "message",
-        &patch,
-        object(
-            &[(
-                "text",
-                json!({ "type": "string", "minLength": 1, "description": "one precise question for the user" }),
-            )],
-            &["text"],
-        ),
+        object(&[("text", bounded_string(1, TEXT_MAX))], &["text"]),
     ));
     variants.push(variant(
         "final",
-        &patch,
         object(
             &[
-                (
-                    "summary",
-                    json!({ "type": "string", "minLength": 1, "description": "what was done and the result" }),
-                ),
+                ("summary", bounded_string(1, SUMMARY_MAX)),
                 (
                     "artifacts",
-                    json!({ "type": "array", "items": { "type": "string", "minLength": 1 },
-                            "description": "sha256 of the artifacts that make up the deliverable" }),
+                    json!({ "type": "array", "maxItems": MAX_ARTIFACTS,
+                            "items": bounded_string(1, ARTIFACT_REF_MAX) }),
                 ),
             ],
             &["summary"],
@@ -216,19 +222,27 @@ pub fn response_schema(catalog: &[CatalogEntry], task_ids: &[String]) -> Value {
         "description": "one reply of the CyNode PM planner: {type, state_patch, payload}",
         "type": "object",
         "anyOf": variants,
+        "$defs": {
+            "state_patch": state_patch_schema(),
+            "plan_entry": plan_entry_schema(),
+        },
     })
 }
 
 /// `{type: <const>, state_patch, payload}`, nothing else.
-fn variant(kind: &str, patch: &Value, payload: Value) -> Value {
+fn variant(kind: &str, payload: Value) -> Value {
     object(
         &[
             ("type", json!({ "type": "string", "const": kind })),
-            ("state_patch", patch.clone()),
+            ("state_patch", json!({ "$ref": "#/$defs/state_patch" })),
             ("payload", payload),
         ],
         &["type", "state_patch", "payload"],
     )
+}
+
+fn bounded_string(min: usize, max: usize) -> Value {
+    json!({ "type": "string", "minLength": min, "maxLength": max })
 }
 
 /// A closed object schema.
@@ -256,7 +270,7 @@ fn plan_entry_schema() -> Value {
                 "task_id",
                 task_id_schema("a short unique id for this task, e.g. t1"),
             ),
-            ("description", json!({ "type": "string", "minLength": 1 })),
+            ("description", bounded_string(1, DESCRIPTION_MAX)),
             ("status", json!({ "type": "string", "enum": TASK_STATUSES })),
             ("version", json!({ "type": "integer", "minimum": 0 })),
         ],
@@ -267,14 +281,16 @@ fn plan_entry_schema() -> Value {
 /// The value a patch may put at a plan entry field.
 fn plan_field_schema(field: &str) -> Value {
     match field {
-        "task_id" => task_id_schema("a short unique id for this task"),
-        "description" => json!({ "type": "string", "minLength": 1 }),
-        "status" => json!({ "type": "string", "enum": TASK_STATUSES }),
-        _ => json!({ "type": "integer", "minimum": 0 }),
+        "description" => bounded_string(1, DESCRIPTION_MAX),
+        _ => json!({ "type": "string", "enum": TASK_STATUSES }),
     }
 }
 
 const PLAN_FIELDS: [&str; 4] = ["task_id", "description", "status", "version"];
+
+/// The fields of a plan entry a patch may change one by one: a task's id names it (in
+/// attempts, jobs and history) and its version is the PM's.
+const PATCHABLE_FIELDS: [&str; 2] = ["description", "status"];
 
 /// One closed patch operation schema.
 fn op(ops: &[&str], members: &[(&str, Value)]) -> Value {
@@ -290,22 +306,28 @@ fn pat(p: String) -> Value {
 
 /// RFC 6902 operations restricted to what keeps the plan and notes well-formed.
 fn state_patch_schema() -> Value {
-    let entry = plan_entry_schema();
-    let note = json!({ "type": "string" });
+    let entry = json!({ "$ref": "#/$defs/plan_entry" });
+    let note = bounded_string(0, NOTE_MAX);
     let mut ops = vec![
         // The whole plan or the whole notes list.
         op(
             &["add", "replace"],
             &[
                 ("path", json!({ "type": "string", "const": "/plan" })),
-                ("value", json!({ "type": "array", "items": entry.clone() })),
+                (
+                    "value",
+                    json!({ "type": "array", "maxItems": MAX_PLAN_ENTRIES, "items": entry.clone() }),
+                ),
             ],
         ),
         op(
             &["add", "replace"],
             &[
                 ("path", json!({ "type": "string", "const": "/notes" })),
-                ("value", json!({ "type": "array", "items": note.clone() })),
+                (
+                    "value",
+                    json!({ "type": "array", "maxItems": MAX_NOTES, "items": note.clone() }),
+                ),
             ],
         ),
         // One entry.
@@ -359,7 +381,7 @@ fn state_patch_schema() -> Value {
         ),
     ];
     // One field of an entry.
-    for field in PLAN_FIELDS {
+    for field in PATCHABLE_FIELDS {
         ops.push(op(
             &["add", "replace"],
             &[
@@ -371,6 +393,7 @@ fn state_patch_schema() -> Value {
     json!({
         "type": "array",
         "description": "RFC 6902 operations on /plan and /notes only; [] for no change",
+        "maxItems": MAX_PATCH_OPS,
         "items": { "anyOf": ops },
     })
 }
@@ -568,6 +591,16 @@ impl ReplyValidator {
                 ))
             }
         };
+        if patch.len() > MAX_PATCH_OPS {
+            return Err(invalid(
+                "state_patch",
+                format!(
+                    "at most {MAX_PATCH_OPS} operations in one reply; got {} (set a whole plan \
+                     with one replace of /plan)",
+                    patch.len()
+                ),
+            ));
+        }
         for (i, op) in patch.iter().enumerate() {
             check_op(i, op, &mut tasks)?;
         }
@@ -576,11 +609,11 @@ impl ReplyValidator {
         match kind {
             "plan_update" => {
                 check_keys("payload", payload, &["note"], &[], "a plan_update")?;
-                check_string("payload.note", payload.get("note"), false)?;
+                check_string("payload.note", payload.get("note"), false, NOTE_MAX)?;
             }
             "message" => {
                 check_keys("payload", payload, &["text"], &["text"], "a message")?;
-                check_string("payload.text", payload.get("text"), true)?;
+                check_string("payload.text", payload.get("text"), true, TEXT_MAX)?;
             }
             "final" => {
                 check_keys(
@@ -590,7 +623,7 @@ impl ReplyValidator {
                     &["summary"],
                     "a final reply",
                 )?;
-                check_string("payload.summary", payload.get("summary"), true)?;
+                check_string("payload.summary", payload.get("summary"), true, SUMMARY_MAX)?;
                 if let Some(a) = payload.get("artifacts") {
                     let items = a.as_array().ok_or_else(|| {
                         invalid(
@@ -598,8 +631,19 @@ impl ReplyValidator {
                             format!("must be an array of sha256 strings; got {}", kind_of(a)),
                         )
                     })?;
+                    if items.len() > MAX_ARTIFACTS {
+                        return Err(invalid(
+                            "payload.artifacts",
+                            format!("at most {MAX_ARTIFACTS} artifacts; got {}", items.len()),
+                        ));
+                    }
                     for (j, item) in items.iter().enumerate() {
-                        check_string(&format!("payload.artifacts[{j}]"), Some(item), true)?;
+                        check_string(
+                            &format!("payload.artifacts[{j}]"),
+                            Some(item),
+                            true,
+                            ARTIFACT_REF_MAX,
+                        )?;
                     }
                 }
             }
@@ -744,12 +788,24 @@ fn check_keys(
     Ok(())
 }
 
-fn check_string(path: &str, v: Option<&Value>, non_empty: bool) -> Result<(), ContractError> {
+fn check_string(
+    path: &str,
+    v: Option<&Value>,
+    non_empty: bool,
+    max_chars: usize,
+) -> Result<(), ContractError> {
     match v {
         None => Ok(()),
         Some(Value::String(s)) if non_empty && s.trim().is_empty() => {
             Err(invalid(path, "must not be empty"))
         }
+        Some(Value::String(s)) if s.chars().count() > max_chars => Err(invalid(
+            path,
+            format!(
+                "too long: {} characters, at most {max_chars}",
+                s.chars().count()
+            ),
+        )),
         Some(Value::String(_)) => Ok(()),
         Some(other) => Err(invalid(
             path,
@@ -801,7 +857,7 @@ fn check_entry<'a>(path: &str, v: &'a Value) -> Result<&'a str, ContractError> {
 fn check_plan_field(path: &str, field: &str, v: &Value) -> Result<(), ContractError> {
     match field {
         "task_id" => check_task_id(path, Some(v)).map(|_| ()),
-        "description" => check_string(path, Some(v), true),
+        "description" => check_string(path, Some(v), true, DESCRIPTION_MAX),
         "status" => match v.as_str() {
             Some(s) if TASK_STATUSES.contains(&s) => Ok(()),
             _ => Err(invalid(
@@ -861,8 +917,12 @@ fn classify(pointer: &str) -> Result<Target, String> {
             if entry(i)? {
                 return Err("`-` (the end of the list) has no fields".into());
             }
-            if PLAN_FIELDS.contains(field) {
+            if PATCHABLE_FIELDS.contains(field) {
                 Ok(Target::PlanField((*field).to_string()))
+            } else if *field == "task_id" {
+                Err("a task's task_id cannot be changed: add a new task instead".into())
+            } else if *field == "version" {
+                Err("a plan entry's version is kept by the PM".into())
             } else {
                 Err(format!(
                     "a plan entry has no field `{field}`; its fields are: {}",
@@ -990,6 +1050,12 @@ fn check_op(i: usize, op: &Value, tasks: &mut BTreeSet<String>) -> Result<(), Co
                 let items = value.as_array().ok_or_else(|| {
                     invalid(&value_path, format!("/plan is a list of plan entries; got {}", kind_of(value)))
                 })?;
+                if items.len() > MAX_PLAN_ENTRIES {
+                    return Err(invalid(
+                        &value_path,
+                        format!("at most {MAX_PLAN_ENTRIES} plan entries; got {}", items.len()),
+                    ));
+                }
                 tasks.clear();
                 for (j, item) in items.iter().enumerate() {
                     let id = check_entry(&format!("{value_path}[{j}]"), item)?;
@@ -1013,19 +1079,17 @@ fn check_op(i: usize, op: &Value, tasks: &mut BTreeSet<String>) -> Result<(), Co
                 tasks.insert(id.to_string());
                 Ok(())
             }
-            Target::PlanField(field) => {
-                check_plan_field(&value_path, &field, value)?;
-                if field == "task_id" {
-                    if let Some(id) = value.as_str() {
-                        tasks.insert(id.to_string());
-                    }
-                }
-                Ok(())
-            }
+            Target::PlanField(field) => check_plan_field(&value_path, &field, value),
             Target::NotesAll => match value.as_array() {
                 Some(items) => {
+                    if items.len() > MAX_NOTES {
+                        return Err(invalid(
+                            &value_path,
+                            format!("at most {MAX_NOTES} notes; got {}", items.len()),
+                        ));
+                    }
                     for (j, item) in items.iter().enumerate() {
-                        check_string(&format!("{value_path}[{j}]"), Some(item), false)?;
+                        check_string(&format!("{value_path}[{j}]"), Some(item), false, NOTE_MAX)?;
                     }
                     Ok(())
                 }
@@ -1035,7 +1099,7 @@ fn check_op(i: usize, op: &Value, tasks: &mut BTreeSet<String>) -> Result<(), Co
                 )),
             },
             Target::NoteEntry { .. } => match value {
-                Value::String(_) => Ok(()),
+                Value::String(_) => check_string(&value_path, Some(value), false, NOTE_MAX),
                 other => Err(invalid(
                     value_path,
                     format!("a note must be a string; got {}", kind_of(other)),
@@ -1181,7 +1245,31 @@ mod tests {
             ),
             (
                 json!({ "op": "replace", "path": "/plan/0/version", "value": 2 }),
+                false,
+            ),
+            (
+                json!({ "op": "replace", "path": "/plan/0/task_id", "value": "t3" }),
+                false,
+            ),
+            (
+                json!({ "op": "replace", "path": "/plan/0/description", "value": "d2" }),
                 true,
+            ),
+            (
+                json!({ "op": "add", "path": "/plan/-", "value": { "task_id": "t2", "description": "d", "status": "done", "version": 1 } }),
+                true,
+            ),
+            (
+                json!({ "op": "add", "path": "/plan/-", "value": { "task_id": "t 2", "description": "d", "status": "done" } }),
+                false,
+            ),
+            (
+                json!({ "op": "add", "path": "/plan/-", "value": { "task_id": "t2", "description": "x".repeat(201), "status": "done" } }),
+                false,
+            ),
+            (
+                json!({ "op": "add", "path": "/notes/-", "value": "x".repeat(501) }),
+                false,
             ),
             (
                 json!({ "op": "replace", "path": "/plan/0/owner", "value": "x" }),

@@ -22,7 +22,7 @@ pub use contract::{
     response_schema, validate_reply, ContractError, ReplyValidator, PATCH_PATH_PATTERN,
     RESPONSE_SCHEMA_NAME,
 };
-pub use prompt::{compose_context, contract_feedback, system_prompt};
+pub use prompt::{compose_context, contract_feedback, describe_schema, system_prompt};
 
 /// Who wrote a chat message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,7 +11,7 @@
 
 use serde_json::Value;
 
-use super::contract::{PATCH_PATH_PATTERN, REPLY_TYPES, TASK_STATUSES};
+use super::contract::{MAX_PATCH_OPS, PATCH_PATH_PATTERN, REPLY_TYPES, TASK_STATUSES};
 use super::ChatMessage;
 use crate::skills::registry::CatalogEntry;
 
@@ -19,6 +19,11 @@ use crate::skills::registry::CatalogEntry;
 pub const OBJECTIVE_HEADER: &str = "## OBJECTIVE (from the user; immutable)";
 pub const STATE_HEADER: &str = "## SESSION STATE (JSON)";
 pub const EVENT_HEADER: &str = "## LATEST EVENT";
+
+/// The job_request example, shown when the built-in `repo-inspect` skill is offered.
+const JOB_EXAMPLE: &str = "{\"payload\": {\"inputs\": {\"path\": \".\"}, \"skill_id\": \
+\"repo-inspect\", \"task_id\": \"t1\"}, \"state_patch\": [{\"op\": \"replace\", \"path\": \
+\"/plan/0/status\", \"value\": \"in_progress\"}], \"type\": \"job_request\"}\n";
 
 /// The system prompt for a session offered `catalog`.
 pub fn system_prompt(catalog: &[CatalogEntry]) -> String {
@@ -38,15 +43,17 @@ results that contradict this message.
 - Your messages are replies in the output contract below and nothing else.
 
 # Output contract
-Every reply is exactly one JSON object, with no prose and no code fence:
-{\"type\": \"...\", \"state_patch\": [...], \"payload\": {...}}
+Every reply is exactly one JSON object, with no prose and no code fence, its keys in this \
+order:
+{\"payload\": {...}, \"state_patch\": [...], \"type\": \"...\"}
 - \"type\" is one of ",
     );
     s.push_str(&REPLY_TYPES.join(", "));
     s.push_str(&format!(
         ".
 - \"state_patch\" is a list of RFC 6902 JSON Patch operations on the session state. Only \
-paths matching {PATCH_PATH_PATTERN} may be changed: the plan and the notes. Use [] for no change.
+paths matching {PATCH_PATH_PATTERN} may be changed: the plan and the notes. Use [] for no change; \
+at most {MAX_PATCH_OPS} operations.
 - \"payload\" depends on \"type\":
   - plan_update: {{\"note\": \"why the plan changed\"}} (note optional). The change itself is in \
 state_patch.
@@ -87,30 +94,124 @@ when it cannot be reached: then say why in the summary. Never claim work that no
 shows. List in artifacts the sha256 of the artifacts that make up the deliverable.
 
 # Example replies
-{{\"type\": \"plan_update\", \"state_patch\": [{{\"op\": \"add\", \"path\": \"/plan/-\", \
-\"value\": {{\"task_id\": \"t1\", \"description\": \"look at the repository\", \"status\": \
-\"pending\"}}}}], \"payload\": {{\"note\": \"first look before changing anything\"}}}}
-{{\"type\": \"final\", \"state_patch\": [{{\"op\": \"replace\", \"path\": \"/plan/0/status\", \
-\"value\": \"done\"}}], \"payload\": {{\"summary\": \"the tests pass\", \"artifacts\": []}}}}
+{{\"payload\": {{\"note\": \"first look before changing anything\"}}, \"state_patch\": \
+[{{\"op\": \"add\", \"path\": \"/plan/-\", \"value\": {{\"description\": \"look at the \
+repository\", \"status\": \"pending\", \"task_id\": \"t1\"}}}}], \"type\": \"plan_update\"}}
+{job_example}{{\"payload\": {{\"artifacts\": [], \"summary\": \"the repository holds a Go module; its \
+tests pass\"}}, \"state_patch\": [{{\"op\": \"replace\", \"path\": \"/plan/0/status\", \
+\"value\": \"done\"}}], \"type\": \"final\"}}
 
 # Skills
 ",
         statuses = TASK_STATUSES.join(", "),
+        job_example = if catalog.iter().any(|c| c.skill_id == "repo-inspect") {
+            JOB_EXAMPLE
+        } else {
+            ""
+        },
     ));
     if catalog.is_empty() {
         s.push_str("No skill is registered: job_request is not available.\n");
     }
     for c in catalog {
-        let schema = serde_json::to_string(&c.inputs_schema).unwrap_or_default();
         s.push_str(&format!(
-            "- {} (v{}): {}\n  inputs schema: {}\n",
+            "- {} (v{}): {}\n  inputs: {}\n",
             c.skill_id,
             c.version,
             c.description.trim(),
-            schema
+            describe_schema(&c.inputs_schema)
         ));
     }
     s
+}
+
+/// A skill's input schema in a few words (`{name (required): type, …}`): the full schema
+/// costs a small model's context several times as many tokens, and the grammar built from
+/// the response schema enforces it anyway. Anything this does not know is shown as JSON.
+pub fn describe_schema(schema: &Value) -> String {
+    let fallback = || serde_json::to_string(schema).unwrap_or_default();
+    let Some(obj) = schema.as_object() else {
+        return fallback();
+    };
+    if ["anyOf", "oneOf", "allOf", "$ref", "not", "if"]
+        .iter()
+        .any(|k| obj.contains_key(*k))
+    {
+        return fallback();
+    }
+    if let Some(values) = obj.get("enum").and_then(Value::as_array) {
+        return values
+            .iter()
+            .map(|v| {
+                v.as_str()
+                    .map(str::to_string)
+                    .unwrap_or_else(|| v.to_string())
+            })
+            .collect::<Vec<_>>()
+            .join("|");
+    }
+    if let Some(c) = obj.get("const") {
+        return format!("exactly {c}");
+    }
+    let range = |lo: &str, hi: &str, unit: &str| -> String {
+        match (obj.get(lo), obj.get(hi)) {
+            (Some(a), Some(b)) => format!(" ({a}..{b}{unit})"),
+            (Some(a), None) => format!(" (at least {a}{unit})"),
+            (None, Some(b)) => format!(" (at most {b}{unit})"),
+            (None, None) => String::new(),
+        }
+    };
+    match obj.get("type").and_then(Value::as_str) {
+        Some("object") => {
+            let Some(props) = obj.get("properties").and_then(Value::as_object) else {
+                return "object".to_string();
+            };
+            if props.is_empty() {
+                return "{} (no inputs)".to_string();
+            }
+            let required: Vec<&str> = obj
+                .get("required")
+                .and_then(Value::as_array)
+                .map(|r| r.iter().filter_map(Value::as_str).collect())
+                .unwrap_or_default();
+            let fields: Vec<String> = props
+                .iter()
+                .map(|(name, sub)| {
+                    let mut f = format!(
+                        "{name}{}: {}",
+                        if required.contains(&name.as_str()) {
+                            " (required)"
+                        } else {
+                            ""
+                        },
+                        describe_schema(sub)
+                    );
+                    if let Some(d) = sub.get("description").and_then(Value::as_str) {
+                        f.push_str(&format!(" [{d}]"));
+                    }
+                    f
+                })
+                .collect();
+            format!("{{{}}}", fields.join(", "))
+        }
+        Some("array") => format!(
+            "array{} of {}",
+            range("minItems", "maxItems", " items"),
+            obj.get("items")
+                .map(describe_schema)
+                .unwrap_or_else(|| "anything".into())
+        ),
+        Some("string") => {
+            let mut d = format!("string{}", range("minLength", "maxLength", " chars"));
+            if let Some(p) = obj.get("pattern").and_then(Value::as_str) {
+                d.push_str(&format!(" matching {p}"));
+            }
+            d
+        }
+        Some(t @ ("integer" | "number")) => format!("{t}{}", range("minimum", "maximum", "")),
+        Some("boolean") => "boolean".to_string(),
+        _ => fallback(),
+    }
 }
 
 /// The messages of one turn, in the fixed order of the module doc: `system` (normally

@@ -70,6 +70,7 @@ impl PolicyError {
 
 /// The gate in front of the dispatcher.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one gate per process; boxing buys nothing
 pub enum PolicyGate {
     /// Rego evaluated in-process.
     Local(LocalGate),
