@@ -13,8 +13,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use cynode_pm::llm::{
-    compose_context, contract_feedback, response_schema, system_prompt, validate_reply,
-    ChatMessage, ContractError, LlmClient, LlmError, ModelConfig, ReplyValidator, Role,
+    compose_context, contract_feedback, describe_schema, response_schema, system_prompt,
+    validate_reply, ChatMessage, ContractError, LlmClient, LlmError, ModelConfig, ReplyValidator,
+    Role,
 };
 use cynode_pm::skills::registry::CatalogEntry;
 use cynode_pm::skills::Registry;
@@ -364,10 +365,46 @@ async fn always_garbage_ends_in_model_contract_violation() {
     assert!(!err.is_retryable());
     let reqs = server.requests();
     assert_eq!(reqs.len(), 3, "1 + max_contract_retries requests");
-    // Each retry carries the whole correction history.
+    // Each retry carries the context plus only the latest rejected reply and its error.
+    let last = reqs[2].body["messages"].as_array().unwrap();
+    assert_eq!(last.len(), 2 + 2);
     assert_eq!(
-        reqs[2].body["messages"].as_array().unwrap().len(),
-        2 + 2 * 2
+        last[3]["content"],
+        contract_feedback(&ContractError::Invalid {
+            path: "state_patch".into(),
+            message: "missing (required in a reply)".into()
+        })
+    );
+}
+
+#[tokio::test]
+async fn the_callers_check_is_fed_back_like_a_contract_error() {
+    let server = Server::start(vec![Script::Reply(job_request_text())]).await;
+    let client = LlmClient::new(server.config());
+    let cat = catalog();
+    let schema = response_schema(&cat, &tasks());
+    let calls = std::cell::Cell::new(0);
+    let (reply, _, attempts) = client
+        .next_reply_checked(&context(), &schema, &tasks(), &cat, |_| {
+            calls.set(calls.get() + 1);
+            if calls.get() == 1 {
+                Err(ContractError::Rejected(
+                    "state_patch[0]: /plan/0 does not exist".into(),
+                ))
+            } else {
+                Ok(())
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(reply, job_request_output());
+    assert_eq!(attempts, 2);
+    let reqs = server.requests();
+    assert_eq!(reqs.len(), 2);
+    assert_eq!(
+        reqs[1].body["messages"][3]["content"],
+        "Your previous reply was rejected: state_patch[0]: /plan/0 does not exist. Answer again \
+         with one JSON object that follows the output contract, fixing exactly that."
     );
 }
 
@@ -706,6 +743,18 @@ fn structural_mistakes_are_named_precisely() {
             "state_patch[0].value: must be one of pending, in_progress, done, failed, blocked; got \"finished\"",
         ),
         (
+            json!({ "type": "plan_update", "state_patch": vec![json!({ "op": "add", "path": "/notes/-", "value": "n" }); 11], "payload": {} }),
+            "state_patch: at most 10 operations in one reply; got 11 (set a whole plan with one replace of /plan)",
+        ),
+        (
+            json!({ "type": "message", "state_patch": [], "payload": { "text": "?".repeat(1001) } }),
+            "payload.text: too long: 1001 characters, at most 1000",
+        ),
+        (
+            json!({ "type": "plan_update", "state_patch": [{ "op": "replace", "path": "/plan/0/task_id", "value": "t2" }], "payload": {} }),
+            "state_patch[0].path: a task's task_id cannot be changed: add a new task instead",
+        ),
+        (
             json!({ "type": "plan_update", "state_patch": [{ "op": "remove", "path": "/plan" }], "payload": {} }),
             "state_patch[0].path: `/plan` itself cannot be removed; remove single entries (/plan/0) or replace it with []",
         ),
@@ -900,6 +949,25 @@ fn system_prompt_states_the_contract_and_lists_the_skills() {
             c.skill_id
         );
     }
+    assert!(p.contains(
+        "  inputs: {diff (required): string (1..1048576 chars), language (required): \
+         rust|go|python|node, timeout_seconds: integer (10..1800), working_dir: string (1..512 \
+         chars)}\n"
+    ));
+    assert!(p.contains(
+        "  inputs: {files (required): array (1..50 items) of {content (required): string (at \
+         most 1048576 chars), encoding: utf8|base64, mode: string matching ^0?[0-7]{3}$, path \
+         (required): string (1..512 chars)}, overwrite: boolean}\n"
+    ));
+    // What the summary cannot express is shown as JSON.
+    assert_eq!(
+        describe_schema(&json!({ "anyOf": [{ "type": "string" }] })),
+        r#"{"anyOf":[{"type":"string"}]}"#
+    );
+    assert_eq!(
+        describe_schema(&json!({ "type": "object", "properties": {} })),
+        "{} (no inputs)"
+    );
 }
 
 #[test]
@@ -929,48 +997,4 @@ fn context_is_system_then_objective_state_and_event_in_order() {
     assert!(u[e..].contains("job t1 failed: exit 1"));
     let first = compose_context("S", "o", &json!({}), None);
     assert!(first[1].content.contains("this is the first turn"));
-}
-
-// TEMPORARY PROBE (removed before handing back)
-#[tokio::test]
-async fn zz_real_llama_probe() {
-    let Ok(url) = std::env::var("CYNODE_LLM_PROBE") else {
-        return;
-    };
-    let cat = catalog();
-    let schema = response_schema(&cat, &[]);
-    let msgs = compose_context(
-        &system_prompt(&cat),
-        "list the files of the repository",
-        &json!({"plan": [], "notes": []}),
-        None,
-    );
-    std::fs::write(
-        "/tmp/llmprobe_schema.json",
-        serde_json::to_string_pretty(&schema).unwrap(),
-    )
-    .unwrap();
-    std::fs::write(
-        "/tmp/llmprobe_msgs.json",
-        serde_json::to_string_pretty(&msgs).unwrap(),
-    )
-    .unwrap();
-    if url == "dump" {
-        return;
-    }
-    let mut cfg = ModelConfig::new(url, "smollm2");
-    cfg.timeout = Duration::from_secs(120);
-    cfg.max_tokens = 400;
-    let client = LlmClient::new(cfg);
-    let t = Instant::now();
-    let raw = client.complete(&msgs, &schema).await;
-    eprintln!("complete in {:?}: {raw:?}", t.elapsed());
-    if let Ok(raw) = &raw {
-        eprintln!("validate: {:?}", validate_reply(raw, &schema, &[], &cat));
-    }
-    for i in 0..1 {
-        let t = Instant::now();
-        let r = client.next_reply(&msgs, &schema, &[], &cat).await;
-        eprintln!("try {i} in {:?}: {r:#?}", t.elapsed());
-    }
 }
