@@ -5,7 +5,8 @@
 #   a. runner overhead: a job with one `run_command` step of `true` vs spawning /bin/true
 #      directly (both with hyperfine -N, no shell), plus the runner's max RSS in that job;
 #   b. apply_unified_diff of a 5,000-hunk patch over 500 files vs GNU `patch -p1`, each
-#      run on a fresh copy of the same tree (hyperfine --prepare);
+#      run on a fresh copy of the same tree (hyperfine --prepare; the copy is synced to
+#      disk first so no run pays for the previous run's writeback);
 #   c. list_tree over 100,000 files (1,000 dirs x 100 files) vs `find -printf '%p %s\n'`.
 # Each case is printed as a markdown table row (mean ± stddev, ratio to the baseline) and
 # exported as hyperfine JSON. Generated trees and patches are deterministic and cached in
@@ -16,11 +17,12 @@
 #         CARGO_TARGET_DIR   cargo target dir (default /var/cache/cynode/target)
 #         BENCH_SKIP_BUILD=1 use the binary already built in CARGO_TARGET_DIR
 #         BENCH_RUNS_OVERHEAD, BENCH_RUNS_DIFF, BENCH_RUNS_TREE  hyperfine run counts
-#         BENCH_MAX_LOAD, BENCH_MIN_IDLE  before timing, wait (up to BENCH_LOAD_WAIT s,
+#         BENCH_MAX_LOAD, BENCH_MIN_IDLE  before timing, wait (up to BENCH_LOAD_WAIT s in all,
 #                            default 300) until the 1-minute load average is below
 #                            BENCH_MAX_LOAD (default 1.0) and the CPUs were at least
-#                            BENCH_MIN_IDLE percent idle over 3 s (default 90)
-#         BENCH_PROFILE=1    also run `strace -c -f` and `perf stat` once on case a
+#                            BENCH_MIN_IDLE percent idle over 3 s (default 90); cases b and c
+#                            each wait again for the idle condition
+#         BENCH_PROFILE=1    also run `strace -c -w -f` (wall time per syscall) and `perf stat` once on case a
 #
 # Exit status: non-zero only on a setup error (missing tool, failed build, a job that does
 # not succeed, trees that differ). A missed performance target is reported, not fatal.
@@ -262,19 +264,24 @@ i0, t0 = snap(); time.sleep(3); i1, t1 = snap()
 print(int(100 * (i1 - i0) / max(1, t1 - t0)))
 IDLE
 }
-quiet() {
-    local idle; idle=$(idle_pct)
-    python3 -c "import sys; sys.exit(0 if $idle >= $MIN_IDLE and float('$(load1)') < float('$MAX_LOAD') else 1)"
+quiet() { # [check_load]: idle enough now (and, with an argument, a low 1-minute load)
+    local idle max_load=1000
+    [[ $# -gt 0 ]] && max_load=$MAX_LOAD
+    idle=$(idle_pct)
+    python3 -c "import sys; sys.exit(0 if $idle >= $MIN_IDLE and float('$(load1)') < float('$max_load') else 1)"
 }
-started_wait=$SECONDS
-until quiet; do
-    if (( SECONDS - started_wait >= LOAD_WAIT )); then
-        log "machine still busy after ${LOAD_WAIT}s (load $(load1)); timing anyway, expect noise"
-        break
-    fi
-    log "waiting for a quiet machine: load $(load1), want < $MAX_LOAD and >= $MIN_IDLE% idle"
-    sleep 7
-done
+WAIT_START=$SECONDS
+wait_quiet() { # [check_load]; bounded by LOAD_WAIT seconds over the whole script
+    until quiet "$@"; do
+        if (( SECONDS - WAIT_START >= LOAD_WAIT )); then
+            log "machine still busy (load $(load1)); timing anyway, expect noise"
+            return 0
+        fi
+        log "waiting for a quiet machine: load $(load1), want >= $MIN_IDLE% idle${1:+ and load < $MAX_LOAD}"
+        sleep 7
+    done
+}
+wait_quiet check_load
 LOAD_BEFORE=$(cut -d' ' -f1-3 /proc/loadavg)
 log "load average before timing: $LOAD_BEFORE"
 
@@ -309,13 +316,15 @@ echo "max RSS KiB, cynode-sba: $RSS_SBA" > "$RES/rss.txt"
 echo "max RSS KiB, /bin/true:  $RSS_TRUE" >> "$RES/rss.txt"
 echo "measured with: ${GNU_TIME:-python3 os.wait4}" >> "$RES/rss.txt"
 
+wait_quiet
 log "b. apply_unified_diff vs patch -p1 ($RUNS_DIFF runs, fresh tree before each)"
 hyperfine --warmup 3 --runs "$RUNS_DIFF" --export-json "$RES/apply_diff.json" \
-    --prepare "rm -rf $DIFF/work && cp -a $DIFF/a $DIFF/work" \
+    --prepare "rm -rf $DIFF/work && cp -a $DIFF/a $DIFF/work && sync" \
     -n "cynode-sba apply_unified_diff" "$(sba_cmd "$DIFF/job" "$DIFF/work")" \
     -n "patch -p1" "patch -d $DIFF/work -p1 -s -i $DIFF/patch.diff"
 rm -rf "$DIFF/work"
 
+wait_quiet
 log "c. list_tree vs find ($RUNS_TREE runs)"
 hyperfine -N --warmup 3 --runs "$RUNS_TREE" --export-json "$RES/list_tree.json" \
     -n "cynode-sba list_tree" "$(sba_cmd "$TREE/job" "$TREE/ws")" \
@@ -326,8 +335,8 @@ LOAD_AFTER=$(cut -d' ' -f1-3 /proc/loadavg)
 if [[ ${BENCH_PROFILE:-0} == 1 ]]; then
     # shellcheck disable=SC2046
     if command -v strace >/dev/null; then
-        log "strace -c -f of one overhead run -> $RES/strace-overhead.txt"
-        strace -c -f -o "$RES/strace-overhead.txt" $(sba_cmd "$OVH/job" "$OVH/ws") >/dev/null
+        log "strace -c -w -f of one overhead run -> $RES/strace-overhead.txt"
+        strace -c -w -f -o "$RES/strace-overhead.txt" $(sba_cmd "$OVH/job" "$OVH/ws") >/dev/null
     fi
     # shellcheck disable=SC2046
     if command -v perf >/dev/null; then
@@ -378,10 +387,12 @@ print(f"- max RSS: {rss_max} KiB ({rss_max / 1024:.1f} MiB; median {statistics.m
       f"/bin/true {max(rss_t)} KiB), target < {target_kib} KiB: "
       + ("MET" if rss_max < target_kib else f"MISSED by {rss_max - target_kib} KiB"))
 print()
-for f in ("apply_diff.json", "list_tree.json"):
+for f in ("overhead.json", "apply_diff.json", "list_tree.json"):
     sba, base = results[f]
-    print(f"- {f[:-5]}: cynode-sba min {sba['min'] * 1e3:.1f} ms / median {sba['median'] * 1e3:.1f} ms; "
-          f"baseline min {base['min'] * 1e3:.1f} ms / median {base['median'] * 1e3:.1f} ms")
+    print(f"- {f[:-5]}: cynode-sba min {sba['min'] * 1e3:.2f} / median {sba['median'] * 1e3:.2f} ms, "
+          f"user {sba['user'] * 1e3:.1f} + sys {sba['system'] * 1e3:.1f} ms; "
+          f"baseline min {base['min'] * 1e3:.2f} / median {base['median'] * 1e3:.2f} ms, "
+          f"user {base['user'] * 1e3:.1f} + sys {base['system'] * 1e3:.1f} ms")
 print(f"- list_tree result.json size: {int(tree_bytes) / 1e6:.1f} MB")
 print(f"- load average before timing: {load_before}; after: {load_after}")
 print(f"- hyperfine JSON: {res}/{{overhead,apply_diff,list_tree}}.json")
