@@ -24,7 +24,7 @@ use cynode_protocol::worker_api::Truncated;
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
-use super::{capture, EndReason, ResourceLimits, SandboxOutcome, SandboxSpec};
+use super::{capture, ResourceLimits, SandboxOutcome, SandboxSpec};
 use crate::config::BwrapConfig;
 
 /// What runs when an SBA job's image has no explicit command.
@@ -125,14 +125,7 @@ impl BwrapBackend {
     /// Runs the sandbox to the end.
     pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
         let started = Instant::now();
-        let fail = |msg: String| SandboxOutcome {
-            exit_code: None,
-            stdout: String::new(),
-            stderr: String::new(),
-            truncated: Truncated::default(),
-            end: EndReason::StartFailed(msg),
-            duration: started.elapsed(),
-        };
+        let fail = |msg: String| SandboxOutcome::start_failed(msg, started);
         let Some(rootfs) = self.rootfs_for(&spec.image) else {
             return fail(format!(
                 "no root filesystem configured for image `{}`",
@@ -174,11 +167,7 @@ impl BwrapBackend {
         let pgid = child.id().map(|p| p as i32);
         let out = capture::spawn(child.stdout.take(), spec.output_cap);
         let err = capture::spawn(child.stderr.take(), spec.output_cap);
-        let (status, end) = tokio::select! {
-            s = child.wait() => (s.ok(), EndReason::Exited),
-            _ = tokio::time::sleep(spec.timeout) => (None, EndReason::TimedOut),
-            _ = cancel.cancelled() => (None, EndReason::Canceled),
-        };
+        let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;
         let status = match status {
             Some(s) => Some(s),
             None => {

@@ -154,23 +154,15 @@ impl EngineBackend {
         let mut child = match cmd.spawn() {
             Ok(c) => c,
             Err(e) => {
-                return SandboxOutcome {
-                    exit_code: None,
-                    stdout: String::new(),
-                    stderr: String::new(),
-                    truncated: Truncated::default(),
-                    end: EndReason::StartFailed(format!("cannot start {}: {e}", self.cfg.binary)),
-                    duration: started.elapsed(),
-                }
+                return SandboxOutcome::start_failed(
+                    format!("cannot start {}: {e}", self.cfg.binary),
+                    started,
+                );
             }
         };
         let out = capture::spawn(child.stdout.take(), spec.output_cap);
         let err = capture::spawn(child.stderr.take(), spec.output_cap);
-        let (status, end) = tokio::select! {
-            s = child.wait() => (s.ok(), EndReason::Exited),
-            _ = tokio::time::sleep(spec.timeout) => (None, EndReason::TimedOut),
-            _ = cancel.cancelled() => (None, EndReason::Canceled),
-        };
+        let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;
         let status = match status {
             Some(s) => Some(s),
             None => {

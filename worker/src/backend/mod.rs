@@ -106,6 +106,34 @@ pub async fn remove_named(backend: &Backend, name: &str) {
     }
 }
 
+impl SandboxOutcome {
+    /// A sandbox that never started.
+    pub fn start_failed(message: String, started: std::time::Instant) -> Self {
+        SandboxOutcome {
+            exit_code: None,
+            stdout: String::new(),
+            stderr: String::new(),
+            truncated: Truncated::default(),
+            end: EndReason::StartFailed(message),
+            duration: started.elapsed(),
+        }
+    }
+}
+
+/// Waits for `child` to exit, for the timeout, or for cancellation, whichever comes first.
+/// `None` means the child is still running and must be stopped by the caller.
+pub async fn wait_or_stop(
+    child: &mut tokio::process::Child,
+    timeout: Duration,
+    cancel: &CancellationToken,
+) -> (Option<std::process::ExitStatus>, EndReason) {
+    tokio::select! {
+        s = child.wait() => (s.ok(), EndReason::Exited),
+        _ = tokio::time::sleep(timeout) => (None, EndReason::TimedOut),
+        _ = cancel.cancelled() => (None, EndReason::Canceled),
+    }
+}
+
 /// The configured backend.
 #[derive(Debug, Clone)]
 pub enum Backend {
