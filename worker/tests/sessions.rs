@@ -354,7 +354,9 @@ pub async fn max_lifetime_ends_a_running_command(backend: &'static str) {
         t.elapsed()
     );
     assert_eq!(code, 200, "{v}");
-    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    // The exec client may wait up to 10 s for podman to notice the removed container under
+    // load; anything far below the command's own sleep shows the lifetime ended it.
+    assert!(t.elapsed() < Duration::from_secs(25), "{:?}", t.elapsed());
     assert_eq!(
         (
             v["status"].clone(),
