@@ -73,6 +73,41 @@ deny contains {"rule": "step_malformed", "message": msg} if {
 	msg := sprintf("step %v: run_command needs a command", [step.id])
 }
 
+# Type guards. Engines differ on a builtin called with the wrong type (OPA and the
+# regorus VM make the rule body fail, which could silently drop a denial; the strict
+# interpreter errors), so every value a builtin below receives is checked here first
+# and a mistyped one is denied.
+deny contains {"rule": "step_malformed", "message": msg} if {
+	some s in run_steps
+	not run_arguments_well_typed(s.args)
+	msg := sprintf(
+		"step %v: run_command needs a string command, string args, string env values and a numeric timeout_seconds",
+		[s.id],
+	)
+}
+
+run_arguments_well_typed(a) if {
+	is_string(a.command)
+	args := object.get(a, "args", [])
+	is_array(args)
+	every x in args {
+		is_string(x)
+	}
+	env := object.get(a, "env", {})
+	is_object(env)
+	every x in env {
+		is_string(x)
+	}
+	is_number(object.get(a, "timeout_seconds", 0))
+}
+
+deny contains {"rule": "step_malformed", "message": msg} if {
+	some step in steps
+	step.type == "apply_unified_diff"
+	not is_string(step.arguments.diff)
+	msg := sprintf("step %v: apply_unified_diff needs a string diff", [step.id])
+}
+
 # Every run_command step as {"id", "args", "command"}.
 run_steps := [{"id": step.id, "args": step.arguments, "command": step.arguments.command} |
 	some step in steps
@@ -151,7 +186,9 @@ checked_paths contains {"where": ["step %v: diff header", [step.id]], "path": p}
 }
 
 trim_diff_prefix(name) := substring(name, 2, -1) if {
-	regex.match(`^[ab]/`, name)
+	startswith(name, "a/")
+} else := substring(name, 2, -1) if {
+	startswith(name, "b/")
 } else := name
 
 where(c) := sprintf(c.where[0], c.where[1])
@@ -162,11 +199,17 @@ deny contains {"rule": "path_invalid", "message": msg} if {
 	msg := sprintf("%s: path must be a string, got %s", [where(c), type_name(c.path)])
 }
 
-# Paths with a NUL byte or a `..` component: one regex screens every path.
+# Paths with a NUL byte or a `..` somewhere: cheap substring tests screen every path.
 suspect_paths contains c if {
 	some c in checked_paths
 	is_string(c.path)
-	regex.match(`\x00|(?:^|/)\.\.(?:/|$)`, c.path)
+	contains(c.path, "..")
+}
+
+suspect_paths contains c if {
+	some c in checked_paths
+	is_string(c.path)
+	contains(c.path, "\u0000")
 }
 
 deny contains {"rule": "path_nul_byte", "message": msg} if {
@@ -177,6 +220,7 @@ deny contains {"rule": "path_nul_byte", "message": msg} if {
 
 deny contains {"rule": "path_traversal", "message": msg} if {
 	some c in suspect_paths
+	".." in split(c.path, "/")
 	not contains(c.path, "\u0000")
 	msg := sprintf("%s: path `%s` has a `..` component", [where(c), c.path])
 }
@@ -187,7 +231,7 @@ deny contains {"rule": "path_outside_workspace", "message": msg} if {
 	startswith(c.path, "/")
 	c.path != "/workspace"
 	not startswith(c.path, "/workspace/")
-	not c in suspect_paths
+	not contains(c.path, "\u0000")
 	msg := sprintf("%s: absolute path `%s` is outside /workspace", [where(c), c.path])
 }
 
@@ -264,7 +308,7 @@ deny contains {"rule": "step_timeout_ceiling", "message": msg} if {
 # variable and the kind of secret, never its value.
 # ---------------------------------------------------------------------------
 
-secret_name_pattern := `(?i)TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|PRIVATE_KEY`
+secret_name_pattern := `TOKEN|SECRET|PASSWORD|PASSWD|API_KEY|PRIVATE_KEY`
 
 secret_value_shapes := {
 	"a github token": `(?:^|[^A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{16,}|github_pat_[A-Za-z0-9_]{16,})`,
@@ -287,8 +331,9 @@ env_entries contains {"id": s.id, "name": name, "value": value} if {
 deny contains {"rule": "secret_env_name", "message": msg} if {
 	some e in env_entries
 	e.value != ""
-	regex.match(secret_name_pattern, e.name)
-	marker := regex.find_n(secret_name_pattern, e.name, 1)[0]
+	name := upper(e.name)
+	regex.match(secret_name_pattern, name)
+	marker := regex.find_n(secret_name_pattern, name, 1)[0]
 	msg := sprintf("step %v: env `%s` looks like a secret (name contains %s); secrets never go into jobs", [e.id, e.name, lower(marker)])
 }
 

@@ -2,14 +2,16 @@
 //!
 //! `cargo bench -p cynode-pm --bench policy` runs criterion over three jobs (a typical
 //! skill job, a job the policy denies on several rules, a large job with 40 steps and a
-//! 400-line diff), then times 5,000 single evaluations of each and prints p50/p90/p99.
+//! 400-line diff), on the gate's default engine (the regorus VM, `evaluate/…`) and on the
+//! interpreter it falls back to (`interpreter/…`), then times 5,000 single evaluations of
+//! each and prints p50/p90/p99. Criterion's own report is in target/criterion.
 
 use std::hint::black_box;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
 use criterion::Criterion;
-use cynode_pm::policy::{LocalGate, Mode, PolicyInput, TenantPolicy};
+use cynode_pm::policy::{Decision, LocalGate, Mode, PolicyInput, TenantPolicy};
 use serde_json::{json, Value};
 
 fn skill() -> Value {
@@ -123,37 +125,48 @@ fn bench(c: &mut Criterion, gate: &LocalGate) {
         group.bench_function(format!("evaluate/{name}"), |b| {
             b.iter(|| gate.evaluate_sync(black_box(&input)))
         });
+        group.bench_function(format!("interpreter/{name}"), |b| {
+            b.iter(|| gate.evaluate_interpreted(black_box(&input)))
+        });
     }
     group.bench_function("load_default_policy", |b| b.iter(load_gate));
     group.finish();
 }
 
+type Evaluate = fn(&LocalGate, &PolicyInput) -> Decision;
+
 /// Times single evaluations (not batched) and prints their percentiles.
 fn percentiles(gate: &LocalGate) {
     const RUNS: usize = 5_000;
-    for (name, input) in inputs() {
-        for _ in 0..200 {
-            black_box(gate.evaluate_sync(&input));
+    let engines: [(&str, Evaluate); 2] = [
+        ("evaluate", LocalGate::evaluate_sync),
+        ("interpreter", LocalGate::evaluate_interpreted),
+    ];
+    for (engine, evaluate) in engines {
+        for (name, input) in inputs() {
+            for _ in 0..200 {
+                black_box(evaluate(gate, &input));
+            }
+            let mut times: Vec<Duration> = (0..RUNS)
+                .map(|_| {
+                    let start = Instant::now();
+                    black_box(evaluate(gate, black_box(&input)));
+                    start.elapsed()
+                })
+                .collect();
+            times.sort();
+            let at = |q: f64| times[((RUNS as f64 - 1.0) * q) as usize];
+            let decision = evaluate(gate, &input);
+            println!(
+                "policy {engine}/{name:<8} p50 {:>9.1?}  p90 {:>9.1?}  p99 {:>9.1?}  ({RUNS} runs; allowed={}, deny={}, warn={})",
+                at(0.50),
+                at(0.90),
+                at(0.99),
+                decision.allowed,
+                decision.deny.len(),
+                decision.warn.len()
+            );
         }
-        let mut times: Vec<Duration> = (0..RUNS)
-            .map(|_| {
-                let start = Instant::now();
-                black_box(gate.evaluate_sync(black_box(&input)));
-                start.elapsed()
-            })
-            .collect();
-        times.sort();
-        let at = |q: f64| times[((RUNS as f64 - 1.0) * q) as usize];
-        let decision = gate.evaluate_sync(&input);
-        println!(
-            "policy evaluate/{name:<8} p50 {:>9.1?}  p90 {:>9.1?}  p99 {:>9.1?}  ({RUNS} runs; allowed={}, deny={}, warn={})",
-            at(0.50),
-            at(0.90),
-            at(0.99),
-            decision.allowed,
-            decision.deny.len(),
-            decision.warn.len()
-        );
     }
 }
 

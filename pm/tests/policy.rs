@@ -11,7 +11,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use cynode_pm::policy::{
     Decision, LocalGate, Mode, PolicyError, PolicyGate, PolicyInput, RemoteGate, TenantPolicy,
-    Violation, RULE_ENGINE_UNAVAILABLE, RULE_UNNAMED,
+    Violation, RULE_ENGINE_UNAVAILABLE, RULE_EVALUATION_FAILED, RULE_UNNAMED,
 };
 use serde_json::{json, Value};
 
@@ -770,6 +770,213 @@ fn tenant_policy_defaults_are_safe() {
         }
     );
     assert!(serde_yaml::from_str::<TenantPolicy>("allow_netwrok: true\n").is_err());
+}
+
+#[test]
+fn a_job_that_is_not_an_object_is_denied() {
+    let decision = GATE.evaluate_sync(&PolicyInput::new(
+        json!(null),
+        skill(),
+        TenantPolicy::default(),
+    ));
+    assert_eq!(
+        decision,
+        Decision {
+            allowed: false,
+            deny: vec![
+                v(
+                    "limits_missing",
+                    "constraints.max_output_bytes must be a positive number"
+                ),
+                v(
+                    "limits_missing",
+                    "constraints.max_runtime_seconds must be a positive number"
+                ),
+            ],
+            warn: vec![v("no_steps", "job has no steps; it will do nothing")],
+            mode: Mode::Enforce,
+        }
+    );
+}
+
+#[test]
+fn malformed_steps_are_denied_not_skipped() {
+    let job = job_with(json!([
+        {"type": "run_command", "arguments": {"command": "curl"}},
+        {"id": "s", "type": "run_command", "arguments": {"args": ["x"]}},
+        {"id": "t", "type": "read_file", "arguments": "etc/passwd"},
+    ]));
+    assert_eq!(
+        denials(job),
+        vec![
+            v("step_malformed", "step s: run_command needs a command"),
+            v(
+                "step_malformed",
+                "steps[0]: needs an id, a type and an arguments object"
+            ),
+            v(
+                "step_malformed",
+                "steps[2]: needs an id, a type and an arguments object"
+            ),
+        ]
+    );
+}
+
+#[test]
+fn mistyped_arguments_are_denied() {
+    let job = job_with(json!([
+        {"id": "a", "type": "run_command", "arguments": {"command": "git", "args": ["-C", 7, "push"]}},
+        {"id": "b", "type": "run_command", "arguments": {"command": "go", "env": {"GITHUB_TOKEN": 12345}}},
+        {"id": "c", "type": "run_command", "arguments": {"command": "go", "args": "test ./..."}},
+        {"id": "d", "type": "run_command", "arguments": {"command": "go", "timeout_seconds": "9999"}},
+        {"id": "e", "type": "apply_unified_diff", "arguments": {"diff": ["--- a/../x"]}},
+        {"id": "f", "type": "read_file", "arguments": {"path": 5}},
+    ]));
+    let shape = |id: &str| {
+        v(
+            "step_malformed",
+            &format!("step {id}: run_command needs a string command, string args, string env values and a numeric timeout_seconds"),
+        )
+    };
+    let decision = decide(&input(job));
+    let malformed: Vec<Violation> = decision
+        .deny
+        .iter()
+        .filter(|d| d.rule == "step_malformed" || d.rule == "path_invalid")
+        .cloned()
+        .collect();
+    assert_eq!(
+        malformed,
+        vec![
+            v(
+                "path_invalid",
+                "step f: path: path must be a string, got number"
+            ),
+            shape("a"),
+            shape("b"),
+            shape("c"),
+            shape("d"),
+            v(
+                "step_malformed",
+                "step e: apply_unified_diff needs a string diff"
+            ),
+        ]
+    );
+    assert!(!decision.allowed);
+}
+
+/// Every input the tests above use, for checks over all of them.
+fn corpus() -> Vec<PolicyInput> {
+    let mut jobs = vec![
+        clean_job(),
+        networked_job(),
+        job_with(json!([])),
+        job_with(json!(null)),
+    ];
+    for (command, args) in [
+        ("curl", vec!["x"]),
+        ("git", vec!["-C", "repo", "push"]),
+        ("git", vec!["-c", "alias.st=push", "st"]),
+        ("git", vec!["commit", "-m", "push"]),
+        ("git", vec!["submodule", "update"]),
+        ("/usr/bin/git", vec!["archive", "--remote=x"]),
+    ] {
+        jobs.push(job_with(json!([run("s", command, &args)])));
+    }
+    jobs.push(env_job(
+        json!({"GITHUB_TOKEN": "ghp_0123456789abcdefghijABCDEFGHIJklmnop", "A": "-----BEGIN"}),
+    ));
+    let mut paths = job_with(json!([
+        {"id": "r", "type": "read_file", "arguments": {"path": "/etc/shadow"}},
+        {"id": "w", "type": "write_file", "arguments": {"path": "a/../b", "content": ""}},
+        {"id": "d", "type": "apply_unified_diff", "arguments": {"diff": "--- a/../x\n+++ /etc/x\n"}},
+    ]));
+    paths["constraints"]["max_runtime_seconds"] = json!(99999);
+    paths["constraints"]["allowed_commands"] = json!(["git"]);
+    jobs.push(paths);
+    let mut inputs: Vec<PolicyInput> = jobs.into_iter().map(input).collect();
+    let strict = TenantPolicy {
+        allowed_purposes: vec!["base-tools".into()],
+        allowed_images: vec!["x/*".into()],
+        max_runtime_seconds: 10,
+        ..TenantPolicy::default()
+    };
+    let mut imaged = skill();
+    imaged["image"] = json!("y/z");
+    inputs.push(PolicyInput::new(clean_job(), imaged, strict));
+    inputs.push(PolicyInput::new(
+        clean_job(),
+        json!({}),
+        TenantPolicy::default(),
+    ));
+    inputs.push(PolicyInput::new(
+        clean_job(),
+        json!("not a manifest"),
+        TenantPolicy::default(),
+    ));
+    inputs
+}
+
+#[test]
+fn the_vm_and_the_interpreter_agree() {
+    assert!(GATE.uses_vm());
+    for input in corpus() {
+        let decision = GATE.evaluate_sync(&input);
+        assert!(!decision.is_engine_failure(), "{decision:?}");
+        assert_eq!(decision, GATE.evaluate_interpreted(&input), "{input:?}");
+    }
+}
+
+#[test]
+fn the_gate_is_shareable_across_threads() {
+    fn assert_send_sync<T: Send + Sync>() {}
+    assert_send_sync::<LocalGate>();
+    assert_send_sync::<PolicyGate>();
+    let input = input(job_with(json!([run("s", "curl", &[])])));
+    let expected = decide(&input);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..4)
+            .map(|_| scope.spawn(|| GATE.evaluate_sync(&input)))
+            .collect();
+        for handle in handles {
+            assert_eq!(handle.join().unwrap(), expected);
+        }
+    });
+}
+
+#[test]
+fn a_builtin_error_fails_closed_instead_of_passing() {
+    // OPA's default would make these rules undefined (no denial) and let everything pass.
+    // A constant error is found when the policy loads.
+    let constant = policy_dir_with(&[(
+        "p.rego",
+        "package cynode.policy\n\ndeny contains \"bad\" if regex.match(\"(unclosed\", \"x\")\n",
+    )]);
+    assert!(matches!(
+        LocalGate::from_dir(constant.path(), Mode::Enforce),
+        Err(PolicyError::Compile { message, .. }) if message.contains("invalid regex")
+    ));
+
+    let input_dependent = policy_dir_with(&[(
+        "p.rego",
+        "package cynode.policy\n\ndeny contains \"bad\" if regex.match(input.tenant.tenant_id, \"x\")\n",
+    )]);
+    let gate = LocalGate::from_dir(input_dependent.path(), Mode::DryRun).unwrap();
+    let tenant = TenantPolicy {
+        tenant_id: "(unclosed".into(),
+        ..TenantPolicy::default()
+    };
+    // The strict interpreter fails closed. (The VM, like OPA, lets such a rule body
+    // fail instead, which is why the default policy type-checks what builtins receive:
+    // see mistyped_arguments_are_denied.)
+    let decision = gate.evaluate_interpreted(&PolicyInput::new(clean_job(), skill(), tenant));
+    assert!(!decision.allowed, "{decision:?}");
+    assert_eq!(decision.deny.len(), 1);
+    assert_eq!(decision.deny[0].rule, RULE_EVALUATION_FAILED);
+    assert!(
+        decision.deny[0].message.contains("invalid regex"),
+        "{decision:?}"
+    );
 }
 
 // ---------------------------------------------------------------------------
