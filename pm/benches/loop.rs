@@ -20,7 +20,7 @@ use axum::routing::post;
 use axum::{Json, Router};
 use cynode_pm::dispatch::WorkerClient;
 use cynode_pm::driver::Pm;
-use cynode_pm::llm::{LlmClient, ModelConfig};
+use cynode_pm::llm::{Contract, LlmClient, ModelConfig};
 use cynode_pm::policy::{Mode, PolicyGate, TenantPolicy};
 use cynode_pm::session::{Budgets, SessionRecord, SessionStatus};
 use cynode_pm::skills::Registry;
@@ -75,7 +75,7 @@ async fn pm(model_url: &str, worker: Option<(String, String)>, image: &str, db: 
     cfg.max_tokens = 256;
     let (w, t) = worker.unwrap_or_else(|| ("http://127.0.0.1:9".into(), "none".into()));
     Pm {
-        catalog: registry.catalog(),
+        contract: Contract::new(registry.catalog()).unwrap_or_else(|e| panic!("contract: {e}")),
         registry,
         store: Store::connect(db)
             .await

@@ -28,7 +28,6 @@ use crate::dispatch::{DispatchError, WorkerClient};
 use crate::llm::{self, LlmClient, LlmError};
 use crate::policy::{PolicyGate, PolicyInput, TenantPolicy};
 use crate::session::{Deliverable, Dispatch, FailureKind, Phase, SessionRecord, SessionStatus};
-use crate::skills::registry::CatalogEntry;
 use crate::skills::{build_job, JobRef, Registry};
 use crate::store::{Store, StoreError};
 
@@ -74,7 +73,8 @@ pub enum DriverError {
 pub struct Pm {
     pub store: Store,
     pub registry: Registry,
-    pub catalog: Vec<CatalogEntry>,
+    /// The catalog, compiled validator and system prompt ([`llm::Contract`]).
+    pub contract: llm::Contract,
     pub gate: PolicyGate,
     pub tenant: TenantPolicy,
     pub llm: LlmClient,
@@ -186,27 +186,38 @@ impl Pm {
         }
         progress(Progress::Turn(rec.turn));
         // A reply this turn already got (journaled before a crash) is never asked again.
-        let journal = self.store.journal(&rec.state.session_id).await?;
-        let stored = journal
-            .iter()
-            .rev()
-            .find(|e| e.kind == "model_reply" && e.data["turn"] == json!(rec.turn));
+        let stored = self
+            .store
+            .last_journal(&rec.state.session_id, "model_reply")
+            .await?
+            .filter(|e| e.data["turn"] == json!(rec.turn));
         let reply: LlmOutput =
             match stored.and_then(|e| serde_json::from_value(e.data["reply"].clone()).ok()) {
                 Some(r) => r,
                 None => {
                     let task_ids: Vec<String> =
                         rec.state.plan.iter().map(|p| p.task_id.clone()).collect();
-                    let schema = llm::response_schema(&self.catalog, &task_ids);
-                    let messages = llm::compose_context(
-                        &llm::system_prompt(&self.catalog),
-                        &rec.state.objective,
-                        &state_summary(rec),
-                        feedback_text(rec).as_deref(),
-                    );
+                    let rules = llm::TurnRules::for_session(rec);
+                    let schema = rules.schema(&self.contract.catalog, &task_ids);
+                    let mut feedback = feedback_text(rec);
+                    if let Some(notice) = &rules.notice {
+                        let joined = feedback.map_or_else(String::new, |f| f + "\n");
+                        feedback = Some(joined + notice);
+                    }
                     match self
                         .llm
-                        .next_reply(&messages, &schema, &task_ids, &self.catalog)
+                        .next_reply_with(
+                            &llm::compose_context(
+                                &self.contract.system_prompt,
+                                &rec.state.objective,
+                                &state_summary(rec),
+                                feedback.as_deref(),
+                            ),
+                            &schema,
+                            &self.contract.validator,
+                            &task_ids,
+                            |r| rules.check(r),
+                        )
                         .await
                     {
                         Ok((reply, raw, attempts)) => {

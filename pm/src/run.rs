@@ -202,7 +202,7 @@ async fn build_pm(
     cfg.temperature = args.temperature;
     cfg.api_key = ModelConfig::api_key_from_env();
     Ok(Pm {
-        catalog: registry.catalog(),
+        contract: crate::llm::Contract::new(registry.catalog())?,
         registry,
         store,
         gate,

@@ -189,6 +189,19 @@ impl Store {
         rows.iter().map(entry).collect()
     }
 
+    /// The latest journal entry of one kind (one indexed row, not the whole journal).
+    pub async fn last_journal(&self, session_id: &str, kind: &str) -> Result<Option<JournalEntry>> {
+        let row = sqlx::query(
+            "SELECT seq, kind, data_json FROM journal WHERE session_id = $1 AND kind = $2 \
+             ORDER BY seq DESC LIMIT 1",
+        )
+        .bind(session_id.to_string())
+        .bind(kind.to_string())
+        .fetch_optional(&self.pool)
+        .await?;
+        row.as_ref().map(entry).transpose()
+    }
+
     /// Sessions, newest first, optionally with one status.
     pub async fn list(&self, status: Option<&str>) -> Result<Vec<SessionRecord>> {
         let rows =

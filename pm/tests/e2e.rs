@@ -234,6 +234,57 @@ fn objective_completes_through_worker_and_sba() {
     assert!(last.contains("hello.txt"), "{last}");
 }
 
+/// The progress guard: after three plan-only replies the next turn's schema has no
+/// plan_update variant and the model is told to act; a fourth plan_update (from a backend
+/// that ignores the schema) is rejected and asked again, and the session still completes.
+#[test]
+fn plan_only_replies_are_cut_short_by_the_progress_guard() {
+    let state = tempfile::tempdir().unwrap();
+    let plan_only =
+        json!({ "type": "plan_update", "state_patch": [], "payload": { "note": "thinking" } });
+    let (url, model) = model_server(vec![
+        plan_only.clone(),
+        plan_only.clone(),
+        plan_only.clone(),
+        plan_only,
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "nothing to do" } }),
+    ]);
+    let out = pm(state.path(), &url, &["run", "do nothing"], None);
+    let v = final_state(&out);
+    assert_eq!(v["status"], "completed", "{v}");
+    let reqs = model.requests();
+    assert_eq!(reqs.len(), 5);
+    let kinds = |r: &Value| -> Vec<String> {
+        r["response_format"]["json_schema"]["schema"]["anyOf"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| {
+                v["properties"]["type"]["const"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect()
+    };
+    assert!(kinds(&reqs[2]).contains(&"plan_update".to_string()));
+    assert_eq!(kinds(&reqs[3]), ["job_request", "message", "final"]);
+    assert!(reqs[3].to_string().contains("plan_update 3 times in a row"));
+    // The rejected fourth plan_update was fed back, not acted on.
+    assert!(
+        reqs[4].to_string().contains("not accepted this turn"),
+        "{}",
+        reqs[4]
+    );
+    let replies = v["state"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "model_reply")
+        .count();
+    assert_eq!(replies, 4);
+}
+
 fn crash_then_resume(failpoint: &str) {
     let state = tempfile::tempdir().unwrap();
     let (url, model) = model_server(happy_script());

@@ -32,6 +32,8 @@ use serde_json::{json, Value};
 enum Script {
     /// 200 with a chat completion whose content is this.
     Reply(String),
+    /// 200 with this content and `finish_reason: length` (cut off at max_tokens).
+    Cut(String),
     /// This status and body.
     Status(u16, String),
     /// Never answers.
@@ -156,6 +158,11 @@ async fn chat(
     s.record("/v1/chat/completions", &headers, body);
     match s.next() {
         Script::Reply(content) => Json(completion(&content)).into_response(),
+        Script::Cut(content) => {
+            let mut c = completion(&content);
+            c["choices"][0]["finish_reason"] = json!("length");
+            Json(c).into_response()
+        }
         Script::Status(code, body) => (StatusCode::from_u16(code).unwrap(), body).into_response(),
         Script::Hang => std::future::pending::<Response>().await,
     }
@@ -426,6 +433,47 @@ async fn empty_content_is_asked_again() {
     // No fabricated assistant message: the same conversation is sent again.
     let reqs = server.requests();
     assert_eq!(reqs[0].body["messages"], reqs[1].body["messages"]);
+}
+
+#[tokio::test]
+async fn a_reply_cut_off_at_max_tokens_is_asked_again_shorter() {
+    let full = job_request_text();
+    let server = Server::start(vec![
+        Script::Cut(full[..full.len() / 2].to_string()),
+        Script::Reply(full),
+    ])
+    .await;
+    let client = LlmClient::new(server.config());
+    let cat = catalog();
+    let schema = response_schema(&cat, &tasks());
+    let (reply, _, attempts) = client
+        .next_reply(&context(), &schema, &tasks(), &cat)
+        .await
+        .unwrap();
+    assert_eq!(reply, job_request_output());
+    assert_eq!(attempts, 2);
+    let reqs = server.requests();
+    let last = reqs[1].body["messages"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(last["role"], "user");
+    let text = last["content"].as_str().unwrap();
+    assert!(text.contains("cut off after 512 tokens"), "{text}");
+}
+
+#[tokio::test]
+async fn a_complete_reply_that_hit_max_tokens_is_accepted() {
+    let server = Server::start(vec![Script::Cut(job_request_text())]).await;
+    let client = LlmClient::new(server.config());
+    let cat = catalog();
+    let (reply, _, attempts) = client
+        .next_reply(&context(), &response_schema(&cat, &tasks()), &tasks(), &cat)
+        .await
+        .unwrap();
+    assert_eq!((reply, attempts), (job_request_output(), 1));
 }
 
 #[tokio::test]

@@ -152,6 +152,12 @@ pub enum LlmError {
         finish_reason: Option<String>,
         refusal: Option<String>,
     },
+    /// The reply stopped at `max_tokens` (`finish_reason: length`) before its JSON was
+    /// complete; fed back to the model as [`ContractError::Truncated`].
+    #[error(
+        "the model's reply was cut off at max_tokens ({max_tokens}) before its JSON was complete"
+    )]
+    Truncated { max_tokens: u32 },
     /// The model kept answering outside the contract (`model_contract_violation`).
     #[error("model reply broke the output contract {attempts} times; last: {last_error}")]
     ModelContractViolation {
@@ -176,6 +182,7 @@ impl LlmError {
             }
             LlmError::InvalidResponse(_)
             | LlmError::EmptyReply { .. }
+            | LlmError::Truncated { .. }
             | LlmError::ModelContractViolation { .. }
             | LlmError::Config(_)
             | LlmError::InvalidSchema(_) => false,
@@ -475,6 +482,13 @@ impl LlmClient {
                 refusal,
             });
         }
+        if finish_reason.as_deref() == Some("length")
+            && serde_json::from_str::<serde::de::IgnoredAny>(content.trim()).is_err()
+        {
+            return Err(LlmError::Truncated {
+                max_tokens: self.cfg.max_tokens,
+            });
+        }
         Ok(content)
     }
 
@@ -523,7 +537,6 @@ impl LlmClient {
     /// [`LlmClient::next_reply`] with one more check of the caller's after the contract's
     /// (e.g. "the state_patch applies to the current state"); its error is fed back to the
     /// model like any other contract error.
-    #[instrument(skip_all, fields(model = %self.cfg.model, attempt = tracing::field::Empty))]
     pub async fn next_reply_checked<F>(
         &self,
         messages: &[ChatMessage],
@@ -537,6 +550,24 @@ impl LlmClient {
     {
         let validator = ReplyValidator::new(schema, catalog)
             .map_err(|e| LlmError::InvalidSchema(e.to_string()))?;
+        self.next_reply_with(messages, schema, &validator, known_task_ids, check)
+            .await
+    }
+
+    /// [`LlmClient::next_reply_checked`] with a validator compiled once by the caller (the
+    /// loop keeps one per skill catalog, so a turn does not recompile the schemas).
+    #[instrument(skip_all, fields(model = %self.cfg.model, attempt = tracing::field::Empty))]
+    pub async fn next_reply_with<F>(
+        &self,
+        messages: &[ChatMessage],
+        schema: &Value,
+        validator: &ReplyValidator,
+        known_task_ids: &[String],
+        check: F,
+    ) -> Result<(LlmOutput, String, u32), LlmError>
+    where
+        F: Fn(&LlmOutput) -> Result<(), ContractError>,
+    {
         let mut conversation = messages.to_vec();
         let max_attempts = self.cfg.max_contract_retries.saturating_add(1);
         let mut attempt = 0;
@@ -563,6 +594,14 @@ impl LlmClient {
                 },
                 Err(LlmError::EmptyReply { finish_reason, .. }) => {
                     ContractError::Empty { finish_reason }
+                }
+                Err(LlmError::Truncated { max_tokens }) => {
+                    // Without this feedback a deterministic model would write the same
+                    // over-long reply again.
+                    let e = ContractError::Truncated { max_tokens };
+                    conversation.truncate(messages.len());
+                    conversation.push(ChatMessage::user(contract_feedback(&e)));
+                    e
                 }
                 Err(e) => return Err(e),
             };

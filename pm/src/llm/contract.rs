@@ -77,6 +77,9 @@ pub enum ContractError {
     /// The reply does not parse as JSON.
     #[error("the reply is not valid JSON ({0}); answer with one JSON object and nothing else")]
     NotJson(String),
+    /// The reply ran into the token limit before its JSON was complete.
+    #[error("your reply was cut off after {max_tokens} tokens before the JSON was complete; reply again much shorter: one short sentence per text field and as few state_patch operations as possible")]
+    Truncated { max_tokens: u32 },
     /// A field is missing, unknown, of the wrong type or out of range.
     #[error("{path}: {message}")]
     Invalid { path: String, message: String },
@@ -123,6 +126,7 @@ impl ContractError {
     pub fn is_retryable(&self) -> bool {
         match self {
             ContractError::Empty { .. }
+            | ContractError::Truncated { .. }
             | ContractError::NotJson(_)
             | ContractError::Invalid { .. }
             | ContractError::ForbiddenPatchPath { .. }
@@ -166,6 +170,13 @@ fn invalid(path: impl Into<String>, message: impl Into<String>) -> ContractError
 /// may add a task and request a job for it at once. `state_patch` and the plan entry are
 /// `$defs` so a grammar engine builds their rules once.
 pub fn response_schema(catalog: &[CatalogEntry], task_ids: &[String]) -> Value {
+    response_schema_for(catalog, task_ids, &REPLY_TYPES)
+}
+
+/// [`response_schema`] limited to the reply types in `kinds` (a subset of
+/// [`REPLY_TYPES`]): the loop's progress guard drops `plan_update` for a turn after too
+/// many plan-only replies in a row, so a grammar-constrained model has to act.
+pub fn response_schema_for(catalog: &[CatalogEntry], task_ids: &[String], kinds: &[&str]) -> Value {
     let task_desc = if task_ids.is_empty() {
         "the task_id of a plan entry added by this reply's state_patch".to_string()
     } else {
@@ -217,6 +228,11 @@ pub fn response_schema(catalog: &[CatalogEntry], task_ids: &[String]) -> Value {
             &["summary"],
         ),
     ));
+    variants.retain(|v| {
+        v["properties"]["type"]["const"]
+            .as_str()
+            .is_some_and(|k| kinds.contains(&k))
+    });
     json!({
         "title": RESPONSE_SCHEMA_NAME,
         "description": "one reply of the CyNode PM planner: {type, state_patch, payload}",

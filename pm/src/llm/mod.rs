@@ -6,6 +6,8 @@
 //! - [`contract`]: [`response_schema`] and [`validate_reply`] / [`ReplyValidator`].
 //! - [`prompt`]: [`system_prompt`] and [`compose_context`].
 //! - [`client`]: [`ModelConfig`] and [`LlmClient`] (async-openai underneath).
+//! - [`turn`]: [`Contract`] (compiled once per catalog) and [`TurnRules`] (the progress
+//!   guard that narrows a turn's reply types).
 //!
 //! Role separation: instructions live only in the system message; the objective, the
 //! session state and results go in a user message as data; the model's own messages are
@@ -14,15 +16,17 @@
 pub mod client;
 pub mod contract;
 pub mod prompt;
+pub mod turn;
 
 use serde::{Deserialize, Serialize};
 
 pub use client::{LlmClient, LlmError, ModelConfig, API_KEY_ENV, TRANSPORT_TRIES};
 pub use contract::{
-    response_schema, validate_reply, ContractError, ReplyValidator, PATCH_PATH_PATTERN,
-    RESPONSE_SCHEMA_NAME,
+    response_schema, response_schema_for, validate_reply, ContractError, ReplyValidator,
+    PATCH_PATH_PATTERN, RESPONSE_SCHEMA_NAME,
 };
 pub use prompt::{compose_context, contract_feedback, describe_schema, system_prompt};
+pub use turn::{Contract, TurnRules, MAX_PLAN_ONLY_STREAK};
 
 /// Who wrote a chat message.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
