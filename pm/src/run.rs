@@ -37,7 +37,7 @@ pub struct RunArgs {
     pub model_provider: String,
     #[arg(long, env = "CYNODE_MODEL_NAME", default_value = "smollm2")]
     pub model_name: String,
-    #[arg(long, default_value_t = 768)]
+    #[arg(long, default_value_t = 1024)]
     pub max_tokens: u32,
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,

@@ -131,6 +131,9 @@ impl ModelConfig {
     }
 }
 
+/// How much of a rejected reply the warning log shows.
+const REJECTED_HEAD_CHARS: usize = 300;
+
 /// Why no usable reply came back.
 #[derive(Debug, thiserror::Error)]
 pub enum LlmError {
@@ -157,7 +160,7 @@ pub enum LlmError {
     #[error(
         "the model's reply was cut off at max_tokens ({max_tokens}) before its JSON was complete"
     )]
-    Truncated { max_tokens: u32 },
+    Truncated { max_tokens: u32, head: String },
     /// The model kept answering outside the contract (`model_contract_violation`).
     #[error("model reply broke the output contract {attempts} times; last: {last_error}")]
     ModelContractViolation {
@@ -487,6 +490,7 @@ impl LlmClient {
         {
             return Err(LlmError::Truncated {
                 max_tokens: self.cfg.max_tokens,
+                head: content.chars().take(REJECTED_HEAD_CHARS).collect(),
             });
         }
         Ok(content)
@@ -574,6 +578,7 @@ impl LlmClient {
         loop {
             attempt += 1;
             tracing::Span::current().record("attempt", attempt);
+            let mut head = String::new();
             let error = match self.complete_retrying(&conversation, schema).await {
                 Ok(raw) => match validator
                     .validate(&raw, known_task_ids)
@@ -587,6 +592,7 @@ impl LlmClient {
                         // Only the latest rejected reply and its error: the context stays
                         // bounded however many retries (small models have small windows).
                         conversation.truncate(messages.len());
+                        head = raw.chars().take(REJECTED_HEAD_CHARS).collect();
                         conversation.push(ChatMessage::assistant(raw));
                         conversation.push(ChatMessage::user(contract_feedback(&e)));
                         e
@@ -595,7 +601,11 @@ impl LlmClient {
                 Err(LlmError::EmptyReply { finish_reason, .. }) => {
                     ContractError::Empty { finish_reason }
                 }
-                Err(LlmError::Truncated { max_tokens }) => {
+                Err(LlmError::Truncated {
+                    max_tokens,
+                    head: h,
+                }) => {
+                    head = h;
                     // Without this feedback a deterministic model would write the same
                     // over-long reply again.
                     let e = ContractError::Truncated { max_tokens };
@@ -605,7 +615,7 @@ impl LlmClient {
                 }
                 Err(e) => return Err(e),
             };
-            warn!(attempt, max_attempts, error = %error, "model reply rejected");
+            warn!(attempt, max_attempts, error = %error, reply_head = %head, "model reply rejected");
             if attempt >= max_attempts {
                 return Err(LlmError::ModelContractViolation {
                     attempts: attempt,

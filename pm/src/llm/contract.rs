@@ -51,11 +51,14 @@ pub const MAX_PLAN_ENTRIES: usize = 50;
 pub const MAX_NOTES: usize = 100;
 /// At most this many artifacts in a `final` reply.
 pub const MAX_ARTIFACTS: usize = 100;
-/// Length bounds (in characters) of the free-text fields.
+/// Length bounds (in characters) of the free-text fields. They are tight on purpose: a
+/// grammar-constrained backend must close the string within the bound, so a small model
+/// that starts repeating itself ends its sentence instead of running into max_tokens
+/// (SmolLM2 did, in a 2000-character summary). Details belong in artifacts.
 pub const DESCRIPTION_MAX: usize = 200;
-pub const NOTE_MAX: usize = 500;
-pub const TEXT_MAX: usize = 1000;
-pub const SUMMARY_MAX: usize = 2000;
+pub const NOTE_MAX: usize = 300;
+pub const TEXT_MAX: usize = 500;
+pub const SUMMARY_MAX: usize = 800;
 pub const ARTIFACT_REF_MAX: usize = 128;
 
 /// Bounds above this are dropped from the skill schemas embedded in the response schema:
