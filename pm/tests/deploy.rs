@@ -68,23 +68,35 @@ fn shipped_worker_configs_parse_with_the_worker_config_type() {
     }
     assert_eq!(configmaps.len(), 1, "{rel}: one worker ConfigMap");
     let k8s = &configmaps[0];
+    // Host-socket mode: the podman remote client rejects `--runtime`, so it stays empty.
     assert_eq!(
-        (k8s.backend, k8s.listen.to_string(), k8s.state_dir.clone()),
+        (
+            k8s.backend,
+            k8s.listen.to_string(),
+            k8s.state_dir.clone(),
+            k8s.podman.runtime.as_str()
+        ),
         (
             BackendKind::Podman,
             "0.0.0.0:7070".to_string(),
-            PathBuf::from("/var/lib/cynode-worker")
+            PathBuf::from("/var/lib/cynode-worker"),
+            ""
         )
     );
 
     let image = load("deploy/worker/worker.container.yaml");
     assert_eq!(
-        (image.listen.to_string(), image.token_file.clone()),
+        (
+            image.listen.to_string(),
+            image.token_file.clone(),
+            image.podman.runtime.as_str()
+        ),
         (
             "0.0.0.0:7070".to_string(),
-            Some(PathBuf::from("/run/secrets/worker-token"))
+            Some(PathBuf::from("/run/secrets/worker-token")),
+            ""
         ),
-        "the compose file mounts the worker-token secret there"
+        "the compose file mounts the worker-token secret there; host-socket mode"
     );
     load("deploy/worker/worker.yaml");
 }
