@@ -22,8 +22,9 @@
 #       *.example.yaml, is validated with kubernetes-validate --strict against the
 #       Kubernetes 1.37 JSON schemas (unknown fields are errors); check/invariants.py
 #       then cross-checks what schemas cannot: selectors match pod templates, probes and
-#       targetPorts name real ports, the PM's replicas/probes/securityContext/PDB, the
-#       worker's socket mount, NetworkPolicy and the ConfigMap's paths.
+#       targetPorts name real ports, Pod Security "restricted" where a namespace enforces
+#       it, the PM's replicas/probes/securityContext/PDB, the worker's socket mount,
+#       NetworkPolicy and the ConfigMap's paths.
 #   systemd units (deploy/systemd/*.service)
 #       `systemd-analyze verify` in a scratch root (this machine's unit directory plus
 #       stand-ins for the ExecStart binaries, which are not installed here). verify
@@ -219,6 +220,8 @@ SELF_TESTS=(
   "k8s|k8s/pm.yaml|\$s/app.kubernetes.io\/name: cynode-pm/app.kubernetes.io\/name: cynode-pn/"
   "k8s|k8s/worker.yaml|s/containerPort: 7070/containerPort: 7071/"
   "k8s|k8s/worker.yaml|s/type: Socket/type: Sockett/"
+  "k8s|k8s/postgres-reference.yaml|0,/runAsUser: 999/s//runAsUser: 0/"
+  "k8s|k8s/model.yaml|s/allowPrivilegeEscalation: false/allowPrivilegeEscalation: true/"
   "k8s|k8s/kustomization.yaml|/  - model.yaml/d"
   "compose|compose/compose.yaml|s/interval: 5s/interval: fivesec/"
   "compose|compose/compose.yaml|0,/cap_drop:/s//cap_dropp:/"

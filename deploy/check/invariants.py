@@ -55,6 +55,43 @@ def check_k8s(path):
         if o["kind"] != "Namespace" and ns not in namespaces:
             problem(f"{key(o)}: namespace {ns!r} is not created by these manifests")
 
+    # Pod Security "restricted" where the namespace enforces it (the rules of that level
+    # a manifest can show: no host namespaces or hostPath, non-root, no escalation, every
+    # capability dropped, a seccomp profile).
+    restricted = {
+        o["metadata"]["name"]
+        for o in by_kind.get("Namespace", [])
+        if o["metadata"].get("labels", {}).get("pod-security.kubernetes.io/enforce")
+        == "restricted"
+    }
+    for w in workloads:
+        if w["metadata"].get("namespace") not in restricted:
+            continue
+        pod = w["spec"]["template"]["spec"]
+        psc = pod.get("securityContext", {})
+        if any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")):
+            problem(f"{key(w)}: host namespaces in a restricted namespace")
+        if any("hostPath" in v for v in pod.get("volumes", [])):
+            problem(f"{key(w)}: hostPath volume in a restricted namespace")
+        for c in pod.get("containers", []) + pod.get("initContainers", []):
+            sc = c.get("securityContext", {})
+            where = f"{key(w)}: container {c['name']}"
+            if not (sc.get("runAsNonRoot") or psc.get("runAsNonRoot")):
+                problem(f"{where}: runAsNonRoot not set (restricted)")
+            if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+                problem(f"{where}: runs as uid 0 (restricted)")
+            if sc.get("allowPrivilegeEscalation") is not False:
+                problem(f"{where}: allowPrivilegeEscalation not false (restricted)")
+            if sc.get("capabilities", {}).get("drop") != ["ALL"]:
+                problem(f"{where}: capabilities.drop is not [ALL] (restricted)")
+            if set(sc.get("capabilities", {}).get("add", [])) - {"NET_BIND_SERVICE"}:
+                problem(f"{where}: adds capabilities (restricted)")
+            seccomp = sc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+            if seccomp not in ("RuntimeDefault", "Localhost"):
+                problem(f"{where}: no RuntimeDefault seccomp profile (restricted)")
+            if sc.get("privileged"):
+                problem(f"{where}: privileged (restricted)")
+
     # Every workload's selector matches its own pod template.
     for w in workloads:
         sel = w["spec"]["selector"].get("matchLabels", {})
