@@ -236,8 +236,9 @@ SELF_TESTS=(
 )
 
 self_test() {
-  local work repo c file expr n=0 bad=0
+  local repo c file expr n=0 bad=0
   work=$(mktemp -d)
+  trap 'rm -rf "$work"' EXIT
   # A repository stand-in: deploy/ copied (it is changed), the rest linked.
   repo=$work/repo
   mkdir -p "$repo"

@@ -3,6 +3,10 @@
 //! `--self-test` proves it fails on deliberately broken copies. The worker
 //! configurations the deployments ship are parsed here with the worker's own config type
 //! (unknown keys are errors), which no schema tool knows.
+//!
+//! A test binary of its own (not a module of tests/all.rs) so that
+//! `cargo nextest run -p cynode-pm --test deploy` checks the deployment files alone.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
