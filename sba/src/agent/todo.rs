@@ -75,34 +75,37 @@ impl Todo {
             .collect()
     }
 
-    /// Applies an update after checking all of it; the error names what is wrong.
+    /// Applies an update all or nothing (ids added by `add` may be used by the other
+    /// parts of the same update); the error names what is wrong.
     pub fn apply(&mut self, upd: &TodoUpdate) -> Result<(), String> {
-        for id in upd.start.iter().chain(&upd.complete).chain(&upd.reorder) {
-            if !self.items.iter().any(|i| &i.id == id) {
-                return Err(format!("todo: no item with id `{id}`"));
-            }
-        }
         if let Some(d) = upd.add.iter().find(|d| d.trim().is_empty()) {
             return Err(format!("todo: cannot add an empty item (`{d}`)"));
         }
         if self.items.len() + upd.add.len() > MAX_ITEMS {
             return Err(format!("todo: the list may hold at most {MAX_ITEMS} items"));
         }
+        let mut items = self.items.clone();
+        let mut next = self.next;
         for d in &upd.add {
             let id = loop {
-                let id = format!("t-{}", self.next);
-                self.next += 1;
-                if !self.items.iter().any(|i| i.id == id) {
+                let id = format!("t-{next}");
+                next += 1;
+                if !items.iter().any(|i| i.id == id) {
                     break id;
                 }
             };
-            self.items.push(TodoItem {
+            items.push(TodoItem {
                 id,
                 description: d.trim().to_string(),
                 status: TodoStatus::Pending,
             });
         }
-        for item in self.items.iter_mut() {
+        for id in upd.start.iter().chain(&upd.complete).chain(&upd.reorder) {
+            if !items.iter().any(|i| &i.id == id) {
+                return Err(format!("todo: no item with id `{id}`"));
+            }
+        }
+        for item in items.iter_mut() {
             if upd.start.contains(&item.id) && item.status == TodoStatus::Pending {
                 item.status = TodoStatus::InProgress;
             }
@@ -110,16 +113,15 @@ impl Todo {
                 item.status = TodoStatus::Done;
             }
         }
-        if !upd.reorder.is_empty() {
-            let mut front = Vec::new();
-            for id in &upd.reorder {
-                if let Some(pos) = self.items.iter().position(|i| &i.id == id) {
-                    front.push(self.items.remove(pos));
-                }
+        let mut front = Vec::new();
+        for id in &upd.reorder {
+            if let Some(pos) = items.iter().position(|i| &i.id == id) {
+                front.push(items.remove(pos));
             }
-            front.append(&mut self.items);
-            self.items = front;
         }
+        front.append(&mut items);
+        self.items = front;
+        self.next = next;
         Ok(())
     }
 
