@@ -90,13 +90,17 @@ async fn upstream(script: Vec<Value>) -> (String, Upstream) {
     (url, u)
 }
 
-/// A worker whose inference upstream is `url`, with the key in a file.
+/// A bwrap worker whose inference upstream is `url`, with the key in a file.
 fn worker(url: &str, extra: &str) -> Server {
+    worker_on("bwrap", url, extra)
+}
+
+fn worker_on(backend: &'static str, url: &str, extra: &str) -> Server {
     let keydir = tempfile::tempdir().unwrap().keep();
     let keyfile = keydir.join("key");
     std::fs::write(&keyfile, format!("{KEY}\n")).unwrap();
     Server::start(
-        "bwrap",
+        backend,
         &format!(
             "inference:\n  base_url: {url}/v1\n  api_key_file: {}\n{extra}",
             keyfile.display()
@@ -299,6 +303,16 @@ async fn proxy_allows_only_the_jobs_models_paths_and_sizes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_job_uses_the_proxy_and_never_sees_the_key() {
+    agent_job_through_the_proxy("bwrap").await;
+}
+
+/// The same through Podman: the socket must be reachable by the container's uid 1000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_job_uses_the_proxy_under_podman() {
+    agent_job_through_the_proxy("podman").await;
+}
+
+async fn agent_job_through_the_proxy(backend: &'static str) {
     env();
     let act = |ty: &str, args: Value| json!({ "thought": "", "action": { "type": ty, "arguments": args } });
     let (url, up) = upstream(vec![
@@ -313,7 +327,7 @@ async fn an_agent_job_uses_the_proxy_and_never_sees_the_key() {
         ),
     ])
     .await;
-    let sv = worker(&url, "");
+    let sv = worker_on(backend, &url, "");
     let id = unique("agent");
     let spec = json!({
         "protocol_version": "1.0", "job_id": id, "task_id": "t-agent",
