@@ -22,7 +22,9 @@ pub struct JobSpec {
     pub task_id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub skill_id: Option<String>,
-    /// Defaults to `direct_steps` when steps are present, `agent_inference` otherwise.
+    /// Defaults to `direct_steps` when steps are present, `agent_inference` otherwise. In
+    /// `agent_inference` the steps, if any, are suggestions that seed the runner's todo list;
+    /// they are not run as given.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub execution_mode: Option<ExecutionMode>,
     pub constraints: Constraints,
@@ -67,7 +69,7 @@ pub struct Constraints {
     pub allow_overwrite: bool,
 }
 
-/// Models the job may use (agent mode).
+/// Models the job may use (agent mode). An `agent_inference` job must name at least one.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Inference {
@@ -412,6 +414,19 @@ impl JobSpec {
             no_nul(&mut errs, &format!("artifacts[{i}]"), glob);
             non_empty(&mut errs, &format!("artifacts[{i}]"), glob);
         }
+        if self.effective_mode() == ExecutionMode::AgentInference {
+            match &self.inference {
+                Some(inf) if !inf.allowed_models.is_empty() => {
+                    for (i, m) in inf.allowed_models.iter().enumerate() {
+                        non_empty(&mut errs, &format!("inference.allowed_models[{i}]"), m);
+                    }
+                }
+                _ => errs.push(ValidationError::new(
+                    "inference.allowed_models",
+                    "agent_inference needs at least one allowed model",
+                )),
+            }
+        }
         if self.execution_mode == Some(ExecutionMode::DirectSteps) && self.steps.is_empty() {
             errs.push(ValidationError::new(
                 "steps",
@@ -451,6 +466,20 @@ fn non_empty(errs: &mut Vec<ValidationError>, path: &str, value: &str) {
 fn no_nul(errs: &mut Vec<ValidationError>, path: &str, value: &str) {
     if value.contains('\0') {
         errs.push(ValidationError::new(path, "must not contain NUL bytes"));
+    }
+}
+
+impl StepAction {
+    /// The semantic checks a step's arguments get in [`JobSpec::validate`], for actions that
+    /// arrive outside a job.json (the agent loop's model replies). `at` prefixes the paths.
+    pub fn validate(&self, at: &str) -> Result<(), ValidationErrors> {
+        let mut errs = Vec::new();
+        validate_action(&mut errs, at, self);
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(ValidationErrors(errs))
+        }
     }
 }
 
@@ -708,6 +737,14 @@ mod tests {
     fn no_steps_means_agent_mode() {
         let mut v = base();
         v["steps"] = serde_json::json!([]);
+        assert_eq!(
+            first_error(&v),
+            ValidationError::new(
+                "inference.allowed_models",
+                "agent_inference needs at least one allowed model"
+            )
+        );
+        v["inference"] = serde_json::json!({ "allowed_models": ["smollm2"] });
         assert_eq!(
             parse(&v).unwrap().effective_mode(),
             ExecutionMode::AgentInference

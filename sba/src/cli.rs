@@ -28,6 +28,17 @@ pub struct Cli {
     /// Allow running as uid 0 (refused by default).
     #[arg(long)]
     pub allow_root: bool,
+    /// Agent mode: where the todo list is persisted (default: todo.json beside the result
+    /// file; none in stdin mode).
+    #[arg(long, env = "SBA_TODO_PATH")]
+    pub todo: Option<PathBuf>,
+    /// Agent mode: most model calls per job.
+    #[arg(long, env = "SBA_AGENT_MAX_TURNS", default_value_t = crate::agent::DEFAULT_MAX_TURNS)]
+    pub max_turns: u32,
+    /// Agent mode: the model to use (must be in inference.allowed_models); default: the
+    /// first allowed model the endpoint serves.
+    #[arg(long, env = "SBA_INFERENCE_MODEL")]
+    pub model: Option<String>,
 }
 
 /// Parses the command line, sets up logging, runs the job; returns the exit code.
@@ -38,7 +49,21 @@ pub fn main() -> i32 {
         .or_else(|_| std::env::var("SBA_CALLBACK_URL"))
         .ok()
         .filter(|s| !s.is_empty());
+    let todo_path = cli.todo.or_else(|| {
+        (!cli.stdin_mode).then(|| {
+            cli.result
+                .parent()
+                .unwrap_or(std::path::Path::new("."))
+                .join("todo.json")
+        })
+    });
+    let agent = crate::agent::Settings {
+        todo_path,
+        max_turns: cli.max_turns.max(1),
+        model: cli.model.filter(|m| !m.is_empty()),
+    };
     let opts = Options {
+        agent,
         job: cli.job,
         result: cli.result,
         artifacts: cli.artifacts,

@@ -4,16 +4,20 @@
 //! confined to the workspace, and always leaves a complete result.json (design.md §3.2–3.3).
 //!
 //! - [`cli`] / [`runner`]: command line, job lifecycle, result writing.
+//! - [`agent`]: agent mode, the model loop over the same steps (via [`http`]).
 //! - [`steps`]: the six step types; [`patch`] is the native diff engine.
 //! - [`confine`] / [`walk`]: every path resolved beneath the workspace root.
 //! - [`process`] / [`capture`]: child processes under deadlines with bounded output.
-//! - [`artifacts`], [`lifecycle`], [`result_file`]: what leaves the sandbox.
+//! - [`artifacts`], [`lifecycle`], [`result_file`]: what leaves the sandbox; [`http`] is
+//!   the tiny HTTP/1.1 client for callbacks and inference.
 
+pub mod agent;
 pub mod artifacts;
 pub mod capture;
 pub mod cli;
 pub mod confine;
 pub mod error;
+pub mod http;
 pub mod lifecycle;
 pub mod patch;
 pub mod process;

@@ -1,4 +1,5 @@
-//! Writing result.json atomically: a temp file in the same directory, fsync, rename.
+//! Writing result.json (and the agent's todo.json) atomically: a temp file in the same
+//! directory, fsync, rename.
 
 use std::io::Write;
 use std::path::Path;
@@ -7,7 +8,12 @@ use cynode_protocol::JobResult;
 
 /// Writes `result` to `path` so a reader sees either nothing or the complete document.
 pub fn write_atomic(path: &Path, result: &JobResult) -> std::io::Result<()> {
-    let bytes = serde_json::to_vec_pretty(result).map_err(std::io::Error::other)?;
+    write_json_atomic(path, result)
+}
+
+/// Writes any JSON document to `path` atomically.
+pub fn write_json_atomic<T: serde::Serialize>(path: &Path, value: &T) -> std::io::Result<()> {
+    let bytes = serde_json::to_vec_pretty(value).map_err(std::io::Error::other)?;
     let dir = path
         .parent()
         .filter(|p| !p.as_os_str().is_empty())

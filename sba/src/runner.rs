@@ -1,5 +1,6 @@
-//! The job runner: validate, run the steps in order, collect artifacts, always write a
-//! complete result.json (also on panics and SIGTERM), and report lifecycle callbacks.
+//! The job runner: validate, run the steps in order (or the agent loop of
+//! [`crate::agent`]), collect artifacts, always write a complete result.json (also on
+//! panics and SIGTERM), and report lifecycle callbacks.
 
 use std::io::Read;
 use std::os::fd::AsFd;
@@ -10,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cynode_protocol::job::{ExecutionMode, JobSpec};
+use cynode_protocol::job::{ExecutionMode, JobSpec, StepAction};
 use cynode_protocol::result::{ErrorInfo, JobStatus, StepRecord, StepStatus};
 use cynode_protocol::version::PROTOCOL_VERSION;
 use cynode_protocol::worker_api::{SbaLifecycle, SbaStatusCallback};
@@ -31,6 +32,8 @@ pub struct Options {
     pub stdin_mode: bool,
     pub allow_root: bool,
     pub status_url: Option<String>,
+    /// Agent mode settings (todo.json path, turn bound, model choice).
+    pub agent: crate::agent::Settings,
 }
 
 /// Exit codes of design.md §3.3.
@@ -190,13 +193,6 @@ fn execute(
     tracing::info!(job_id = %job.job_id, task_id = %job.task_id, steps = job.steps.len(), "job validated");
     callbacks.job_id = job.job_id.clone();
     callbacks.send(SbaLifecycle::InProgress, result);
-    if job.effective_mode() == ExecutionMode::AgentInference {
-        result.set_failure(
-            FailureCode::ExecutionFailure,
-            "execution_mode agent_inference is not supported by this runner yet: give the job steps (direct_steps)",
-        );
-        return;
-    }
     let ws = match Workspace::open(&opts.workspace) {
         Ok(ws) => ws,
         Err(e) => {
@@ -233,7 +229,14 @@ fn execute(
         interrupt: interrupt.pipe.as_ref().map(|p| p.as_fd()),
         interrupted: &interrupt.flag,
     };
-    run_steps(&ctx, result);
+    if job.effective_mode() == ExecutionMode::AgentInference {
+        crate::agent::run(&ctx, &opts.agent, result);
+        if interrupt.flag.load(Ordering::Relaxed) && result.status == JobStatus::Success {
+            result.set_failure(FailureCode::InternalError, "runner interrupted by SIGTERM");
+        }
+    } else {
+        run_steps(&ctx, result);
+    }
     match artifacts::collect(&ws, &out_dir, &job.artifacts) {
         Ok(list) => result.artifacts = list,
         Err(e) if result.status == JobStatus::Success => {
@@ -257,36 +260,45 @@ fn run_steps(ctx: &StepContext<'_>, result: &mut JobResult) {
             });
             continue;
         }
-        let t = Instant::now();
-        let outcome = steps::execute(ctx, &step.action);
-        let status = outcome.status();
-        let duration_ms = t.elapsed().as_millis() as u64;
-        tracing::info!(
-            job_id = %ctx.job.job_id,
-            step_id = %step.id,
-            step_type = step_type.as_str(),
-            status = ?status,
-            duration_ms,
-            error = outcome.error.as_ref().map(|e| e.message.as_str()),
-            "step finished"
-        );
-        if let Some(e) = &outcome.error {
-            result.set_failure(e.code, format!("step {}: {}", step.id, e.message));
+        let rec = run_step(ctx, &step.id, &step.action);
+        if let Some(e) = &rec.error {
+            result.set_failure(e.kind, format!("step {}: {}", step.id, e.message));
         }
-        result.steps.push(StepRecord {
-            id: step.id.clone(),
-            step_type,
-            status,
-            duration_ms,
-            result: outcome.output,
-            error: outcome.error.map(|e| ErrorInfo {
-                kind: e.code,
-                message: e.message,
-            }),
-        });
+        result.steps.push(rec);
     }
     if ctx.interrupted.load(Ordering::Relaxed) && result.status == JobStatus::Success {
         result.set_failure(FailureCode::InternalError, "runner interrupted by SIGTERM");
+    }
+}
+
+/// Runs one step through the shared step code and logs it. Direct steps and the agent's
+/// actions both come through here, so both get the same confinement, allowlists, output
+/// caps and deadlines, and the same record.
+pub fn run_step(ctx: &StepContext<'_>, id: &str, action: &StepAction) -> StepRecord {
+    let step_type = action.step_type();
+    let t = Instant::now();
+    let outcome = steps::execute(ctx, action);
+    let status = outcome.status();
+    let duration_ms = t.elapsed().as_millis() as u64;
+    tracing::info!(
+        job_id = %ctx.job.job_id,
+        step_id = %id,
+        step_type = step_type.as_str(),
+        status = ?status,
+        duration_ms,
+        error = outcome.error.as_ref().map(|e| e.message.as_str()),
+        "step finished"
+    );
+    StepRecord {
+        id: id.to_string(),
+        step_type,
+        status,
+        duration_ms,
+        result: outcome.output,
+        error: outcome.error.map(|e| ErrorInfo {
+            kind: e.code,
+            message: e.message,
+        }),
     }
 }
 

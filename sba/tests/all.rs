@@ -3,6 +3,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod harness;
+mod model;
+
+mod agent;
 
 mod escapes;
 mod failures;

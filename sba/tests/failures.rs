@@ -2,7 +2,7 @@
 
 use serde_json::json;
 
-use crate::harness::{job, job_with, one, Sandbox};
+use crate::harness::{job_with, one, Sandbox};
 
 fn assert_failure_shapes(run: &crate::harness::Run, code: &str) {
     assert_eq!(run.failure(), code, "{}", run.message());
@@ -45,7 +45,10 @@ fn schema_validation_names_the_field() {
         run.message()
     );
 
-    let run = sb.run(&job_with(json!([]), json!({ "max_runtime_seconds": 0 })));
+    let run = sb.run(&job_with(
+        json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "true" } }]),
+        json!({ "max_runtime_seconds": 0 }),
+    ));
     assert_eq!(
         run.message(),
         "constraints.max_runtime_seconds: must be positive"
@@ -196,20 +199,6 @@ fn internal_error_when_the_runner_is_terminated() {
     assert_eq!(run.message(), "step s1: runner interrupted by SIGTERM");
     assert_eq!(run.step(0)["status"], "failure");
     assert!(!run.result.finished_at.is_empty());
-}
-
-#[test]
-fn agent_mode_fails_cleanly_until_implemented() {
-    let sb = Sandbox::new();
-    let mut j = job(json!([]));
-    j["inference"] = json!({ "allowed_models": ["smollm2"] });
-    let run = sb.run(&j);
-    assert_failure_shapes(&run, "execution_failure");
-    assert!(
-        run.message().contains("agent_inference is not supported"),
-        "{}",
-        run.message()
-    );
 }
 
 #[test]

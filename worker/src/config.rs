@@ -55,6 +55,49 @@ pub struct Config {
     pub seed_exclude_dirs: Vec<String>,
     /// Terminal jobs not acked within this time are deleted.
     pub retention_seconds: u64,
+    /// The OpenAI-compatible upstream behind the per-job inference proxy; without it, jobs
+    /// that need inference are refused.
+    pub inference: Option<InferenceConfig>,
+}
+
+/// The inference upstream. The API key never lives in this file: `api_key_file` or the
+/// env variable `api_key_env` names it, and it is only ever sent to the upstream.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InferenceConfig {
+    /// `http://host:port` (a trailing `/v1` is accepted).
+    pub base_url: String,
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    /// Models this node offers; a job may use only those it allows and the node offers.
+    /// Empty: whatever the job allows.
+    #[serde(default)]
+    pub models: Vec<String>,
+    #[serde(default = "default_inference_request_bytes")]
+    pub max_request_bytes: usize,
+    #[serde(default = "default_inference_response_bytes")]
+    pub max_response_bytes: usize,
+    /// Bound on one upstream call.
+    #[serde(default = "default_inference_timeout")]
+    pub timeout_seconds: u64,
+    /// Bound on an agent job's model calls (the SBA's `SBA_AGENT_MAX_TURNS`); unset: the
+    /// SBA's default.
+    #[serde(default)]
+    pub agent_max_turns: Option<u32>,
+}
+
+fn default_inference_request_bytes() -> usize {
+    1024 * 1024
+}
+
+fn default_inference_response_bytes() -> usize {
+    4 * 1024 * 1024
+}
+
+fn default_inference_timeout() -> u64 {
+    600
 }
 
 /// Podman or Docker settings.
@@ -136,6 +179,7 @@ impl Default for Config {
             .map(String::from)
             .to_vec(),
             retention_seconds: 7 * 24 * 3600,
+            inference: None,
         }
     }
 }

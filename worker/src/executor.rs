@@ -3,13 +3,14 @@
 //! sandbox left, verifying every artifact's hash on the host.
 //!
 //! Job directory layout (`<state>/jobs/<job_id>/`): `request.json`, and `job/` which is
-//! mounted at `/job` (job.json, result.json, artifacts/, status.sock).
+//! mounted at `/job` (job.json, result.json, artifacts/, status.sock, and for jobs that use
+//! inference inference.sock and the agent's todo.json).
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use cynode_protocol::job::JobSpec;
+use cynode_protocol::job::{ExecutionMode, JobSpec};
 use cynode_protocol::result::{ArtifactRecord, JobStatus};
 use cynode_protocol::worker_api::{
     NetworkPolicy, RunJobRequest, RunJobResponse, WorkerJobStatus, API_VERSION,
@@ -40,6 +41,7 @@ pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, Va
         ));
     }
     let Some(text) = &req.sandbox.job_spec_json else {
+        inference_models(cfg, req)?;
         return Ok(None);
     };
     let job = JobSpec::from_json(text.as_bytes()).map_err(|errs| {
@@ -67,6 +69,7 @@ pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, Va
             "must equal task_id",
         ));
     }
+    inference_models(cfg, req)?;
     if job.constraints.ext_net_allowed {
         return Err(ValidationError::new(
             "sandbox.job_spec_json.constraints.ext_net_allowed",
@@ -74,6 +77,57 @@ pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, Va
         ));
     }
     Ok(Some(job))
+}
+
+/// The models a job may use through the node's inference proxy, or `None` when the job
+/// needs no proxy: only jobs with `use_inference` or in agent mode get one. The job's
+/// `inference.allowed_models` (a command job: the node's list), cut to the models the node
+/// offers. A job that needs inference on a node without an upstream, or ends up with no
+/// model, is refused.
+pub fn inference_models(
+    cfg: &Config,
+    req: &RunJobRequest,
+) -> Result<Option<Vec<String>>, ValidationError> {
+    let job = req
+        .sandbox
+        .job_spec_json
+        .as_deref()
+        .and_then(|t| JobSpec::from_json(t.as_bytes()).ok());
+    let agent = job
+        .as_ref()
+        .is_some_and(|j| j.effective_mode() == ExecutionMode::AgentInference);
+    if !agent && req.sandbox.use_inference != Some(true) {
+        return Ok(None);
+    }
+    let field = if agent {
+        "sandbox.job_spec_json.inference.allowed_models"
+    } else {
+        "sandbox.use_inference"
+    };
+    let Some(inf) = &cfg.inference else {
+        return Err(ValidationError::new(
+            field,
+            "this node has no inference upstream (config `inference.base_url`)",
+        ));
+    };
+    let wanted: Vec<String> = match job.as_ref().and_then(|j| j.inference.as_ref()) {
+        Some(i) if !i.allowed_models.is_empty() => i.allowed_models.clone(),
+        _ => inf.models.clone(),
+    };
+    let models: Vec<String> = wanted
+        .into_iter()
+        .filter(|m| inf.models.is_empty() || inf.models.contains(m))
+        .collect();
+    if models.is_empty() {
+        return Err(ValidationError::new(
+            field,
+            format!(
+                "no model the job allows is offered by this node (inference.models: {})",
+                inf.models.join(", ")
+            ),
+        ));
+    }
+    Ok(Some(models))
 }
 
 /// Paths of one job on the host.
@@ -147,7 +201,10 @@ pub fn sandbox_spec(cfg: &Config, req: &RunJobRequest, paths: &JobPaths) -> Sand
         .sandbox
         .env
         .iter()
-        .filter(|(k, _)| !cynode_protocol::worker_api::RESERVED_ENV.contains(&k.as_str()))
+        .filter(|(k, _)| {
+            !cynode_protocol::worker_api::RESERVED_ENV.contains(&k.as_str())
+                && k.as_str() != "INFERENCE_PROXY_URL"
+        })
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     env.extend([
@@ -159,6 +216,15 @@ pub fn sandbox_spec(cfg: &Config, req: &RunJobRequest, paths: &JobPaths) -> Sand
     if is_sba {
         env.retain(|(k, _)| !k.starts_with("SBA_"));
         env.push(("SBA_JOB_STATUS_URL".into(), STATUS_URL.into()));
+    }
+    if matches!(inference_models(cfg, req), Ok(Some(_))) {
+        env.push((
+            "INFERENCE_PROXY_URL".into(),
+            crate::inference::PROXY_URL.into(),
+        ));
+        if let Some(turns) = cfg.inference.as_ref().and_then(|i| i.agent_max_turns) {
+            env.push(("SBA_AGENT_MAX_TURNS".into(), turns.to_string()));
+        }
     }
     if !env.iter().any(|(k, _)| k == "PATH") {
         env.push((

@@ -7,6 +7,7 @@
 //! - [`executor`]: job directory, sandbox spec, result verification.
 //! - [`backend`]: Podman/Docker ([`backend::engine`]) and bubblewrap ([`backend::bwrap`]).
 //! - [`store`]: the node-local SQLite job records; [`callback`]: the SBA status socket.
+//! - [`inference`]: the per-job inference proxy socket (allowed models, caps, the key).
 //! - [`workspace`]: per-task workspaces: seeding, tar export, changesets.
 //! - [`sessions`]: long-lived session sandboxes (create, exec, end, reaper).
 //! - [`replay`]: re-running a retained job for audits.
@@ -19,6 +20,7 @@ pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod executor;
+pub mod inference;
 pub mod node;
 pub mod replay;
 pub mod sessions;

@@ -56,6 +56,8 @@ pub struct Node {
     pub store: Store,
     pub token: String,
     pub sessions: crate::sessions::Sessions,
+    /// The inference upstream, when configured.
+    pub inference: Option<Arc<crate::inference::Upstream>>,
     running: Mutex<HashMap<String, CancellationToken>>,
     permits: Arc<Semaphore>,
     waiting: AtomicUsize,
@@ -86,7 +88,12 @@ impl Node {
             .await
             .context("cannot open the job database")?;
         let backend = Backend::from_config(&cfg);
+        let inference = match &cfg.inference {
+            Some(i) => Some(Arc::new(crate::inference::Upstream::from_config(i)?)),
+            None => None,
+        };
         let node = Arc::new(Node {
+            inference,
             sessions: crate::sessions::Sessions::new(&cfg, backend.clone()),
             permits: Arc::new(Semaphore::new(cfg.queue.max_running.max(1))),
             cfg: Arc::new(cfg),
@@ -335,6 +342,21 @@ impl Node {
                 .set_state(&req.job_id, AsyncJobState::InProgress)
                 .await;
             None
+        };
+        let _proxy = match (executor::inference_models(&self.cfg, req), &self.inference) {
+            (Ok(Some(models)), Some(upstream)) => {
+                let proxy = crate::inference::Proxy::new(&req.job_id, models, Arc::clone(upstream));
+                match crate::inference::listen(&paths.mount, proxy) {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        let mut resp = restarted_response_for(req);
+                        resp.failure_reason =
+                            Some(format!("cannot start the inference proxy: {e}"));
+                        return resp;
+                    }
+                }
+            }
+            _ => None,
         };
         let spec = executor::sandbox_spec(&self.cfg, req, &paths);
         tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, "job started");

@@ -6,5 +6,6 @@
 mod backends;
 mod cases;
 mod harness;
+mod inference;
 mod sessions;
 mod workspaces;

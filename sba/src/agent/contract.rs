@@ -1,0 +1,316 @@
+//! The model's action contract: the JSON Schema sent as `response_format` (so a server
+//! with grammar-constrained decoding, such as llama.cpp or Ollama, can only produce a
+//! well-formed reply, and small models that cannot call tools still work) and the strict
+//! parser every reply goes through.
+//!
+//! A reply is `{"thought": "...", "action": {"type": T, "arguments": {...}}}` where `T` is
+//! one of the six step types (arguments exactly as in job.json, parsed by the protocol
+//! crate and checked like a job's steps), `todo` (`add`, `start`, `complete`, `reorder`),
+//! or `finish` (`status`, `final_answer`). The schema names the arguments a model needs;
+//! the parser also accepts the rest of a step's job.json arguments (`env`, `mode`…).
+
+use cynode_protocol::job::{StepAction, StepType};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// Name of the schema in `response_format.json_schema.name`.
+pub const SCHEMA_NAME: &str = "cynode_sba_action";
+
+/// What the model asked for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    Step(StepAction),
+    Todo(TodoUpdate),
+    Finish { success: bool, final_answer: String },
+}
+
+/// A change to the todo list; applied all or nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TodoUpdate {
+    /// Descriptions of new items, appended in order.
+    #[serde(default)]
+    pub add: Vec<String>,
+    /// Ids to mark `in_progress`.
+    #[serde(default)]
+    pub start: Vec<String>,
+    /// Ids to mark `done`.
+    #[serde(default)]
+    pub complete: Vec<String>,
+    /// Ids to move to the front, in this order; the others keep their order after them.
+    #[serde(default)]
+    pub reorder: Vec<String>,
+}
+
+/// A parsed reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reply {
+    pub thought: String,
+    pub action: Action,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Wire {
+    #[serde(default)]
+    thought: String,
+    action: WireAction,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct WireAction {
+    #[serde(rename = "type")]
+    ty: String,
+    #[serde(default = "empty_object")]
+    arguments: Value,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FinishArgs {
+    status: FinishStatus,
+    final_answer: String,
+}
+
+#[derive(Deserialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+enum FinishStatus {
+    Success,
+    Failure,
+}
+
+fn empty_object() -> Value {
+    Value::Object(Default::default())
+}
+
+/// Parses and checks one reply. The error says what to fix, for feeding back to the model.
+pub fn parse(content: &str) -> Result<Reply, String> {
+    let text = strip_fences(content.trim());
+    let wire: Wire = serde_json::from_str(text).map_err(|e| format!("not a valid reply: {e}"))?;
+    let action = match wire.action.ty.as_str() {
+        "todo" => {
+            let upd: TodoUpdate = serde_json::from_value(wire.action.arguments)
+                .map_err(|e| format!("action.arguments: {e}"))?;
+            if upd.add.is_empty()
+                && upd.start.is_empty()
+                && upd.complete.is_empty()
+                && upd.reorder.is_empty()
+            {
+                return Err(
+                    "action.arguments: a todo action needs at least one of add, start, complete, reorder"
+                        .into(),
+                );
+            }
+            Action::Todo(upd)
+        }
+        "finish" => {
+            let f: FinishArgs = serde_json::from_value(wire.action.arguments)
+                .map_err(|e| format!("action.arguments: {e}"))?;
+            if f.final_answer.trim().is_empty() {
+                return Err("action.arguments.final_answer: must not be empty".into());
+            }
+            Action::Finish {
+                success: f.status == FinishStatus::Success,
+                final_answer: f.final_answer,
+            }
+        }
+        other => {
+            let ty: StepType =
+                serde_json::from_value(Value::String(other.to_string())).map_err(|_| {
+                    format!(
+                        "action.type: unknown action `{other}`; expected one of {}",
+                        ACTION_TYPES.join(", ")
+                    )
+                })?;
+            let step = StepAction::from_arguments(ty, wire.action.arguments)
+                .map_err(|e| format!("action.{}: {}", e.path, e.message))?;
+            step.validate("action.arguments")
+                .map_err(|errs| errs.to_string())?;
+            Action::Step(step)
+        }
+    };
+    Ok(Reply {
+        thought: wire.thought,
+        action,
+    })
+}
+
+/// Tolerates a reply wrapped in a Markdown code fence (servers without grammar support).
+fn strip_fences(s: &str) -> &str {
+    let Some(rest) = s.strip_prefix("```") else {
+        return s;
+    };
+    let rest = rest.strip_prefix("json").unwrap_or(rest);
+    rest.strip_suffix("```").unwrap_or(rest).trim()
+}
+
+/// Every action type, in the order the prompt lists them.
+pub const ACTION_TYPES: [&str; 8] = [
+    "write_file",
+    "read_file",
+    "run_command",
+    "list_tree",
+    "search_files",
+    "apply_unified_diff",
+    "todo",
+    "finish",
+];
+
+fn variant(ty: &str, properties: Value, required: &[&str]) -> Value {
+    json!({
+        "type": "object",
+        "properties": {
+            "type": { "const": ty },
+            "arguments": {
+                "type": "object",
+                "properties": properties,
+                "required": required,
+                "additionalProperties": false
+            }
+        },
+        "required": ["type", "arguments"],
+        "additionalProperties": false
+    })
+}
+
+/// The JSON Schema of a reply.
+pub fn schema() -> Value {
+    let s = json!({ "type": "string" });
+    let strings = json!({ "type": "array", "items": { "type": "string" } });
+    let count = json!({ "type": "integer", "minimum": 1 });
+    let variants = vec![
+        variant(
+            "write_file",
+            json!({ "path": s, "content": s }),
+            &["path", "content"],
+        ),
+        variant(
+            "read_file",
+            json!({ "path": s, "max_bytes": count }),
+            &["path"],
+        ),
+        variant(
+            "run_command",
+            json!({ "command": s, "args": strings, "working_dir": s, "stdin": s, "timeout_seconds": count }),
+            &["command", "args"],
+        ),
+        variant(
+            "list_tree",
+            json!({ "path": s, "max_depth": count }),
+            &["path"],
+        ),
+        variant(
+            "search_files",
+            json!({ "pattern": s, "path": s, "include": s }),
+            &["pattern"],
+        ),
+        variant("apply_unified_diff", json!({ "diff": s }), &["diff"]),
+        variant(
+            "todo",
+            json!({ "add": strings, "start": strings, "complete": strings, "reorder": strings }),
+            &[],
+        ),
+        variant(
+            "finish",
+            json!({ "status": { "enum": ["success", "failure"] }, "final_answer": s }),
+            &["status", "final_answer"],
+        ),
+    ];
+    json!({
+        "type": "object",
+        "properties": {
+            "thought": { "type": "string", "maxLength": 400 },
+            "action": { "anyOf": variants }
+        },
+        "required": ["thought", "action"],
+        "additionalProperties": false
+    })
+}
+
+/// The `response_format` request field.
+pub fn response_format() -> Value {
+    json!({
+        "type": "json_schema",
+        "json_schema": { "name": SCHEMA_NAME, "strict": true, "schema": schema() }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cynode_protocol::job::{ReadFileArgs, WriteFileArgs};
+
+    #[test]
+    fn step_replies_parse_into_protocol_actions() {
+        let r = parse(r#"{"thought":"t","action":{"type":"write_file","arguments":{"path":"a","content":"hi"}}}"#)
+            .unwrap();
+        assert_eq!(
+            r,
+            Reply {
+                thought: "t".into(),
+                action: Action::Step(StepAction::WriteFile(WriteFileArgs {
+                    path: "a".into(),
+                    content: "hi".into(),
+                    ..Default::default()
+                }))
+            }
+        );
+        let r = parse("```json\n{\"thought\":\"\",\"action\":{\"type\":\"read_file\",\"arguments\":{\"path\":\"a\"}}}\n```").unwrap();
+        assert_eq!(
+            r.action,
+            Action::Step(StepAction::ReadFile(ReadFileArgs {
+                path: "a".into(),
+                max_bytes: None
+            }))
+        );
+    }
+
+    #[test]
+    fn bad_replies_say_what_to_fix() {
+        let e = parse(r#"{"thought":"","action":{"type":"launch","arguments":{}}}"#).unwrap_err();
+        assert!(e.starts_with("action.type: unknown action `launch`"), "{e}");
+        let e = parse(r#"{"thought":"","action":{"type":"write_file","arguments":{"path":""}}}"#)
+            .unwrap_err();
+        assert_eq!(e, "action.arguments: missing field `content`");
+        let e = parse(r#"{"thought":"","action":{"type":"read_file","arguments":{"path":""}}}"#)
+            .unwrap_err();
+        assert_eq!(e, "action.arguments.path: must not be empty");
+        let e = parse(r#"{"thought":"","action":{"type":"todo","arguments":{}}}"#).unwrap_err();
+        assert!(e.contains("at least one of"), "{e}");
+        assert!(parse("hello").unwrap_err().starts_with("not a valid reply"));
+    }
+
+    #[test]
+    fn finish_and_todo_parse() {
+        let r = parse(r#"{"thought":"","action":{"type":"finish","arguments":{"status":"success","final_answer":"done"}}}"#).unwrap();
+        assert_eq!(
+            r.action,
+            Action::Finish {
+                success: true,
+                final_answer: "done".into()
+            }
+        );
+        let r = parse(r#"{"thought":"","action":{"type":"todo","arguments":{"add":["x"],"complete":["r1"]}}}"#).unwrap();
+        assert_eq!(
+            r.action,
+            Action::Todo(TodoUpdate {
+                add: vec!["x".into()],
+                complete: vec!["r1".into()],
+                ..Default::default()
+            })
+        );
+    }
+
+    #[test]
+    fn schema_lists_every_action_type() {
+        let s = schema();
+        let types: Vec<&str> = s["properties"]["action"]["anyOf"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["properties"]["type"]["const"].as_str().unwrap())
+            .collect();
+        assert_eq!(types, ACTION_TYPES);
+    }
+}

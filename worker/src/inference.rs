@@ -1,0 +1,338 @@
+//! The per-job inference proxy: a Unix socket in the job directory (`/job/inference.sock`
+//! inside the sandbox, announced as `INFERENCE_PROXY_URL`), so a sandbox with no network
+//! can still reach the node's configured OpenAI-compatible upstream, and nothing else.
+//!
+//! - Only `POST /v1/chat/completions` and `GET /v1/models` exist (other paths 404, other
+//!   methods 405).
+//! - A chat request must name one of the job's allowed models (403 otherwise); it is
+//!   re-serialised from its parsed form, so the upstream sees exactly what was checked.
+//!   Streaming is refused (400).
+//! - Request and response bodies are capped (413 / 502); the model list is filtered to
+//!   the allowed models.
+//! - The upstream API key is added here, on the upstream request only: it never enters
+//!   the sandbox, job.json or a log line.
+//! - Token usage is logged per request and in total per job (`job_id`, `prompt_tokens`,
+//!   `completion_tokens`).
+
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::{json, Value};
+
+use crate::config::InferenceConfig;
+use crate::executor::SANDBOX_UID;
+
+/// File name of the socket in the job directory.
+pub const SOCKET_NAME: &str = "inference.sock";
+/// `INFERENCE_PROXY_URL` as the sandbox sees it.
+pub const PROXY_URL: &str = "http+unix://%2Fjob%2Finference.sock";
+
+/// The node's upstream: where requests go and the key they carry.
+pub struct Upstream {
+    base: String,
+    api_key: Option<String>,
+    client: reqwest::Client,
+    max_request_bytes: usize,
+    max_response_bytes: usize,
+}
+
+impl std::fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Upstream")
+            .field("base", &self.base)
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl Upstream {
+    /// Builds the upstream from the config, reading the key from its file or env variable.
+    pub fn from_config(cfg: &InferenceConfig) -> anyhow::Result<Upstream> {
+        use anyhow::Context;
+        let base = cfg.base_url.trim().trim_end_matches('/');
+        let base = base.strip_suffix("/v1").unwrap_or(base).to_string();
+        if !base.starts_with("http://") {
+            anyhow::bail!(
+                "inference.base_url `{}`: only http:// upstreams are supported (this build has no TLS; put a TLS-terminating proxy on the host)",
+                cfg.base_url
+            );
+        }
+        let api_key = match (&cfg.api_key_file, &cfg.api_key_env) {
+            (Some(p), _) => Some(
+                std::fs::read_to_string(p)
+                    .with_context(|| format!("cannot read inference.api_key_file {}", p.display()))?
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .trim()
+                    .to_string(),
+            ),
+            (None, Some(var)) => Some(std::env::var(var).with_context(|| {
+                format!("inference.api_key_env names `{var}`, which is not set")
+            })?),
+            (None, None) => None,
+        }
+        .filter(|k| !k.is_empty());
+        let client = reqwest::Client::builder()
+            .timeout(Duration::from_secs(cfg.timeout_seconds.max(1)))
+            .connect_timeout(Duration::from_secs(10))
+            .build()
+            .context("cannot build the inference http client")?;
+        Ok(Upstream {
+            base,
+            api_key,
+            client,
+            max_request_bytes: cfg.max_request_bytes,
+            max_response_bytes: cfg.max_response_bytes,
+        })
+    }
+}
+
+/// One job's proxy state.
+pub struct Proxy {
+    job_id: String,
+    allowed: Vec<String>,
+    upstream: Arc<Upstream>,
+    prompt_tokens: AtomicU64,
+    completion_tokens: AtomicU64,
+    requests: AtomicU64,
+}
+
+impl Proxy {
+    pub fn new(job_id: &str, allowed: Vec<String>, upstream: Arc<Upstream>) -> Arc<Proxy> {
+        Arc::new(Proxy {
+            job_id: job_id.to_string(),
+            allowed,
+            upstream,
+            prompt_tokens: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
+            requests: AtomicU64::new(0),
+        })
+    }
+}
+
+/// The proxy's routes.
+pub fn app(proxy: Arc<Proxy>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/models", get(models))
+        .fallback(|| async {
+            error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "only POST /v1/chat/completions and GET /v1/models are served",
+            )
+        })
+        .with_state(proxy)
+}
+
+/// A running proxy; dropping it stops serving, removes the socket and logs the totals.
+pub struct ProxyServer {
+    task: tokio::task::JoinHandle<()>,
+    path: PathBuf,
+    proxy: Arc<Proxy>,
+}
+
+impl Drop for ProxyServer {
+    fn drop(&mut self) {
+        self.task.abort();
+        let _ = std::fs::remove_file(&self.path);
+        let p = &self.proxy;
+        tracing::info!(
+            job_id = %p.job_id,
+            requests = p.requests.load(Ordering::Relaxed),
+            prompt_tokens = p.prompt_tokens.load(Ordering::Relaxed),
+            completion_tokens = p.completion_tokens.load(Ordering::Relaxed),
+            "inference proxy closed"
+        );
+    }
+}
+
+/// Binds `<dir>/inference.sock` for `proxy` and serves it. The socket belongs to the
+/// sandbox uid (when the node may chown) with mode 0600: only the sandbox and root reach it.
+pub fn listen(dir: &Path, proxy: Arc<Proxy>) -> std::io::Result<ProxyServer> {
+    let path = dir.join(SOCKET_NAME);
+    let _ = std::fs::remove_file(&path);
+    let dir_fd = std::fs::File::open(dir)?;
+    let short = format!("/proc/self/fd/{}/{SOCKET_NAME}", dir_fd.as_raw_fd());
+    let std_listener = std::os::unix::net::UnixListener::bind(&short)?;
+    drop(dir_fd);
+    if let Err(e) = std::os::unix::fs::chown(&path, Some(SANDBOX_UID), Some(SANDBOX_UID)) {
+        tracing::debug!(error = %e, "inference socket keeps the node's owner");
+    }
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+    std_listener.set_nonblocking(true)?;
+    let listener = tokio::net::UnixListener::from_std(std_listener)?;
+    let router = app(Arc::clone(&proxy));
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    Ok(ProxyServer { task, path, proxy })
+}
+
+fn error(status: StatusCode, kind: &str, message: &str) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        json!({ "error": { "type": kind, "message": message } }).to_string(),
+    )
+        .into_response()
+}
+
+async fn chat(State(p): State<Arc<Proxy>>, body: Body) -> Response {
+    let cap = p.upstream.max_request_bytes;
+    let Ok(bytes) = axum::body::to_bytes(body, cap).await else {
+        return error(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            &format!("request body over the proxy's cap of {cap} bytes"),
+        );
+    };
+    let Ok(Value::Object(req)) = serde_json::from_slice::<Value>(&bytes) else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "the body must be a JSON object",
+        );
+    };
+    let model = req.get("model").and_then(Value::as_str).unwrap_or_default();
+    if !p.allowed.iter().any(|m| m == model) {
+        tracing::warn!(job_id = %p.job_id, model = %model, "inference request for a model the job may not use");
+        return error(
+            StatusCode::FORBIDDEN,
+            "model_not_allowed",
+            &format!(
+                "model `{model}` is not allowed for this job (allowed: {})",
+                p.allowed.join(", ")
+            ),
+        );
+    }
+    if req.get("stream").and_then(Value::as_bool) == Some(true) {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+            "streaming is not supported by the inference proxy",
+        );
+    }
+    let model = model.to_string();
+    let Ok(forward) = serde_json::to_vec(&req) else {
+        return error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            "cannot encode the request",
+        );
+    };
+    p.requests.fetch_add(1, Ordering::Relaxed);
+    let resp = match forward_to(
+        &p,
+        reqwest::Method::POST,
+        "/v1/chat/completions",
+        Some(forward),
+    )
+    .await
+    {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    if let (true, Ok(v)) = (
+        resp.0.is_success(),
+        serde_json::from_slice::<Value>(&resp.1),
+    ) {
+        let prompt = v["usage"]["prompt_tokens"].as_u64();
+        let completion = v["usage"]["completion_tokens"].as_u64();
+        p.prompt_tokens
+            .fetch_add(prompt.unwrap_or(0), Ordering::Relaxed);
+        p.completion_tokens
+            .fetch_add(completion.unwrap_or(0), Ordering::Relaxed);
+        tracing::info!(job_id = %p.job_id, model = %model, prompt_tokens = prompt, completion_tokens = completion, "inference usage");
+    }
+    json_response(resp.0, resp.1)
+}
+
+async fn models(State(p): State<Arc<Proxy>>) -> Response {
+    let (status, body) = match forward_to(&p, reqwest::Method::GET, "/v1/models", None).await {
+        Ok(r) => r,
+        Err(r) => return r,
+    };
+    let Ok(mut v) = serde_json::from_slice::<Value>(&body) else {
+        return json_response(status, body);
+    };
+    let allowed = |m: &Value, keys: &[&str]| {
+        keys.iter().any(|k| {
+            m[*k]
+                .as_str()
+                .is_some_and(|id| p.allowed.iter().any(|a| a == id))
+        })
+    };
+    if let Some(data) = v.get_mut("data").and_then(Value::as_array_mut) {
+        data.retain(|m| allowed(m, &["id"]));
+    }
+    if let Some(list) = v.get_mut("models").and_then(Value::as_array_mut) {
+        list.retain(|m| allowed(m, &["name", "model"]));
+    }
+    json_response(status, Bytes::from(v.to_string()))
+}
+
+fn json_response(status: StatusCode, body: Bytes) -> Response {
+    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// Sends one request upstream (adding the key) and reads the answer within the cap.
+async fn forward_to(
+    p: &Proxy,
+    method: reqwest::Method,
+    path: &str,
+    body: Option<Vec<u8>>,
+) -> Result<(StatusCode, Bytes), Response> {
+    let up = &p.upstream;
+    let mut rb = up.client.request(method, format!("{}{path}", up.base));
+    if let Some(key) = &up.api_key {
+        rb = rb.bearer_auth(key);
+    }
+    if let Some(b) = body {
+        rb = rb
+            .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .body(b);
+    }
+    let unavailable = |what: String| {
+        tracing::warn!(job_id = %p.job_id, path, error = %what, "inference upstream failed");
+        error(
+            StatusCode::BAD_GATEWAY,
+            "upstream_unavailable",
+            "the inference upstream failed; see the node's log",
+        )
+    };
+    let mut resp = rb
+        .send()
+        .await
+        .map_err(|e| unavailable(e.without_url().to_string()))?;
+    let status = StatusCode::from_u16(resp.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let cap = up.max_response_bytes;
+    let mut buf = Vec::new();
+    while let Some(chunk) = resp
+        .chunk()
+        .await
+        .map_err(|e| unavailable(e.without_url().to_string()))?
+    {
+        if buf.len() + chunk.len() > cap {
+            tracing::warn!(job_id = %p.job_id, path, cap, "inference response over the cap");
+            return Err(error(
+                StatusCode::BAD_GATEWAY,
+                "response_too_large",
+                &format!("the upstream response is over the proxy's cap of {cap} bytes"),
+            ));
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok((status, Bytes::from(buf)))
+}

@@ -1,0 +1,535 @@
+//! The per-job inference proxy on the real worker: a recording upstream in this process,
+//! the proxy socket poked from the host while a job runs, a real SBA agent job in a
+//! bubblewrap sandbox, and an end-to-end run against the local llama-server.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+
+use crate::harness::{env, unique, Server};
+
+const KEY: &str = "sk-upstream-secret-7f3a9c";
+
+/// What the upstream saw of one request.
+#[derive(Debug, Clone)]
+struct Hit {
+    path: String,
+    auth: Option<String>,
+    body: Value,
+}
+
+#[derive(Clone, Default)]
+struct Upstream {
+    hits: Arc<Mutex<Vec<Hit>>>,
+    script: Arc<Mutex<Vec<Value>>>,
+}
+
+fn completion(content: &str) -> Value {
+    json!({
+        "object": "chat.completion",
+        "choices": [{ "index": 0, "finish_reason": "stop",
+                      "message": { "role": "assistant", "content": content } }],
+        "usage": { "prompt_tokens": 321, "completion_tokens": 12, "total_tokens": 333 }
+    })
+}
+
+async fn up_models(State(u): State<Upstream>, h: HeaderMap) -> Json<Value> {
+    u.hits.lock().unwrap().push(Hit {
+        path: "/v1/models".into(),
+        auth: h
+            .get("authorization")
+            .map(|v| v.to_str().unwrap().to_string()),
+        body: Value::Null,
+    });
+    Json(json!({
+        "object": "list",
+        "data": [{ "id": "m1" }, { "id": "m2" }, { "id": "m3" }],
+        "models": [{ "name": "m1", "model": "m1" }, { "name": "m3", "model": "m3" }]
+    }))
+}
+
+async fn up_chat(State(u): State<Upstream>, h: HeaderMap, Json(body): Json<Value>) -> Json<Value> {
+    u.hits.lock().unwrap().push(Hit {
+        path: "/v1/chat/completions".into(),
+        auth: h
+            .get("authorization")
+            .map(|v| v.to_str().unwrap().to_string()),
+        body: body.clone(),
+    });
+    if body["messages"][0]["content"] == "big" {
+        return Json(completion(&"x".repeat(200_000)));
+    }
+    let next = u.script.lock().unwrap().pop();
+    Json(completion(
+        &next.map_or_else(|| "ok".to_string(), |v| v.to_string()),
+    ))
+}
+
+/// Starts the recording upstream; `script` are action replies, in order.
+async fn upstream(script: Vec<Value>) -> (String, Upstream) {
+    let u = Upstream::default();
+    *u.script.lock().unwrap() = script.into_iter().rev().collect();
+    let app = Router::new()
+        .route("/v1/models", get(up_models))
+        .route("/v1/chat/completions", post(up_chat))
+        .with_state(u.clone());
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move {
+        axum::serve(l, app).await.unwrap();
+    });
+    (url, u)
+}
+
+/// A bwrap worker whose inference upstream is `url`, with the key in a file.
+fn worker(url: &str, extra: &str) -> Server {
+    worker_on("bwrap", url, extra)
+}
+
+fn worker_on(backend: &'static str, url: &str, extra: &str) -> Server {
+    let keydir = tempfile::tempdir().unwrap().keep();
+    let keyfile = keydir.join("key");
+    std::fs::write(&keyfile, format!("{KEY}\n")).unwrap();
+    Server::start(
+        backend,
+        &format!(
+            "inference:\n  base_url: {url}/v1\n  api_key_file: {}\n{extra}",
+            keyfile.display()
+        ),
+    )
+}
+
+/// One HTTP/1.1 exchange over a Unix socket, as the SBA does it.
+fn unix_http(sock: &Path, method: &str, path: &str, body: Option<&[u8]>) -> (u16, Value) {
+    let mut s = UnixStream::connect(sock).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    let body = body.unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    s.write_all(body).unwrap();
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    let text = String::from_utf8_lossy(&out).to_string();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    (
+        status,
+        serde_json::from_str(body).unwrap_or(Value::String(body.into())),
+    )
+}
+
+fn chat_body(model: &str, first: &str) -> Vec<u8> {
+    serde_json::to_vec(
+        &json!({ "model": model, "messages": [{ "role": "user", "content": first }] }),
+    )
+    .unwrap()
+}
+
+fn socket_of(sv: &Server, job_id: &str) -> PathBuf {
+    sv.state_dir()
+        .join("jobs")
+        .join(job_id)
+        .join("job/inference.sock")
+}
+
+async fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + limit;
+    while !f() {
+        assert!(Instant::now() < until, "condition not reached");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Every file under `dir`, read as text.
+fn all_text(dir: &Path) -> String {
+    let mut out = String::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let ft = e.file_type().unwrap();
+            if ft.is_dir() {
+                stack.push(e.path());
+            } else if ft.is_file() {
+                out.push_str(&String::from_utf8_lossy(
+                    &std::fs::read(e.path()).unwrap_or_default(),
+                ));
+            }
+        }
+    }
+    out
+}
+
+fn log_text(sv: &Server) -> String {
+    sv.log.lock().unwrap().join("\n")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_allows_only_the_jobs_models_paths_and_sizes() {
+    env();
+    let (url, up) = upstream(vec![]).await;
+    let sv = worker(
+        &url,
+        "  models: [m1, m2]\n  max_request_bytes: 4096\n  max_response_bytes: 65536\n",
+    );
+    let id = unique("inf");
+    let body = json!({
+        "version": 1, "task_id": "t", "job_id": id,
+        "sandbox": { "image": env().image, "command": ["sleep", "60"], "use_inference": true,
+                     "env": { "INFERENCE_PROXY_URL": "http://evil" } }
+    });
+    let (code, _) = sv.post("/v1/worker/jobs", &body).await;
+    assert_eq!(code, 202);
+    let sock = socket_of(&sv, &id);
+    wait_until(Duration::from_secs(30), || sock.exists()).await;
+    let meta = std::fs::metadata(&sock).unwrap();
+    assert_eq!(meta.mode() & 0o777, 0o600);
+    assert_eq!(meta.uid(), 1000);
+
+    // A model outside the job's list: 403 with a JSON error, nothing sent upstream.
+    let (code, v) = unix_http(
+        &sock,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat_body("m3", "hi")),
+    );
+    assert_eq!(code, 403);
+    assert_eq!(v["error"]["type"], "model_not_allowed");
+    assert_eq!(
+        v["error"]["message"],
+        "model `m3` is not allowed for this job (allowed: m1, m2)"
+    );
+    assert!(up.hits.lock().unwrap().is_empty());
+
+    // An allowed model goes through, with the key added on the upstream request only.
+    let (code, v) = unix_http(
+        &sock,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat_body("m1", "hi")),
+    );
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], "ok");
+    let hit = up.hits.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(hit.auth.as_deref(), Some(format!("Bearer {KEY}").as_str()));
+    assert_eq!(
+        hit.body,
+        serde_json::from_slice::<Value>(&chat_body("m1", "hi")).unwrap()
+    );
+
+    // The model list is cut to the allowed models, in both list shapes.
+    let (code, v) = unix_http(&sock, "GET", "/v1/models", None);
+    assert_eq!(code, 200);
+    assert_eq!(v["data"], json!([{ "id": "m1" }, { "id": "m2" }]));
+    assert_eq!(v["models"], json!([{ "name": "m1", "model": "m1" }]));
+
+    // Nothing else is served.
+    assert_eq!(unix_http(&sock, "GET", "/v1/embeddings", None).0, 404);
+    assert_eq!(
+        unix_http(&sock, "POST", "/api/generate", Some(b"{}")).0,
+        404
+    );
+    assert_eq!(unix_http(&sock, "GET", "/v1/chat/completions", None).0, 405);
+    assert_eq!(unix_http(&sock, "POST", "/v1/models", Some(b"{}")).0, 405);
+
+    // Size caps: a request over 4096 bytes, a response over 65536 bytes.
+    let (code, v) = unix_http(
+        &sock,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat_body("m1", &"y".repeat(5000))),
+    );
+    assert_eq!(code, 413);
+    assert_eq!(v["error"]["type"], "request_too_large");
+    let (code, v) = unix_http(
+        &sock,
+        "POST",
+        "/v1/chat/completions",
+        Some(&chat_body("m2", "big")),
+    );
+    assert_eq!(code, 502);
+    assert_eq!(v["error"]["type"], "response_too_large");
+    let mut streaming: Value = serde_json::from_slice(&chat_body("m1", "hi")).unwrap();
+    streaming["stream"] = true.into();
+    let (code, _) = unix_http(
+        &sock,
+        "POST",
+        "/v1/chat/completions",
+        Some(&serde_json::to_vec(&streaming).unwrap()),
+    );
+    assert_eq!(code, 400);
+
+    // The sandbox got the node's proxy URL, not the request's; the socket goes with the job.
+    let request_json =
+        std::fs::read_to_string(sv.state_dir().join("jobs").join(&id).join("request.json"))
+            .unwrap();
+    assert!(!request_json.contains(KEY));
+    sv.post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
+        .await;
+    sv.wait_terminal(&id).await;
+    assert!(!sock.exists(), "the proxy socket outlived its job");
+
+    let log = log_text(&sv);
+    assert!(!log.contains(KEY), "the key reached the log");
+    let usage: Vec<Value> = sv
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v["fields"]["message"] == "inference usage")
+        .collect();
+    assert_eq!(usage.len(), 1, "{log}");
+    assert_eq!(usage[0]["fields"]["job_id"], id.as_str());
+    assert_eq!(usage[0]["fields"]["prompt_tokens"], 321);
+    assert_eq!(usage[0]["fields"]["completion_tokens"], 12);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_job_uses_the_proxy_and_never_sees_the_key() {
+    agent_job_through_the_proxy("bwrap").await;
+}
+
+/// The same through Podman: the socket must be reachable by the container's uid 1000.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_job_uses_the_proxy_under_podman() {
+    agent_job_through_the_proxy("podman").await;
+}
+
+async fn agent_job_through_the_proxy(backend: &'static str) {
+    env();
+    let act = |ty: &str, args: Value| json!({ "thought": "", "action": { "type": ty, "arguments": args } });
+    let (url, up) = upstream(vec![
+        act("run_command", json!({ "command": "env", "args": [] })),
+        act(
+            "write_file",
+            json!({ "path": "hello.txt", "content": "hi" }),
+        ),
+        act(
+            "finish",
+            json!({ "status": "success", "final_answer": "wrote hello.txt" }),
+        ),
+    ])
+    .await;
+    let sv = worker_on(backend, &url, "");
+    let id = unique("agent");
+    let spec = json!({
+        "protocol_version": "1.0", "job_id": id, "task_id": "t-agent",
+        "execution_mode": "agent_inference",
+        "inference": { "allowed_models": ["m2"] },
+        "constraints": { "max_runtime_seconds": 60, "max_output_bytes": 65536 },
+        "context": { "task_context": "create hello.txt containing hi" }
+    });
+    let body = json!({
+        "version": 1, "task_id": "t-agent", "job_id": id,
+        "sandbox": { "image": env().image, "job_spec_json": spec.to_string() }
+    });
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["status"], "completed", "{v}");
+    let result = &v["sba_result"];
+    assert_eq!(result["final_answer"], "wrote hello.txt");
+    assert_eq!(result["steps"][0]["type"], "run_command");
+    let sandbox_env = result["steps"][0]["result"]["stdout"].as_str().unwrap();
+    // Commands the model runs get the runner's explicit environment: not even the proxy URL.
+    assert!(sandbox_env.contains("CYNODE_JOB_ID="), "{sandbox_env}");
+    assert!(
+        !sandbox_env.contains("INFERENCE_PROXY_URL"),
+        "{sandbox_env}"
+    );
+    assert!(!sandbox_env.contains(KEY));
+    assert_eq!(
+        std::fs::read_to_string(sv.state_dir().join("workspaces/t-agent/hello.txt")).unwrap(),
+        "hi"
+    );
+
+    // Every upstream request carried the key; none carried it in its body.
+    let hits = up.hits.lock().unwrap().clone();
+    let paths: Vec<&str> = hits.iter().map(|h| h.path.as_str()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/v1/models",
+            "/v1/chat/completions",
+            "/v1/chat/completions",
+            "/v1/chat/completions"
+        ]
+    );
+    for h in &hits {
+        assert_eq!(h.auth.as_deref(), Some(format!("Bearer {KEY}").as_str()));
+        assert!(!h.body.to_string().contains(KEY));
+        if h.path == "/v1/chat/completions" {
+            assert_eq!(h.body["model"], "m2");
+        }
+    }
+    // The second request carries the sandbox's `env` output: no key there either.
+    assert!(hits[2].body.to_string().contains("CYNODE_JOB_ID="));
+
+    // No file the sandbox could see, and no log line, holds the key.
+    let job_dir = sv.state_dir().join("jobs").join(&id);
+    assert!(!all_text(&job_dir).contains(KEY));
+    assert!(!all_text(&sv.state_dir().join("workspaces")).contains(KEY));
+    assert!(!log_text(&sv).contains(KEY));
+    assert!(!job_dir.join("job/inference.sock").exists());
+    let todo: Value =
+        serde_json::from_str(&std::fs::read_to_string(job_dir.join("job/todo.json")).unwrap())
+            .unwrap();
+    assert_eq!(todo["job_id"], id.as_str());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_needing_inference_are_refused_where_it_cannot_be_served() {
+    env();
+    let spec = |id: &str| {
+        json!({
+            "protocol_version": "1.0", "job_id": id, "task_id": "t",
+            "inference": { "allowed_models": ["m9"] },
+            "constraints": { "max_runtime_seconds": 60, "max_output_bytes": 65536 }
+        })
+        .to_string()
+    };
+    let req = |id: &str| {
+        json!({ "version": 1, "task_id": "t", "job_id": id,
+                "sandbox": { "image": env().image, "job_spec_json": spec(id) } })
+    };
+    let plain = Server::start("bwrap", "");
+    let (code, v) = plain.post("/v1/worker/jobs:run", &req("a1")).await;
+    assert_eq!(code, 400);
+    assert_eq!(
+        v["detail"],
+        "sandbox.job_spec_json.inference.allowed_models: this node has no inference upstream (config `inference.base_url`)"
+    );
+    let (code, v) = plain
+        .post(
+            "/v1/worker/jobs:run",
+            &json!({ "version": 1, "task_id": "t", "job_id": "c1",
+                     "sandbox": { "image": env().image, "command": ["true"], "use_inference": true } }),
+        )
+        .await;
+    assert_eq!(code, 400);
+    assert_eq!(
+        v["detail"],
+        "sandbox.use_inference: this node has no inference upstream (config `inference.base_url`)"
+    );
+
+    let (url, _up) = upstream(vec![]).await;
+    let sv = worker(&url, "  models: [m1]\n");
+    let (code, v) = sv.post("/v1/worker/jobs:run", &req("a2")).await;
+    assert_eq!(code, 400);
+    assert_eq!(
+        v["detail"],
+        "sandbox.job_spec_json.inference.allowed_models: no model the job allows is offered by this node (inference.models: m1)"
+    );
+}
+
+/// The real thing: llama-server with SmolLM2 (deploy/llm/start.sh), the worker's proxy, the
+/// SBA in a bubblewrap sandbox with no network. The tiny model may well fail the goal; the
+/// result must then say so, schema-valid, and never crash or hang.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_model_drives_an_agent_job_through_the_proxy() {
+    env();
+    let port = std::env::var("CYNODE_TEST_LLM_PORT").unwrap_or_else(|_| "8097".into());
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let out = std::process::Command::new("bash")
+        .arg("deploy/llm/start.sh")
+        .arg(&port)
+        .current_dir(&root)
+        .stderr(std::process::Stdio::inherit())
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "deploy/llm/start.sh failed");
+    let base = String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .strip_prefix("CYNODE_MODEL_BASE_URL=")
+        .unwrap()
+        .to_string();
+    let sv = Server::start(
+        "bwrap",
+        &format!("inference:\n  base_url: {base}\n  models: [smollm2]\n  agent_max_turns: 8\n"),
+    );
+    let id = unique("real");
+    let spec = json!({
+        "protocol_version": "1.0", "job_id": id, "task_id": id,
+        "execution_mode": "agent_inference",
+        "inference": { "allowed_models": ["smollm2"] },
+        "constraints": { "max_runtime_seconds": 240, "max_output_bytes": 65536 },
+        "context": { "task_context": "create hello.txt containing hi, then read it back" }
+    });
+    let body = json!({
+        "version": 1, "task_id": id, "job_id": id,
+        "sandbox": { "image": env().image, "job_spec_json": spec.to_string(), "timeout_seconds": 300 }
+    });
+    let t = Instant::now();
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    let took = t.elapsed();
+    assert_eq!(code, 200, "{v}");
+    eprintln!(
+        "real model agent job: {took:?}: {}",
+        serde_json::to_string_pretty(&v["sba_result"]).unwrap()
+    );
+    assert!(took < Duration::from_secs(300), "took {took:?}");
+
+    // Schema-valid, and honest: the worker's status is the result's.
+    let schema: Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("protocol/schemas/result.schema.json")).unwrap(),
+    )
+    .unwrap();
+    let result = v["sba_result"].clone();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    assert!(
+        validator.is_valid(&result),
+        "result does not match its schema: {result}"
+    );
+    let parsed: cynode_protocol::JobResult = serde_json::from_value(result.clone()).unwrap();
+    let todo = parsed
+        .todo
+        .clone()
+        .expect("agent results carry the todo list");
+    match parsed.status {
+        cynode_protocol::result::JobStatus::Success => {
+            assert_eq!(v["status"], "completed");
+            assert!(parsed.final_answer.is_some_and(|a| !a.is_empty()));
+            assert!(todo
+                .iter()
+                .all(|i| i.status == cynode_protocol::result::TodoStatus::Done));
+        }
+        _ => {
+            assert_ne!(v["status"], "completed");
+            assert!(parsed.failure_code.is_some());
+            assert!(!parsed.failure_message.unwrap_or_default().is_empty());
+            assert_eq!(parsed.final_answer, None);
+        }
+    }
+    for s in &parsed.steps {
+        assert!(s.id.starts_with("agent-"), "{}", s.id);
+    }
+    // The model was really called through the proxy, and the usage was logged per job.
+    let usage = sv
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| {
+            l["fields"]["message"] == "inference usage" && l["fields"]["job_id"] == id.as_str()
+        })
+        .count();
+    assert!(usage >= 1, "no inference usage logged");
+}
