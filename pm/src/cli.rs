@@ -72,6 +72,10 @@ pub enum Command {
     /// Work with stored sessions.
     #[command(subcommand)]
     Sessions(SessionsCmd),
+    /// Serve the HTTP API for orchestrators (sessions, events, metrics).
+    Serve(Box<crate::service::ServeArgs>),
+    /// Print the OpenAPI document of the HTTP API.
+    Openapi,
 }
 
 /// `sessions …`
@@ -177,6 +181,14 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Sessions(cmd) => {
             init_logging();
             runtime()?.block_on(sessions(cmd, g))
+        }
+        Command::Serve(args) => {
+            init_logging_at("info");
+            runtime()?.block_on(crate::service::serve(args, g))
+        }
+        Command::Openapi => {
+            println!("{}", crate::service::openapi_json());
+            Ok(0)
         }
         Command::Skills(SkillsCmd::List) => {
             let reg = load_registry(&skill_dirs(g))?;
@@ -296,8 +308,14 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
 
 /// JSON log lines on stderr, level from CYNODE_LOG_LEVEL (default warn for the CLI).
 fn init_logging() {
+    init_logging_at("warn")
+}
+
+/// JSON log lines on stderr at `CYNODE_LOG_LEVEL`, else `default` (the service logs at
+/// info: its lines are its audit trail; the terminal commands only warn).
+fn init_logging_at(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env("CYNODE_LOG_LEVEL")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .json()
         .with_env_filter(filter)

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use cynode_protocol::worker_api::{AsyncJobState, AsyncJobStatus, RunJobRequest, RunJobResponse};
+use cynode_protocol::worker_api::{AsyncJobStatus, RunJobRequest};
 
 /// Why a worker call failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -149,28 +149,17 @@ impl WorkerClient {
         .await
     }
 
-    /// Polls until the job ends, reporting each new state.
-    pub async fn wait(
-        &self,
-        job_id: &str,
-        on_state: &mut (dyn FnMut(AsyncJobState) + Send),
-    ) -> Result<RunJobResponse, DispatchError> {
-        let mut delay = self.poll.0;
-        let mut last = None;
-        loop {
-            let s = self.status(job_id).await?;
-            if last != Some(s.status) {
-                on_state(s.status);
-                last = Some(s.status);
-            }
-            if s.status.is_terminal() {
-                return s.result.ok_or_else(|| {
-                    DispatchError::Unavailable(format!("job {job_id} ended without a result"))
-                });
-            }
-            tokio::time::sleep(delay).await;
-            delay = (delay * 2).min(self.poll.1);
-        }
+    /// `POST /v1/worker/jobs/{id}:stop`: stops a queued or running job (idempotent).
+    pub async fn stop(&self, job_id: &str) -> Result<AsyncJobStatus, DispatchError> {
+        Self::json(
+            self.call(
+                reqwest::Method::POST,
+                &format!("/v1/worker/jobs/{job_id}:stop"),
+                Some(&serde_json::json!({})),
+            )
+            .await?,
+        )
+        .await
     }
 
     /// The bytes of one artifact.

@@ -60,6 +60,15 @@ pub enum Progress {
     Finished(SessionStatus),
 }
 
+/// Why watching a job stopped.
+#[derive(Debug, thiserror::Error)]
+enum WatchError {
+    #[error("{0}")]
+    Dispatch(#[from] DispatchError),
+    #[error("{0}")]
+    Store(#[from] StoreError),
+}
+
 /// Errors that stop the driver itself (not the session: those are recorded in it).
 #[derive(Debug, thiserror::Error)]
 pub enum DriverError {
@@ -386,6 +395,7 @@ impl Pm {
                 .iter()
                 .map(|v| format!("{}: {}", v.rule, v.message))
                 .collect();
+            crate::metrics::metrics().policy_denials.inc();
             rec.attempts.insert(j.task_id.clone(), attempt + 1);
             rec.event(
                 "policy_denied",
@@ -436,6 +446,39 @@ impl Pm {
         Ok(())
     }
 
+    /// Polls the worker until the job ends. Each new state is saved as a `job_state`
+    /// event (so event streams show `in_progress` live, from any replica) and reported.
+    async fn watch_job(
+        &self,
+        rec: &mut SessionRecord,
+        version: &mut i64,
+        job_id: &str,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<RunJobResponse, WatchError> {
+        let (mut delay, max_delay) = self.worker.poll;
+        let mut last = None;
+        loop {
+            let s = self.worker.status(job_id).await?;
+            if last != Some(s.status) {
+                last = Some(s.status);
+                progress(Progress::JobState {
+                    job_id: job_id.to_string(),
+                    state: s.status,
+                });
+                rec.event("job_state", json!({ "job_id": job_id, "state": s.status }));
+                *version = self.store.save(rec, *version, &[]).await?;
+            }
+            if s.status.is_terminal() {
+                return s.result.ok_or_else(|| {
+                    DispatchError::Unavailable(format!("job {job_id} ended without a result"))
+                        .into()
+                });
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(max_delay);
+        }
+    }
+
     async fn await_job(
         &self,
         rec: &mut SessionRecord,
@@ -459,26 +502,20 @@ impl Pm {
             },
             workspace_id: Some(rec.workspace_id.clone()),
         };
-        let outcome = async {
-            self.worker.submit(&req).await?;
-            let job_id = d.job_id.clone();
-            let mut on_state = |s: AsyncJobState| {
-                progress(Progress::JobState {
-                    job_id: job_id.clone(),
-                    state: s,
-                })
-            };
-            self.worker.wait(&d.job_id, &mut on_state).await
-        }
-        .await;
+        let mut version = version;
+        let outcome = match self.worker.submit(&req).await {
+            Ok(_) => self.watch_job(rec, &mut version, &d.job_id, progress).await,
+            Err(e) => Err(e.into()),
+        };
         let resp = match outcome {
             Ok(r) => r,
-            Err(e @ DispatchError::Unavailable(_)) => {
+            Err(WatchError::Store(e)) => return Err(e.into()),
+            Err(WatchError::Dispatch(e @ DispatchError::Unavailable(_))) => {
                 rec.fail(FailureKind::WorkerUnavailable, e.to_string());
                 self.store.save(rec, version, &[]).await?;
                 return Ok(());
             }
-            Err(e) => {
+            Err(WatchError::Dispatch(e)) => {
                 rec.fail(
                     FailureKind::InternalError,
                     format!("worker refused job {}: {e}", d.job_id),
@@ -487,6 +524,7 @@ impl Pm {
                 return Ok(());
             }
         };
+        crate::metrics::metrics().job(&format!("{:?}", resp.status).to_lowercase());
         self.take_result(rec, &d, &resp, progress).await;
         rec.state.active_job_id = None;
         rec.phase = Phase::Think;
@@ -554,6 +592,7 @@ impl Pm {
                     });
                 }
                 Err(e) if e.downcast_ref::<IntegrityError>().is_some() => {
+                    crate::metrics::metrics().artifact_integrity_failures.inc();
                     integrity.push(e.to_string());
                 }
                 Err(e) => integrity.push(format!("artifact {} could not be fetched: {e}", a.path)),

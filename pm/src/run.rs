@@ -167,7 +167,7 @@ fn start_local_worker(args: &RunArgs, seed: Option<&Path>) -> anyhow::Result<Loc
     })
 }
 
-async fn build_pm(
+pub(crate) async fn build_pm(
     args: &RunArgs,
     global: &crate::cli::Global,
     worker: &WorkerClient,
@@ -214,7 +214,7 @@ async fn build_pm(
     })
 }
 
-fn worker_token(args: &RunArgs) -> anyhow::Result<String> {
+pub(crate) fn worker_token(args: &RunArgs) -> anyhow::Result<String> {
     match &args.worker_token_file {
         Some(p) => Ok(std::fs::read_to_string(p)?.trim().to_string()),
         None => std::env::var("CYNODE_WORKER_TOKEN")

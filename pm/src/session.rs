@@ -132,6 +132,14 @@ pub struct Budgets {
     pub max_jobs: u32,
     pub max_attempts_per_task: u32,
     pub wall_clock_seconds: u64,
+    /// Plan-only replies in a row before a turn must act (the progress guard of
+    /// `llm::turn`); 0 turns the guard off.
+    #[serde(default = "default_plan_only_streak")]
+    pub max_plan_only_streak: u32,
+}
+
+fn default_plan_only_streak() -> u32 {
+    crate::llm::MAX_PLAN_ONLY_STREAK
 }
 
 impl Default for Budgets {
@@ -141,6 +149,7 @@ impl Default for Budgets {
             max_jobs: 20,
             max_attempts_per_task: 3,
             wall_clock_seconds: 3600,
+            max_plan_only_streak: default_plan_only_streak(),
         }
     }
 }

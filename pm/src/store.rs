@@ -55,6 +55,14 @@ pub struct JournalEntry {
 #[derive(Debug, Clone)]
 pub struct Store {
     pool: AnyPool,
+    postgres: bool,
+}
+
+/// One page of a session listing: the sessions and the cursor of the next page.
+#[derive(Debug, Clone)]
+pub struct Page {
+    pub sessions: Vec<SessionRecord>,
+    pub next_cursor: Option<String>,
 }
 
 static SQLITE: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/sqlite");
@@ -96,7 +104,8 @@ impl Store {
                 .await?;
         }
         migrator.run(&pool).await?;
-        Ok(Store { pool })
+        let postgres = !url.starts_with("sqlite://");
+        Ok(Store { pool, postgres })
     }
 
     /// Inserts a new session; false when the id exists.
@@ -223,6 +232,147 @@ impl Store {
                 Ok(serde_json::from_str(&r.try_get::<String, _>(0)?)?)
             })
             .collect()
+    }
+
+    /// Leases up to `limit` runnable sessions (status `running`, no lease or an expired one)
+    /// to `owner` until `now + lease_ms`; returns their ids. PostgreSQL skips rows another
+    /// replica is claiming at the same moment (`FOR UPDATE SKIP LOCKED`); SQLite serialises
+    /// writers, which gives the same guarantee in one process.
+    pub async fn claim(&self, owner: &str, lease_ms: i64, limit: i64) -> Result<Vec<String>> {
+        let now = crate::session::now_ms();
+        let lock = if self.postgres {
+            " FOR UPDATE SKIP LOCKED"
+        } else {
+            ""
+        };
+        let sql = format!(
+            "UPDATE sessions SET lease_owner = $1, lease_expires_ms = $2 WHERE session_id IN (\
+             SELECT session_id FROM sessions WHERE status = 'running' \
+             AND (lease_owner IS NULL OR lease_expires_ms < $3) \
+             ORDER BY updated_at LIMIT $4{lock}) RETURNING session_id"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(owner.to_string())
+            .bind(now + lease_ms)
+            .bind(now)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| r.try_get::<String, _>(0).map_err(StoreError::from))
+            .collect()
+    }
+
+    /// Extends `owner`'s lease on a session; false when the lease was lost (expired and
+    /// taken by another replica, or released).
+    pub async fn renew(&self, session_id: &str, owner: &str, lease_ms: i64) -> Result<bool> {
+        let res = sqlx::query(
+            "UPDATE sessions SET lease_expires_ms = $1 WHERE session_id = $2 AND lease_owner = $3",
+        )
+        .bind(crate::session::now_ms() + lease_ms)
+        .bind(session_id.to_string())
+        .bind(owner.to_string())
+        .execute(&self.pool)
+        .await?;
+        Ok(res.rows_affected() == 1)
+    }
+
+    /// Gives a lease back (the session ended, parked, or the replica is stopping).
+    pub async fn release(&self, session_id: &str, owner: &str) -> Result<()> {
+        sqlx::query(
+            "UPDATE sessions SET lease_owner = NULL, lease_expires_ms = NULL \
+             WHERE session_id = $1 AND lease_owner = $2",
+        )
+        .bind(session_id.to_string())
+        .bind(owner.to_string())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// A tenant's sessions, newest first, `limit` per page. The cursor is opaque to callers
+    /// (`created_at|session_id` of the last row).
+    pub async fn page(
+        &self,
+        tenant: &str,
+        status: Option<&str>,
+        cursor: Option<&str>,
+        limit: i64,
+    ) -> Result<Page> {
+        let (c_at, c_id) = cursor
+            .and_then(|c| c.split_once('|'))
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+            // "~" sorts after every timestamp and id: no cursor, from the newest.
+            .unwrap_or_else(|| ("~".to_string(), "~".to_string()));
+        let rows = sqlx::query(
+            "SELECT record_json, created_at, session_id FROM sessions WHERE tenant_id = $1 \
+             AND ($2 = '' OR status = $2) \
+             AND (created_at < $3 OR (created_at = $3 AND session_id < $4)) \
+             ORDER BY created_at DESC, session_id DESC LIMIT $5",
+        )
+        .bind(tenant.to_string())
+        .bind(status.unwrap_or("").to_string())
+        .bind(c_at)
+        .bind(c_id)
+        .bind(limit + 1)
+        .fetch_all(&self.pool)
+        .await?;
+        let mut sessions = Vec::new();
+        let mut next_cursor = None;
+        for (i, r) in rows.iter().enumerate() {
+            if i as i64 == limit {
+                break;
+            }
+            sessions.push(serde_json::from_str(&r.try_get::<String, _>(0)?)?);
+            if i as i64 == limit - 1 && rows.len() as i64 > limit {
+                next_cursor = Some(format!(
+                    "{}|{}",
+                    r.try_get::<String, _>(1)?,
+                    r.try_get::<String, _>(2)?
+                ));
+            }
+        }
+        Ok(Page {
+            sessions,
+            next_cursor,
+        })
+    }
+
+    /// Where a verified artifact is stored.
+    pub async fn artifact_location(&self, sha256: &str) -> Result<Option<String>> {
+        let row = sqlx::query("SELECT location FROM artifacts WHERE sha256 = $1")
+            .bind(sha256.to_string())
+            .fetch_optional(&self.pool)
+            .await?;
+        row.map(|r| r.try_get::<String, _>(0).map_err(StoreError::from))
+            .transpose()
+    }
+
+    /// How many sessions have each status.
+    pub async fn count_by_status(&self) -> Result<Vec<(String, i64)>> {
+        let rows = sqlx::query("SELECT status, COUNT(*) FROM sessions GROUP BY status")
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter()
+            .map(|r| Ok((r.try_get::<String, _>(0)?, r.try_get::<i64, _>(1)?)))
+            .collect()
+    }
+
+    /// Runnable sessions no replica holds a live lease on.
+    pub async fn unclaimed(&self) -> Result<i64> {
+        let row = sqlx::query(
+            "SELECT COUNT(*) FROM sessions WHERE status = 'running' \
+             AND (lease_owner IS NULL OR lease_expires_ms < $1)",
+        )
+        .bind(crate::session::now_ms())
+        .fetch_one(&self.pool)
+        .await?;
+        Ok(row.try_get::<i64, _>(0)?)
+    }
+
+    /// True when the database answers.
+    pub async fn ping(&self) -> bool {
+        sqlx::query("SELECT 1").execute(&self.pool).await.is_ok()
     }
 
     /// Records a verified artifact's storage location (idempotent).

@@ -4,5 +4,6 @@
 mod e2e;
 mod llm;
 mod policy;
+mod service;
 mod skills;
 mod store;

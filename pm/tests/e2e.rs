@@ -11,7 +11,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-fn repo() -> PathBuf {
+pub(crate) fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
@@ -62,13 +62,13 @@ fn env() -> &'static PathBuf {
 
 /// A scripted model: answers each chat completion with the next scripted content.
 #[derive(Clone, Default)]
-struct Model {
+pub(crate) struct Model {
     script: Arc<Mutex<Vec<String>>>,
     requests: Arc<Mutex<Vec<Value>>>,
 }
 
 impl Model {
-    fn requests(&self) -> Vec<Value> {
+    pub(crate) fn requests(&self) -> Vec<Value> {
         self.requests.lock().unwrap().clone()
     }
 }
@@ -98,7 +98,7 @@ async fn models() -> Json<Value> {
 }
 
 /// Starts the scripted model on 127.0.0.1 in a background thread; returns its base URL.
-fn model_server(script: Vec<Value>) -> (String, Model) {
+pub(crate) fn model_server(script: Vec<Value>) -> (String, Model) {
     let m = Model {
         script: Arc::new(Mutex::new(
             script
@@ -414,9 +414,9 @@ fn clarification_round_trip() {
 }
 
 /// A worker started by the test (not by the PM), on `port` (0 = any).
-struct Worker {
+pub(crate) struct Worker {
     child: std::process::Child,
-    addr: String,
+    pub(crate) addr: String,
     _dir: tempfile::TempDir,
 }
 
@@ -427,9 +427,9 @@ impl Drop for Worker {
     }
 }
 
-const TOKEN: &str = "e2e-worker-token-0123456789";
+pub(crate) const TOKEN: &str = "e2e-worker-token-0123456789";
 
-fn start_worker(port: u16) -> Worker {
+pub(crate) fn start_worker(port: u16) -> Worker {
     use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
     use std::os::unix::fs::PermissionsExt;
@@ -612,10 +612,12 @@ fn worker_down_then_back_is_retried_without_duplicates() {
 
 /// The real local model (llama-server + SmolLM2-135M, built from the registries by
 /// deploy/llm/start.sh), the real worker and SBA: the loop runs on real, grammar-constrained
-/// replies. The 135M model is not clever and often breaks the contract (a reply cut off at
-/// max_tokens, a duplicate task id): the test asserts the plumbing (real requests answered,
-/// replies validated, the session ends in a terminal state for a reason the small model
-/// explains), not task success. How many replies passed is printed for the record.
+/// replies. The 135M model is not clever: it tends to update the plan again and again (the
+/// progress guard makes it act after three) and then to ask or to finish without running
+/// anything. When it asks, the test answers through `sessions resume --answer` (the
+/// clarification round trip on the real model), at most twice. The test asserts the
+/// plumbing (real requests answered, replies validated and acted on, a terminal state for a
+/// reason the small model explains), not task success; the outcome is printed.
 #[test]
 fn real_llm_drives_the_loop() {
     let out = Command::new("bash")
@@ -633,23 +635,35 @@ fn real_llm_drives_the_loop() {
         .find_map(|l| l.strip_prefix("CYNODE_MODEL_BASE_URL=").map(str::to_string))
         .expect("model url");
     let state = tempfile::tempdir().unwrap();
-    let out = pm(
-        state.path(),
-        &url,
-        &[
-            "run",
-            "Look at the files in the workspace, then finish with a one-sentence summary.",
-            "--skill-dir",
-            "skills/repo-inspect",
-            "--skill-dir",
-            "skills/search-code",
-            "--max-turns",
-            "6",
-            "--max-tokens",
-            "1024",
-        ],
-        None,
-    );
+    let common = [
+        "--skill-dir",
+        "skills/repo-inspect",
+        "--skill-dir",
+        "skills/search-code",
+        "--max-turns",
+        "8",
+    ];
+    let mut args = vec![
+        "run",
+        "Look at the files in the workspace, then finish with a one-sentence summary.",
+    ];
+    args.extend(common);
+    let mut out = pm(state.path(), &url, &args, None);
+    for _ in 0..2 {
+        if final_state(&out)["status"] != "awaiting_input" {
+            break;
+        }
+        let id = session_id(&out);
+        let mut args = vec![
+            "sessions",
+            "resume",
+            &id,
+            "--answer",
+            "Run the repo-inspect skill on the workspace now, then reply final.",
+        ];
+        args.extend(common);
+        out = pm(state.path(), &url, &args, None);
+    }
     let v = final_state(&out);
     let replies = v["state"]["history"]
         .as_array()
@@ -662,6 +676,10 @@ fn real_llm_drives_the_loop() {
         "no reply of the real model passed the contract: {v}"
     );
     let status = v["status"].as_str().unwrap();
+    eprintln!(
+        "real model: status {status}, {replies} replies passed the contract, {} jobs, failure {}",
+        v["jobs_dispatched"], v["failure"]
+    );
     assert!(
         matches!(status, "completed" | "failed" | "awaiting_input"),
         "{v}"

@@ -8,7 +8,7 @@ use cynode_pm::session::{Budgets, Phase, SessionRecord, SessionStatus};
 use cynode_pm::store::{Store, StoreError};
 use serde_json::json;
 
-fn postgres_url() -> &'static str {
+pub(crate) fn postgres_url() -> &'static str {
     static URL: OnceLock<String> = OnceLock::new();
     URL.get_or_init(|| {
         let out = Command::new("bash")

@@ -445,13 +445,18 @@ impl LlmClient {
         let started = Instant::now();
         let chat = self.client.chat();
         let sent = chat.create_byot::<_, CompletionBody>(request);
+        let m = crate::metrics::metrics();
         let body = match tokio::time::timeout(self.cfg.timeout, sent).await {
             Err(_) => {
+                m.model_call(false, started.elapsed(), 0, 0);
                 return Err(LlmError::Timeout {
                     after: self.cfg.timeout,
-                })
+                });
             }
-            Ok(Err(e)) => return Err(self.map_error(e)),
+            Ok(Err(e)) => {
+                m.model_call(false, started.elapsed(), 0, 0);
+                return Err(self.map_error(e));
+            }
             Ok(Ok(body)) => body,
         };
         let elapsed_ms = started.elapsed().as_millis() as u64;
@@ -460,6 +465,12 @@ impl LlmClient {
             .as_ref()
             .map(|u| (u.prompt_tokens, u.completion_tokens))
             .unwrap_or((None, None));
+        m.model_call(
+            true,
+            started.elapsed(),
+            prompt_tokens.unwrap_or(0),
+            completion_tokens.unwrap_or(0),
+        );
         let Some(choice) = body.choices.into_iter().next() else {
             return Err(LlmError::EmptyReply {
                 finish_reason: None,

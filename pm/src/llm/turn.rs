@@ -4,8 +4,9 @@
 //! narrow the reply types a turn accepts.
 //!
 //! The progress guard: a model that answers `plan_update` again and again never gets
-//! anything done (small local models do exactly this). After [`MAX_PLAN_ONLY_STREAK`]
-//! plan-only replies in a row, the next turn's response schema leaves `plan_update` out,
+//! anything done (small local models do exactly this). After
+//! `Budgets::max_plan_only_streak` (default [`MAX_PLAN_ONLY_STREAK`]) plan-only replies in
+//! a row, the next turn's response schema leaves `plan_update` out,
 //! so a grammar-constrained backend can only request a job, ask, or finish; the validator
 //! enforces the same rule for backends without constrained decoding, and the model is
 //! told why.
@@ -19,8 +20,9 @@ use super::ReplyValidator;
 use crate::session::SessionRecord;
 use crate::skills::registry::CatalogEntry;
 
-/// After this many `plan_update` replies in a row, the next turn must act.
-pub const MAX_PLAN_ONLY_STREAK: usize = 3;
+/// After this many `plan_update` replies in a row, the next turn must act (the default of
+/// `Budgets::max_plan_only_streak`).
+pub const MAX_PLAN_ONLY_STREAK: u32 = 3;
 
 /// The catalog-dependent parts of the contract, compiled once.
 #[derive(Debug)]
@@ -64,7 +66,8 @@ impl TurnRules {
             .filter(|e| e.kind == "model_reply")
             .take_while(|e| e.data["type"] == "plan_update")
             .count();
-        if streak >= MAX_PLAN_ONLY_STREAK {
+        let limit = rec.budgets.max_plan_only_streak as usize;
+        if limit > 0 && streak >= limit {
             TurnRules {
                 kinds: REPLY_TYPES
                     .iter()
@@ -152,6 +155,9 @@ mod tests {
             "job_request",
         ]));
         assert!(acted.kinds.contains(&"plan_update"));
+        let mut off = with_replies(&["plan_update"; 5]);
+        off.budgets.max_plan_only_streak = 0;
+        assert_eq!(TurnRules::for_session(&off).kinds, REPLY_TYPES.to_vec());
     }
 
     #[test]

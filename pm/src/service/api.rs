@@ -1,0 +1,438 @@
+//! The handlers of the PM's HTTP API (`/v1/…`) and their OpenAPI description (utoipa).
+//!
+//! Every session route checks the caller's tenant against the session's; another tenant's
+//! session is answered 404, exactly like a missing one. Bodies are closed
+//! (`deny_unknown_fields`): an unknown field is a 400 naming it.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use utoipa::{IntoParams, ToSchema};
+
+use super::auth::Tenant;
+use super::problem::Problem;
+use super::AppState;
+use crate::policy::PolicyInput;
+use crate::session::{Budgets, SessionRecord, SessionStatus};
+use crate::skills::{build_job, JobRef};
+
+/// `POST /v1/sessions` body.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSession {
+    /// What to achieve.
+    pub objective: String,
+    /// Must equal the token's tenant when given.
+    #[serde(default)]
+    pub tenant: Option<String>,
+    #[serde(default)]
+    pub constraints: Constraints,
+    #[serde(default)]
+    pub workspace: Option<WorkspaceSpec>,
+}
+
+/// Budgets of the session (defaults: 30 turns, 20 jobs, 3 attempts per task, 1 h).
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Constraints {
+    pub max_turns: Option<u32>,
+    pub max_jobs: Option<u32>,
+    pub max_attempts_per_task: Option<u32>,
+    pub wall_clock_seconds: Option<u64>,
+}
+
+/// Where the session's workspace on the worker is seeded from.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkspaceSpec {
+    /// A directory on the worker's host, under one of its allowlisted seed roots.
+    pub seed_path: String,
+}
+
+/// A session as the API shows it.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SessionView {
+    pub session_id: String,
+    pub tenant: String,
+    /// running, awaiting_input, completed, failed or canceled.
+    pub status: String,
+    pub objective: String,
+    #[schema(value_type = Object)]
+    pub plan: Value,
+    pub active_job_id: Option<String>,
+    /// Verified artifacts: path, sha256, size, job_id.
+    #[schema(value_type = Object)]
+    pub artifacts: Value,
+    /// The open question when status is awaiting_input.
+    pub question: Option<String>,
+    #[schema(value_type = Object)]
+    pub deliverable: Value,
+    #[schema(value_type = Object)]
+    pub failure: Value,
+    pub turn: u32,
+    pub jobs_dispatched: u32,
+    pub workspace_id: String,
+}
+
+impl SessionView {
+    pub fn of(rec: &SessionRecord) -> Self {
+        SessionView {
+            session_id: rec.state.session_id.clone(),
+            tenant: rec.tenant_id.clone(),
+            status: rec.status.as_str().to_string(),
+            objective: rec.state.objective.clone(),
+            plan: json!(rec.state.plan),
+            active_job_id: rec.state.active_job_id.clone(),
+            artifacts: json!(rec.state.artifacts),
+            question: match &rec.phase {
+                crate::session::Phase::AwaitInput { question } => Some(question.clone()),
+                _ => None,
+            },
+            deliverable: json!(rec.deliverable),
+            failure: json!(rec.failure),
+            turn: rec.turn,
+            jobs_dispatched: rec.jobs_dispatched,
+            workspace_id: rec.workspace_id.clone(),
+        }
+    }
+}
+
+/// One page of sessions.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct SessionList {
+    pub sessions: Vec<SessionView>,
+    /// Pass as `cursor` for the next page; absent on the last page.
+    pub next_cursor: Option<String>,
+}
+
+/// Filters and paging of `GET /v1/sessions`.
+#[derive(Debug, Deserialize, IntoParams)]
+#[serde(deny_unknown_fields)]
+pub struct ListQuery {
+    pub status: Option<String>,
+    pub cursor: Option<String>,
+    /// 1–200, default 50.
+    pub limit: Option<i64>,
+}
+
+/// `POST /v1/sessions/{id}/messages` body: the answer to the open question.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Answer {
+    pub text: String,
+}
+
+/// `POST /v1/jobs:validate` body.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ValidateJob {
+    pub skill_id: String,
+    #[schema(value_type = Object)]
+    pub inputs: Value,
+    /// Used in the rendered job's ids (default `t1`).
+    pub task_id: Option<String>,
+}
+
+/// The rendered job and the policy decision.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Validation {
+    pub allowed: bool,
+    #[schema(value_type = Object)]
+    pub job: Value,
+    #[schema(value_type = Object)]
+    pub decision: Value,
+}
+
+pub(super) fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Problem> {
+    let de = &mut serde_json::Deserializer::from_slice(body);
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let path = e.path().to_string();
+        Problem::bad_request(if path == "." {
+            e.inner().to_string()
+        } else {
+            format!("{path}: {}", e.inner())
+        })
+    })
+}
+
+/// The session if it exists and belongs to `tenant`.
+pub(super) async fn owned(
+    st: &AppState,
+    tenant: &Tenant,
+    id: &str,
+) -> Result<(SessionRecord, i64), Problem> {
+    match st.pm.store.load(id).await? {
+        Some((rec, v)) if rec.tenant_id == tenant.0 => Ok((rec, v)),
+        _ => Err(Problem::not_found(format!("session {id}"))),
+    }
+}
+
+/// The id of a session created with an Idempotency-Key: the same tenant and key always
+/// name the same session.
+fn idempotent_id(tenant: &str, key: &str) -> String {
+    let d = Sha256::digest(format!("{tenant}\n{key}").as_bytes());
+    format!("s-{}", &hex::encode(d)[..32])
+}
+
+/// Create a session (idempotent with `Idempotency-Key`).
+#[utoipa::path(post, path = "/v1/sessions", request_body = CreateSession,
+    params(("Idempotency-Key" = Option<String>, Header, description = "the same key gives the same session")),
+    responses((status = 201, body = SessionView), (status = 200, description = "an existing session for this Idempotency-Key", body = SessionView),
+              (status = 400, body = Problem), (status = 401, body = Problem), (status = 403, body = Problem)),
+    security(("bearer" = [])))]
+pub async fn create_session(
+    State(st): State<Arc<AppState>>,
+    tenant: Tenant,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, Problem> {
+    let req: CreateSession = parse(&body)?;
+    if req.objective.trim().is_empty() {
+        return Err(Problem::bad_request("objective: must not be empty"));
+    }
+    if let Some(t) = &req.tenant {
+        if *t != tenant.0 {
+            return Err(Problem::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                format!("tenant: the token belongs to another tenant than `{t}`"),
+            ));
+        }
+    }
+    let id = match headers.get("idempotency-key").and_then(|v| v.to_str().ok()) {
+        Some(k) if !k.trim().is_empty() => idempotent_id(&tenant.0, k.trim()),
+        _ => format!("s-{}", uuid::Uuid::new_v4()),
+    };
+    let d = Budgets::default();
+    let c = &req.constraints;
+    let budgets = Budgets {
+        max_turns: c.max_turns.unwrap_or(d.max_turns),
+        max_jobs: c.max_jobs.unwrap_or(d.max_jobs),
+        max_attempts_per_task: c.max_attempts_per_task.unwrap_or(d.max_attempts_per_task),
+        wall_clock_seconds: c.wall_clock_seconds.unwrap_or(d.wall_clock_seconds),
+        ..d
+    };
+    if let Some((existing, _)) = st.pm.store.load(&id).await? {
+        if existing.tenant_id == tenant.0 {
+            return Ok((StatusCode::OK, Json(SessionView::of(&existing))).into_response());
+        }
+        return Err(Problem::conflict("Idempotency-Key: already used"));
+    }
+    let mut rec = SessionRecord::new(&id, &tenant.0, &req.objective, budgets);
+    // The workspace exists before the session does, so no replica can start the loop
+    // (and dispatch into it) first.
+    let seed = req.workspace.as_ref().map(|w| w.seed_path.as_str());
+    st.pm
+        .worker
+        .create_workspace(&rec.workspace_id, seed.map(std::path::Path::new))
+        .await
+        .map_err(|e| {
+            Problem::unavailable(format!(
+                "cannot create the session's workspace on the worker: {e}"
+            ))
+        })?;
+    rec.event("created", json!({ "objective": rec.state.objective }));
+    if !st.pm.create(&rec).await? {
+        let (existing, _) = owned(&st, &tenant, &id).await?;
+        return Ok((StatusCode::OK, Json(SessionView::of(&existing))).into_response());
+    }
+    st.wake.notify_one();
+    tracing::info!(session_id = %id, tenant = %tenant.0, "session created");
+    Ok((StatusCode::CREATED, Json(SessionView::of(&rec))).into_response())
+}
+
+/// List the tenant's sessions, newest first.
+#[utoipa::path(get, path = "/v1/sessions", params(ListQuery),
+    responses((status = 200, body = SessionList), (status = 400, body = Problem), (status = 401, body = Problem)),
+    security(("bearer" = [])))]
+pub async fn list_sessions(
+    State(st): State<Arc<AppState>>,
+    tenant: Tenant,
+    Query(q): Query<ListQuery>,
+) -> Result<Json<SessionList>, Problem> {
+    let limit = q.limit.unwrap_or(50);
+    if !(1..=200).contains(&limit) {
+        return Err(Problem::bad_request("limit: must be between 1 and 200"));
+    }
+    let page = st
+        .pm
+        .store
+        .page(&tenant.0, q.status.as_deref(), q.cursor.as_deref(), limit)
+        .await?;
+    Ok(Json(SessionList {
+        sessions: page.sessions.iter().map(SessionView::of).collect(),
+        next_cursor: page.next_cursor,
+    }))
+}
+
+/// One session: status, plan, active job, artifacts, deliverable.
+#[utoipa::path(get, path = "/v1/sessions/{id}", params(("id" = String, Path)),
+    responses((status = 200, body = SessionView), (status = 404, body = Problem), (status = 401, body = Problem)),
+    security(("bearer" = [])))]
+pub async fn get_session(
+    State(st): State<Arc<AppState>>,
+    tenant: Tenant,
+    Path(id): Path<String>,
+) -> Result<Json<SessionView>, Problem> {
+    let (rec, _) = owned(&st, &tenant, &id).await?;
+    Ok(Json(SessionView::of(&rec)))
+}
+
+/// Answer the session's open question.
+#[utoipa::path(post, path = "/v1/sessions/{id}/messages", params(("id" = String, Path)), request_body = Answer,
+    responses((status = 200, body = SessionView), (status = 404, body = Problem), (status = 409, body = Problem)),
+    security(("bearer" = [])))]
+pub async fn post_message(
+    State(st): State<Arc<AppState>>,
+    tenant: Tenant,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Result<Json<SessionView>, Problem> {
+    let a: Answer = parse(&body)?;
+    let (rec, _) = owned(&st, &tenant, &id).await?;
+    if !matches!(rec.phase, crate::session::Phase::AwaitInput { .. })
+        || rec.status != SessionStatus::AwaitingInput
+    {
+        return Err(Problem::conflict(format!(
+            "session {id} is {} and has no open question",
+            rec.status.as_str()
+        )));
+    }
+    let rec = st.pm.answer(&id, &a.text).await?;
+    st.wake.notify_one();
+    Ok(Json(SessionView::of(&rec)))
+}
+
+/// `POST /v1/sessions/{id}:cancel` (axum cannot route a `{id}:cancel` segment, so the
+/// segment is parsed here).
+#[utoipa::path(post, path = "/v1/sessions/{id}:cancel", params(("id" = String, Path)),
+    responses((status = 200, body = SessionView), (status = 404, body = Problem), (status = 409, body = Problem)),
+    security(("bearer" = [])))]
+pub async fn session_action(
+    State(st): State<Arc<AppState>>,
+    tenant: Tenant,
+    Path(segment): Path<String>,
+) -> Result<Json<SessionView>, Problem> {
+    let Some(id) = segment.strip_suffix(":cancel") else {
+        return Err(Problem::not_found(format!("action in `{segment}`")));
+    };
+    for _ in 0..5 {
+        let (mut rec, v) = owned(&st, &tenant, id).await?;
+        if rec.status.is_terminal() {
+            return Err(Problem::conflict(format!(
+                "session {id} already {}",
+                rec.status.as_str()
+            )));
+        }
+        let job = rec.state.active_job_id.clone();
+        rec.status = SessionStatus::Canceled;
+        rec.phase = crate::session::Phase::Done;
+        rec.event("canceled", json!({ "active_job_id": job }));
+        match st.pm.store.save(&rec, v, &[]).await {
+            Ok(_) => {
+                if let Some(job) = job {
+                    if let Err(e) = st.pm.worker.stop(&job).await {
+                        tracing::warn!(session_id = %id, job_id = %job, error = %e, "cannot stop the job");
+                    }
+                }
+                tracing::info!(session_id = %id, "session canceled");
+                return Ok(Json(SessionView::of(&rec)));
+            }
+            Err(crate::store::StoreError::Conflict(_)) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(Problem::conflict(format!(
+        "session {id} kept changing; retry the cancel"
+    )))
+}
+
+/// The verified bytes of one of the session's artifacts.
+#[utoipa::path(get, path = "/v1/sessions/{id}/artifacts/{sha256}", params(("id" = String, Path), ("sha256" = String, Path)),
+    responses((status = 200, content_type = "application/octet-stream", description = "the bytes"), (status = 404, body = Problem)),
+    security(("bearer" = [])))]
+pub async fn get_artifact(
+    State(st): State<Arc<AppState>>,
+    tenant: Tenant,
+    Path((id, sha)): Path<(String, String)>,
+) -> Result<Response, Problem> {
+    let (rec, _) = owned(&st, &tenant, &id).await?;
+    if !rec.state.artifacts.iter().any(|a| a.record.sha256 == sha) {
+        return Err(Problem::not_found(format!(
+            "artifact {sha} of session {id}"
+        )));
+    }
+    let location = st
+        .pm
+        .store
+        .artifact_location(&sha)
+        .await?
+        .ok_or_else(|| Problem::not_found(format!("artifact {sha}")))?;
+    let bytes = tokio::fs::read(&location)
+        .await
+        .map_err(|e| Problem::internal(format!("artifact {sha} unreadable: {e}")))?;
+    if hex::encode(Sha256::digest(&bytes)) != sha {
+        crate::metrics::metrics().artifact_integrity_failures.inc();
+        return Err(Problem::internal(format!(
+            "artifact_integrity_failure: the stored bytes of {sha} no longer match"
+        )));
+    }
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
+        bytes,
+    )
+        .into_response())
+}
+
+/// The skill catalog the model sees.
+#[utoipa::path(get, path = "/v1/skills",
+    responses((status = 200, description = "skill_id, version, description, inputs_schema of every skill", body = Object)),
+    security(("bearer" = [])))]
+pub async fn list_skills(State(st): State<Arc<AppState>>, _t: Tenant) -> Json<Value> {
+    Json(json!({ "skills": st.pm.contract.catalog }))
+}
+
+/// Render a skill with inputs and run the policy gate, without dispatching.
+#[utoipa::path(post, path = "/v1/jobs:validate", request_body = ValidateJob,
+    responses((status = 200, body = Validation), (status = 400, body = Problem), (status = 404, body = Problem)),
+    security(("bearer" = [])))]
+pub async fn validate_job(
+    State(st): State<Arc<AppState>>,
+    _t: Tenant,
+    body: Bytes,
+) -> Result<Json<Validation>, Problem> {
+    let req: ValidateJob = parse(&body)?;
+    let skill = st
+        .pm
+        .registry
+        .get(&req.skill_id)
+        .ok_or_else(|| Problem::not_found(format!("skill {}", req.skill_id)))?;
+    let r = JobRef {
+        session_id: "s-validate".into(),
+        task_id: req.task_id.unwrap_or_else(|| "t1".into()),
+        attempt: 0,
+    };
+    let built = build_job(skill, &req.inputs, &r)
+        .map_err(|e| Problem::bad_request(format!("inputs: {e}")))?;
+    let decision = st
+        .pm
+        .gate
+        .evaluate(&PolicyInput {
+            job: built.value.clone(),
+            skill: serde_json::to_value(&skill.manifest).unwrap_or(Value::Null),
+            tenant: st.pm.tenant.clone(),
+        })
+        .await;
+    Ok(Json(Validation {
+        allowed: decision.allowed,
+        job: built.value,
+        decision: json!(decision),
+    }))
+}

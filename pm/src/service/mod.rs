@@ -1,0 +1,238 @@
+//! `cynode-pm serve`: the PM as an HTTP service for orchestrator backends.
+//!
+//! - [`api`]: the `/v1` handlers (sessions, messages, cancel, artifacts, skills,
+//!   jobs:validate) with their OpenAPI description;
+//! - [`events`]: the Server-Sent Events stream of a session;
+//! - [`auth`]: bearer tokens mapped to tenants;
+//! - [`problem`]: RFC 9457 errors;
+//! - [`scheduler`]: leases and drives the sessions of this replica.
+//!
+//! Stateless replicas share one database: any replica answers any request, and sessions
+//! are driven by whichever replica holds their lease. `/healthz` is liveness, `/readyz`
+//! checks the database and the worker, `/metrics` is Prometheus text, `/openapi.json` the
+//! API description (checked in at `docs/openapi.json`, drift-tested).
+
+pub mod api;
+pub mod auth;
+pub mod events;
+pub mod problem;
+pub mod scheduler;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use clap::Args;
+use tokio::sync::Notify;
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::timeout::TimeoutLayer;
+use utoipa::OpenApi;
+
+use crate::driver::Pm;
+use auth::Tokens;
+use problem::Problem;
+
+/// Flags of `cynode-pm serve` (plus the model, worker and datastore flags of `run`).
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "CYNODE_PM_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// `TOKEN TENANT` per line: who may call the API, and as which tenant.
+    #[arg(long, env = "CYNODE_PM_API_TOKENS_FILE")]
+    pub api_tokens_file: PathBuf,
+    /// Lease of a session on this replica; another replica takes over a session whose
+    /// lease expired (a replica died) within this time.
+    #[arg(long, default_value_t = 30)]
+    pub lease_seconds: u64,
+    /// Sessions this replica drives at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_active_sessions: usize,
+    /// Largest request body accepted (413 above).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// Requests (other than event streams) taking longer are answered 408.
+    #[arg(long, default_value_t = 30)]
+    pub request_timeout_seconds: u64,
+    /// This replica's name in leases (default: host name and process id).
+    #[arg(long, env = "CYNODE_PM_REPLICA_ID")]
+    pub replica_id: Option<String>,
+    #[command(flatten)]
+    pub run: crate::run::RunArgs,
+}
+
+/// What every handler shares.
+pub struct AppState {
+    pub pm: Arc<Pm>,
+    pub tokens: Tokens,
+    /// Wakes this replica's scheduler when a session became runnable here.
+    pub wake: Arc<Notify>,
+}
+
+/// The OpenAPI description of the API.
+#[derive(OpenApi)]
+#[openapi(
+    info(title = "cynode-pm", description = "The CyNode project-manager control plane: sessions driven by an LLM loop through sandboxed jobs."),
+    paths(api::create_session, api::list_sessions, api::get_session, api::post_message,
+          api::session_action, api::get_artifact, api::list_skills, api::validate_job,
+          events::session_events),
+    components(schemas(api::CreateSession, api::Constraints, api::WorkspaceSpec, api::SessionView,
+                       api::SessionList, api::Answer, api::ValidateJob, api::Validation, Problem)),
+    modifiers(&BearerAuth)
+)]
+pub struct ApiDoc;
+
+struct BearerAuth;
+
+impl utoipa::Modify for BearerAuth {
+    fn modify(&self, openapi: &mut utoipa::openapi::OpenApi) {
+        use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+        let components = openapi.components.get_or_insert_with(Default::default);
+        components.add_security_scheme(
+            "bearer",
+            SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+        );
+    }
+}
+
+/// The API document as pretty JSON (what `/openapi.json` serves and docs/openapi.json holds).
+pub fn openapi_json() -> String {
+    ApiDoc::openapi().to_pretty_json().unwrap_or_default()
+}
+
+/// The router of the service.
+pub fn router(state: Arc<AppState>, max_body: usize, timeout: Duration) -> Router {
+    let limited = Router::new()
+        .route(
+            "/v1/sessions",
+            post(api::create_session).get(api::list_sessions),
+        )
+        .route(
+            "/v1/sessions/{id}",
+            get(api::get_session).post(api::session_action),
+        )
+        .route("/v1/sessions/{id}/messages", post(api::post_message))
+        .route(
+            "/v1/sessions/{id}/artifacts/{sha256}",
+            get(api::get_artifact),
+        )
+        .route("/v1/skills", get(api::list_skills))
+        .route("/v1/jobs:validate", post(api::validate_job))
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route(
+            "/openapi.json",
+            get(|| async { ([("content-type", "application/json")], openapi_json()) }),
+        )
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            timeout,
+        ));
+    Router::new()
+        .route("/v1/sessions/{id}/events", get(events::session_events))
+        .merge(limited)
+        .fallback(|| async { Problem::not_found("route") })
+        .layer(DefaultBodyLimit::disable())
+        .layer(RequestBodyLimitLayer::new(max_body))
+        .with_state(state)
+}
+
+async fn readyz(State(st): State<Arc<AppState>>) -> Response {
+    if !st.pm.store.ping().await {
+        return Problem::unavailable("the datastore does not answer").into_response();
+    }
+    if !st.pm.worker.ready().await {
+        return Problem::unavailable("no worker is ready").into_response();
+    }
+    "ready".into_response()
+}
+
+async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+    let m = crate::metrics::metrics();
+    if let Ok(counts) = st.pm.store.count_by_status().await {
+        for status in [
+            "running",
+            "awaiting_input",
+            "completed",
+            "failed",
+            "canceled",
+        ] {
+            let n = counts
+                .iter()
+                .find(|(s, _)| s == status)
+                .map_or(0, |(_, n)| *n);
+            m.sessions
+                .get_or_create(&crate::metrics::StatusLabel {
+                    status: status.into(),
+                })
+                .set(n);
+        }
+    }
+    if let Ok(n) = st.pm.store.unclaimed().await {
+        m.queue_depth.set(n);
+    }
+    (
+        [(
+            "content-type",
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        m.encode(),
+    )
+        .into_response()
+}
+
+/// Runs the service until SIGTERM / SIGINT.
+pub async fn serve(args: &ServeArgs, global: &crate::cli::Global) -> anyhow::Result<i32> {
+    let tokens = Tokens::load(&args.api_tokens_file)?;
+    let endpoint = args.run.worker_endpoint.clone().context(
+        "serve needs --worker-endpoint (or CYNODE_WORKER_ENDPOINT): a running cynode-worker",
+    )?;
+    let worker =
+        crate::dispatch::WorkerClient::new(&endpoint, &crate::run::worker_token(&args.run)?);
+    let pm = Arc::new(crate::run::build_pm(&args.run, global, &worker).await?);
+    let wake = Arc::new(Notify::new());
+    let owner = args.replica_id.clone().unwrap_or_else(|| {
+        let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
+        format!("{}-{}", host.trim(), std::process::id())
+    });
+    let schedule = scheduler::Schedule {
+        owner: owner.clone(),
+        lease: Duration::from_secs(args.lease_seconds.max(1)),
+        capacity: args.max_active_sessions.max(1),
+        tick: Duration::from_millis(500),
+    };
+    tokio::spawn(scheduler::run(Arc::clone(&pm), schedule, Arc::clone(&wake)));
+    let state = Arc::new(AppState { pm, tokens, wake });
+    let app = router(
+        state,
+        args.max_body_bytes,
+        Duration::from_secs(args.request_timeout_seconds.max(1)),
+    );
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    tracing::info!(addr = %addr, replica = %owner, "cynode-pm listening");
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(_) => return std::future::pending().await,
+                };
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        })
+        .await?;
+    Ok(0)
+}

@@ -1,0 +1,611 @@
+//! `cynode-pm serve` as a real process over HTTP, with a real bwrap worker, the real SBA,
+//! a scripted OpenAI-compatible model, and SQLite or a real PostgreSQL: auth and tenant
+//! isolation, idempotent create, the SSE stream in order and resumed after a dropped
+//! connection, artifacts, cancel stopping the worker job, metrics, and two replicas with
+//! one killed mid-session.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::e2e::{model_server, repo, start_worker, Worker, TOKEN};
+use crate::store::postgres_url;
+
+const TENANT_A: &str = "token-of-tenant-a-0123456789";
+const TENANT_B: &str = "token-of-tenant-b-0123456789";
+
+/// One `cynode-pm serve` process; killed on drop.
+struct Replica {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Replica {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn start_replica(
+    dir: &Path,
+    name: &str,
+    db: &str,
+    model: &str,
+    worker: &Worker,
+    extra: &[&str],
+) -> Replica {
+    std::fs::write(
+        dir.join("tokens"),
+        format!("{TENANT_A} acme\n{TENANT_B} globex\n"),
+    )
+    .unwrap();
+    let port = free_port();
+    let state = dir.join(name);
+    let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
+        .arg("serve")
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .arg("--api-tokens-file")
+        .arg(dir.join("tokens"))
+        .args(["--replica-id", name, "--datastore-endpoint", db])
+        .args(["--worker-endpoint", &format!("http://{}", worker.addr)])
+        .args(["--model-base-url", model])
+        .arg("--state-dir")
+        .arg(&state)
+        .args(extra)
+        .env("CYNODE_WORKER_TOKEN", TOKEN)
+        .current_dir(repo())
+        .stdout(Stdio::null())
+        .stderr(log)
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let t = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "replica {name} did not start: {}",
+            std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Replica { child, base }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+async fn call(
+    method: reqwest::Method,
+    url: &str,
+    token: &str,
+    body: Option<Value>,
+) -> (u16, Value) {
+    let mut r = client().request(method, url).bearer_auth(token);
+    if let Some(b) = body {
+        r = r.json(&b);
+    }
+    let resp = r.send().await.unwrap();
+    let status = resp.status().as_u16();
+    let text = resp.text().await.unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+async fn wait_status(base: &str, id: &str, want: &[&str], within: Duration) -> Value {
+    let t = Instant::now();
+    loop {
+        let (_, v) = call(
+            reqwest::Method::GET,
+            &format!("{base}/v1/sessions/{id}"),
+            TENANT_A,
+            None,
+        )
+        .await;
+        if want.contains(&v["status"].as_str().unwrap_or("")) {
+            return v;
+        }
+        assert!(t.elapsed() < within, "session {id} is still {v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Reads SSE events `(id, event, data)` until the stream ends or `stop_after` events.
+async fn sse(
+    base: &str,
+    id: &str,
+    last: Option<u64>,
+    stop_after: Option<usize>,
+) -> Vec<(u64, String, Value)> {
+    let mut r = client()
+        .get(format!("{base}/v1/sessions/{id}/events"))
+        .bearer_auth(TENANT_A);
+    if let Some(l) = last {
+        r = r.header("Last-Event-ID", l.to_string());
+    }
+    let mut resp = r.send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers()["content-type"], "text/event-stream");
+    let mut buf = String::new();
+    let mut events = Vec::new();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while let Ok(Some(chunk)) = tokio::time::timeout_at(deadline.into(), resp.chunk())
+        .await
+        .unwrap_or(Ok(None))
+    {
+        buf.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = buf.find("\n\n") {
+            let block: String = buf.drain(..end + 2).collect();
+            let (mut eid, mut kind, mut data) = (None, String::new(), Value::Null);
+            for line in block.lines() {
+                if let Some(v) = line.strip_prefix("id:") {
+                    eid = v.trim().parse().ok();
+                } else if let Some(v) = line.strip_prefix("event:") {
+                    kind = v.trim().to_string();
+                } else if let Some(v) = line.strip_prefix("data:") {
+                    data = serde_json::from_str(v.trim()).unwrap();
+                }
+            }
+            if let Some(eid) = eid {
+                events.push((eid, kind, data));
+                if stop_after == Some(events.len()) {
+                    return events;
+                }
+            }
+        }
+    }
+    events
+}
+
+fn happy_script() -> Vec<Value> {
+    vec![
+        json!({ "type": "plan_update", "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write the greeting", "status": "pending" } }
+        ], "payload": { "note": "one task" } }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
+            "inputs": { "files": [{ "path": "hello.txt", "content": "hello from the service\n" }] } } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote hello.txt" } }),
+    ]
+}
+
+/// The API surface on one datastore.
+async fn api_round_trip(db: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = start_worker(0);
+    let (model, script) = model_server(happy_script());
+    let r = start_replica(dir.path(), "r1", db, &model, &worker, &[]);
+    let base = &r.base;
+    use reqwest::Method as M;
+
+    // Auth.
+    let (s, v) = call(
+        M::GET,
+        &format!("{base}/v1/sessions"),
+        "wrong-token-0123456789",
+        None,
+    )
+    .await;
+    assert_eq!(
+        (s, v["type"].as_str()),
+        (401, Some("urn:cynode:problem:unauthorized"))
+    );
+    // Bad bodies: a named field, never a crash.
+    let (s, v) = call(
+        M::POST,
+        &format!("{base}/v1/sessions"),
+        TENANT_A,
+        Some(json!({ "objective": "x", "colour": "red" })),
+    )
+    .await;
+    assert_eq!(s, 400, "{v}");
+    assert!(v["detail"].as_str().unwrap().contains("colour"), "{v}");
+    let (s, _) = call(
+        M::POST,
+        &format!("{base}/v1/sessions"),
+        TENANT_A,
+        Some(json!({ "objective": "x", "tenant": "globex" })),
+    )
+    .await;
+    assert_eq!(s, 403);
+
+    // Idempotent create.
+    let create = || async {
+        let resp = client()
+            .post(format!("{base}/v1/sessions"))
+            .bearer_auth(TENANT_A)
+            .header("Idempotency-Key", "order-42")
+            .json(&json!({ "objective": "greet the world" }))
+            .send()
+            .await
+            .unwrap();
+        (resp.status().as_u16(), resp.json::<Value>().await.unwrap())
+    };
+    let (s1, v1) = create().await;
+    assert_eq!(s1, 201, "{v1}");
+    let id = v1["session_id"].as_str().unwrap().to_string();
+    let (s2, v2) = create().await;
+    assert_eq!((s2, v2["session_id"].as_str()), (200, Some(id.as_str())));
+
+    // The whole stream, in order, ending at final.
+    let events = sse(base, &id, None, None).await;
+    let seqs: Vec<u64> = events.iter().map(|e| e.0).collect();
+    assert_eq!(
+        seqs,
+        (1..=seqs.len() as u64).collect::<Vec<_>>(),
+        "{events:?}"
+    );
+    let kinds: Vec<&str> = events.iter().map(|e| e.1.as_str()).collect();
+    for k in [
+        "created",
+        "model_reply",
+        "job_dispatched",
+        "job_state",
+        "job_finished",
+        "final",
+    ] {
+        assert!(kinds.contains(&k), "{k} missing from {kinds:?}");
+    }
+    assert_eq!(kinds.last(), Some(&"final"));
+    // A dropped connection resumes exactly after the last event seen.
+    let first = sse(base, &id, None, Some(3)).await;
+    let rest = sse(base, &id, Some(first[2].0), None).await;
+    let resumed: Vec<u64> = first.iter().chain(rest.iter()).map(|e| e.0).collect();
+    assert_eq!(resumed, seqs);
+
+    let v = wait_status(base, &id, &["completed"], Duration::from_secs(30)).await;
+    assert_eq!(v["deliverable"]["summary"], "wrote hello.txt");
+    assert_eq!(script.requests().len(), 3, "each reply asked for once");
+
+    // Tenant isolation: B sees nothing of A's.
+    let (s, _) = call(M::GET, &format!("{base}/v1/sessions/{id}"), TENANT_B, None).await;
+    assert_eq!(s, 404);
+    let (_, list_b) = call(M::GET, &format!("{base}/v1/sessions"), TENANT_B, None).await;
+    assert_eq!(list_b["sessions"], json!([]));
+    let (_, list_a) = call(
+        M::GET,
+        &format!("{base}/v1/sessions?limit=1"),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert_eq!(list_a["sessions"][0]["session_id"], json!(id));
+    let (s, _) = call(
+        M::GET,
+        &format!("{base}/v1/sessions?limit=0"),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert_eq!(s, 400);
+
+    // Artifacts: the verified bytes for A, 404 for B.
+    let art = &v["artifacts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["path"] == "hello.txt");
+    if let Some(a) = art {
+        let sha = a["sha256"].as_str().unwrap();
+        let url = format!("{base}/v1/sessions/{id}/artifacts/{sha}");
+        let bytes = client()
+            .get(&url)
+            .bearer_auth(TENANT_A)
+            .send()
+            .await
+            .unwrap()
+            .bytes()
+            .await
+            .unwrap();
+        assert_eq!(hex::encode(Sha256::digest(&bytes)), sha);
+        let (s, _) = call(M::GET, &url, TENANT_B, None).await;
+        assert_eq!(s, 404);
+    }
+
+    // Skills, validation, metrics, health.
+    let (s, skills) = call(M::GET, &format!("{base}/v1/skills"), TENANT_A, None).await;
+    assert_eq!(s, 200);
+    assert!(skills["skills"].as_array().unwrap().len() >= 5);
+    let (s, ok) = call(M::POST, &format!("{base}/v1/jobs:validate"), TENANT_A,
+        Some(json!({ "skill_id": "write-files", "inputs": { "files": [{ "path": "a.txt", "content": "x" }] } }))).await;
+    assert_eq!((s, ok["allowed"].clone()), (200, json!(true)), "{ok}");
+    let (s, denied) = call(M::POST, &format!("{base}/v1/jobs:validate"), TENANT_A,
+        Some(json!({ "skill_id": "write-files", "inputs": { "files": [{ "path": "../../etc/passwd", "content": "x" }] } }))).await;
+    assert_eq!(s, 200);
+    assert_eq!(denied["allowed"], false, "{denied}");
+    let metrics = client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("cynode_pm_sessions{status=\"completed\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("cynode_pm_model_calls_total{outcome=\"ok\"} 3"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("cynode_pm_jobs_total{outcome=\"completed\"} 1"),
+        "{metrics}"
+    );
+    let ready = client().get(format!("{base}/readyz")).send().await.unwrap();
+    assert_eq!(ready.status(), 200);
+    let (s, _) = call(
+        M::POST,
+        &format!("{base}/v1/sessions/{id}:cancel"),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert_eq!(s, 409, "a completed session cannot be canceled");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_on_sqlite() {
+    let dir = tempfile::tempdir().unwrap();
+    api_round_trip(&format!("sqlite://{}", dir.path().join("pm.db").display())).await;
+}
+
+/// A fresh database on the test PostgreSQL, so replicas of one test share only it.
+async fn fresh_postgres() -> String {
+    let base = postgres_url();
+    let name = format!("svc_{}", uuid::Uuid::new_v4().simple());
+    sqlx::any::install_default_drivers();
+    let pool = sqlx::AnyPool::connect(base).await.unwrap();
+    sqlx::query(&format!("CREATE DATABASE {name}"))
+        .execute(&pool)
+        .await
+        .unwrap();
+    let (prefix, _) = base.rsplit_once('/').unwrap();
+    format!("{prefix}/{name}")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_on_postgres() {
+    api_round_trip(&fresh_postgres().await).await;
+}
+
+/// A skill whose job runs `sleep SECONDS` (to have a job to cancel or to outlive a
+/// replica).
+fn sleep_skill(dir: &Path) -> PathBuf {
+    let pkg = dir.join("skills/nap");
+    std::fs::create_dir_all(pkg.join("examples")).unwrap();
+    std::fs::write(
+        pkg.join("skill.yaml"),
+        "skill_id: nap\nversion: 1.0.0\ndescription: sleep a while\npurpose: base-tools\nallowed_commands: [sleep]\nlimits:\n  max_runtime_seconds: 120\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  required: [seconds]\n  properties:\n    seconds: { type: integer, minimum: 1, maximum: 60 }\n",
+    )
+    .unwrap();
+    std::fs::write(
+        pkg.join("job.json.j2"),
+        r#"{ "steps": [ { "id": "nap", "type": "run_command", "arguments": { "command": "sleep", "args": ["{{ inputs.seconds }}"] } } ] }"#,
+    )
+    .unwrap();
+    std::fs::write(pkg.join("examples/basic.json"), r#"{ "seconds": 1 }"#).unwrap();
+    dir.join("skills")
+}
+
+fn nap_script(seconds: u32) -> Vec<Value> {
+    vec![
+        json!({ "type": "plan_update", "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "nap", "status": "pending" } }
+        ], "payload": {} }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "nap", "inputs": { "seconds": seconds } } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "napped" } }),
+    ]
+}
+
+async fn create(base: &str, objective: &str) -> String {
+    let (s, v) = call(
+        reqwest::Method::POST,
+        &format!("{base}/v1/sessions"),
+        TENANT_A,
+        Some(json!({ "objective": objective })),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    v["session_id"].as_str().unwrap().to_string()
+}
+
+async fn wait_active_job(base: &str, id: &str) -> String {
+    let t = Instant::now();
+    loop {
+        let (_, v) = call(
+            reqwest::Method::GET,
+            &format!("{base}/v1/sessions/{id}"),
+            TENANT_A,
+            None,
+        )
+        .await;
+        if let Some(j) = v["active_job_id"].as_str() {
+            return j.to_string();
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "no job started: {v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn worker_job(worker: &Worker, job: &str) -> Value {
+    client()
+        .get(format!("http://{}/v1/worker/jobs/{job}", worker.addr))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_stops_the_worker_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let skills = sleep_skill(dir.path());
+    let worker = start_worker(0);
+    let (model, _script) = model_server(nap_script(60));
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let skill_arg = skills.display().to_string();
+    let r = start_replica(
+        dir.path(),
+        "r1",
+        &db,
+        &model,
+        &worker,
+        &["--skill-dir", &skill_arg],
+    );
+    let id = create(&r.base, "nap for a minute").await;
+    let job = wait_active_job(&r.base, &id).await;
+    let t = Instant::now();
+    let (s, v) = call(
+        reqwest::Method::POST,
+        &format!("{}/v1/sessions/{id}:cancel", r.base),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert_eq!((s, v["status"].as_str()), (200, Some("canceled")), "{v}");
+    loop {
+        let j = worker_job(&worker, &job).await;
+        if j["status"] == "canceled" {
+            break;
+        }
+        assert!(
+            j["status"] == "in_progress" || j["status"] == "accepted",
+            "the job should be stopped, not {j}"
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the worker job still runs: {j}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // The loop does not overwrite the cancel when the stopped job's result comes back.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let v = wait_status(&r.base, &id, &["canceled"], Duration::from_secs(5)).await;
+    assert!(v["deliverable"].is_null(), "{v}");
+    // The stream showed the job running live, and ends with the cancel.
+    let events = sse(&r.base, &id, None, None).await;
+    assert!(
+        events
+            .iter()
+            .any(|e| e.1 == "job_state" && e.2["data"]["state"] == "in_progress"),
+        "{events:?}"
+    );
+    assert_eq!(events.last().map(|e| e.1.as_str()), Some("canceled"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replica_hands_its_session_to_another() {
+    let dir = tempfile::tempdir().unwrap();
+    let skills = sleep_skill(dir.path());
+    let worker = start_worker(0);
+    let (model, script) = model_server(nap_script(4));
+    let db = fresh_postgres().await;
+    let skill_arg = skills.display().to_string();
+    let args = ["--skill-dir", &skill_arg, "--lease-seconds", "3"];
+    let mut r1 = start_replica(dir.path(), "r1", &db, &model, &worker, &args);
+    let mut r2 = start_replica(dir.path(), "r2", &db, &model, &worker, &args);
+    let id = create(&r1.base, "nap across a crash").await;
+    let job = wait_active_job(&r1.base, &id).await;
+    // Kill -9 whichever replica holds the lease, mid-job.
+    let pool = sqlx::AnyPool::connect(&db).await.unwrap();
+    let owner: String = sqlx::Row::get(
+        &sqlx::query("SELECT lease_owner FROM sessions WHERE session_id = $1")
+            .bind(id.clone())
+            .fetch_one(&pool)
+            .await
+            .unwrap(),
+        0,
+    );
+    let (victim, survivor) = if owner == "r1" {
+        (&mut r1, &r2)
+    } else {
+        (&mut r2, &r1)
+    };
+    // SAFETY: SIGKILL to the child process this test started.
+    unsafe { libc::kill(victim.child.id() as i32, libc::SIGKILL) };
+    let _ = victim.child.wait();
+    let t = Instant::now();
+    let v = wait_status(
+        &survivor.base,
+        &id,
+        &["completed", "failed"],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(v["status"], "completed", "{v}");
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "takeover took {:?}",
+        t.elapsed()
+    );
+    // No duplicate: three replies asked for once each, one job.
+    assert_eq!(script.requests().len(), 3);
+    assert_eq!(v["jobs_dispatched"], 1);
+    // The job finished once and its result was acknowledged (then forgotten) by the PM.
+    let j = worker_job(&worker, &job).await;
+    assert_eq!(j["status"], 404, "{j}");
+    let (_, full) = call(
+        reqwest::Method::GET,
+        &format!("{}/v1/sessions/{id}", survivor.base),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert_eq!(full["active_job_id"], Value::Null);
+    let survivor_name = if owner == "r1" { "r2" } else { "r1" };
+    let log = std::fs::read_to_string(dir.path().join(format!("{survivor_name}.log"))).unwrap();
+    assert!(
+        log.contains("driving session"),
+        "the survivor never took over:\n{log}"
+    );
+}
+
+/// The checked-in OpenAPI document is what the handlers describe.
+#[test]
+fn openapi_document_has_not_drifted() {
+    let out = Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
+        .arg("openapi")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let live = String::from_utf8(out.stdout).unwrap();
+    let path = repo().join("docs/openapi.json");
+    if std::env::var_os("CYNODE_REGENERATE_OPENAPI").is_some() {
+        std::fs::write(&path, &live).unwrap();
+    }
+    let stored = std::fs::read_to_string(&path).unwrap_or_default();
+    assert!(
+        stored == live,
+        "docs/openapi.json differs from the handlers: regenerate with \
+         CYNODE_REGENERATE_OPENAPI=1 cargo nextest run -p cynode-pm -E 'test(openapi)'"
+    );
+    let v: Value = serde_json::from_str(&live).unwrap();
+    for p in [
+        "/v1/sessions",
+        "/v1/sessions/{id}",
+        "/v1/sessions/{id}/events",
+        "/v1/sessions/{id}:cancel",
+        "/v1/jobs:validate",
+    ] {
+        assert!(v["paths"][p].is_object(), "{p} missing");
+    }
+}
