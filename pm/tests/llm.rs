@@ -795,8 +795,8 @@ fn structural_mistakes_are_named_precisely() {
             "state_patch: at most 10 operations in one reply; got 11 (set a whole plan with one replace of /plan)",
         ),
         (
-            json!({ "type": "message", "state_patch": [], "payload": { "text": "?".repeat(1001) } }),
-            "payload.text: too long: 1001 characters, at most 1000",
+            json!({ "type": "message", "state_patch": [], "payload": { "text": "?".repeat(501) } }),
+            "payload.text: too long: 501 characters, at most 500",
         ),
         (
             json!({ "type": "plan_update", "state_patch": [{ "op": "replace", "path": "/plan/0/task_id", "value": "t2" }], "payload": {} }),
