@@ -91,15 +91,26 @@ impl Store {
         } else {
             return Err(StoreError::Unsupported(url.to_string()));
         };
+        let sqlite = url.starts_with("sqlite://");
         let pool = AnyPoolOptions::new()
             .max_connections(8)
+            // Per connection: a PRAGMA run once on the pool reaches only one connection,
+            // and the others then fail with "database is locked" under write contention
+            // (200 concurrent sessions showed it).
+            .after_connect(move |conn, _meta| {
+                Box::pin(async move {
+                    if sqlite {
+                        sqlx::query("PRAGMA busy_timeout=30000")
+                            .execute(&mut *conn)
+                            .await?;
+                    }
+                    Ok(())
+                })
+            })
             .connect(&url)
             .await?;
-        if url.starts_with("sqlite://") {
+        if sqlite {
             sqlx::query("PRAGMA journal_mode=WAL")
-                .execute(&pool)
-                .await?;
-            sqlx::query("PRAGMA busy_timeout=10000")
                 .execute(&pool)
                 .await?;
         }
