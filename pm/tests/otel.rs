@@ -62,6 +62,7 @@ fn otlp_receiver() -> (String, Bodies) {
 struct Span {
     name: String,
     trace_id: String,
+    span_id: String,
     attrs: BTreeMap<String, String>,
 }
 
@@ -93,6 +94,7 @@ fn spans(bodies: &Bodies) -> (Vec<Span>, Vec<BTreeMap<String, String>>) {
                     out.push(Span {
                         name: s.name.clone(),
                         trace_id: hex(&s.trace_id),
+                        span_id: hex(&s.span_id),
                         attrs: attrs(&s.attributes),
                     });
                 }
@@ -240,6 +242,12 @@ fn otlp_traces_arrive_and_the_worker_logs_the_same_trace_id() {
     assert!(messages.contains(&"job finished"), "{messages:?}\n{log}");
     for l in &job_lines {
         assert_eq!(span_field(l, "trace_id"), Some(trace_id.clone()), "{l}");
+        // The parent the worker saw is the PM's client span of the submit call.
+        assert_eq!(
+            span_field(l, "parent_span_id"),
+            Some(submit.span_id.clone()),
+            "{l}"
+        );
     }
 }
 
