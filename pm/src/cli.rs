@@ -41,6 +41,11 @@ pub struct Global {
     /// Tenant policy settings (YAML or JSON); default: no network, default ceilings.
     #[arg(long, global = true)]
     pub tenant: Option<PathBuf>,
+    /// Export traces over OTLP/HTTP (protobuf) to this collector, e.g.
+    /// http://127.0.0.1:4318 (`/v1/traces` is appended); Worker API calls then carry a
+    /// W3C `traceparent` header.
+    #[arg(long, env = "CYNODE_OTLP_ENDPOINT", global = true)]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// How results are printed.
@@ -168,23 +173,32 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             workspace,
             args,
         } => {
-            init_logging();
-            runtime()?.block_on(crate::run::run_session(
-                args,
-                g,
-                Some(objective),
-                None,
-                workspace.as_deref(),
-                None,
-            ))
+            let telemetry = init_logging(g, "warn")?;
+            let r = runtime().and_then(|rt| {
+                rt.block_on(crate::run::run_session(
+                    args,
+                    g,
+                    Some(objective),
+                    None,
+                    workspace.as_deref(),
+                    None,
+                ))
+            });
+            telemetry.shutdown();
+            r
         }
         Command::Sessions(cmd) => {
-            init_logging();
-            runtime()?.block_on(sessions(cmd, g))
+            let telemetry = init_logging(g, "warn")?;
+            let r = runtime().and_then(|rt| rt.block_on(sessions(cmd, g)));
+            telemetry.shutdown();
+            r
         }
         Command::Serve(args) => {
-            init_logging_at("info");
-            runtime()?.block_on(crate::service::serve(args, g))
+            // The service logs at info: its lines are its audit trail.
+            let telemetry = init_logging(g, "info")?;
+            let r = runtime().and_then(|rt| rt.block_on(crate::service::serve(args, g)));
+            telemetry.shutdown();
+            r
         }
         Command::Openapi => {
             println!("{}", crate::service::openapi_json());
@@ -306,21 +320,11 @@ fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
         .context("cannot start the async runtime")
 }
 
-/// JSON log lines on stderr, level from CYNODE_LOG_LEVEL (default warn for the CLI).
-fn init_logging() {
-    init_logging_at("warn")
-}
-
-/// JSON log lines on stderr at `CYNODE_LOG_LEVEL`, else `default` (the service logs at
-/// info: its lines are its audit trail; the terminal commands only warn).
-fn init_logging_at(default: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("CYNODE_LOG_LEVEL")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+/// JSON log lines on stderr at `CYNODE_LOG_LEVEL`, else `default`, and OTLP traces when
+/// `--otlp-endpoint` / `CYNODE_OTLP_ENDPOINT` is set ([`crate::telemetry`]). The runtime
+/// is dropped before the returned guard is shut down, so the last spans are flushed.
+fn init_logging(g: &Global, default: &str) -> anyhow::Result<crate::telemetry::Telemetry> {
+    crate::telemetry::init(default, g.otlp_endpoint.as_deref())
 }
 
 async fn sessions(cmd: &SessionsCmd, g: &Global) -> anyhow::Result<i32> {

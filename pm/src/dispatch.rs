@@ -5,6 +5,7 @@
 use std::time::Duration;
 
 use cynode_protocol::worker_api::{AsyncJobStatus, RunJobRequest};
+use tracing::Instrument;
 
 /// Why a worker call failed.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -64,12 +65,34 @@ impl WorkerClient {
         }
     }
 
+    /// One Worker API call with its retries, in a `worker_call` span (an OpenTelemetry
+    /// client span) whose context goes to the worker as the W3C `traceparent` header
+    /// when traces are exported.
     async fn call(
         &self,
         method: reqwest::Method,
         path: &str,
         body: Option<&serde_json::Value>,
     ) -> Result<reqwest::Response, DispatchError> {
+        let span = tracing::info_span!(
+            "worker_call",
+            otel.kind = "client",
+            http.request.method = %method,
+            url.path = path,
+            http.response.status_code = tracing::field::Empty,
+        );
+        self.call_with_retries(method, path, body)
+            .instrument(span)
+            .await
+    }
+
+    async fn call_with_retries(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&serde_json::Value>,
+    ) -> Result<reqwest::Response, DispatchError> {
+        let traceparent = crate::telemetry::traceparent();
         let mut delay = Duration::from_millis(100);
         let mut last = String::new();
         for attempt in 0..=self.retries {
@@ -81,10 +104,19 @@ impl WorkerClient {
                 .http
                 .request(method.clone(), format!("{}{path}", self.base))
                 .bearer_auth(&self.token);
+            if let Some(tp) = &traceparent {
+                req = req.header("traceparent", tp);
+            }
             if let Some(b) = body {
                 req = req.json(b);
             }
-            match req.send().await {
+            let sent = req.send().await;
+            if let Ok(r) = &sent {
+                let status = r.status().as_u16();
+                tracing::Span::current().record("http.response.status_code", status);
+                tracing::debug!(method = %method, path, status, attempt, "worker answered");
+            }
+            match sent {
                 Ok(r) if r.status().is_server_error() => {
                     last = format!("{} answered {}", self.base, r.status());
                     tracing::warn!(

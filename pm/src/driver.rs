@@ -22,6 +22,7 @@ use cynode_protocol::worker_api::{
     AsyncJobState, RunJobRequest, RunJobResponse, SandboxSpec, WorkerJobStatus,
 };
 use serde_json::{json, Value};
+use tracing::Instrument;
 
 use crate::artifacts::{verify_and_store, IntegrityError};
 use crate::dispatch::{DispatchError, WorkerClient};
@@ -161,13 +162,16 @@ impl Pm {
         progress: &mut (dyn FnMut(Progress) + Send),
     ) -> Result<(), DriverError> {
         let span = tracing::info_span!("turn", session_id = %rec.state.session_id, turn = rec.turn);
-        let _g = span.enter();
-        match rec.phase.clone() {
-            Phase::Think => self.think(rec, version, progress).await,
-            Phase::Act { reply } => self.act(rec, version, reply, progress).await,
-            Phase::Await { dispatch } => self.await_job(rec, version, dispatch, progress).await,
-            Phase::AwaitInput { .. } | Phase::Done => Ok(()),
+        async {
+            match rec.phase.clone() {
+                Phase::Think => self.think(rec, version, progress).await,
+                Phase::Act { reply } => self.act(rec, version, reply, progress).await,
+                Phase::Await { dispatch } => self.await_job(rec, version, dispatch, progress).await,
+                Phase::AwaitInput { .. } | Phase::Done => Ok(()),
+            }
         }
+        .instrument(span)
+        .await
     }
 
     fn over_budget(&self, rec: &SessionRecord) -> Option<String> {
@@ -335,6 +339,7 @@ impl Pm {
         Ok(())
     }
 
+    #[tracing::instrument(skip_all, fields(task_id = %j.task_id, skill_id = %j.skill_id, job_id = tracing::field::Empty))]
     async fn request_job(
         &self,
         rec: &mut SessionRecord,
@@ -373,7 +378,10 @@ impl Pm {
             attempt,
         };
         let built = match build_job(skill, &j.inputs, &r) {
-            Ok(b) => b,
+            Ok(b) => {
+                tracing::Span::current().record("job_id", b.job.job_id.as_str());
+                b
+            }
             Err(e) => {
                 rec.feedback.push(format!(
                     "job_request for task {} could not be built: {e}",
@@ -479,6 +487,7 @@ impl Pm {
         }
     }
 
+    #[tracing::instrument(skip_all, fields(job_id = %d.job_id, task_id = %d.task_id, skill_id = %d.skill_id))]
     async fn await_job(
         &self,
         rec: &mut SessionRecord,

@@ -20,3 +20,4 @@ pub mod service;
 pub mod session;
 pub mod skills;
 pub mod store;
+pub mod telemetry;

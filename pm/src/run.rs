@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use tracing::Instrument;
 
 use crate::dispatch::WorkerClient;
 use crate::driver::{Pm, Progress};
@@ -278,7 +279,8 @@ impl Reporter {
     }
 }
 
-/// Runs (or resumes) a session to its end; returns the exit code.
+/// Runs (or resumes) a session to its end; returns the exit code. Everything it does is
+/// inside one `session` span (one trace when traces are exported).
 pub async fn run_session(
     args: &RunArgs,
     global: &crate::cli::Global,
@@ -286,6 +288,33 @@ pub async fn run_session(
     resume: Option<&str>,
     workspace: Option<&Path>,
     answer: Option<&str>,
+) -> anyhow::Result<i32> {
+    let session_id = match resume {
+        Some(id) => id.to_string(),
+        None => format!("s-{}", uuid::Uuid::new_v4()),
+    };
+    let span = tracing::info_span!("session", session_id = %session_id);
+    drive_session(
+        args,
+        global,
+        objective,
+        resume,
+        workspace,
+        answer,
+        &session_id,
+    )
+    .instrument(span)
+    .await
+}
+
+async fn drive_session(
+    args: &RunArgs,
+    global: &crate::cli::Global,
+    objective: Option<&str>,
+    resume: Option<&str>,
+    workspace: Option<&Path>,
+    answer: Option<&str>,
+    session_id: &str,
 ) -> anyhow::Result<i32> {
     std::fs::create_dir_all(&args.state_dir)?;
     let seed = workspace
@@ -309,7 +338,7 @@ pub async fn run_session(
             id.to_string()
         }
         (Some(obj), None) => {
-            let id = format!("s-{}", uuid::Uuid::new_v4());
+            let id = session_id.to_string();
             let budgets = Budgets {
                 max_turns: args.max_turns,
                 max_jobs: args.max_jobs,

@@ -3,6 +3,7 @@
 
 mod e2e;
 mod llm;
+mod otel;
 mod policy;
 mod service;
 mod skills;

@@ -138,7 +138,7 @@ fn pm(state: &Path, model: &str, args: &[&str], failpoint: Option<&str>) -> Outp
     pm_with(state, model, args, failpoint, &[])
 }
 
-fn pm_with(
+pub(crate) fn pm_with(
     state: &Path,
     model: &str,
     args: &[&str],
@@ -162,7 +162,7 @@ fn pm_with(
     c.output().unwrap()
 }
 
-fn session_id(out: &Output) -> String {
+pub(crate) fn session_id(out: &Output) -> String {
     String::from_utf8_lossy(&out.stderr)
         .lines()
         .find_map(|l| {
@@ -172,7 +172,7 @@ fn session_id(out: &Output) -> String {
         .unwrap_or_else(|| panic!("no session id in: {}", String::from_utf8_lossy(&out.stderr)))
 }
 
-fn final_state(out: &Output) -> Value {
+pub(crate) fn final_state(out: &Output) -> Value {
     serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
         panic!(
             "{e}: stdout {} stderr {}",

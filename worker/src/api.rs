@@ -153,6 +153,7 @@ pub fn app(node: Arc<Node>) -> Router {
             },
         ))
         .layer(axum::extract::DefaultBodyLimit::max(limit))
+        .layer(middleware::from_fn(crate::trace::traced))
         .with_state(node)
 }
 

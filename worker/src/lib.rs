@@ -25,4 +25,5 @@ pub mod node;
 pub mod replay;
 pub mod sessions;
 pub mod store;
+pub mod trace;
 pub mod workspace;

@@ -14,6 +14,7 @@ use cynode_protocol::worker_api::{
 use cynode_protocol::ValidationError;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use crate::backend::Backend;
 use crate::callback;
@@ -271,9 +272,13 @@ impl Node {
             result: None,
         };
         let node = Arc::clone(self);
-        tokio::spawn(async move {
-            node.execute(req).await;
-        });
+        // The job keeps the submitting request's span (its caller's trace_id).
+        tokio::spawn(
+            async move {
+                node.execute(req).await;
+            }
+            .instrument(tracing::Span::current()),
+        );
         Ok((true, status))
     }
 

@@ -1,0 +1,321 @@
+//! Observability end to end: the real `cynode-pm run` with its local bwrap worker and a
+//! scripted model. With `CYNODE_OTLP_ENDPOINT` pointing at an in-test OTLP/HTTP receiver
+//! the session's spans arrive as protobuf in one trace, and the worker logs the same
+//! trace id (from the `traceparent` header) on the job's lines. Without it, the PM's JSON
+//! log lines still carry session_id, and job lines job_id, task_id and skill_id.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::Router;
+use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
+use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
+use prost::Message;
+use serde_json::{json, Value};
+
+use crate::e2e::{final_state, model_server, pm_with, session_id};
+
+type Bodies = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
+
+/// A minimal OTLP/HTTP collector: records each `POST /v1/traces` (content type, body)
+/// and answers with an empty `ExportTraceServiceResponse`.
+fn otlp_receiver() -> (String, Bodies) {
+    async fn traces(
+        State(b): State<Bodies>,
+        headers: axum::http::HeaderMap,
+        body: axum::body::Bytes,
+    ) -> impl axum::response::IntoResponse {
+        let ct = headers
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_string();
+        b.lock().unwrap().push((ct, body.to_vec()));
+        (
+            [("content-type", "application/x-protobuf")],
+            Vec::<u8>::new(),
+        )
+    }
+    let bodies = Bodies::default();
+    let app = Router::new()
+        .route("/v1/traces", post(traces))
+        .with_state(Arc::clone(&bodies));
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            tx.send(l.local_addr().unwrap()).unwrap();
+            axum::serve(l, app).await.unwrap();
+        });
+    });
+    (format!("http://{}", rx.recv().unwrap()), bodies)
+}
+
+/// One exported span, flattened.
+#[derive(Debug)]
+struct Span {
+    name: String,
+    trace_id: String,
+    span_id: String,
+    attrs: BTreeMap<String, String>,
+}
+
+fn spans(bodies: &Bodies) -> (Vec<Span>, Vec<BTreeMap<String, String>>) {
+    let attrs = |kvs: &[opentelemetry_proto::tonic::common::v1::KeyValue]| {
+        kvs.iter()
+            .map(|kv| {
+                let v = match kv.value.as_ref().and_then(|v| v.value.as_ref()) {
+                    Some(AnyValue::StringValue(s)) => s.clone(),
+                    Some(AnyValue::IntValue(i)) => i.to_string(),
+                    Some(AnyValue::BoolValue(b)) => b.to_string(),
+                    other => format!("{other:?}"),
+                };
+                (kv.key.clone(), v)
+            })
+            .collect::<BTreeMap<_, _>>()
+    };
+    let mut out = Vec::new();
+    let mut resources = Vec::new();
+    for (ct, body) in bodies.lock().unwrap().iter() {
+        assert_eq!(ct, "application/x-protobuf");
+        let req = ExportTraceServiceRequest::decode(body.as_slice()).expect("OTLP protobuf");
+        for rs in req.resource_spans {
+            resources.push(attrs(
+                &rs.resource.map(|r| r.attributes).unwrap_or_default(),
+            ));
+            for ss in rs.scope_spans {
+                for s in ss.spans {
+                    out.push(Span {
+                        name: s.name.clone(),
+                        trace_id: hex(&s.trace_id),
+                        span_id: hex(&s.span_id),
+                        attrs: attrs(&s.attributes),
+                    });
+                }
+            }
+        }
+    }
+    (out, resources)
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn one_job_script() -> Vec<Value> {
+    vec![
+        json!({ "type": "plan_update", "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write the greeting", "status": "pending" } }
+        ], "payload": {} }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
+            "inputs": { "files": [{ "path": "hello.txt", "content": "hello\n" }] } } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote hello.txt" } }),
+    ]
+}
+
+/// The job id the session dispatched (from its `job_dispatched` event).
+fn dispatched_job(v: &Value) -> String {
+    v["state"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["kind"] == "job_dispatched")
+        .unwrap_or_else(|| panic!("no job_dispatched in {v}"))["data"]["job_id"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
+/// The JSON lines of a log (other lines skipped).
+fn json_lines(text: &str) -> Vec<Value> {
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|v| v.is_object())
+        .collect()
+}
+
+/// A field of the line's spans (innermost wins), as a string.
+fn span_field(line: &Value, key: &str) -> Option<String> {
+    line["spans"]
+        .as_array()?
+        .iter()
+        .rev()
+        .find_map(|s| s[key].as_str().map(str::to_string))
+}
+
+#[test]
+fn otlp_traces_arrive_and_the_worker_logs_the_same_trace_id() {
+    let (collector, bodies) = otlp_receiver();
+    let (url, _model) = model_server(one_job_script());
+    let state = tempfile::tempdir().unwrap();
+    let out = pm_with(
+        state.path(),
+        &url,
+        &["run", "greet the world"],
+        None,
+        &[("CYNODE_OTLP_ENDPOINT", collector.as_str())],
+    );
+    let v = final_state(&out);
+    assert_eq!(out.status.code(), Some(0), "{v}");
+    let sid = session_id(&out);
+    let job_id = dispatched_job(&v);
+
+    // The provider was flushed before the process exited: everything is here now.
+    let (spans, resources) = spans(&bodies);
+    assert!(!spans.is_empty(), "no spans exported");
+    assert!(
+        resources
+            .iter()
+            .all(|r| r.get("service.name").map(String::as_str) == Some("cynode-pm")),
+        "{resources:?}"
+    );
+    let session = spans
+        .iter()
+        .find(|s| s.name == "session")
+        .unwrap_or_else(|| panic!("no session span in {spans:?}"));
+    assert_eq!(session.attrs.get("session_id"), Some(&sid), "{session:?}");
+    let trace_id = session.trace_id.clone();
+    assert!(
+        spans.iter().all(|s| s.trace_id == trace_id),
+        "one trace per run: {spans:?}"
+    );
+    let turns: Vec<&Span> = spans.iter().filter(|s| s.name == "turn").collect();
+    assert!(turns.len() >= 3, "{spans:?}");
+    assert!(turns
+        .iter()
+        .all(|t| t.attrs.get("session_id") == Some(&sid)));
+    let job_attrs = |name: &str| {
+        let s = spans
+            .iter()
+            .find(|s| s.name == name)
+            .unwrap_or_else(|| panic!("no {name} span in {spans:?}"));
+        (
+            s.attrs.get("job_id").cloned(),
+            s.attrs.get("task_id").cloned(),
+            s.attrs.get("skill_id").cloned(),
+        )
+    };
+    let expected = (
+        Some(job_id.clone()),
+        Some("t1".to_string()),
+        Some("write-files".to_string()),
+    );
+    assert_eq!(job_attrs("request_job"), expected);
+    assert_eq!(job_attrs("await_job"), expected);
+    let submit = spans
+        .iter()
+        .find(|s| {
+            s.name == "worker_call"
+                && s.attrs.get("url.path").map(String::as_str) == Some("/v1/worker/jobs")
+        })
+        .unwrap_or_else(|| panic!("no submit call in {spans:?}"));
+    assert_eq!(
+        submit.attrs.get("http.request.method").map(String::as_str),
+        Some("POST")
+    );
+    assert_eq!(
+        submit
+            .attrs
+            .get("http.response.status_code")
+            .map(String::as_str),
+        Some("202")
+    );
+
+    // The local worker got `traceparent` on the job's calls and logged its trace id.
+    let log = std::fs::read_to_string(state.path().join("worker/worker.log")).unwrap();
+    let lines = json_lines(&log);
+    let job_lines: Vec<&Value> = lines
+        .iter()
+        .filter(|l| l["fields"]["job_id"] == json!(job_id))
+        .collect();
+    let messages: Vec<&str> = job_lines
+        .iter()
+        .map(|l| l["fields"]["message"].as_str().unwrap_or(""))
+        .collect();
+    assert!(messages.contains(&"job started"), "{messages:?}\n{log}");
+    assert!(messages.contains(&"job finished"), "{messages:?}\n{log}");
+    for l in &job_lines {
+        assert_eq!(span_field(l, "trace_id"), Some(trace_id.clone()), "{l}");
+        // The parent the worker saw is the PM's client span of the submit call.
+        assert_eq!(
+            span_field(l, "parent_span_id"),
+            Some(submit.span_id.clone()),
+            "{l}"
+        );
+    }
+}
+
+#[test]
+fn log_lines_in_a_session_carry_its_ids_and_no_traceparent_without_an_endpoint() {
+    let (url, _model) = model_server(one_job_script());
+    let state = tempfile::tempdir().unwrap();
+    let out = pm_with(
+        state.path(),
+        &url,
+        &["run", "greet the world"],
+        None,
+        &[("CYNODE_LOG_LEVEL", "info,cynode_pm=debug")],
+    );
+    let v = final_state(&out);
+    assert_eq!(out.status.code(), Some(0), "{v}");
+    let sid = session_id(&out);
+    let job_id = dispatched_job(&v);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<Value> = json_lines(&stderr)
+        .into_iter()
+        .filter(|l| l["target"].as_str().unwrap_or("").starts_with("cynode_pm"))
+        .collect();
+    assert!(!lines.is_empty(), "{stderr}");
+    for l in &lines {
+        assert_eq!(span_field(l, "session_id"), Some(sid.clone()), "{l}");
+    }
+    // Every worker call about the job is logged with the job's ids.
+    let job_calls: Vec<&Value> = lines
+        .iter()
+        .filter(|l| {
+            l["fields"]["message"] == "worker answered"
+                && l["fields"]["path"]
+                    .as_str()
+                    .is_some_and(|p| p.starts_with("/v1/worker/jobs"))
+        })
+        .collect();
+    let paths: Vec<&str> = job_calls
+        .iter()
+        .map(|l| l["fields"]["path"].as_str().unwrap())
+        .collect();
+    assert!(paths.contains(&"/v1/worker/jobs"), "{paths:?}");
+    assert!(
+        paths.contains(&format!("/v1/worker/jobs/{job_id}:ack").as_str()),
+        "{paths:?}"
+    );
+    for l in &job_calls {
+        let ids = (
+            span_field(l, "job_id"),
+            span_field(l, "task_id"),
+            span_field(l, "skill_id"),
+        );
+        assert_eq!(
+            ids,
+            (
+                Some(job_id.clone()),
+                Some("t1".to_string()),
+                Some("write-files".to_string())
+            ),
+            "{l}"
+        );
+    }
+    // Without an endpoint no traceparent is sent: the worker logs no trace id.
+    let log = std::fs::read_to_string(state.path().join("worker/worker.log")).unwrap();
+    assert!(
+        json_lines(&log)
+            .iter()
+            .all(|l| span_field(l, "trace_id").is_none()),
+        "{log}"
+    );
+}
