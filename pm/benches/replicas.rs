@@ -10,7 +10,8 @@
 //! cargo bench -p cynode-pm --bench replicas
 //! # options (defaults shown):
 //! cargo bench -p cynode-pm --bench replicas -- --sessions 200 --replicas 1,2,3 \
-//!     --modes nojob,job --max-running 2 --max-active 64 --post-concurrency 16
+//!     --modes nojob,job --max-running 2 --max-active 64 --post-concurrency 16 \
+//!     --deadline 300 [--pm-bin PATH (another cynode-pm build, to compare)]
 //! ```
 //!
 //! What one run is: a fresh PostgreSQL database (on the cluster `deploy/postgres/start.sh`
@@ -204,12 +205,16 @@ fn start_worker(dir: &Path, bins: &Path, rootfs: &str, max_running: usize) -> (P
         .take()
         .unwrap_or_else(|| panic!("worker stderr"));
     let (tx, rx) = std::sync::mpsc::channel();
+    let mut log =
+        std::fs::File::create(dir.join("worker.log")).unwrap_or_else(|e| panic!("worker.log: {e}"));
     std::thread::spawn(move || {
+        use std::io::Write;
         let mut tx = Some(tx);
         for line in std::io::BufReader::new(stderr)
             .lines()
             .map_while(Result::ok)
         {
+            let _ = writeln!(log, "{line}");
             if let Ok(v) = serde_json::from_str::<Value>(&line) {
                 if v["fields"]["message"] == "cynode-worker listening" {
                     if let (Some(t), Some(a)) = (tx.take(), v["fields"]["addr"].as_str()) {
@@ -245,7 +250,8 @@ fn start_replica(c: &ReplicaCfg, name: &str) -> (Proc, String) {
     let port = free_port();
     let log = std::fs::File::create(c.dir.join(format!("{name}.log")))
         .unwrap_or_else(|e| panic!("log: {e}"));
-    let child = Command::new(c.bins.join("cynode-pm"))
+    let pm = arg("--pm-bin").map_or_else(|| c.bins.join("cynode-pm"), PathBuf::from);
+    let child = Command::new(pm)
         .arg("serve")
         .args(["--listen", &format!("127.0.0.1:{port}")])
         .arg("--api-tokens-file")
@@ -296,7 +302,11 @@ fn proc_ticks(pid: u32) -> Option<(String, u64, u64)> {
     let comm = s[open + 1..close].to_string();
     let f: Vec<&str> = s[close + 2..].split(' ').collect();
     // Fields 14..17 of stat(5); f[0] is field 3.
-    let n = |i: usize| f.get(i - 3).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+    let n = |i: usize| {
+        f.get(i - 3)
+            .and_then(|x| x.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
     Some((comm, n(14) + n(15), n(16) + n(17)))
 }
 
@@ -480,7 +490,9 @@ async fn wait_terminal(
             return Ok(());
         }
         if t.elapsed() > within {
-            return Err(format!("only {done} of {want} sessions terminal after {within:?}"));
+            return Err(format!(
+                "only {done} of {want} sessions terminal after {within:?}"
+            ));
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -500,7 +512,7 @@ async fn history(
         .map_err(|e| e.to_string())?;
     let mut buf = String::new();
     let mut out = Vec::new();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     loop {
         let chunk = tokio::time::timeout_at(deadline, resp.chunk())
             .await
@@ -619,7 +631,7 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
         &http,
         &bases[0],
         nwarm + created.iter().filter(|r| r.is_ok()).count() as u64,
-        Duration::from_secs(900),
+        Duration::from_secs(arg_num("--deadline", 300) as u64),
     )
     .await;
     let after = snap(&pids, worker.pid());
@@ -721,7 +733,13 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
     }
     drop(procs);
     drop(worker);
-    drop_db(c.pg_base, &dbname).await;
+    if failures.is_empty() {
+        drop_db(c.pg_base, &dbname).await;
+    } else {
+        // Keep the logs and the database of a failed run for a post-mortem.
+        let kept = dir.keep();
+        println!("      kept {} and database {dbname}", kept.display());
+    }
     result
 }
 
