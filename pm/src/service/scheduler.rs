@@ -35,7 +35,8 @@ pub struct Schedule {
 }
 
 /// Claims and drives sessions until the process ends. `wake` is notified when a session
-/// becomes runnable here (created, answered) so it is picked up without waiting a tick.
+/// becomes runnable here (created, answered) or a driven session frees its slot, so
+/// waiting sessions are picked up without waiting a tick.
 pub async fn run(pm: Arc<Pm>, s: Schedule, wake: Arc<Notify>) {
     let running = Arc::new(tokio::sync::Semaphore::new(s.capacity));
     let lease_ms = i64::try_from(s.lease.as_millis()).unwrap_or(i64::MAX);
@@ -50,11 +51,14 @@ pub async fn run(pm: Arc<Pm>, s: Schedule, wake: Arc<Notify>) {
                         };
                         let pm = Arc::clone(&pm);
                         let s = s.clone();
+                        let wake = Arc::clone(&wake);
                         let span = tracing::info_span!("session", session_id = %id);
                         tokio::spawn(
                             async move {
                                 drive(&pm, &s, &id).await;
                                 drop(permit);
+                                // A slot is free: claim waiting sessions now, not a tick later.
+                                wake.notify_one();
                             }
                             .instrument(span),
                         );
