@@ -22,6 +22,9 @@ use crate::config::Config;
 use crate::executor::{self, JobPaths};
 use crate::store::{JobRecord, Mode, Store};
 
+/// Attempts at recording a job's final state (about a minute with the backoff).
+const RESULT_WRITE_TRIES: u32 = 15;
+
 /// Why the node refused or could not serve a call.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
@@ -282,6 +285,26 @@ impl Node {
         Ok((true, status))
     }
 
+    /// Records a job's final state, retrying with backoff: a result that is never
+    /// recorded leaves the job `in_progress` for ever and its caller waiting (seen once
+    /// under heavy disk load, when SQLite gave up after its busy timeout).
+    async fn record_result(&self, job_id: &str, state: AsyncJobState, resp: &RunJobResponse) {
+        let mut delay = std::time::Duration::from_millis(100);
+        for attempt in 1..=RESULT_WRITE_TRIES {
+            match self.store.finish(job_id, state, resp).await {
+                Ok(()) => return,
+                Err(e) if attempt < RESULT_WRITE_TRIES => {
+                    tracing::warn!(job_id = %job_id, attempt, error = %e, "cannot record job result; retrying");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
+                }
+                Err(e) => {
+                    tracing::error!(job_id = %job_id, attempt, error = %e, "cannot record job result; giving up");
+                }
+            }
+        }
+    }
+
     /// Runs a recorded job to its end; the caller has taken a waiting slot.
     async fn execute(self: &Arc<Self>, req: RunJobRequest) -> RunJobResponse {
         let cancel = CancellationToken::new();
@@ -301,9 +324,7 @@ impl Node {
         } else {
             state_of(&resp)
         };
-        if let Err(e) = self.store.finish(&req.job_id, state, &resp).await {
-            tracing::error!(job_id = %req.job_id, error = %e, "cannot record job result");
-        }
+        self.record_result(&req.job_id, state, &resp).await;
         if let Ok(mut g) = self.running.lock() {
             g.remove(&req.job_id);
         }
