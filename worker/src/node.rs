@@ -318,7 +318,6 @@ impl Node {
             self.execute_inner(&req, &cancel).await
         };
         drop(permit);
-        self.waiting.fetch_sub(1, Ordering::SeqCst);
         let state = if cancel.is_cancelled() && resp.status != WorkerJobStatus::Completed {
             AsyncJobState::Canceled
         } else {
@@ -328,6 +327,10 @@ impl Node {
         if let Ok(mut g) = self.running.lock() {
             g.remove(&req.job_id);
         }
+        // Only now: a graceful shutdown waits for `active() == 0`, and must not exit
+        // between the sandbox's end and the recorded result (the job would come back as
+        // `worker_restarted`).
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
         tracing::info!(job_id = %req.job_id, task_id = %req.task_id, state = ?state, exit_code = resp.exit_code, "job finished");
         resp
     }
