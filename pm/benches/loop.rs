@@ -11,6 +11,8 @@
 //!    (a bwrap worker is expected; without `--worker` the job step is skipped and each
 //!    session is plan_update → final). Prints sessions/s and failures (target: none).
 
+mod common;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -36,45 +38,20 @@ struct Model {
 /// Answers by looking at the conversation: the reply depends only on how far the session is.
 async fn completions(State(m): State<Model>, Json(body): Json<Value>) -> Json<Value> {
     let t = Instant::now();
-    // Only the data messages: the system prompt's examples mention t1 too.
-    let text: String = body["messages"]
-        .as_array()
-        .map(|m| {
-            m.iter()
-                .filter(|x| x["role"] != "system")
-                .map(|x| x.to_string())
-                .collect()
-        })
-        .unwrap_or_default();
+    let text = common::data_text(&body);
     let content = if text.contains("bench-long") {
-        let n = text.matches("bench-note").count();
-        if n >= 400 {
-            json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } })
+        if text.matches("bench-note").count() >= 400 {
+            common::final_reply()
         } else {
             json!({ "type": "plan_update", "state_patch": [{ "op": "add", "path": "/notes/-", "value": "bench-note" }], "payload": {} })
         }
-    } else if !text.contains("\\\"t1\\\"") && !text.contains("\"t1\"") {
-        json!({ "type": "plan_update", "state_patch": [{ "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write", "status": "pending" } }], "payload": {} })
-    } else if m.with_job && !text.contains("result of job") {
-        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files", "inputs": { "files": [{ "path": "a.txt", "content": "x" }] } } })
     } else {
-        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } })
+        common::scripted_reply(&text, m.with_job)
     };
-    let reply = json!({
-        "id": "x", "object": "chat.completion", "created": 0, "model": "bench",
-        "choices": [{ "index": 0, "message": { "role": "assistant", "content": content.to_string() }, "finish_reason": "stop" }],
-        "usage": { "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2 }
-    });
+    let reply = common::completion(&content);
     m.server_ns
         .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
     Json(reply)
-}
-
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
 }
 
 async fn pm(model_url: &str, worker: Option<(String, String)>, image: &str, db: &str) -> Pm {
@@ -98,11 +75,6 @@ async fn pm(model_url: &str, worker: Option<(String, String)>, image: &str, db: 
     }
 }
 
-fn percentile(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
-}
-
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -110,9 +82,9 @@ fn main() {
         .build()
         .unwrap_or_else(|e| panic!("{e}"));
     rt.block_on(async {
-        let worker = arg("--worker").map(|w| (w, arg("--token").unwrap_or_default()));
-        let image = arg("--image").unwrap_or_else(|| "localhost/cynode-sba-test:latest".into());
-        let sessions: usize = arg("--sessions").and_then(|s| s.parse().ok()).unwrap_or(200);
+        let worker = common::arg("--worker").map(|w| (w, common::arg("--token").unwrap_or_default()));
+        let image = common::arg("--image").unwrap_or_else(|| "localhost/cynode-sba-test:latest".into());
+        let sessions: usize = common::arg("--sessions").and_then(|s| s.parse().ok()).unwrap_or(200);
         let model = Model { with_job: worker.is_some(), server_ns: Arc::new(AtomicU64::new(0)) };
         let app = Router::new().route("/v1/chat/completions", post(completions)).with_state(model.clone());
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));
@@ -142,10 +114,10 @@ fn main() {
             .await
             .unwrap_or_else(|e| panic!("{e}"));
         assert_eq!(rec.status, SessionStatus::Completed, "{:?}", rec.failure);
-        let mut turns: Vec<f64> = stamps.into_iter().skip(2).collect();
+        let turns: Vec<f64> = stamps.into_iter().skip(2).collect();
         let n = turns.len();
-        let p50 = percentile(&mut turns, 0.5);
-        let p95 = percentile(&mut turns, 0.95);
+        let p50 = common::percentile(&turns, 0.5);
+        let p95 = common::percentile(&turns, 0.95);
         println!("pm overhead per turn (SQLite, {n} turns): p50 {p50:.2} ms, p95 {p95:.2} ms (target p50 < 5 ms)");
 
         // 2. Concurrent sessions.

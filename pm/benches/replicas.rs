@@ -40,6 +40,8 @@
 //! process, the rest of the machine) with the load average. JSON goes to
 //! `/var/cache/cynode/bench/replicas-<unix time>.json`.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -59,15 +61,10 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn arg(name: &str) -> Option<String> {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-}
-
 fn arg_num(name: &str, default: usize) -> usize {
-    arg(name).and_then(|s| s.parse().ok()).unwrap_or(default)
+    common::arg(name)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
 }
 
 fn now_ms() -> f64 {
@@ -112,34 +109,14 @@ fn marker(text: &str) -> Option<String> {
 }
 
 async fn completions(State(m): State<Model>, Json(body): Json<Value>) -> Json<Value> {
-    // Only the data messages: the system prompt's examples mention t1 too.
-    let text: String = body["messages"]
-        .as_array()
-        .map(|m| {
-            m.iter()
-                .filter(|x| x["role"] != "system")
-                .map(|x| x.to_string())
-                .collect()
-        })
-        .unwrap_or_default();
+    let text = common::data_text(&body);
     if let Some(k) = marker(&text) {
         if let Ok(mut c) = m.calls.lock() {
             *c.entry(k).or_default() += 1;
         }
     }
-    let with_job = !text.contains("mode=nojob");
-    let content = if !text.contains("\\\"t1\\\"") && !text.contains("\"t1\"") {
-        json!({ "type": "plan_update", "state_patch": [{ "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write", "status": "pending" } }], "payload": {} })
-    } else if with_job && !text.contains("result of job") {
-        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files", "inputs": { "files": [{ "path": "a.txt", "content": "x" }] } } })
-    } else {
-        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } })
-    };
-    Json(json!({
-        "id": "x", "object": "chat.completion", "created": 0, "model": "bench",
-        "choices": [{ "index": 0, "message": { "role": "assistant", "content": content.to_string() }, "finish_reason": "stop" }],
-        "usage": { "prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2 }
-    }))
+    let content = common::scripted_reply(&text, !text.contains("mode=nojob"));
+    Json(common::completion(&content))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -250,7 +227,7 @@ fn start_replica(c: &ReplicaCfg, name: &str) -> (Proc, String) {
     let port = free_port();
     let log = std::fs::File::create(c.dir.join(format!("{name}.log")))
         .unwrap_or_else(|e| panic!("log: {e}"));
-    let pm = arg("--pm-bin").map_or_else(|| c.bins.join("cynode-pm"), PathBuf::from);
+    let pm = common::arg("--pm-bin").map_or_else(|| c.bins.join("cynode-pm"), PathBuf::from);
     let child = Command::new(pm)
         .arg("serve")
         .args(["--listen", &format!("127.0.0.1:{port}")])
@@ -408,15 +385,6 @@ fn cpu_between(a: &CpuSnap, b: &CpuSnap) -> Value {
 
 // ---------------------------------------------------------------------------------------
 // The client.
-
-fn percentile(v: &[f64], p: f64) -> f64 {
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let mut v = v.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[((v.len() as f64 - 1.0) * p).round() as usize]
-}
 
 /// Creates sessions `objectives` spread round robin over `bases`; returns per session
 /// `Ok((id, sent_at_ms))` or the error.
@@ -700,8 +668,8 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
         "worker_max_running": c.max_running, "max_active_sessions_per_replica": c.max_active,
         "wall_seconds": (wall * 100.0).round() / 100.0,
         "sessions_per_second": (c.sessions as f64 / wall * 10.0).round() / 10.0,
-        "time_to_final_ms": { "p50": percentile(&ttf, 0.5).round(), "p95": percentile(&ttf, 0.95).round(), "max": percentile(&ttf, 1.0).round() },
-        "claim_delay_ms": { "p50": percentile(&claim, 0.5).round(), "p95": percentile(&claim, 0.95).round() },
+        "time_to_final_ms": { "p50": common::percentile(&ttf, 0.5).round(), "p95": common::percentile(&ttf, 0.95).round(), "max": common::percentile(&ttf, 1.0).round() },
+        "claim_delay_ms": { "p50": common::percentile(&claim, 0.5).round(), "p95": common::percentile(&claim, 0.95).round() },
         "failures": failures.len(), "first_failure": failures.first(),
         "extra_model_calls": extra_calls, "extra_jobs": extra_jobs,
         "cpu_cores": cpu, "loadavg_before": load_before, "loadavg_after": load_after,
@@ -712,10 +680,10 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
         c.replicas,
         c.sessions as f64 / wall,
         wall,
-        percentile(&ttf, 0.5),
-        percentile(&ttf, 0.95),
-        percentile(&claim, 0.5),
-        percentile(&claim, 0.95),
+        common::percentile(&ttf, 0.5),
+        common::percentile(&ttf, 0.95),
+        common::percentile(&claim, 0.5),
+        common::percentile(&claim, 0.95),
         failures.len(),
         extra_calls,
         extra_jobs,
@@ -754,12 +722,12 @@ fn main() {
         let max_running = arg_num("--max-running", 2);
         let max_active = arg_num("--max-active", 64);
         let post_concurrency = arg_num("--post-concurrency", 16);
-        let replicas: Vec<usize> = arg("--replicas")
+        let replicas: Vec<usize> = common::arg("--replicas")
             .unwrap_or_else(|| "1,2,3".into())
             .split(',')
             .filter_map(|s| s.trim().parse().ok())
             .collect();
-        let modes: Vec<String> = arg("--modes")
+        let modes: Vec<String> = common::arg("--modes")
             .unwrap_or_else(|| "nojob,job".into())
             .split(',')
             .map(|s| s.trim().to_string())

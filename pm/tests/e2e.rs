@@ -118,6 +118,13 @@ pub(crate) fn model_server(script: Vec<Value>) -> (String, Model) {
         .route("/v1/chat/completions", post(completions))
         .route("/v1/models", get(models))
         .with_state(m.clone());
+    let addr = serve_in_background(app);
+    (format!("http://{addr}/v1"), m)
+}
+
+/// Serves `app` on 127.0.0.1 (any port) from a thread of its own, so sync tests can use
+/// it; returns its address.
+pub(crate) fn serve_in_background(app: Router) -> std::net::SocketAddr {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -130,8 +137,7 @@ pub(crate) fn model_server(script: Vec<Value>) -> (String, Model) {
             axum::serve(l, app).await.unwrap();
         });
     });
-    let addr = rx.recv().unwrap();
-    (format!("http://{addr}/v1"), m)
+    rx.recv().unwrap()
 }
 
 fn pm(state: &Path, model: &str, args: &[&str], failpoint: Option<&str>) -> Output {

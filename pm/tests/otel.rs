@@ -15,7 +15,7 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use prost::Message;
 use serde_json::{json, Value};
 
-use crate::e2e::{final_state, model_server, pm_with, session_id};
+use crate::e2e::{final_state, model_server, pm_with, serve_in_background, session_id};
 
 type Bodies = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 
@@ -42,19 +42,7 @@ fn otlp_receiver() -> (String, Bodies) {
     let app = Router::new()
         .route("/v1/traces", post(traces))
         .with_state(Arc::clone(&bodies));
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(l.local_addr().unwrap()).unwrap();
-            axum::serve(l, app).await.unwrap();
-        });
-    });
-    (format!("http://{}", rx.recv().unwrap()), bodies)
+    (format!("http://{}", serve_in_background(app)), bodies)
 }
 
 /// One exported span, flattened.

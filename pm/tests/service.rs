@@ -107,7 +107,13 @@ async fn call(
     )
 }
 
-async fn wait_status(base: &str, id: &str, want: &[&str], within: Duration) -> Value {
+/// Polls the session (as tenant A) until `done` accepts it.
+async fn wait_session(
+    base: &str,
+    id: &str,
+    within: Duration,
+    done: impl Fn(&Value) -> bool,
+) -> Value {
     let t = Instant::now();
     loop {
         let (_, v) = call(
@@ -117,12 +123,19 @@ async fn wait_status(base: &str, id: &str, want: &[&str], within: Duration) -> V
             None,
         )
         .await;
-        if want.contains(&v["status"].as_str().unwrap_or("")) {
+        if done(&v) {
             return v;
         }
         assert!(t.elapsed() < within, "session {id} is still {v}");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+async fn wait_status(base: &str, id: &str, want: &[&str], within: Duration) -> Value {
+    wait_session(base, id, within, |v| {
+        want.contains(&v["status"].as_str().unwrap_or(""))
+    })
+    .await
 }
 
 /// Reads SSE events `(id, event, data)` until the stream ends or `stop_after` events.
@@ -426,21 +439,11 @@ async fn create(base: &str, objective: &str) -> String {
 }
 
 async fn wait_active_job(base: &str, id: &str) -> String {
-    let t = Instant::now();
-    loop {
-        let (_, v) = call(
-            reqwest::Method::GET,
-            &format!("{base}/v1/sessions/{id}"),
-            TENANT_A,
-            None,
-        )
-        .await;
-        if let Some(j) = v["active_job_id"].as_str() {
-            return j.to_string();
-        }
-        assert!(t.elapsed() < Duration::from_secs(60), "no job started: {v}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let v = wait_session(base, id, Duration::from_secs(60), |v| {
+        v["active_job_id"].is_string()
+    })
+    .await;
+    v["active_job_id"].as_str().unwrap().to_string()
 }
 
 async fn worker_job(worker: &Worker, job: &str) -> Value {
