@@ -25,6 +25,10 @@ pub fn all() -> Vec<(&'static str, String)> {
             render::<worker_api::AsyncJobStatus>(),
         ),
         (
+            "worker-capacity.schema.json",
+            render::<worker_api::WorkerCapacity>(),
+        ),
+        (
             "sba-status-callback.schema.json",
             render::<worker_api::SbaStatusCallback>(),
         ),

@@ -217,6 +217,34 @@ pub struct AsyncJobStatus {
     pub result: Option<RunJobResponse>,
 }
 
+/// `GET /v1/worker/capacity` (extension): what a node can take and holds now, so a PM
+/// with several workers can send each job where there is room. Counts are the node's own,
+/// so they include the jobs of every PM replica.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct WorkerCapacity {
+    pub version: u32,
+    /// `podman`, `docker` or `bwrap`.
+    pub backend: String,
+    /// Jobs run at once.
+    pub max_running: u64,
+    /// Jobs accepted beyond those before the node answers 503.
+    pub max_queued: u64,
+    /// Jobs running now.
+    pub running: u64,
+    /// Jobs accepted and waiting for a run slot.
+    pub queued: u64,
+    /// The node's last readiness check passed (backend and database).
+    pub ready: bool,
+}
+
+impl WorkerCapacity {
+    /// Jobs the node would still accept before refusing (never negative).
+    pub fn free(&self) -> u64 {
+        (self.max_running + self.max_queued).saturating_sub(self.running + self.queued)
+    }
+}
+
 /// The SBA's lifecycle callback body (design.md §3.3).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]

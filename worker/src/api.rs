@@ -14,7 +14,7 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use cynode_protocol::worker_api::{Problem, RunJobRequest};
+use cynode_protocol::worker_api::{Problem, RunJobRequest, WorkerCapacity};
 use cynode_protocol::ValidationError;
 use subtle::ConstantTimeEq;
 
@@ -139,6 +139,7 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/v1/worker/jobs", post(submit))
         .route("/v1/worker/jobs/{job_id}", get(job_status).post(job_action))
         .route("/v1/worker/jobs/{job_id}/artifacts/{*path}", get(artifact))
+        .route("/v1/worker/capacity", get(capacity))
         .merge(crate::workspace::routes())
         .merge(crate::sessions::routes())
         .route_layer(middleware::from_fn_with_state(Arc::clone(&node), auth));
@@ -186,6 +187,11 @@ async fn readyz(State(node): State<Arc<Node>>) -> Response {
         )
             .into_response()
     }
+}
+
+/// `GET /v1/worker/capacity`: limits and current load, for PMs spreading jobs.
+async fn capacity(State(node): State<Arc<Node>>) -> Json<WorkerCapacity> {
+    Json(node.capacity())
 }
 
 async fn run_sync(

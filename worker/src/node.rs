@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cynode_protocol::worker_api::{
-    AsyncJobState, AsyncJobStatus, RunJobRequest, RunJobResponse, SbaLifecycle, WorkerJobStatus,
-    API_VERSION,
+    AsyncJobState, AsyncJobStatus, RunJobRequest, RunJobResponse, SbaLifecycle, WorkerCapacity,
+    WorkerJobStatus, API_VERSION,
 };
 use cynode_protocol::ValidationError;
 use tokio::sync::Semaphore;
@@ -213,6 +213,38 @@ impl Node {
         Ok(())
     }
 
+    /// Records a job while holding a slot taken by [`Node::take_slot`]; when recording
+    /// fails the slot is given back, so a database error never shrinks the queue for good.
+    async fn insert_holding_slot(
+        &self,
+        req: &RunJobRequest,
+        mode: Mode,
+    ) -> Result<bool, NodeError> {
+        match self.store.insert(req, mode).await {
+            Ok(new) => Ok(new),
+            Err(e) => {
+                self.waiting.fetch_sub(1, Ordering::SeqCst);
+                Err(e.into())
+            }
+        }
+    }
+
+    /// What this node can take: configured limits and the jobs it holds now.
+    pub fn capacity(&self) -> WorkerCapacity {
+        let max_running = self.cfg.queue.max_running.max(1);
+        let active = self.waiting.load(Ordering::SeqCst);
+        let running = max_running - self.permits.available_permits().min(max_running);
+        WorkerCapacity {
+            version: API_VERSION,
+            backend: self.backend.kind().as_str().to_string(),
+            max_running: max_running as u64,
+            max_queued: self.cfg.queue.max_queued as u64,
+            running: running as u64,
+            queued: active.saturating_sub(running) as u64,
+            ready: self.readiness().ready,
+        }
+    }
+
     fn take_slot(&self) -> Result<(), NodeError> {
         let limit = self.cfg.queue.max_queued + self.cfg.queue.max_running.max(1);
         let prev = self.waiting.fetch_add(1, Ordering::SeqCst);
@@ -231,7 +263,7 @@ impl Node {
     ) -> Result<RunJobResponse, NodeError> {
         executor::validate(&self.cfg, &req)?;
         self.take_slot()?;
-        if !self.store.insert(&req, Mode::Sync).await? {
+        if !self.insert_holding_slot(&req, Mode::Sync).await? {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             return match self.store.get(&req.job_id).await? {
                 Some(JobRecord {
@@ -258,7 +290,7 @@ impl Node {
             return Ok((false, status_of(existing)));
         }
         self.take_slot()?;
-        if !self.store.insert(&req, Mode::Async).await? {
+        if !self.insert_holding_slot(&req, Mode::Async).await? {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             let existing = self
                 .store

@@ -42,3 +42,12 @@ all_backends!(
     kill9_restart_keeps_results_and_fails_the_interrupted,
     graceful_shutdown_finishes_running_jobs,
 );
+
+/// Backend-independent node behaviour, once on bwrap.
+mod node {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn failed_recording_returns_the_queue_slot() {
+        crate::cases::setup();
+        crate::cases::failed_recording_returns_the_queue_slot("bwrap").await;
+    }
+}

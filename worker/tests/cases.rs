@@ -1,6 +1,6 @@
 //! Test cases run against every backend (see `backends.rs`), on the real server.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
@@ -470,12 +470,85 @@ pub async fn full_queue_answers_503(backend: &'static str) {
         codes,
         vec![(202, None), (202, None), (503, Some("5".to_string()))]
     );
+    // The first job's task takes the run slot as soon as it is scheduled.
+    let t = Instant::now();
+    let full = loop {
+        let (code, v) = sv.get("/v1/worker/capacity").await;
+        assert_eq!(code, 200, "{v}");
+        if v["running"] == 1 || t.elapsed() > Duration::from_secs(10) {
+            break v;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(
+        (
+            &full["max_running"],
+            &full["max_queued"],
+            &full["queued"],
+            &full["backend"]
+        ),
+        (&json!(1), &json!(1), &json!(1), &json!(backend)),
+        "{full}"
+    );
+    assert_eq!(full["running"], 1, "{full}");
     for id in &ids[..2] {
         sv.post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
             .await;
     }
     for id in &ids[..2] {
         assert_eq!(sv.wait_terminal(id).await["status"], "canceled");
+    }
+    let (_, empty) = sv.get("/v1/worker/capacity").await;
+    assert_eq!(
+        (&empty["running"], &empty["queued"]),
+        (&json!(0), &json!(0)),
+        "{empty}"
+    );
+}
+
+/// A job the database refuses to record answers 500 and gives its queue slot back: after
+/// more refused submissions than the queue holds, the node still accepts a full queue.
+pub async fn failed_recording_returns_the_queue_slot(backend: &'static str) {
+    let sv = Server::start(backend, "queue:\n  max_running: 1\n  max_queued: 1\n");
+    let db = sv.state_dir().join("worker.db");
+    let opts = sqlx::sqlite::SqliteConnectOptions::new().filename(&db);
+    let mut conn = sqlx::ConnectOptions::connect(&opts).await.unwrap();
+    sqlx::query(
+        "CREATE TRIGGER refuse_jobs BEFORE INSERT ON jobs BEGIN SELECT RAISE(FAIL, 'injected: disk full'); END",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    for _ in 0..3 {
+        let (code, body) = sv
+            .post(
+                "/v1/worker/jobs",
+                &command_job(&unique("j"), "t", &["true"]),
+            )
+            .await;
+        assert_eq!(code, 500, "{body}");
+    }
+    sqlx::query("DROP TRIGGER refuse_jobs")
+        .execute(&mut conn)
+        .await
+        .unwrap();
+    let (_, cap) = sv.get("/v1/worker/capacity").await;
+    assert_eq!(
+        (&cap["running"], &cap["queued"]),
+        (&json!(0), &json!(0)),
+        "{cap}"
+    );
+    let ids: Vec<String> = (0..2).map(|_| unique("j")).collect();
+    for id in &ids {
+        let (code, body) = sv
+            .post("/v1/worker/jobs", &command_job(id, "t", &["sleep", "30"]))
+            .await;
+        assert_eq!(code, 202, "{body}");
+    }
+    for id in &ids {
+        sv.post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
+            .await;
+        sv.wait_terminal(id).await;
     }
 }
 
