@@ -27,6 +27,7 @@ use cynode_pm::policy::{Mode, PolicyGate, TenantPolicy};
 use cynode_pm::session::{Budgets, SessionRecord, SessionStatus};
 use cynode_pm::skills::Registry;
 use cynode_pm::store::Store;
+use cynode_pm::workers::WorkerPool;
 use serde_json::{json, Value};
 
 #[derive(Clone)]
@@ -69,8 +70,8 @@ async fn pm(model_url: &str, worker: Option<(String, String)>, image: &str, db: 
         gate: PolicyGate::builtin(Mode::Enforce).unwrap_or_else(|e| panic!("policy: {e}")),
         tenant: TenantPolicy::default(),
         llm: LlmClient::new(cfg),
-        worker: WorkerClient::new(&w, &t),
-        image: image.to_string(),
+        workers: WorkerPool::single(WorkerClient::new(&w, &t), image),
+        worker_wait: std::time::Duration::from_secs(60),
         artifacts_dir: std::env::temp_dir().join("cynode-bench-artifacts"),
     }
 }
@@ -130,9 +131,6 @@ fn main() {
                 let id = format!("bench-{i}");
                 let rec = SessionRecord::new(&id, "t", "concurrent objective", Budgets::default());
                 p.create(&rec).await.map_err(|e| e.to_string())?;
-                if p.worker.ready().await {
-                    p.worker.create_workspace(&rec.workspace_id, None).await.map_err(|e| e.to_string())?;
-                }
                 let out = p.run(&id, &mut |_| {}).await.map_err(|e| e.to_string())?;
                 if out.status == SessionStatus::Completed { Ok(()) } else { Err(format!("{:?}", out.failure)) }
             }));

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use cynode_protocol::worker_api::{AsyncJobStatus, RunJobRequest};
+use cynode_protocol::worker_api::{AsyncJobStatus, RunJobRequest, WorkerCapacity};
 use tracing::Instrument;
 
 /// Why a worker call failed.
@@ -81,7 +81,7 @@ impl WorkerClient {
             url.path = path,
             http.response.status_code = tracing::field::Empty,
         );
-        self.call_with_retries(method, path, body)
+        self.call_with_retries(method, path, body, self.retries)
             .instrument(span)
             .await
     }
@@ -91,11 +91,12 @@ impl WorkerClient {
         method: reqwest::Method,
         path: &str,
         body: Option<&serde_json::Value>,
+        retries: u32,
     ) -> Result<reqwest::Response, DispatchError> {
         let traceparent = crate::telemetry::traceparent();
         let mut delay = Duration::from_millis(100);
         let mut last = String::new();
-        for attempt in 0..=self.retries {
+        for attempt in 0..=retries {
             if attempt > 0 {
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(5));
@@ -155,6 +156,21 @@ impl WorkerClient {
         r.json::<T>()
             .await
             .map_err(|e| DispatchError::Unavailable(format!("unreadable worker answer: {e}")))
+    }
+
+    /// The endpoint this client calls.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// `GET /v1/worker/capacity`, asked once (placement skips a worker that does not
+    /// answer rather than wait for it).
+    pub async fn capacity(&self) -> Result<WorkerCapacity, DispatchError> {
+        Self::json(
+            self.call_with_retries(reqwest::Method::GET, "/v1/worker/capacity", None, 0)
+                .await?,
+        )
+        .await
     }
 
     /// `POST /v1/worker/jobs`: idempotent on job_id.

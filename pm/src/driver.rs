@@ -31,6 +31,7 @@ use crate::policy::{PolicyGate, PolicyInput, TenantPolicy};
 use crate::session::{Deliverable, Dispatch, FailureKind, Phase, SessionRecord, SessionStatus};
 use crate::skills::{build_job, JobRef, Registry};
 use crate::store::{Store, StoreError};
+use crate::workers::{PlaceError, Placement, WorkerPool};
 
 /// What the loop reports while it works.
 #[derive(Debug, Clone, PartialEq)]
@@ -88,9 +89,11 @@ pub struct Pm {
     pub gate: PolicyGate,
     pub tenant: TenantPolicy,
     pub llm: LlmClient,
-    pub worker: WorkerClient,
-    /// Sandbox image jobs run in.
-    pub image: String,
+    /// The workers jobs go to, and what each offers ([`WorkerPool`]).
+    pub workers: WorkerPool,
+    /// How long a session's first job waits for a worker offering its purpose to answer
+    /// before the session fails `worker_unavailable`.
+    pub worker_wait: std::time::Duration,
     /// Where verified artifacts are stored.
     pub artifacts_dir: PathBuf,
 }
@@ -308,14 +311,17 @@ impl Pm {
                 rec.event("question", json!({ "text": m.text }));
             }
             Ok(TypedPayload::Final(f)) => {
-                let changeset = if rec.jobs_dispatched > 0 {
-                    self.worker
+                let changeset = match rec
+                    .worker_id
+                    .as_deref()
+                    .and_then(|w| self.workers.client(w))
+                {
+                    Some(worker) => worker
                         .changeset(&rec.workspace_id)
                         .await
                         .ok()
-                        .filter(|d| !d.trim().is_empty())
-                } else {
-                    None
+                        .filter(|d| !d.trim().is_empty()),
+                    None => None,
                 };
                 rec.deliverable = Some(Deliverable {
                     summary: f.summary.clone(),
@@ -421,12 +427,44 @@ impl Pm {
             self.store.save(rec, version, &[]).await?;
             return Ok(());
         }
+        let purpose = skill.manifest.purpose.clone();
+        let placement = match self.placement(rec, &purpose).await {
+            Ok(p) => p,
+            Err(e)
+                if matches!(
+                    e,
+                    PlaceError::NoPurpose { .. } | PlaceError::PinnedLacksPurpose { .. }
+                ) =>
+            {
+                rec.attempts.insert(j.task_id.clone(), attempt + 1);
+                rec.event(
+                    "job_refused",
+                    json!({ "task_id": j.task_id, "skill_id": j.skill_id, "reason": e.to_string() }),
+                );
+                rec.feedback.push(format!(
+                    "the job for task {} was not run: skill {} needs a sandbox this deployment cannot give it: {e}. Choose another skill.",
+                    j.task_id, j.skill_id
+                ));
+                self.store.save(rec, version, &[]).await?;
+                return Ok(());
+            }
+            Err(e) => {
+                rec.fail(FailureKind::WorkerUnavailable, e.to_string());
+                self.store.save(rec, version, &[]).await?;
+                return Ok(());
+            }
+        };
+        let new_workspace = rec.worker_id.is_none();
+        rec.worker_id = Some(placement.worker_id.clone());
         let dispatch = Dispatch {
             job_id: built.job.job_id.clone(),
             task_id: j.task_id.clone(),
             skill_id: j.skill_id.clone(),
             attempt,
             job_json: String::from_utf8_lossy(&built.canonical).into_owned(),
+            worker_id: placement.worker_id,
+            image: placement.image,
+            new_workspace,
         };
         rec.attempts.insert(j.task_id.clone(), attempt + 1);
         rec.jobs_dispatched += 1;
@@ -439,7 +477,7 @@ impl Pm {
         rec.phase = Phase::Await {
             dispatch: dispatch.clone(),
         };
-        rec.event("job_dispatched", json!({ "job_id": dispatch.job_id, "task_id": dispatch.task_id, "skill_id": dispatch.skill_id }));
+        rec.event("job_dispatched", json!({ "job_id": dispatch.job_id, "task_id": dispatch.task_id, "skill_id": dispatch.skill_id, "worker_id": dispatch.worker_id }));
         self.store
             .save(
                 rec,
@@ -454,19 +492,41 @@ impl Pm {
         Ok(())
     }
 
+    /// Where a job of `purpose` runs: on the session's worker once it has one, else on
+    /// the worker [`WorkerPool::place`] picks, waiting (with backoff, up to
+    /// `worker_wait`) while every worker offering the purpose is unreachable.
+    async fn placement(&self, rec: &SessionRecord, purpose: &str) -> Result<Placement, PlaceError> {
+        if let Some(w) = &rec.worker_id {
+            return self.workers.pinned(w, purpose);
+        }
+        let deadline = tokio::time::Instant::now() + self.worker_wait;
+        let mut delay = std::time::Duration::from_millis(200);
+        loop {
+            match self.workers.place(purpose).await {
+                Err(e) if e.is_retryable() && tokio::time::Instant::now() + delay < deadline => {
+                    tracing::warn!(purpose, error = %e, retry_in_ms = delay.as_millis() as u64, "no worker can take the job yet");
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(std::time::Duration::from_secs(5));
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// Polls the worker until the job ends. Each new state is saved as a `job_state`
     /// event (so event streams show `in_progress` live, from any replica) and reported.
     async fn watch_job(
         &self,
+        worker: &WorkerClient,
         rec: &mut SessionRecord,
         version: &mut i64,
         job_id: &str,
         progress: &mut (dyn FnMut(Progress) + Send),
     ) -> Result<RunJobResponse, WatchError> {
-        let (mut delay, max_delay) = self.worker.poll;
+        let (mut delay, max_delay) = worker.poll;
         let mut last = None;
         loop {
-            let s = self.worker.status(job_id).await?;
+            let s = worker.status(job_id).await?;
             if last != Some(s.status) {
                 last = Some(s.status);
                 progress(Progress::JobState {
@@ -500,20 +560,34 @@ impl Pm {
             task_id: d.task_id.clone(),
             skill_id: d.skill_id.clone(),
         });
+        let Some(worker) = self.workers.client(&d.worker_id) else {
+            rec.fail(
+                FailureKind::WorkerUnavailable,
+                PlaceError::Unknown(d.worker_id.clone()).to_string(),
+            );
+            self.store.save(rec, version, &[]).await?;
+            return Ok(());
+        };
         let req = RunJobRequest {
             version: 1,
             task_id: d.task_id.clone(),
             job_id: d.job_id.clone(),
             sandbox: SandboxSpec {
-                image: self.image.clone(),
+                image: d.image.clone(),
                 job_spec_json: Some(d.job_json.clone()),
                 ..Default::default()
             },
             workspace_id: Some(rec.workspace_id.clone()),
         };
         let mut version = version;
-        let outcome = match self.worker.submit(&req).await {
-            Ok(_) => self.watch_job(rec, &mut version, &d.job_id, progress).await,
+        let outcome = match self.prepare_workspace(worker, rec, &d).await {
+            Ok(()) => match worker.submit(&req).await {
+                Ok(_) => {
+                    self.watch_job(worker, rec, &mut version, &d.job_id, progress)
+                        .await
+                }
+                Err(e) => Err(e.into()),
+            },
             Err(e) => Err(e.into()),
         };
         let resp = match outcome {
@@ -534,7 +608,7 @@ impl Pm {
             }
         };
         crate::metrics::metrics().job(&format!("{:?}", resp.status).to_lowercase());
-        self.take_result(rec, &d, &resp, progress).await;
+        self.take_result(worker, rec, &d, &resp, progress).await;
         rec.state.active_job_id = None;
         rec.phase = Phase::Think;
         self.store
@@ -548,15 +622,43 @@ impl Pm {
             )
             .await?;
         failpoint("after_result");
-        if let Err(e) = self.worker.ack(&d.job_id).await {
+        if let Err(e) = worker.ack(&d.job_id).await {
             tracing::warn!(job_id = %d.job_id, error = %e, "ack failed; the worker's retention will clean up");
         }
         Ok(())
     }
 
+    /// Creates the session's workspace (seeded as asked) on the worker its first job was
+    /// placed on. Idempotent, so a resumed session repeats it safely.
+    async fn prepare_workspace(
+        &self,
+        worker: &WorkerClient,
+        rec: &SessionRecord,
+        d: &Dispatch,
+    ) -> Result<(), DispatchError> {
+        if !d.new_workspace {
+            return Ok(());
+        }
+        let seed = rec.workspace_seed.as_deref().map(std::path::Path::new);
+        worker
+            .create_workspace(&rec.workspace_id, seed)
+            .await
+            .map_err(|e| match e {
+                DispatchError::Rejected { status, detail } => DispatchError::Rejected {
+                    status,
+                    detail: format!(
+                        "worker {} refused to create the session's workspace: {detail}",
+                        d.worker_id
+                    ),
+                },
+                other => other,
+            })
+    }
+
     /// Verifies and stores artifacts, updates the plan, and writes the model's summary.
     async fn take_result(
         &self,
+        worker: &WorkerClient,
         rec: &mut SessionRecord,
         d: &Dispatch,
         resp: &RunJobResponse,
@@ -577,7 +679,7 @@ impl Pm {
             .unwrap_or_default();
         let mut integrity = Vec::new();
         for a in &claimed {
-            let fetched = self.worker.artifact(&d.job_id, &a.path).await;
+            let fetched = worker.artifact(&d.job_id, &a.path).await;
             let stored = fetched.map_err(anyhow::Error::from).and_then(|bytes| {
                 verify_and_store(
                     &self.artifacts_dir,

@@ -21,3 +21,4 @@ pub mod session;
 pub mod skills;
 pub mod store;
 pub mod telemetry;
+pub mod workers;

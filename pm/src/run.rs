@@ -19,6 +19,7 @@ use crate::policy::{Mode, PolicyGate, TenantPolicy};
 use crate::session::{Budgets, SessionRecord, SessionStatus};
 use crate::skills::Registry;
 use crate::store::Store;
+use crate::workers::WorkerPool;
 
 /// Exit code when the session waits for an answer and no terminal can give it.
 pub const EXIT_AWAITING_INPUT: i32 = 3;
@@ -42,9 +43,18 @@ pub struct RunArgs {
     pub max_tokens: u32,
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
-    /// A running worker; without it a local cynode-worker is started and stopped.
-    #[arg(long, env = "CYNODE_WORKER_ENDPOINT")]
+    /// A running worker; without it (and without --workers-file) a local cynode-worker
+    /// is started and stopped.
+    #[arg(long, env = "CYNODE_WORKER_ENDPOINT", conflicts_with = "workers_file")]
     pub worker_endpoint: Option<String>,
+    /// The worker registry: a YAML file listing several workers with their tokens,
+    /// purposes, images and capacity (see docs and `crate::workers`).
+    #[arg(long, env = "CYNODE_WORKERS_FILE")]
+    pub workers_file: Option<PathBuf>,
+    /// How long a session's first job waits for a worker offering its purpose to answer
+    /// before the session fails worker_unavailable.
+    #[arg(long, default_value_t = 60)]
+    pub worker_wait_seconds: u64,
     /// File with the worker's bearer token (else CYNODE_WORKER_TOKEN).
     #[arg(long)]
     pub worker_token_file: Option<PathBuf>,
@@ -54,7 +64,8 @@ pub struct RunArgs {
     /// bwrap root filesystem of the sandbox image (local worker with --local-backend bwrap).
     #[arg(long)]
     pub local_bwrap_rootfs: Option<PathBuf>,
-    /// Sandbox image jobs run in.
+    /// Sandbox image jobs run in (with --worker-endpoint or the local worker; a workers
+    /// file names an image per purpose).
     #[arg(long, default_value = "localhost/cynode-sba-test:latest")]
     pub sandbox_image: String,
     /// Where the PM keeps its database and artifacts.
@@ -168,10 +179,26 @@ fn start_local_worker(args: &RunArgs, seed: Option<&Path>) -> anyhow::Result<Loc
     })
 }
 
+/// The registry given by `--workers-file` or `--worker-endpoint`; `None` when neither is
+/// given (`run` then starts a local worker).
+pub(crate) fn configured_workers(args: &RunArgs) -> anyhow::Result<Option<WorkerPool>> {
+    if let Some(path) = &args.workers_file {
+        let file = crate::workers::WorkersFile::load(path)?;
+        return Ok(Some(WorkerPool::from_file(&file)?));
+    }
+    match &args.worker_endpoint {
+        Some(e) => Ok(Some(WorkerPool::single(
+            WorkerClient::new(e, &worker_token(args)?),
+            &args.sandbox_image,
+        ))),
+        None => Ok(None),
+    }
+}
+
 pub(crate) async fn build_pm(
     args: &RunArgs,
     global: &crate::cli::Global,
-    worker: &WorkerClient,
+    workers: WorkerPool,
 ) -> anyhow::Result<Pm> {
     std::fs::create_dir_all(&args.state_dir)?;
     let url = match &args.datastore_endpoint {
@@ -202,6 +229,11 @@ pub(crate) async fn build_pm(
     cfg.max_tokens = args.max_tokens;
     cfg.temperature = args.temperature;
     cfg.api_key = ModelConfig::api_key_from_env();
+    for skill in registry.iter() {
+        if !workers.offers(&skill.manifest.purpose) {
+            tracing::warn!(skill_id = %skill.manifest.skill_id, purpose = %skill.manifest.purpose, "no worker offers this skill's sandbox purpose; its jobs will be refused");
+        }
+    }
     Ok(Pm {
         contract: crate::llm::Contract::new(registry.catalog())?,
         registry,
@@ -209,8 +241,8 @@ pub(crate) async fn build_pm(
         gate,
         tenant,
         llm: LlmClient::new(cfg),
-        worker: worker.clone(),
-        image: args.sandbox_image.clone(),
+        workers,
+        worker_wait: Duration::from_secs(args.worker_wait_seconds),
         artifacts_dir: args.state_dir.join("artifacts"),
     })
 }
@@ -322,14 +354,17 @@ async fn drive_session(
         .transpose()
         .context("--workspace")?;
     let local;
-    let worker = match &args.worker_endpoint {
-        Some(e) => WorkerClient::new(e, &worker_token(args)?),
+    let workers = match configured_workers(args)? {
+        Some(pool) => pool,
         None => {
             local = start_local_worker(args, seed.as_deref())?;
-            WorkerClient::new(&local.endpoint, &local.token)
+            WorkerPool::single(
+                WorkerClient::new(&local.endpoint, &local.token),
+                &args.sandbox_image,
+            )
         }
     };
-    let pm = build_pm(args, global, &worker).await?;
+    let pm = build_pm(args, global, workers).await?;
     let session_id = match (objective, resume) {
         (_, Some(id)) => {
             if let Some(text) = answer {
@@ -344,12 +379,11 @@ async fn drive_session(
                 max_jobs: args.max_jobs,
                 ..Budgets::default()
             };
-            let rec = SessionRecord::new(&id, &args.tenant_id, obj, budgets);
+            let mut rec = SessionRecord::new(&id, &args.tenant_id, obj, budgets);
+            // The workspace is created, seeded from here, on the worker its first job
+            // is placed on.
+            rec.workspace_seed = seed.as_ref().map(|p| p.display().to_string());
             pm.create(&rec).await?;
-            worker
-                .create_workspace(&rec.workspace_id, seed.as_deref())
-                .await
-                .context("cannot create the session's workspace on the worker")?;
             id
         }
         (None, None) => anyhow::bail!("give an objective or a session to resume"),

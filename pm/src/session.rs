@@ -97,6 +97,15 @@ pub struct Dispatch {
     pub attempt: u32,
     /// The canonical job.json.
     pub job_json: String,
+    /// The registry id of the worker it runs on (the session's workspace worker).
+    #[serde(default)]
+    pub worker_id: String,
+    /// The sandbox image that worker serves the skill's purpose with.
+    #[serde(default)]
+    pub image: String,
+    /// This job placed the session's workspace: create it on the worker before submitting.
+    #[serde(default)]
+    pub new_workspace: bool,
 }
 
 /// Where the loop is. Each transition is saved before the work it leads to.
@@ -170,6 +179,13 @@ pub struct SessionRecord {
     pub feedback: Vec<String>,
     pub budgets: Budgets,
     pub workspace_id: String,
+    /// The worker holding the workspace, chosen by the first job; every later job goes
+    /// there too.
+    #[serde(default)]
+    pub worker_id: Option<String>,
+    /// Host directory (on the worker) the workspace is seeded from when it is created.
+    #[serde(default)]
+    pub workspace_seed: Option<String>,
     pub started_at_ms: i64,
     pub deliverable: Option<Deliverable>,
     pub failure: Option<Failure>,
@@ -199,6 +215,8 @@ impl SessionRecord {
             feedback: Vec::new(),
             budgets,
             workspace_id: session_id.to_string(),
+            worker_id: None,
+            workspace_seed: None,
             started_at_ms: now_ms(),
             deliverable: None,
             failure: None,

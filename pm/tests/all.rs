@@ -8,3 +8,4 @@ mod policy;
 mod service;
 mod skills;
 mod store;
+mod workers;

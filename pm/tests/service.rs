@@ -14,13 +14,13 @@ use sha2::{Digest, Sha256};
 use crate::e2e::{model_server, repo, start_worker, Worker, TOKEN};
 use crate::store::postgres_url;
 
-const TENANT_A: &str = "token-of-tenant-a-0123456789";
+pub(crate) const TENANT_A: &str = "token-of-tenant-a-0123456789";
 const TENANT_B: &str = "token-of-tenant-b-0123456789";
 
 /// One `cynode-pm serve` process; killed on drop.
-struct Replica {
+pub(crate) struct Replica {
     child: Child,
-    base: String,
+    pub(crate) base: String,
 }
 
 impl Drop for Replica {
@@ -46,6 +46,27 @@ fn start_replica(
     worker: &Worker,
     extra: &[&str],
 ) -> Replica {
+    let endpoint = format!("http://{}", worker.addr);
+    start_replica_with(
+        dir,
+        name,
+        db,
+        model,
+        &["--worker-endpoint", &endpoint],
+        extra,
+    )
+}
+
+/// A replica whose workers are given by `workers` (`--worker-endpoint …` or
+/// `--workers-file …`).
+pub(crate) fn start_replica_with(
+    dir: &Path,
+    name: &str,
+    db: &str,
+    model: &str,
+    workers: &[&str],
+    extra: &[&str],
+) -> Replica {
     std::fs::write(
         dir.join("tokens"),
         format!("{TENANT_A} acme\n{TENANT_B} globex\n"),
@@ -60,7 +81,7 @@ fn start_replica(
         .arg("--api-tokens-file")
         .arg(dir.join("tokens"))
         .args(["--replica-id", name, "--datastore-endpoint", db])
-        .args(["--worker-endpoint", &format!("http://{}", worker.addr)])
+        .args(workers)
         .args(["--model-base-url", model])
         .arg("--state-dir")
         .arg(&state)
@@ -88,7 +109,7 @@ fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
 
-async fn call(
+pub(crate) async fn call(
     method: reqwest::Method,
     url: &str,
     token: &str,
@@ -131,7 +152,7 @@ async fn wait_session(
     }
 }
 
-async fn wait_status(base: &str, id: &str, want: &[&str], within: Duration) -> Value {
+pub(crate) async fn wait_status(base: &str, id: &str, want: &[&str], within: Duration) -> Value {
     wait_session(base, id, within, |v| {
         want.contains(&v["status"].as_str().unwrap_or(""))
     })
@@ -139,7 +160,7 @@ async fn wait_status(base: &str, id: &str, want: &[&str], within: Duration) -> V
 }
 
 /// Reads SSE events `(id, event, data)` until the stream ends or `stop_after` events.
-async fn sse(
+pub(crate) async fn sse(
     base: &str,
     id: &str,
     last: Option<u64>,

@@ -52,7 +52,9 @@ pub struct Constraints {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct WorkspaceSpec {
-    /// A directory on the worker's host, under one of its allowlisted seed roots.
+    /// A directory on the worker's host, under one of its allowlisted seed roots. It is
+    /// copied when the session's first job places the workspace on a worker; a path the
+    /// worker refuses fails the session then (`internal_error`, naming the worker).
     pub seed_path: String,
 }
 
@@ -79,6 +81,8 @@ pub struct SessionView {
     pub turn: u32,
     pub jobs_dispatched: u32,
     pub workspace_id: String,
+    /// The registry id of the worker holding the workspace (set by the first job).
+    pub worker_id: Option<String>,
 }
 
 impl SessionView {
@@ -100,6 +104,7 @@ impl SessionView {
             turn: rec.turn,
             jobs_dispatched: rec.jobs_dispatched,
             workspace_id: rec.workspace_id.clone(),
+            worker_id: rec.worker_id.clone(),
         }
     }
 }
@@ -226,18 +231,8 @@ pub async fn create_session(
         return Err(Problem::conflict("Idempotency-Key: already used"));
     }
     let mut rec = SessionRecord::new(&id, &tenant.0, &req.objective, budgets);
-    // The workspace exists before the session does, so no replica can start the loop
-    // (and dispatch into it) first.
-    let seed = req.workspace.as_ref().map(|w| w.seed_path.as_str());
-    st.pm
-        .worker
-        .create_workspace(&rec.workspace_id, seed.map(std::path::Path::new))
-        .await
-        .map_err(|e| {
-            Problem::unavailable(format!(
-                "cannot create the session's workspace on the worker: {e}"
-            ))
-        })?;
+    // The workspace is created (and seeded) on the worker the first job is placed on.
+    rec.workspace_seed = req.workspace.as_ref().map(|w| w.seed_path.clone());
     rec.event("created", json!({ "objective": rec.state.objective }));
     if !st.pm.create(&rec).await? {
         let (existing, _) = owned(&st, &tenant, &id).await?;
@@ -332,14 +327,15 @@ pub async fn session_action(
             )));
         }
         let job = rec.state.active_job_id.clone();
+        let worker = rec.worker_id.clone().unwrap_or_default();
         rec.status = SessionStatus::Canceled;
         rec.phase = crate::session::Phase::Done;
         rec.event("canceled", json!({ "active_job_id": job }));
         match st.pm.store.save(&rec, v, &[]).await {
             Ok(_) => {
-                if let Some(job) = job {
-                    if let Err(e) = st.pm.worker.stop(&job).await {
-                        tracing::warn!(session_id = %id, job_id = %job, error = %e, "cannot stop the job");
+                if let (Some(job), Some(client)) = (job, st.pm.workers.client(&worker)) {
+                    if let Err(e) = client.stop(&job).await {
+                        tracing::warn!(session_id = %id, job_id = %job, worker = %worker, error = %e, "cannot stop the job");
                     }
                 }
                 tracing::info!(session_id = %id, "session canceled");

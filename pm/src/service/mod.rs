@@ -149,7 +149,7 @@ async fn readyz(State(st): State<Arc<AppState>>) -> Response {
     if !st.pm.store.ping().await {
         return Problem::unavailable("the datastore does not answer").into_response();
     }
-    if !st.pm.worker.ready().await {
+    if !st.pm.workers.any_ready().await {
         return Problem::unavailable("no worker is ready").into_response();
     }
     "ready".into_response()
@@ -192,12 +192,10 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
 /// Runs the service until SIGTERM / SIGINT.
 pub async fn serve(args: &ServeArgs, global: &crate::cli::Global) -> anyhow::Result<i32> {
     let tokens = Tokens::load(&args.api_tokens_file)?;
-    let endpoint = args.run.worker_endpoint.clone().context(
-        "serve needs --worker-endpoint (or CYNODE_WORKER_ENDPOINT): a running cynode-worker",
+    let workers = crate::run::configured_workers(&args.run)?.context(
+        "serve needs --workers-file (CYNODE_WORKERS_FILE) or --worker-endpoint (CYNODE_WORKER_ENDPOINT)",
     )?;
-    let worker =
-        crate::dispatch::WorkerClient::new(&endpoint, &crate::run::worker_token(&args.run)?);
-    let pm = Arc::new(crate::run::build_pm(&args.run, global, &worker).await?);
+    let pm = Arc::new(crate::run::build_pm(&args.run, global, workers).await?);
     let wake = Arc::new(Notify::new());
     let owner = args.replica_id.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();

@@ -1,0 +1,265 @@
+//! The worker registry through the real `cynode-pm serve`: two real bwrap workers with
+//! different sandbox purposes, the scripted model, SQLite. Jobs go only to workers
+//! offering the skill's purpose; a session's later jobs follow its workspace; placement
+//! spreads by free capacity (read live from the workers); a dead worker is skipped and
+//! used again once it is back.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::e2e::{model_server, start_worker, Worker, TOKEN};
+use crate::service::{call, start_replica_with, wait_status, TENANT_A};
+
+const IMAGE: &str = "localhost/cynode-sba-test:latest";
+
+fn workers_file(dir: &Path, w1: &Worker, w2: &Worker) -> std::path::PathBuf {
+    std::fs::write(dir.join("worker-token"), TOKEN).unwrap();
+    let token = dir.join("worker-token");
+    let text = format!(
+        "workers:\n\
+         - id: w1\n  endpoint: http://{}\n  token_file: {}\n  capacity: 4\n  purposes:\n    base-tools: {IMAGE}\n  labels: {{ zone: a }}\n\
+         - id: w2\n  endpoint: http://{}\n  token_file: {}\n  capacity: 4\n  purposes:\n    base-tools: {IMAGE}\n    python-tools: {IMAGE}\n",
+        w1.addr,
+        token.display(),
+        w2.addr,
+        token.display()
+    );
+    let path = dir.join("workers.yaml");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn plan(task: &str) -> Value {
+    json!({ "type": "plan_update", "state_patch": [
+        { "op": "add", "path": "/plan/-", "value": { "task_id": task, "description": "do it", "status": "pending" } }
+    ], "payload": { "note": "plan" } })
+}
+
+fn job(task: &str, skill: &str, inputs: Value) -> Value {
+    json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": task, "skill_id": skill, "inputs": inputs } })
+}
+
+fn write(task: &str) -> Value {
+    job(
+        task,
+        "write-files",
+        json!({ "files": [{ "path": "hello.txt", "content": "hi\n" }] }),
+    )
+}
+
+fn fin() -> Value {
+    json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } })
+}
+
+/// Creates a session, waits for it to complete, returns it and its events.
+async fn session(base: &str) -> (Value, Vec<Value>) {
+    let (code, v) = call(
+        reqwest::Method::POST,
+        &format!("{base}/v1/sessions"),
+        TENANT_A,
+        Some(json!({ "objective": "route my jobs" })),
+    )
+    .await;
+    assert_eq!(code, 201, "{v}");
+    let id = v["session_id"].as_str().unwrap().to_string();
+    let done = wait_status(
+        base,
+        &id,
+        &["completed", "failed", "canceled"],
+        Duration::from_secs(120),
+    )
+    .await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let events = crate::service::sse(base, &id, None, None)
+        .await
+        .into_iter()
+        .map(|(_, kind, data)| json!({ "kind": kind, "data": data["data"] }))
+        .collect();
+    (done, events)
+}
+
+/// `(kind, worker_id)` of the session's job events.
+fn routed(events: &[Value]) -> Vec<(String, String)> {
+    events
+        .iter()
+        .filter(|e| e["kind"] == "job_dispatched" || e["kind"] == "job_refused")
+        .map(|e| {
+            (
+                e["kind"].as_str().unwrap().to_string(),
+                e["data"]["worker_id"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect()
+}
+
+async fn worker_get(w: &Worker, path: &str) -> u16 {
+    reqwest::Client::new()
+        .get(format!("http://{}{path}", w.addr))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16()
+}
+
+/// Fills both run slots of `w` with sleeping jobs; returns their ids.
+async fn make_busy(w: &Worker, tag: &str) -> Vec<String> {
+    let mut ids = Vec::new();
+    for i in 0..2 {
+        let id = format!("busy-{tag}-{i}");
+        let r = reqwest::Client::new()
+            .post(format!("http://{}/v1/worker/jobs", w.addr))
+            .bearer_auth(TOKEN)
+            .json(&json!({ "version": 1, "task_id": "busy", "job_id": id,
+                "sandbox": { "image": IMAGE, "command": ["sleep", "60"] } }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 202);
+        ids.push(id);
+    }
+    ids
+}
+
+async fn stop(w: &Worker, ids: &[String]) {
+    for id in ids {
+        reqwest::Client::new()
+            .post(format!("http://{}/v1/worker/jobs/{id}:stop", w.addr))
+            .bearer_auth(TOKEN)
+            .json(&json!({}))
+            .send()
+            .await
+            .unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker() {
+    let w1 = start_worker(0);
+    let mut w2 = start_worker(0);
+    let w2_port: u16 = w2.addr.rsplit(':').next().unwrap().parse().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let workers = workers_file(dir.path(), &w1, &w2);
+    let script = vec![
+        // s1: base-tools twice (pinned to its first worker), then python-tools, which
+        // that worker (w1) does not offer: refused and fed back, no job.
+        plan("t1"),
+        write("t1"),
+        job("t1", "search-code", json!({ "pattern": "hi" })),
+        job("t1", "python-test", json!({})),
+        fin(),
+        // s2: a tie on free room goes to the worker this replica placed fewer jobs on (w2).
+        plan("t1"),
+        write("t1"),
+        fin(),
+        // s3: python-tools only exists on w2 (the tie-break alone would say w1).
+        plan("t1"),
+        job("t1", "python-test", json!({})),
+        fin(),
+        // s4: go-tools is offered by no worker.
+        plan("t1"),
+        job("t1", "go-test", json!({})),
+        fin(),
+        // s5: w1 is busy (both run slots taken): more free room on w2 wins although
+        // this replica placed more jobs there.
+        plan("t1"),
+        write("t1"),
+        fin(),
+        // s6: w2 is dead: skipped, the job goes to w1.
+        plan("t1"),
+        write("t1"),
+        fin(),
+        // s7: w2 is back and w1 busy again: w2 is asked again and chosen.
+        plan("t1"),
+        write("t1"),
+        fin(),
+    ];
+    let (model, _m) = model_server(script);
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let workers_arg = workers.display().to_string();
+    let r = start_replica_with(
+        dir.path(),
+        "r1",
+        &db,
+        &model,
+        &["--workers-file", &workers_arg],
+        &["--worker-wait-seconds", "20"],
+    );
+
+    let (s1, e1) = session(&r.base).await;
+    let refused: Vec<&Value> = e1.iter().filter(|e| e["kind"] == "job_refused").collect();
+    assert_eq!(
+        routed(&e1),
+        [
+            ("job_dispatched".into(), "w1".into()),
+            ("job_dispatched".into(), "w1".into()),
+            ("job_refused".into(), "".into())
+        ],
+        "{e1:?}"
+    );
+    let why = refused[0]["data"]["reason"].as_str().unwrap();
+    assert!(
+        why.contains("worker `w1`, which does not offer sandbox purpose `python-tools`"),
+        "{why}"
+    );
+    assert_eq!(s1["worker_id"], "w1");
+    assert_eq!(s1["jobs_dispatched"], 2);
+    // The workspace exists on w1 only.
+    let ws = format!(
+        "/v1/worker/workspaces/{}/tar",
+        s1["workspace_id"].as_str().unwrap()
+    );
+    assert_eq!(
+        (worker_get(&w1, &ws).await, worker_get(&w2, &ws).await),
+        (200, 404)
+    );
+
+    let (_, e2) = session(&r.base).await;
+    assert_eq!(routed(&e2), [("job_dispatched".into(), "w2".into())]);
+
+    let (_, e3) = session(&r.base).await;
+    assert_eq!(routed(&e3), [("job_dispatched".into(), "w2".into())]);
+
+    let (s4, e4) = session(&r.base).await;
+    assert_eq!(routed(&e4), [("job_refused".into(), "".into())]);
+    let why = e4.iter().find(|e| e["kind"] == "job_refused").unwrap()["data"]["reason"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        why.contains(
+            "no worker offers sandbox purpose `go-tools` (offered: base-tools, python-tools)"
+        ),
+        "{why}"
+    );
+    assert_eq!(s4["worker_id"], Value::Null);
+
+    let busy = make_busy(&w1, "a").await;
+    let (_, e5) = session(&r.base).await;
+    assert_eq!(routed(&e5), [("job_dispatched".into(), "w2".into())]);
+    stop(&w1, &busy).await;
+
+    drop(w2);
+    let (_, e6) = session(&r.base).await;
+    assert_eq!(routed(&e6), [("job_dispatched".into(), "w1".into())]);
+    let (code, ready) = call(
+        reqwest::Method::GET,
+        &format!("{}/readyz", r.base),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert_eq!(code, 200, "one worker of two is enough: {ready}");
+
+    w2 = start_worker(w2_port);
+    // Past w2's backoff (1 s after its first failure).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let busy = make_busy(&w1, "b").await;
+    let (_, e7) = session(&r.base).await;
+    assert_eq!(routed(&e7), [("job_dispatched".into(), "w2".into())]);
+    stop(&w1, &busy).await;
+    drop(w2);
+}
