@@ -22,6 +22,7 @@ use cynode_protocol::worker_api::{
     AsyncJobState, RunJobRequest, RunJobResponse, SandboxSpec, WorkerJobStatus,
 };
 use serde_json::{json, Value};
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::artifacts::{verify_and_store, IntegrityError};
@@ -139,6 +140,19 @@ impl Pm {
         session_id: &str,
         progress: &mut (dyn FnMut(Progress) + Send),
     ) -> Result<SessionRecord, DriverError> {
+        self.run_until(session_id, progress, &CancellationToken::new())
+            .await
+    }
+
+    /// Like [`Pm::run`], but returns at the next step boundary once `stop` is cancelled
+    /// (the session still `running`, its last step saved): a replica shutting down hands
+    /// its sessions over without cutting a model call or a result in two.
+    pub async fn run_until(
+        &self,
+        session_id: &str,
+        progress: &mut (dyn FnMut(Progress) + Send),
+        stop: &CancellationToken,
+    ) -> Result<SessionRecord, DriverError> {
         loop {
             let (mut rec, version) = self
                 .store
@@ -152,6 +166,9 @@ impl Pm {
                     progress(Progress::Question(question.clone()));
                 }
                 progress(Progress::Finished(rec.status));
+                return Ok(rec);
+            }
+            if stop.is_cancelled() {
                 return Ok(rec);
             }
             self.step(&mut rec, version, progress).await?;

@@ -301,6 +301,17 @@ impl Store {
         Ok(())
     }
 
+    /// Releases every lease `owner` holds (a replica shutting down); returns how many.
+    pub async fn release_all(&self, owner: &str) -> Result<u64> {
+        let r = sqlx::query(
+            "UPDATE sessions SET lease_owner = NULL, lease_expires_ms = NULL WHERE lease_owner = $1",
+        )
+        .bind(owner.to_string())
+        .execute(&self.pool)
+        .await?;
+        Ok(r.rows_affected())
+    }
+
     /// A tenant's sessions, newest first, `limit` per page. The cursor is opaque to callers
     /// (`created_at|session_id` of the last row).
     pub async fn page(

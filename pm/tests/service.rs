@@ -551,15 +551,7 @@ async fn a_killed_replica_hands_its_session_to_another() {
     let id = create(&r1.base, "nap across a crash").await;
     let job = wait_active_job(&r1.base, &id).await;
     // Kill -9 whichever replica holds the lease, mid-job.
-    let pool = sqlx::AnyPool::connect(&db).await.unwrap();
-    let owner: String = sqlx::Row::get(
-        &sqlx::query("SELECT lease_owner FROM sessions WHERE session_id = $1")
-            .bind(id.clone())
-            .fetch_one(&pool)
-            .await
-            .unwrap(),
-        0,
-    );
+    let owner = lease_owner(&db, &id).await.unwrap();
     let (victim, survivor) = if owner == "r1" {
         (&mut r1, &r2)
     } else {
@@ -602,6 +594,98 @@ async fn a_killed_replica_hands_its_session_to_another() {
         log.contains("driving session"),
         "the survivor never took over:\n{log}"
     );
+}
+
+/// The replica holding the session's lease, if any.
+async fn lease_owner(db: &str, id: &str) -> Option<String> {
+    let pool = sqlx::AnyPool::connect(db).await.unwrap();
+    sqlx::Row::get(
+        &sqlx::query("SELECT lease_owner FROM sessions WHERE session_id = $1")
+            .bind(id.to_string())
+            .fetch_one(&pool)
+            .await
+            .unwrap(),
+        0,
+    )
+}
+
+/// SIGTERM (a rolling update, a node drain) hands sessions over at once: the replica
+/// ends its event streams, lets the session's step run for the grace, releases the
+/// lease and exits 0; the other replica takes over long before the lease would expire,
+/// without a second model call or job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_replica_hands_its_session_over_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let skills = sleep_skill(dir.path());
+    let worker = start_worker(0);
+    let (model, script) = model_server(nap_script(6));
+    let db = fresh_postgres().await;
+    let skill_arg = skills.display().to_string();
+    let args = [
+        "--skill-dir",
+        &skill_arg,
+        "--lease-seconds",
+        "120",
+        "--shutdown-grace-seconds",
+        "1",
+    ];
+    let mut r1 = start_replica(dir.path(), "r1", &db, &model, &worker, &args);
+    let mut r2 = start_replica(dir.path(), "r2", &db, &model, &worker, &args);
+    let id = create(&r1.base, "nap across a rolling update").await;
+    wait_active_job(&r1.base, &id).await;
+    let owner = lease_owner(&db, &id).await.unwrap();
+    let (victim, survivor) = if owner == "r1" {
+        (&mut r1, &r2)
+    } else {
+        (&mut r2, &r1)
+    };
+    // A client following the session's events on the replica that goes away.
+    let (victim_base, sid) = (victim.base.clone(), id.clone());
+    let stream = tokio::spawn(async move { sse(&victim_base, &sid, None, None).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let t = Instant::now();
+    // SAFETY: SIGTERM to the child process this test started.
+    unsafe { libc::kill(victim.child.id() as i32, libc::SIGTERM) };
+    let exit = loop {
+        if let Some(st) = victim.child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "the replica did not exit after SIGTERM"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let exited = t.elapsed();
+    assert_eq!(exit.code(), Some(0), "exit {exit:?}");
+    let seen = tokio::time::timeout(Duration::from_secs(5), stream)
+        .await
+        .expect("the event stream must end with the replica")
+        .unwrap();
+    assert!(
+        seen.iter().any(|e| e.1 == "job_dispatched"),
+        "the stream delivered the session's events before ending: {seen:?}"
+    );
+    let v = wait_status(
+        &survivor.base,
+        &id,
+        &["completed", "failed"],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(v["status"], "completed", "{v}");
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "takeover took {:?} (the lease is 120 s)",
+        t.elapsed()
+    );
+    assert!(exited < Duration::from_secs(10), "exit took {exited:?}");
+    assert_eq!(script.requests().len(), 3, "no model call twice");
+    assert_eq!(v["jobs_dispatched"], 1);
+    let victim_name = if owner == "r1" { "r1" } else { "r2" };
+    let log = std::fs::read_to_string(dir.path().join(format!("{victim_name}.log"))).unwrap();
+    assert!(log.contains("handing sessions back"), "{log}");
+    assert_eq!(lease_owner(&db, &id).await, None, "released once done");
 }
 
 /// The checked-in OpenAPI document is what the handlers describe.

@@ -93,7 +93,12 @@ pub async fn session_events(
                 }
             }
             if c.pending.is_empty() && !c.done {
-                tokio::time::sleep(POLL).await;
+                tokio::select! {
+                    _ = tokio::time::sleep(POLL) => {}
+                    // The replica is shutting down: end the stream; the client resumes
+                    // on another replica with Last-Event-ID.
+                    _ = c.st.stop.cancelled() => c.done = true,
+                }
             }
         }
     });

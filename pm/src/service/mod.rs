@@ -31,6 +31,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use clap::Args;
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
 use utoipa::OpenApi;
@@ -61,6 +62,10 @@ pub struct ServeArgs {
     /// Requests (other than event streams) taking longer are answered 408.
     #[arg(long, default_value_t = 30)]
     pub request_timeout_seconds: u64,
+    /// On SIGTERM, how long sessions may take to finish their current step (a model call,
+    /// a job's result) before their leases are released anyway.
+    #[arg(long, default_value_t = 10)]
+    pub shutdown_grace_seconds: u64,
     /// This replica's name in leases (default: host name and process id).
     #[arg(long, env = "CYNODE_PM_REPLICA_ID")]
     pub replica_id: Option<String>,
@@ -74,6 +79,9 @@ pub struct AppState {
     pub tokens: Tokens,
     /// Wakes this replica's scheduler when a session became runnable here.
     pub wake: Arc<Notify>,
+    /// Cancelled when the replica shuts down: event streams end (clients resume on
+    /// another replica with `Last-Event-ID`) and the scheduler hands sessions back.
+    pub stop: CancellationToken,
 }
 
 /// The OpenAPI description of the API.
@@ -189,7 +197,9 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-/// Runs the service until SIGTERM / SIGINT.
+/// Runs the service until SIGTERM / SIGINT, then shuts down in order: stop claiming,
+/// end event streams and finish in-flight requests, let sessions finish their step (up
+/// to the grace), release every lease, exit.
 pub async fn serve(args: &ServeArgs, global: &crate::cli::Global) -> anyhow::Result<i32> {
     let tokens = Tokens::load(&args.api_tokens_file)?;
     let workers = crate::run::configured_workers(&args.run)?.context(
@@ -206,9 +216,21 @@ pub async fn serve(args: &ServeArgs, global: &crate::cli::Global) -> anyhow::Res
         lease: Duration::from_secs(args.lease_seconds.max(1)),
         capacity: args.max_active_sessions.max(1),
         tick: Duration::from_millis(500),
+        grace: Duration::from_secs(args.shutdown_grace_seconds),
     };
-    tokio::spawn(scheduler::run(Arc::clone(&pm), schedule, Arc::clone(&wake)));
-    let state = Arc::new(AppState { pm, tokens, wake });
+    let stop = CancellationToken::new();
+    let scheduler = tokio::spawn(scheduler::run(
+        Arc::clone(&pm),
+        schedule,
+        Arc::clone(&wake),
+        stop.clone(),
+    ));
+    let state = Arc::new(AppState {
+        pm,
+        tokens,
+        wake,
+        stop: stop.clone(),
+    });
     let app = router(
         state,
         args.max_body_bytes,
@@ -219,8 +241,9 @@ pub async fn serve(args: &ServeArgs, global: &crate::cli::Global) -> anyhow::Res
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
     tracing::info!(addr = %addr, replica = %owner, "cynode-pm listening");
+    let on_signal = stop.clone();
     axum::serve(listener, app)
-        .with_graceful_shutdown(async {
+        .with_graceful_shutdown(async move {
             let mut term =
                 match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
                     Ok(s) => s,
@@ -230,7 +253,13 @@ pub async fn serve(args: &ServeArgs, global: &crate::cli::Global) -> anyhow::Res
                 _ = term.recv() => {}
                 _ = tokio::signal::ctrl_c() => {}
             }
+            tracing::info!("shutting down: no new sessions are claimed here");
+            on_signal.cancel();
         })
         .await?;
+    if let Err(e) = scheduler.await {
+        tracing::warn!(error = %e, "the scheduler ended abnormally");
+    }
+    tracing::info!("cynode-pm stopped");
     Ok(0)
 }
