@@ -28,6 +28,12 @@ pub struct StatusLabel {
     pub status: String,
 }
 
+/// A worker of the registry.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct WorkerLabel {
+    pub worker: String,
+}
+
 /// Every metric of the process.
 pub struct Metrics {
     registry: Registry,
@@ -43,6 +49,10 @@ pub struct Metrics {
     pub active_sessions: Gauge,
     /// Runnable sessions no replica has claimed yet (set at scrape time).
     pub queue_depth: Gauge,
+    /// Sessions whose workspace this process placed, by worker.
+    pub placements: Family<WorkerLabel, Counter>,
+    /// 1 when the worker answered its last probe ready, 0 when it is skipped.
+    pub worker_up: Family<WorkerLabel, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -67,6 +77,8 @@ pub fn metrics() -> &'static Metrics {
             artifact_integrity_failures: Counter::default(),
             active_sessions: Gauge::default(),
             queue_depth: Gauge::default(),
+            placements: Family::default(),
+            worker_up: Family::default(),
             registry: Registry::default(),
         };
         registry.register("sessions", "Sessions by status", m.sessions.clone());
@@ -115,6 +127,16 @@ pub fn metrics() -> &'static Metrics {
             "Runnable sessions no replica has claimed",
             m.queue_depth.clone(),
         );
+        registry.register(
+            "placements",
+            "Sessions whose workspace (and so every job) went to the worker",
+            m.placements.clone(),
+        );
+        registry.register(
+            "worker_up",
+            "Whether the worker answered its last probe ready (1) or is skipped (0)",
+            m.worker_up.clone(),
+        );
         Metrics { registry, ..m }
     })
 }
@@ -142,6 +164,15 @@ impl Metrics {
             .inc();
     }
 
+    /// A worker's health as last probed.
+    pub fn worker_up(&self, worker: &str, up: bool) {
+        self.worker_up
+            .get_or_create(&WorkerLabel {
+                worker: worker.into(),
+            })
+            .set(i64::from(up));
+    }
+
     /// The Prometheus text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -162,6 +193,7 @@ mod tests {
         m.model_call(true, Duration::from_millis(20), 7, 3);
         m.job("completed");
         m.policy_denials.inc();
+        m.worker_up("w1", false);
         let text = m.encode();
         for needle in [
             "cynode_pm_model_calls_total{outcome=\"ok\"}",
@@ -169,6 +201,7 @@ mod tests {
             "cynode_pm_jobs_total{outcome=\"completed\"}",
             "cynode_pm_policy_denials_total",
             "cynode_pm_queue_depth",
+            "cynode_pm_worker_up{worker=\"w1\"} 0",
         ] {
             assert!(text.contains(needle), "{needle} missing from:\n{text}");
         }

@@ -408,6 +408,12 @@ impl WorkerPool {
         };
         let (m, c) = &answered[i];
         m.placed.fetch_add(1, Ordering::Relaxed);
+        crate::metrics::metrics()
+            .placements
+            .get_or_create(&crate::metrics::WorkerLabel {
+                worker: m.entry.id.clone(),
+            })
+            .inc();
         tracing::info!(
             worker = %m.entry.id,
             purpose,
@@ -454,11 +460,13 @@ impl Member {
                 .saturating_mul(1 << (h.failures - 1).min(5))
                 .min(DOWN_MAX);
             h.down_until = Some(Instant::now() + backoff);
+            crate::metrics::metrics().worker_up(&self.entry.id, false);
             tracing::warn!(worker = %self.entry.id, why, failures = h.failures, backoff_ms = backoff.as_millis() as u64, "worker skipped: unreachable or not ready");
         }
     }
 
     fn mark_up(&self) {
+        crate::metrics::metrics().worker_up(&self.entry.id, true);
         if let Ok(mut h) = self.health.lock() {
             if h.failures > 0 {
                 tracing::info!(worker = %self.entry.id, "worker is back");

@@ -261,5 +261,18 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
     let (_, e7) = session(&r.base).await;
     assert_eq!(routed(&e7), [("job_dispatched".into(), "w2".into())]);
     stop(&w1, &busy).await;
+    let metrics = reqwest::get(format!("{}/metrics", r.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "cynode_pm_placements_total{worker=\"w1\"} 2",
+        "cynode_pm_placements_total{worker=\"w2\"} 4",
+        "cynode_pm_worker_up{worker=\"w2\"} 1",
+    ] {
+        assert!(metrics.contains(line), "{line} missing from:\n{metrics}");
+    }
     drop(w2);
 }
