@@ -1,4 +1,5 @@
-//! Load test: 1, 2 and 3 `cynode-pm serve` replicas on one PostgreSQL and one bwrap worker.
+//! Load test: 1, 2 and 3 `cynode-pm serve` replicas on one PostgreSQL and one or more
+//! bwrap workers of a worker registry.
 //!
 //! ```text
 //! # once: the tools, the static runner and the sandbox image (what pm/tests/e2e.rs does)
@@ -11,13 +12,14 @@
 //! # options (defaults shown):
 //! cargo bench -p cynode-pm --bench replicas -- --sessions 200 --replicas 1,2,3 \
 //!     --modes nojob,job --max-running 2 --max-active 64 --post-concurrency 16 \
-//!     --deadline 300 [--pm-bin PATH (another cynode-pm build, to compare)]
+//!     --deadline 300 --workers 1 [--pm-bin PATH (another cynode-pm build, to compare)]
 //! ```
 //!
 //! What one run is: a fresh PostgreSQL database (on the cluster `deploy/postgres/start.sh`
-//! starts), one `cynode-worker` (bwrap backend, the rootfs of
+//! starts), `--workers` `cynode-worker`s (bwrap backend, the rootfs of
 //! `localhost/cynode-sba-test:latest`, queue `max_running` 2 for 2 cores, `max_queued`
-//! 4096), N `cynode-pm serve` processes from `$CARGO_TARGET_DIR/release`, and a scripted
+//! 4096) listed in a workers file (capacity 64 each, so placement spreads by their live
+//! load), N `cynode-pm serve` processes from `$CARGO_TARGET_DIR/release`, and a scripted
 //! OpenAI-compatible model in this process that answers instantly by looking at the
 //! conversation (the idea of `benches/loop.rs`):
 //! - mode `job`: `plan_update` → `job_request` (write-files, one file) → `final`;
@@ -37,7 +39,8 @@
 //! replica's slot and the model's first answer), failures, duplicates (model calls or jobs
 //! beyond what the script needs for a session: the journal promises none), and the CPU
 //! each process used over the run (replicas, worker with its sandboxes, PostgreSQL, this
-//! process, the rest of the machine) with the load average. JSON goes to
+//! process, the rest of the machine) with the load average, and how many jobs each
+//! worker ran. JSON goes to
 //! `/var/cache/cynode/bench/replicas-<unix time>.json`.
 
 mod common;
@@ -219,7 +222,7 @@ struct ReplicaCfg<'a> {
     bins: &'a Path,
     db: &'a str,
     model: &'a str,
-    worker: &'a str,
+    workers_file: &'a Path,
     max_active: usize,
 }
 
@@ -234,12 +237,12 @@ fn start_replica(c: &ReplicaCfg, name: &str) -> (Proc, String) {
         .arg("--api-tokens-file")
         .arg(c.dir.join("tokens"))
         .args(["--replica-id", name, "--datastore-endpoint", c.db])
-        .args(["--worker-endpoint", c.worker])
+        .arg("--workers-file")
+        .arg(c.workers_file)
         .args(["--model-base-url", c.model, "--model-name", "bench"])
         .args(["--max-active-sessions", &c.max_active.to_string()])
         .arg("--state-dir")
         .arg(c.dir.join(name))
-        .env("CYNODE_WORKER_TOKEN", WORKER_TOKEN)
         .current_dir(repo())
         .stdout(Stdio::null())
         .stderr(log)
@@ -336,13 +339,13 @@ struct CpuSnap {
     this: u64,
 }
 
-fn snap(replicas: &[u32], worker: u32) -> CpuSnap {
+fn snap(replicas: &[u32], workers: &[u32]) -> CpuSnap {
     let own = |pid: u32| proc_ticks(pid).map(|(_, o, c)| o + c).unwrap_or(0);
     CpuSnap {
         at: Instant::now(),
         machine: machine_ticks(),
         replicas: replicas.iter().map(|p| own(*p)).collect(),
-        worker: own(worker),
+        worker: workers.iter().map(|p| own(*p)).sum(),
         postgres: postgres_ticks(),
         this: own(std::process::id()),
     }
@@ -519,6 +522,7 @@ struct RunCfg<'a> {
     max_running: usize,
     max_active: usize,
     post_concurrency: usize,
+    workers: usize,
 }
 
 async fn fresh_db(pg_base: &str, name: &str) -> String {
@@ -547,21 +551,35 @@ async fn drop_db(pg_base: &str, name: &str) {
 }
 
 async fn one_run(c: &RunCfg<'_>) -> Value {
-    let tag = format!("{}{}", c.mode, c.replicas);
+    let tag = format!("{}{}w{}", c.mode, c.replicas, c.workers);
     let dbname = format!("load_{}_{}", tag, uuid::Uuid::new_v4().simple());
     let db = fresh_db(c.pg_base, &dbname).await;
     let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("tempdir: {e}"));
     std::fs::write(dir.path().join("tokens"), format!("{API_TOKEN} loadtest\n"))
         .unwrap_or_else(|e| panic!("tokens: {e}"));
-    let wdir = dir.path().join("worker");
-    std::fs::create_dir_all(&wdir).unwrap_or_else(|e| panic!("worker dir: {e}"));
-    let (worker, worker_url) = start_worker(&wdir, c.bins, c.rootfs, c.max_running);
+    let token = dir.path().join("worker-token");
+    std::fs::write(&token, WORKER_TOKEN).unwrap_or_else(|e| panic!("token: {e}"));
+    let mut workers = Vec::new();
+    let mut registry = String::from("workers:\n");
+    for i in 1..=c.workers.max(1) {
+        let wdir = dir.path().join(format!("worker{i}"));
+        std::fs::create_dir_all(&wdir).unwrap_or_else(|e| panic!("worker dir: {e}"));
+        let (w, url) = start_worker(&wdir, c.bins, c.rootfs, c.max_running);
+        registry.push_str(&format!(
+            "  - id: w{i}\n    endpoint: {url}\n    token_file: {}\n    capacity: 64\n    purposes:\n      \"*\": {IMAGE}\n",
+            token.display()
+        ));
+        workers.push(w);
+    }
+    let workers_file = dir.path().join("workers.yaml");
+    std::fs::write(&workers_file, registry).unwrap_or_else(|e| panic!("workers.yaml: {e}"));
+    let worker_pids: Vec<u32> = workers.iter().map(Proc::pid).collect();
     let rc = ReplicaCfg {
         dir: dir.path(),
         bins: c.bins,
         db: &db,
         model: c.model_url,
-        worker: &worker_url,
+        workers_file: &workers_file,
         max_active: c.max_active,
     };
     let mut procs = Vec::new();
@@ -590,7 +608,7 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
 
     let pids: Vec<u32> = procs.iter().map(Proc::pid).collect();
     let load_before = loadavg();
-    let before = snap(&pids, worker.pid());
+    let before = snap(&pids, &worker_pids);
     let objectives: Vec<String> = (0..c.sessions)
         .map(|i| format!("load test mode={} [lt {tag}-{i}]", c.mode))
         .collect();
@@ -602,7 +620,7 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
         Duration::from_secs(arg_num("--deadline", 300) as u64),
     )
     .await;
-    let after = snap(&pids, worker.pid());
+    let after = snap(&pids, &worker_pids);
     let load_after = loadavg();
     let cpu = cpu_between(&before, &after);
 
@@ -616,6 +634,7 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
     let mut first_sent = f64::INFINITY;
     let mut last_final = f64::NEG_INFINITY;
     let mut extra_jobs = 0u32;
+    let mut per_worker: std::collections::BTreeMap<String, u32> = Default::default();
     for (i, r) in created.iter().enumerate() {
         let (id, sent) = match r {
             Ok(x) => x,
@@ -633,6 +652,10 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
             }
         };
         let jobs = h.iter().filter(|e| e.0 == "job_dispatched").count() as u32;
+        for e in h.iter().filter(|e| e.0 == "job_dispatched") {
+            let w = e.2["worker_id"].as_str().unwrap_or("?").to_string();
+            *per_worker.entry(w).or_default() += 1;
+        }
         extra_jobs += jobs.saturating_sub(u32::from(c.mode == "job"));
         match h.iter().find(|e| e.0 == "final") {
             Some((_, at, _)) => {
@@ -664,7 +687,7 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
         .unwrap_or(0);
     let wall = (last_final - first_sent) / 1000.0;
     let result = json!({
-        "mode": c.mode, "replicas": c.replicas, "sessions": c.sessions,
+        "mode": c.mode, "replicas": c.replicas, "workers": c.workers, "jobs_per_worker": per_worker, "sessions": c.sessions,
         "worker_max_running": c.max_running, "max_active_sessions_per_replica": c.max_active,
         "wall_seconds": (wall * 100.0).round() / 100.0,
         "sessions_per_second": (c.sessions as f64 / wall * 10.0).round() / 10.0,
@@ -675,9 +698,10 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
         "cpu_cores": cpu, "loadavg_before": load_before, "loadavg_after": load_after,
     });
     println!(
-        "{:>5} x{}: {:6.1} sessions/s, {:6.2} s, time to final p50 {:6.0} ms p95 {:6.0} ms, claim delay p50 {:5.0} ms p95 {:5.0} ms, {} failures, {} extra model calls, {} extra jobs | cores: replicas {} worker {} postgres {} bench {} other {} busy {} | load {} -> {}",
+        "{:>5} x{} w{}: {:6.1} sessions/s, {:6.2} s, time to final p50 {:6.0} ms p95 {:6.0} ms, claim delay p50 {:5.0} ms p95 {:5.0} ms, {} failures, {} extra model calls, {} extra jobs | cores: replicas {} worker {} postgres {} bench {} other {} busy {} | load {} -> {}",
         c.mode,
         c.replicas,
+        c.workers,
         c.sessions as f64 / wall,
         wall,
         common::percentile(&ttf, 0.5),
@@ -696,11 +720,14 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
         result["loadavg_before"].as_str().unwrap_or(""),
         result["loadavg_after"].as_str().unwrap_or(""),
     );
+    if c.mode == "job" {
+        println!("      jobs per worker: {per_worker:?}");
+    }
     if let Some(f) = failures.first() {
         println!("      first failure: {f}");
     }
     drop(procs);
-    drop(worker);
+    drop(workers);
     if failures.is_empty() {
         drop_db(c.pg_base, &dbname).await;
     } else {
@@ -722,6 +749,11 @@ fn main() {
         let max_running = arg_num("--max-running", 2);
         let max_active = arg_num("--max-active", 64);
         let post_concurrency = arg_num("--post-concurrency", 16);
+        let nworkers: Vec<usize> = common::arg("--workers")
+            .unwrap_or_else(|| "1".into())
+            .split(',')
+            .filter_map(|s| s.trim().parse().ok())
+            .collect();
         let replicas: Vec<usize> = common::arg("--replicas")
             .unwrap_or_else(|| "1,2,3".into())
             .split(',')
@@ -771,6 +803,7 @@ fn main() {
         );
         let mut results = Vec::new();
         for mode in &modes {
+            for &workers in &nworkers {
             for &n in &replicas {
                 results.push(
                     one_run(&RunCfg {
@@ -785,9 +818,11 @@ fn main() {
                         max_running,
                         max_active,
                         post_concurrency,
+                        workers,
                     })
                     .await,
                 );
+            }
             }
         }
         let out = Path::new("/var/cache/cynode/bench");
