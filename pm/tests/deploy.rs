@@ -2,7 +2,9 @@
 //! compose file, the Kubernetes manifests and the systemd units offline, and its
 //! `--self-test` proves it fails on deliberately broken copies. The worker
 //! configurations the deployments ship are parsed here with the worker's own config type
-//! (unknown keys are errors), which no schema tool knows.
+//! (unknown keys are errors), which no schema tool knows, and the PM's worker registries
+//! (`--workers-file`) with the PM's own parser, checked against the deployment that
+//! mounts each one.
 //!
 //! A test binary of its own (not a module of tests/all.rs) so that
 //! `cargo nextest run -p cynode-pm --test deploy` checks the deployment files alone.
@@ -11,8 +13,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use cynode_pm::workers::{WorkerEntry, WorkersFile};
 use cynode_worker::config::{BackendKind, Config};
 use serde::Deserialize;
+use serde_yaml::Value;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -103,4 +107,282 @@ fn shipped_worker_configs_parse_with_the_worker_config_type() {
         "the compose file mounts the worker-token secret there; host-socket mode"
     );
     load("deploy/worker/worker.yaml");
+}
+
+fn read(rel: &str) -> String {
+    std::fs::read_to_string(repo().join(rel)).unwrap_or_else(|e| panic!("{rel}: {e}"))
+}
+
+/// The YAML documents of a (multi-document) manifest file.
+fn documents(rel: &str) -> Vec<Value> {
+    serde_yaml::Deserializer::from_str(&read(rel))
+        .map(|doc| Value::deserialize(doc).unwrap_or_else(|e| panic!("{rel}: {e}")))
+        .filter(|v| !v.is_null())
+        .collect()
+}
+
+fn the<'a>(docs: &'a [Value], kind: &str, name: &str) -> &'a Value {
+    let hits: Vec<&Value> = docs
+        .iter()
+        .filter(|o| o["kind"] == kind && o["metadata"]["name"] == name)
+        .collect();
+    assert_eq!(hits.len(), 1, "one {kind} {name}");
+    hits[0]
+}
+
+fn strings(v: &Value) -> Vec<&str> {
+    v.as_sequence()
+        .map(|s| s.iter().filter_map(Value::as_str).collect())
+        .unwrap_or_default()
+}
+
+fn registry(rel: &str) -> WorkersFile {
+    WorkersFile::parse(&read(rel)).unwrap_or_else(|e| panic!("{rel}: {e:#}"))
+}
+
+/// `(host, port)` of an `http://host:port` endpoint.
+fn host_port(w: &WorkerEntry) -> (String, u16) {
+    let rest = w.endpoint.strip_prefix("http://").expect("http endpoint");
+    let (host, port) = rest
+        .trim_end_matches('/')
+        .rsplit_once(':')
+        .unwrap_or_else(|| panic!("{}: endpoint {} names no port", w.id, w.endpoint));
+    (host.to_string(), port.parse().expect("a port number"))
+}
+
+/// The sandbox purposes deploy/sba/build-full-image.sh labels its image with.
+fn full_image_purposes() -> Vec<String> {
+    let script = read("deploy/sba/build-full-image.sh");
+    let line = script
+        .lines()
+        .find_map(|l| l.strip_prefix("PURPOSE=\""))
+        .expect("build-full-image.sh sets PURPOSE=\"...\"");
+    let mut purposes: Vec<String> = line
+        .trim_end_matches('"')
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    purposes.sort();
+    purposes
+}
+
+/// Every image the registry names is one the worker allows, and the full SBA image is
+/// offered for exactly the purposes it is built (and labelled) for.
+fn check_offers(rel: &str, reg: &WorkersFile, worker: &Config) {
+    let full = full_image_purposes();
+    for w in &reg.workers {
+        for (purpose, image) in &w.purposes {
+            assert!(
+                worker.image_allowed(image),
+                "{rel}: {}: {purpose} -> {image}, which the worker does not allow ({:?})",
+                w.id,
+                worker.images
+            );
+        }
+        let offered: Vec<String> = w
+            .purposes
+            .iter()
+            .filter(|(_, image)| image.as_str() == "localhost/cynode-sba:latest")
+            .map(|(p, _)| p.clone())
+            .collect();
+        assert_eq!(
+            offered, full,
+            "{rel}: {}: localhost/cynode-sba:latest serves what build-full-image.sh builds",
+            w.id
+        );
+    }
+}
+
+/// The worker config the k8s ConfigMap cynode-worker-config carries.
+fn k8s_worker_config(docs: &[Value]) -> Config {
+    let body = the(docs, "ConfigMap", "cynode-worker-config")["data"]["worker.yaml"]
+        .as_str()
+        .expect("worker.yaml")
+        .to_string();
+    serde_yaml::from_str(&body).expect("the worker ConfigMap parses")
+}
+
+#[test]
+fn k8s_worker_registry_lists_each_node_at_its_hostport() {
+    let rel = "deploy/k8s/pm-workers.yaml";
+    let reg = registry(rel);
+
+    // kustomization.yaml generates ConfigMap cynode-pm-workers (key workers.yaml) from it.
+    let kust = &documents("deploy/k8s/kustomization.yaml")[0];
+    let generators = kust["configMapGenerator"]
+        .as_sequence()
+        .expect("configMapGenerator");
+    let gen = generators
+        .iter()
+        .find(|g| g["name"] == "cynode-pm-workers")
+        .expect("a generator for cynode-pm-workers");
+    assert_eq!(gen["namespace"], "cynode");
+    assert_eq!(strings(&gen["files"]), ["workers.yaml=pm-workers.yaml"]);
+
+    // The PM reads it from that ConfigMap, mounted read-only, and has no single endpoint.
+    let pm_docs = documents("deploy/k8s/pm.yaml");
+    let pod = &the(&pm_docs, "Deployment", "cynode-pm")["spec"]["template"]["spec"];
+    let pm = &pod["containers"][0];
+    let args = strings(&pm["args"]);
+    assert!(
+        args.contains(&"--workers-file=/etc/cynode/workers.yaml"),
+        "{args:?}"
+    );
+    assert!(
+        !args
+            .iter()
+            .any(|a| a.starts_with("--worker-endpoint") || a.starts_with("--worker-token-file")),
+        "{args:?}"
+    );
+    let mounts = pm["volumeMounts"].as_sequence().expect("volumeMounts");
+    let mount = |name: &str| {
+        mounts
+            .iter()
+            .find(|m| m["name"] == name)
+            .unwrap_or_else(|| panic!("a mount of volume {name}"))
+    };
+    let volume = |name: &str| {
+        pod["volumes"]
+            .as_sequence()
+            .and_then(|v| v.iter().find(|v| v["name"] == name))
+            .unwrap_or_else(|| panic!("volume {name}"))
+    };
+    assert_eq!(mount("workers")["mountPath"], "/etc/cynode");
+    assert_eq!(mount("workers")["readOnly"], true);
+    let cm = &volume("workers")["configMap"];
+    assert_eq!(cm["name"], "cynode-pm-workers");
+    assert_eq!(cm["items"][0]["key"], "workers.yaml");
+    assert_eq!(cm["items"][0]["path"], "workers.yaml");
+
+    // Token: the cynode-worker-token Secret (key `token`) the PM mounts.
+    assert_eq!(
+        volume("worker-token")["secret"]["secretName"],
+        "cynode-worker-token"
+    );
+    let token = format!(
+        "{}/token",
+        mount("worker-token")["mountPath"].as_str().expect("path")
+    );
+    let secrets = documents("deploy/k8s/secrets.example.yaml");
+    assert!(
+        secrets.iter().any(|o| o["kind"] == "Secret"
+            && o["metadata"]["name"] == "cynode-worker-token"
+            && o["metadata"]["namespace"] == "cynode"
+            && o["stringData"]["token"].is_string()),
+        "secrets.example.yaml: the PM's cynode-worker-token has the key `token`"
+    );
+
+    // Each entry is one node's worker: the DaemonSet's hostPort, never a Service.
+    let worker_docs = documents("deploy/k8s/worker.yaml");
+    let ds = the(&worker_docs, "DaemonSet", "cynode-worker");
+    let port = &ds["spec"]["template"]["spec"]["containers"][0]["ports"][0];
+    assert_eq!(port["hostPort"], port["containerPort"]);
+    let node_port = port["hostPort"].as_u64().expect("a hostPort") as u16;
+    assert!(
+        !worker_docs.iter().any(|o| o["kind"] == "Service"),
+        "no Service in front of the node-local workers"
+    );
+    assert!(reg.workers.len() >= 2, "{rel}: shows more than one node");
+    for w in &reg.workers {
+        let (host, port) = host_port(w);
+        assert_eq!(port, node_port, "{rel}: {}", w.id);
+        assert!(!host.contains(".svc"), "{rel}: {host}");
+        assert_eq!(
+            w.token_file.as_deref(),
+            Some(Path::new(&token)),
+            "{rel}: {}",
+            w.id
+        );
+    }
+    check_offers(rel, &reg, &k8s_worker_config(&worker_docs));
+}
+
+#[test]
+fn compose_worker_registry_names_the_worker_service_and_its_secret() {
+    let rel = "deploy/compose/workers.yaml";
+    let reg = registry(rel);
+    let mut compose = documents("deploy/compose/compose.yaml").remove(0);
+    compose.apply_merge().expect("YAML merge keys");
+    let worker_cfg = load("deploy/worker/worker.container.yaml");
+    for name in ["pm-1", "pm-2"] {
+        let pm = &compose["services"][name];
+        let cmd = strings(&pm["command"]);
+        assert!(
+            cmd.contains(&"--workers-file=/etc/cynode/workers.yaml"),
+            "{name}: {cmd:?}"
+        );
+        assert!(
+            !cmd.iter().any(|a| a.starts_with("--worker-endpoint")),
+            "{name}: {cmd:?}"
+        );
+        assert!(
+            strings(&pm["volumes"]).contains(&"./workers.yaml:/etc/cynode/workers.yaml:ro"),
+            "{name}: mounts {rel} read-only"
+        );
+        assert!(strings(&pm["secrets"]).contains(&"worker-token"), "{name}");
+    }
+    assert!(strings(&compose["services"]["worker"]["secrets"]).contains(&"worker-token"));
+    assert_eq!(reg.workers.len(), 1);
+    let w = &reg.workers[0];
+    assert_eq!(
+        (w.id.as_str(), host_port(w)),
+        ("worker", ("worker".to_string(), worker_cfg.listen.port()))
+    );
+    // Compose mounts the secret worker-token at /run/secrets/worker-token in every
+    // service: the PM presents the token the worker checks.
+    assert_eq!(
+        w.token_file.as_deref(),
+        Some(Path::new("/run/secrets/worker-token"))
+    );
+    assert_eq!(w.token_file, worker_cfg.token_file);
+    check_offers(rel, &reg, &worker_cfg);
+}
+
+#[test]
+fn systemd_worker_registry_uses_the_units_credential() {
+    let rel = "deploy/systemd/workers.yaml";
+    let reg = registry(rel);
+    let unit = read("deploy/systemd/cynode-pm.service");
+    let exec = unit
+        .replace("\\\n", " ")
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart=").map(str::to_string))
+        .expect("ExecStart");
+    let args: Vec<&str> = exec.split_whitespace().collect();
+    assert!(
+        args.windows(2)
+            .any(|a| a == ["--workers-file", "/etc/cynode/workers.yaml"]),
+        "{exec}"
+    );
+    assert!(!args.contains(&"--worker-endpoint"), "{exec}");
+    assert!(
+        unit.contains("deploy/systemd/workers.yaml /etc/cynode/workers.yaml"),
+        "the install steps put {rel} where --workers-file reads it"
+    );
+    let worker_cfg = load("deploy/worker/worker.yaml");
+    assert_eq!(reg.workers.len(), 1);
+    let w = &reg.workers[0];
+    assert_eq!(
+        host_port(w),
+        (worker_cfg.listen.ip().to_string(), worker_cfg.listen.port()),
+        "{rel}: the local cynode-worker.service"
+    );
+    // The token is the credential the unit loads from the worker's own token file.
+    let cred = w
+        .token_file
+        .as_deref()
+        .and_then(|p| p.strip_prefix("/run/credentials/cynode-pm.service").ok())
+        .and_then(|p| p.to_str())
+        .expect("token_file is a credential of cynode-pm.service");
+    let source = worker_cfg
+        .token_file
+        .as_deref()
+        .expect("worker.yaml names its token file");
+    assert!(
+        unit.lines()
+            .any(|l| l == format!("LoadCredential={cred}:{}", source.display())),
+        "cynode-pm.service loads credential {cred} from {}",
+        source.display()
+    );
+    check_offers(rel, &reg, &worker_cfg);
 }
