@@ -4,8 +4,8 @@
 //! - [`policy`]: the policy gate (Rego in-process with regorus, or an external OPA).
 //! - [`llm`]: the model client, the reply contract and the prompt.
 //! - [`session`], [`store`]: the durable session record in SQLite or PostgreSQL.
-//! - [`driver`]: the loop; [`dispatch`]: the Worker API client; [`artifacts`]: verified,
-//!   content-addressed artifact storage.
+//! - [`driver`]: the loop; [`dispatch`]: the Worker API client; [`workers`]: the worker
+//!   registry and job placement; [`artifacts`]: verified, content-addressed artifact storage.
 //! - [`cli`]: `cynode-pm skills …`, `policy check`, `run`, `sessions …`.
 
 pub mod artifacts;
