@@ -520,9 +520,15 @@ impl Pm {
         let mut delay = std::time::Duration::from_millis(200);
         loop {
             match self.workers.place(purpose).await {
-                Err(e) if e.is_retryable() && tokio::time::Instant::now() + delay < deadline => {
-                    tracing::warn!(purpose, error = %e, retry_in_ms = delay.as_millis() as u64, "no worker can take the job yet");
-                    tokio::time::sleep(delay).await;
+                Err(e) if e.is_retryable() => {
+                    // Wait the whole `worker_wait`: the last try is at the deadline.
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    if left.is_zero() {
+                        return Err(e);
+                    }
+                    let nap = delay.min(left);
+                    tracing::warn!(purpose, error = %e, retry_in_ms = nap.as_millis() as u64, "no worker can take the job yet");
+                    tokio::time::sleep(nap).await;
                     delay = (delay * 2).min(std::time::Duration::from_secs(5));
                 }
                 r => return r,

@@ -276,3 +276,110 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
     }
     drop(w2);
 }
+
+/// Creates a session (with `body`'s extra fields) and waits for a terminal state.
+async fn session_ending(base: &str, body: Value) -> Value {
+    let (code, v) = call(
+        reqwest::Method::POST,
+        &format!("{base}/v1/sessions"),
+        TENANT_A,
+        Some(body),
+    )
+    .await;
+    assert_eq!(code, 201, "{v}");
+    wait_status(
+        base,
+        v["session_id"].as_str().unwrap(),
+        &["completed", "failed", "canceled"],
+        Duration::from_secs(60),
+    )
+    .await
+}
+
+/// A seed path the worker refuses (outside its seed roots) fails the session when the
+/// first job places the workspace, naming the worker and its reason; no job runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_seed_fails_the_session_naming_the_worker() {
+    let w = start_worker(0);
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _m) = model_server(vec![plan("t1"), write("t1"), fin()]);
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let endpoint = format!("http://{}", w.addr);
+    let r = start_replica_with(
+        dir.path(),
+        "r1",
+        &db,
+        &model,
+        &["--worker-endpoint", &endpoint],
+        &[],
+    );
+    let v = session_ending(
+        &r.base,
+        json!({ "objective": "seed from /etc", "workspace": { "seed_path": "/etc" } }),
+    )
+    .await;
+    assert_eq!(v["status"], "failed", "{v}");
+    let msg = v["failure"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("worker default refused to create the session's workspace"),
+        "{msg}"
+    );
+    assert_eq!(v["worker_id"], "default");
+}
+
+/// With every worker offering the purpose unreachable, the first job waits
+/// `--worker-wait-seconds` and the session fails `worker_unavailable`, naming each
+/// worker and why; `/readyz` says no worker is ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_reachable_worker_fails_the_session_after_the_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("worker-token"), TOKEN).unwrap();
+    let token = dir.path().join("worker-token");
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_port = dead.local_addr().unwrap().port();
+    drop(dead);
+    std::fs::write(
+        dir.path().join("workers.yaml"),
+        format!(
+            "workers:\n- id: gone-a\n  endpoint: http://127.0.0.1:{dead_port}\n  token_file: {t}\n  purposes: {{ \"*\": {IMAGE} }}\n- id: gone-b\n  endpoint: http://127.0.0.1:1\n  token_file: {t}\n  purposes: {{ base-tools: {IMAGE} }}\n",
+            t = token.display()
+        ),
+    )
+    .unwrap();
+    let (model, _m) = model_server(vec![plan("t1"), write("t1"), fin()]);
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let workers = dir.path().join("workers.yaml").display().to_string();
+    let r = start_replica_with(
+        dir.path(),
+        "r1",
+        &db,
+        &model,
+        &["--workers-file", &workers],
+        &["--worker-wait-seconds", "3"],
+    );
+    let t = std::time::Instant::now();
+    let v = session_ending(&r.base, json!({ "objective": "nowhere to run" })).await;
+    assert_eq!(v["status"], "failed", "{v}");
+    assert_eq!(v["failure"]["kind"], "worker_unavailable", "{v}");
+    let msg = v["failure"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("no worker offering `base-tools` is reachable")
+            && msg.contains("gone-a")
+            && msg.contains("gone-b"),
+        "{msg}"
+    );
+    assert!(
+        t.elapsed() >= Duration::from_secs(3),
+        "it waited {:?}",
+        t.elapsed()
+    );
+    assert_eq!(v["jobs_dispatched"], 0);
+    let (code, ready) = call(
+        reqwest::Method::GET,
+        &format!("{}/readyz", r.base),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert_eq!(code, 503, "{ready}");
+}
