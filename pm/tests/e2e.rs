@@ -240,6 +240,57 @@ fn objective_completes_through_worker_and_sba() {
     assert!(last.contains("hello.txt"), "{last}");
 }
 
+/// `run --workspace DIR`: the workspace is created, seeded from DIR, on the worker the
+/// first job is placed on, before that job runs; the changeset is against the seed.
+#[test]
+fn seeded_workspace_is_created_where_the_first_job_runs() {
+    let state = tempfile::tempdir().unwrap();
+    let seed = tempfile::tempdir().unwrap();
+    std::fs::write(seed.path().join("notes.txt"), "a seeded line\n").unwrap();
+    let script = vec![
+        json!({ "type": "plan_update", "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write", "status": "pending" } },
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t2", "description": "search", "status": "pending" } }
+        ], "payload": { "note": "two tasks" } }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
+            "inputs": { "files": [{ "path": "hello.txt", "content": "hi\n" }] } } }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t2", "skill_id": "search-code",
+            "inputs": { "pattern": "seeded" } } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
+    ];
+    let (url, model) = model_server(script);
+    let seed_arg = seed.path().display().to_string();
+    let out = pm(
+        state.path(),
+        &url,
+        &["run", "work on the seeded tree", "--workspace", &seed_arg],
+        None,
+    );
+    let v = final_state(&out);
+    assert_eq!(
+        (out.status.code(), v["status"].clone()),
+        (Some(0), json!("completed")),
+        "{v}"
+    );
+    assert_eq!(v["worker_id"], "default");
+    let ws = state
+        .path()
+        .join("worker/state/workspaces")
+        .join(session_id(&out));
+    assert_eq!(
+        std::fs::read_to_string(ws.join("notes.txt")).unwrap(),
+        "a seeded line\n"
+    );
+    let changeset = v["deliverable"]["changeset"].as_str().unwrap_or("");
+    assert!(
+        changeset.contains("+hi") && !changeset.contains("notes.txt"),
+        "{changeset}"
+    );
+    // The search ran in the seeded tree.
+    let last = model.requests().last().unwrap().to_string();
+    assert!(last.contains("notes.txt"), "{last}");
+}
+
 /// The progress guard: after three plan-only replies the next turn's schema has no
 /// plan_update variant and the model is told to act; a fourth plan_update (from a backend
 /// that ignores the schema) is rejected and asked again, and the session still completes.
