@@ -1,7 +1,9 @@
 //! Observability end to end: the real `cynode-pm run` with its local bwrap worker and a
 //! scripted model. With `CYNODE_OTLP_ENDPOINT` pointing at an in-test OTLP/HTTP receiver
-//! the session's spans arrive as protobuf in one trace, and the worker logs the same
-//! trace id (from the `traceparent` header) on the job's lines. Without it, the PM's JSON
+//! the session's spans arrive as protobuf in one trace, the worker (which inherits the
+//! variable) exports its `request` and `job` spans into the same trace under the PM's
+//! submit call, and logs the same trace id (from the `traceparent` header) on the job's
+//! lines. Without it, the PM's JSON
 //! log lines still carry session_id, and job lines job_id, task_id and skill_id.
 
 use std::collections::BTreeMap;
@@ -48,9 +50,12 @@ fn otlp_receiver() -> (String, Bodies) {
 /// One exported span, flattened.
 #[derive(Debug)]
 struct Span {
+    /// The exporting process's `service.name`.
+    service: String,
     name: String,
     trace_id: String,
     span_id: String,
+    parent_span_id: String,
     attrs: BTreeMap<String, String>,
 }
 
@@ -74,15 +79,17 @@ fn spans(bodies: &Bodies) -> (Vec<Span>, Vec<BTreeMap<String, String>>) {
         assert_eq!(ct, "application/x-protobuf");
         let req = ExportTraceServiceRequest::decode(body.as_slice()).expect("OTLP protobuf");
         for rs in req.resource_spans {
-            resources.push(attrs(
-                &rs.resource.map(|r| r.attributes).unwrap_or_default(),
-            ));
+            let resource = attrs(&rs.resource.map(|r| r.attributes).unwrap_or_default());
+            let service = resource.get("service.name").cloned().unwrap_or_default();
+            resources.push(resource);
             for ss in rs.scope_spans {
                 for s in ss.spans {
                     out.push(Span {
+                        service: service.clone(),
                         name: s.name.clone(),
                         trace_id: hex(&s.trace_id),
                         span_id: hex(&s.span_id),
+                        parent_span_id: hex(&s.parent_span_id),
                         attrs: attrs(&s.attributes),
                     });
                 }
@@ -157,10 +164,13 @@ fn otlp_traces_arrive_and_the_worker_logs_the_same_trace_id() {
     // The provider was flushed before the process exited: everything is here now.
     let (spans, resources) = spans(&bodies);
     assert!(!spans.is_empty(), "no spans exported");
-    assert!(
-        resources
-            .iter()
-            .all(|r| r.get("service.name").map(String::as_str) == Some("cynode-pm")),
+    let services: std::collections::BTreeSet<&str> = resources
+        .iter()
+        .filter_map(|r| r.get("service.name").map(String::as_str))
+        .collect();
+    assert_eq!(
+        services,
+        ["cynode-pm", "cynode-worker"].into(),
         "{resources:?}"
     );
     let session = spans
@@ -213,6 +223,30 @@ fn otlp_traces_arrive_and_the_worker_logs_the_same_trace_id() {
             .get("http.response.status_code")
             .map(String::as_str),
         Some("202")
+    );
+
+    // The worker's spans continue the trace: its `request` span is a child of the PM's
+    // submit call, and the job's `job` span a child of that request.
+    let worker_request = spans
+        .iter()
+        .find(|s| s.service == "cynode-worker" && s.parent_span_id == submit.span_id)
+        .unwrap_or_else(|| panic!("no worker span under the submit call in {spans:?}"));
+    assert_eq!(worker_request.name, "request");
+    assert_eq!(
+        worker_request.attrs.get("path").map(String::as_str),
+        Some("/v1/worker/jobs")
+    );
+    let job_span = spans
+        .iter()
+        .find(|s| s.service == "cynode-worker" && s.name == "job")
+        .unwrap_or_else(|| panic!("no worker job span in {spans:?}"));
+    assert_eq!(
+        (
+            job_span.attrs.get("job_id"),
+            job_span.parent_span_id.as_str()
+        ),
+        (Some(&job_id), worker_request.span_id.as_str()),
+        "{job_span:?}"
     );
 
     // The local worker got `traceparent` on the job's calls and logged its trace id.

@@ -93,12 +93,12 @@ impl NodeArgs {
 /// Entry point; returns the process exit code.
 pub fn main() -> anyhow::Result<i32> {
     let cli = Cli::parse();
-    init_logging();
+    let exporter = crate::trace::init(std::env::var("CYNODE_OTLP_ENDPOINT").ok().as_deref())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    rt.block_on(async move {
+    let code = rt.block_on(async move {
         match cli.command {
             Command::Serve(args) => serve(args).await.map(|()| 0),
             Command::Check(args) => check(args).await,
@@ -108,7 +108,15 @@ pub fn main() -> anyhow::Result<i32> {
                 Ok(if report.matches { 0 } else { 1 })
             }
         }
-    })
+    });
+    drop(rt);
+    // Outside the runtime: the exporter's blocking client sends what is still buffered.
+    if let Some(p) = exporter {
+        if let Err(e) = p.shutdown() {
+            eprintln!("cynode-worker: exporting the last traces failed: {e}");
+        }
+    }
+    code
 }
 
 async fn check(args: NodeArgs) -> anyhow::Result<i32> {
@@ -186,16 +194,4 @@ async fn shutdown_signal() {
         }
         _ => std::future::pending::<()>().await,
     }
-}
-
-fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("CYNODE_LOG_LEVEL")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .json()
-        .with_env_filter(filter)
-        .with_current_span(false)
-        .with_target(false)
-        .with_writer(std::io::stderr)
-        .init();
 }

@@ -307,12 +307,14 @@ impl Node {
             result: None,
         };
         let node = Arc::clone(self);
-        // The job keeps the submitting request's span (its caller's trace_id).
+        // The job runs in a `job` span under the submitting request's span (its caller's
+        // trace_id), so its log lines and exported span join the caller's trace.
+        let span = tracing::info_span!("job", job_id = %req.job_id, task_id = %req.task_id);
         tokio::spawn(
             async move {
                 node.execute(req).await;
             }
-            .instrument(tracing::Span::current()),
+            .instrument(span),
         );
         Ok((true, status))
     }

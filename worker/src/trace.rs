@@ -1,12 +1,100 @@
-//! W3C trace context on incoming Worker API calls: a valid `traceparent` header puts the
-//! request (and the job it starts) in a `request` span carrying the caller's `trace_id`,
-//! so the worker's log lines for that job can be joined with the caller's trace.
-//! The worker exports no spans itself.
+//! Logging and W3C trace context.
+//!
+//! - Log lines: JSON on stderr at `CYNODE_LOG_LEVEL` (default `info`).
+//! - Incoming Worker API calls with a valid `traceparent` header run (with the job they
+//!   start) in a `request` span carrying the caller's `trace_id` and `parent_span_id`, so
+//!   the worker's log lines for that job join the caller's trace.
+//! - With `CYNODE_OTLP_ENDPOINT` (e.g. `http://collector:4318`; `/v1/traces` is appended)
+//!   the worker also exports its spans over OTLP/HTTP protobuf (service `cynode-worker`):
+//!   the `request` span becomes a child of the caller's span, and each job runs in a
+//!   `job` span under it, so one trace shows the PM's call and the sandbox's run. A
+//!   submit's `request` span lasts until its job ends (the job runs inside it).
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::Context as _;
 use axum::extract::Request;
+use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::Response;
+use opentelemetry::trace::TracerProvider as _;
+use opentelemetry_otlp::{Protocol, WithExportConfig};
+use opentelemetry_sdk::propagation::TraceContextPropagator;
+use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing::level_filters::LevelFilter;
 use tracing::Instrument;
+use tracing_opentelemetry::OpenTelemetrySpanExt;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
+
+/// Set once an OTLP exporter is installed: only then are remote parents attached.
+static EXPORTING: AtomicBool = AtomicBool::new(false);
+
+/// Installs the global subscriber: JSON log lines, plus the OTLP exporter when
+/// `otlp_endpoint` is given. Returns the exporter's provider, to flush with
+/// `shutdown()` outside the async runtime on exit.
+pub fn init(otlp_endpoint: Option<&str>) -> anyhow::Result<Option<SdkTracerProvider>> {
+    let filter =
+        EnvFilter::try_from_env("CYNODE_LOG_LEVEL").unwrap_or_else(|_| EnvFilter::new("info"));
+    let fmt = tracing_subscriber::fmt::layer()
+        .json()
+        .with_current_span(false)
+        .with_target(false)
+        .with_writer(std::io::stderr)
+        .with_filter(filter);
+    let Some(endpoint) = otlp_endpoint.map(str::trim).filter(|e| !e.is_empty()) else {
+        let _ = tracing_subscriber::registry().with(fmt).try_init();
+        return Ok(None);
+    };
+    let e = endpoint.trim_end_matches('/');
+    let url = if e.ends_with("/v1/traces") {
+        e.to_string()
+    } else {
+        format!("{e}/v1/traces")
+    };
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_protocol(Protocol::HttpBinary)
+        .with_endpoint(&url)
+        .build()
+        .with_context(|| format!("cannot set up the OTLP exporter for {url}"))?;
+    let provider = SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(
+            opentelemetry_sdk::Resource::builder()
+                .with_service_name("cynode-worker")
+                .build(),
+        )
+        .build();
+    let otel = tracing_opentelemetry::layer()
+        .with_tracer(provider.tracer("cynode-worker"))
+        .with_filter(Targets::new().with_target("cynode_worker", LevelFilter::INFO));
+    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
+    if tracing_subscriber::registry()
+        .with(fmt)
+        .with(otel)
+        .try_init()
+        .is_ok()
+    {
+        EXPORTING.store(true, Ordering::SeqCst);
+    }
+    Ok(Some(provider))
+}
+
+/// Reads propagation headers from a request.
+struct Headers<'a>(&'a HeaderMap);
+
+impl opentelemetry::propagation::Extractor for Headers<'_> {
+    fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).and_then(|v| v.to_str().ok())
+    }
+
+    fn keys(&self) -> Vec<&str> {
+        self.0.keys().map(|k| k.as_str()).collect()
+    }
+}
 
 /// The trace id and parent span id of a W3C `traceparent` value
 /// (`{version}-{trace-id}-{parent-id}-{flags}`, lowercase hex), or `None` when it is not
@@ -34,7 +122,8 @@ pub fn parse_traceparent(value: &str) -> Option<(&str, &str)> {
 }
 
 /// Middleware: runs a request that carries a valid `traceparent` inside a `request`
-/// span with its `trace_id` and `parent_span_id`; other requests run as before.
+/// span with its `trace_id` and `parent_span_id` (and, when exporting, the caller's span
+/// as its parent); other requests run as before.
 pub async fn traced(req: Request, next: Next) -> Response {
     let ids = req
         .headers()
@@ -51,6 +140,12 @@ pub async fn traced(req: Request, next: Next) -> Response {
                 method = %req.method(),
                 path = %req.uri().path(),
             );
+            if EXPORTING.load(Ordering::Relaxed) {
+                let parent = opentelemetry::global::get_text_map_propagator(|p| {
+                    p.extract(&Headers(req.headers()))
+                });
+                let _ = span.set_parent(parent);
+            }
             next.run(req).instrument(span).await
         }
         None => next.run(req).await,
