@@ -680,6 +680,10 @@ async fn a_terminated_replica_hands_its_session_over_at_once() {
         t.elapsed()
     );
     assert!(exited < Duration::from_secs(10), "exit took {exited:?}");
+    eprintln!(
+        "SIGTERM: the replica exited after {exited:?}; the session completed on the other {:?} after the signal",
+        t.elapsed()
+    );
     assert_eq!(script.requests().len(), 3, "no model call twice");
     assert_eq!(v["jobs_dispatched"], 1);
     let victim_name = if owner == "r1" { "r1" } else { "r2" };
