@@ -229,13 +229,25 @@ pub(crate) async fn build_pm(
     cfg.max_tokens = args.max_tokens;
     cfg.temperature = args.temperature;
     cfg.api_key = ModelConfig::api_key_from_env();
-    for skill in registry.iter() {
-        if !workers.offers(&skill.manifest.purpose) {
-            tracing::warn!(skill_id = %skill.manifest.skill_id, purpose = %skill.manifest.purpose, "no worker offers this skill's sandbox purpose; its jobs will be refused");
+    // The model (and `GET /v1/skills`) sees only the skills some worker can run.
+    let mut catalog = registry.catalog();
+    catalog.retain(|entry| {
+        let Some(skill) = registry.get(&entry.skill_id) else {
+            return false;
+        };
+        let runnable = workers.offers(&skill.manifest.purpose);
+        if !runnable {
+            tracing::warn!(skill_id = %entry.skill_id, purpose = %skill.manifest.purpose, "no worker offers this skill's sandbox purpose; the model is not offered it");
         }
-    }
+        runnable
+    });
+    anyhow::ensure!(
+        !catalog.is_empty() || registry.iter().next().is_none(),
+        "no worker offers the sandbox purpose of any skill (offered: {})",
+        workers.offered().join(", ")
+    );
     Ok(Pm {
-        contract: crate::llm::Contract::new(registry.catalog())?,
+        contract: crate::llm::Contract::new(catalog)?,
         registry,
         store,
         gate,

@@ -159,7 +159,8 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
         plan("t1"),
         job("t1", "python-test", json!({})),
         fin(),
-        // s4: go-tools is offered by no worker.
+        // s4: go-tools is offered by no worker: go-test is not in the model's catalog, so
+        // the reply is rejected by the contract and asked again.
         plan("t1"),
         job("t1", "go-test", json!({})),
         fin(),
@@ -177,7 +178,7 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
         write("t1"),
         fin(),
     ];
-    let (model, _m) = model_server(script);
+    let (model, m) = model_server(script);
     let db = format!("sqlite://{}", dir.path().join("pm.db").display());
     let workers_arg = workers.display().to_string();
     let r = start_replica_with(
@@ -223,19 +224,35 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
     let (_, e3) = session(&r.base).await;
     assert_eq!(routed(&e3), [("job_dispatched".into(), "w2".into())]);
 
+    let asked_before = m.requests().len();
     let (s4, e4) = session(&r.base).await;
-    assert_eq!(routed(&e4), [("job_refused".into(), "".into())]);
-    let why = e4.iter().find(|e| e["kind"] == "job_refused").unwrap()["data"]["reason"]
-        .as_str()
-        .unwrap()
-        .to_string();
-    assert!(
-        why.contains(
-            "no worker offers sandbox purpose `go-tools` (offered: base-tools, python-tools)"
-        ),
-        "{why}"
-    );
+    assert_eq!(routed(&e4), []);
     assert_eq!(s4["worker_id"], Value::Null);
+    let requests = m.requests();
+    // plan, the go-test reply (rejected: not in the schema's skill list), final.
+    assert_eq!(requests.len() - asked_before, 3);
+    let schema = requests[asked_before]["response_format"].to_string();
+    assert!(
+        schema.contains("python-test") && !schema.contains("go-test"),
+        "{schema}"
+    );
+    let (_, skills) = call(
+        reqwest::Method::GET,
+        &format!("{}/v1/skills", r.base),
+        TENANT_A,
+        None,
+    )
+    .await;
+    let ids: Vec<&str> = skills["skills"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["skill_id"].as_str().unwrap())
+        .collect();
+    assert!(
+        ids.contains(&"write-files") && ids.contains(&"python-test") && !ids.contains(&"go-test"),
+        "{ids:?}"
+    );
 
     let busy = make_busy(&w1, "a").await;
     let (_, e5) = session(&r.base).await;
