@@ -400,3 +400,35 @@ async fn no_reachable_worker_fails_the_session_after_the_wait() {
     .await;
     assert_eq!(code, 503, "{ready}");
 }
+
+/// A registry under which no skill can run is a startup error that names what is offered.
+#[test]
+fn no_runnable_skill_is_a_startup_error() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("worker-token"), TOKEN).unwrap();
+    std::fs::write(dir.path().join("tokens"), format!("{TENANT_A} acme\n")).unwrap();
+    std::fs::write(
+        dir.path().join("workers.yaml"),
+        format!(
+            "workers:\n- id: w1\n  endpoint: http://127.0.0.1:1\n  token_file: {}\n  purposes: {{ cobol-tools: {IMAGE} }}\n",
+            dir.path().join("worker-token").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--api-tokens-file"])
+        .arg(dir.path().join("tokens"))
+        .arg("--workers-file")
+        .arg(dir.path().join("workers.yaml"))
+        .arg("--state-dir")
+        .arg(dir.path().join("state"))
+        .current_dir(crate::e2e::repo())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_ne!(out.status.code(), Some(0), "{err}");
+    assert!(
+        err.contains("no worker offers the sandbox purpose of any skill (offered: cobol-tools)"),
+        "{err}"
+    );
+}
