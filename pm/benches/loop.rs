@@ -77,15 +77,10 @@ async fn pm(model_url: &str, worker: Option<(String, String)>, image: &str, db: 
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
-    rt.block_on(async {
+    common::runtime().block_on(async {
         let worker = common::arg("--worker").map(|w| (w, common::arg("--token").unwrap_or_default()));
         let image = common::arg("--image").unwrap_or_else(|| "localhost/cynode-sba-test:latest".into());
-        let sessions: usize = common::arg("--sessions").and_then(|s| s.parse().ok()).unwrap_or(200);
+        let sessions = common::arg_num("--sessions", 200);
         let model = Model { with_job: worker.is_some(), server_ns: Arc::new(AtomicU64::new(0)) };
         let app = Router::new().route("/v1/chat/completions", post(completions)).with_state(model.clone());
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap_or_else(|e| panic!("{e}"));

@@ -64,12 +64,6 @@ fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-fn arg_num(name: &str, default: usize) -> usize {
-    common::arg(name)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(default)
-}
-
 fn now_ms() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
@@ -617,7 +611,7 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
         &http,
         &bases[0],
         nwarm + created.iter().filter(|r| r.is_ok()).count() as u64,
-        Duration::from_secs(arg_num("--deadline", 300) as u64),
+        Duration::from_secs(common::arg_num("--deadline", 300) as u64),
     )
     .await;
     let after = snap(&pids, &worker_pids);
@@ -739,26 +733,13 @@ async fn one_run(c: &RunCfg<'_>) -> Value {
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap_or_else(|e| panic!("{e}"));
-    rt.block_on(async {
-        let sessions = arg_num("--sessions", 200);
-        let max_running = arg_num("--max-running", 2);
-        let max_active = arg_num("--max-active", 64);
-        let post_concurrency = arg_num("--post-concurrency", 16);
-        let nworkers: Vec<usize> = common::arg("--workers")
-            .unwrap_or_else(|| "1".into())
-            .split(',')
-            .filter_map(|s| s.trim().parse().ok())
-            .collect();
-        let replicas: Vec<usize> = common::arg("--replicas")
-            .unwrap_or_else(|| "1,2,3".into())
-            .split(',')
-            .filter_map(|s| s.trim().parse().ok())
-            .collect();
+    common::runtime().block_on(async {
+        let sessions = common::arg_num("--sessions", 200);
+        let max_running = common::arg_num("--max-running", 2);
+        let max_active = common::arg_num("--max-active", 64);
+        let post_concurrency = common::arg_num("--post-concurrency", 16);
+        let nworkers = common::arg_list("--workers", "1");
+        let replicas = common::arg_list("--replicas", "1,2,3");
         let modes: Vec<String> = common::arg("--modes")
             .unwrap_or_else(|| "nojob,job".into())
             .split(',')
@@ -804,9 +785,8 @@ fn main() {
         let mut results = Vec::new();
         for mode in &modes {
             for &workers in &nworkers {
-            for &n in &replicas {
-                results.push(
-                    one_run(&RunCfg {
+                for &n in &replicas {
+                    let run = RunCfg {
                         bins: &bins,
                         pg_base: &pg_base,
                         rootfs: &rootfs,
@@ -819,10 +799,9 @@ fn main() {
                         max_active,
                         post_concurrency,
                         workers,
-                    })
-                    .await,
-                );
-            }
+                    };
+                    results.push(one_run(&run).await);
+                }
             }
         }
         let out = Path::new("/var/cache/cynode/bench");

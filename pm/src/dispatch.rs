@@ -236,6 +236,16 @@ impl WorkerClient {
         Ok(())
     }
 
+    /// `GET /readyz` answers 200.
+    pub async fn ready(&self) -> bool {
+        self.http
+            .get(format!("{}/readyz", self.base))
+            .send()
+            .await
+            .map(|r| r.status().is_success())
+            .unwrap_or(false)
+    }
+
     /// The workspace's changes as a git diff (empty when nothing changed).
     pub async fn changeset(&self, workspace_id: &str) -> Result<String, DispatchError> {
         let r = self
@@ -263,15 +273,5 @@ impl WorkerClient {
         self.call(reqwest::Method::POST, "/v1/worker/workspaces", Some(&body))
             .await?;
         Ok(())
-    }
-
-    /// `GET /readyz` answers 200.
-    pub async fn ready(&self) -> bool {
-        self.http
-            .get(format!("{}/readyz", self.base))
-            .send()
-            .await
-            .map(|r| r.status().is_success())
-            .unwrap_or(false)
     }
 }

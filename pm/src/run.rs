@@ -230,14 +230,11 @@ pub(crate) async fn build_pm(
     cfg.temperature = args.temperature;
     cfg.api_key = ModelConfig::api_key_from_env();
     // The model (and `GET /v1/skills`) sees only the skills some worker can run.
-    let mut catalog = registry.catalog();
-    catalog.retain(|entry| {
-        let Some(skill) = registry.get(&entry.skill_id) else {
-            return false;
-        };
-        let runnable = workers.offers(&skill.manifest.purpose);
+    let catalog = registry.catalog_of(|skill| {
+        let m = &skill.manifest;
+        let runnable = workers.offers(&m.purpose);
         if !runnable {
-            tracing::warn!(skill_id = %entry.skill_id, purpose = %skill.manifest.purpose, "no worker offers this skill's sandbox purpose; the model is not offered it");
+            tracing::warn!(skill_id = %m.skill_id, purpose = %m.purpose, "no worker offers this skill's sandbox purpose; the model is not offered it");
         }
         runnable
     });

@@ -36,6 +36,9 @@ pub const ANY_PURPOSE: &str = "*";
 const DOWN_FIRST: Duration = Duration::from_secs(1);
 const DOWN_MAX: Duration = Duration::from_secs(30);
 
+/// How long a capacity probe may take before the worker counts as unreachable.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// The workers file.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -82,12 +85,7 @@ impl WorkerEntry {
     }
 
     fn check(&self) -> Result<(), String> {
-        let id_ok = !self.id.is_empty()
-            && self
-                .id
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-        if !id_ok {
+        if !crate::skills::manifest::is_id(&self.id) {
             return Err(format!(
                 "id `{}`: use lowercase letters, digits and `-`",
                 self.id
@@ -219,7 +217,6 @@ struct Member {
 /// The registry with each worker's client and health.
 pub struct WorkerPool {
     members: Vec<Member>,
-    probe_timeout: Duration,
 }
 
 impl std::fmt::Debug for WorkerPool {
@@ -233,19 +230,17 @@ impl std::fmt::Debug for WorkerPool {
 impl WorkerPool {
     /// A pool of the workers of `file`, reading their tokens now.
     pub fn from_file(file: &WorkersFile) -> anyhow::Result<WorkerPool> {
-        let mut members = Vec::new();
-        for e in &file.workers {
-            members.push(Member {
-                client: WorkerClient::new(&e.endpoint, &e.token()?),
-                entry: e.clone(),
-                health: Mutex::new(Health::default()),
-                placed: AtomicU64::new(0),
-            });
-        }
-        Ok(WorkerPool {
-            members,
-            probe_timeout: Duration::from_secs(2),
-        })
+        let members = file
+            .workers
+            .iter()
+            .map(|e| {
+                Ok(Member::new(
+                    e.clone(),
+                    WorkerClient::new(&e.endpoint, &e.token()?),
+                ))
+            })
+            .collect::<anyhow::Result<_>>()?;
+        Ok(WorkerPool { members })
     }
 
     /// One worker offering every purpose with `image` (`--worker-endpoint`, the local
@@ -261,19 +256,8 @@ impl WorkerPool {
             labels: BTreeMap::new(),
         };
         WorkerPool {
-            members: vec![Member {
-                entry,
-                client,
-                health: Mutex::new(Health::default()),
-                placed: AtomicU64::new(0),
-            }],
-            probe_timeout: Duration::from_secs(2),
+            members: vec![Member::new(entry, client)],
         }
-    }
-
-    /// The registered workers, in file order.
-    pub fn entries(&self) -> impl Iterator<Item = &WorkerEntry> {
-        self.members.iter().map(|m| &m.entry)
     }
 
     /// The client of worker `id`. Sessions saved before the registry existed name no
@@ -341,53 +325,23 @@ impl WorkerPool {
             });
         }
         let now = Instant::now();
-        let mut up: Vec<&Member> = candidates
+        let (mut up, down): (Vec<&Member>, Vec<&Member>) =
+            candidates.into_iter().partition(|m| !m.is_down(now));
+        let mut tried: Vec<String> = down
             .iter()
-            .copied()
-            .filter(|m| !m.is_down(now))
-            .collect();
-        let mut tried: Vec<String> = candidates
-            .iter()
-            .filter(|m| m.is_down(now))
             .map(|m| format!("{}: marked down, retried after its backoff", m.entry.id))
             .collect();
         if up.is_empty() {
             // Every candidate is backing off: ask the one whose backoff ends first rather
             // than refuse outright (the caller retries with its own backoff).
-            up = candidates
-                .iter()
-                .copied()
-                .min_by_key(|m| m.down_until())
-                .into_iter()
-                .collect();
+            up.extend(down.iter().copied().min_by_key(|m| m.down_until()));
         }
-        let probes = futures_util::future::join_all(up.iter().map(|m| async move {
-            let r = tokio::time::timeout(self.probe_timeout, m.client.capacity()).await;
-            (*m, r)
-        }))
-        .await;
+        let probes = futures_util::future::join_all(up.iter().map(|m| m.probe())).await;
         let mut answered = Vec::new();
-        for (m, r) in probes {
+        for (m, r) in up.into_iter().zip(probes) {
             match r {
-                Ok(Ok(c)) if c.ready => {
-                    m.mark_up();
-                    answered.push((m, c));
-                }
-                Ok(Ok(_)) => {
-                    m.mark_down("answers not ready");
-                    tried.push(format!("{}: not ready", m.entry.id));
-                }
-                Ok(Err(e)) => {
-                    m.mark_down(&e.to_string());
-                    tried.push(format!("{}: {e}", m.entry.id));
-                }
-                Err(_) => {
-                    m.mark_down("capacity probe timed out");
-                    tried.push(format!(
-                        "{}: no answer within {:?}",
-                        m.entry.id, self.probe_timeout
-                    ));
-                }
+                Ok(c) => answered.push((m, c)),
+                Err(why) => tried.push(format!("{}: {why}", m.entry.id)),
             }
         }
         let best = choose(
@@ -428,10 +382,12 @@ impl WorkerPool {
         })
     }
 
-    /// Whether at least one worker answers ready (for `/readyz`); updates health.
+    /// Whether at least one worker answers its `/readyz` (for the PM's `/readyz`). A
+    /// worker that answers is marked up; one that does not keeps its placement backoff
+    /// as it is (readiness probes do not lengthen it).
     pub async fn any_ready(&self) -> bool {
         let answers = futures_util::future::join_all(self.members.iter().map(|m| async move {
-            let ok = tokio::time::timeout(self.probe_timeout, m.client.ready())
+            let ok = tokio::time::timeout(PROBE_TIMEOUT, m.client.ready())
                 .await
                 .unwrap_or(false);
             if ok {
@@ -445,6 +401,31 @@ impl WorkerPool {
 }
 
 impl Member {
+    fn new(entry: WorkerEntry, client: WorkerClient) -> Self {
+        Member {
+            entry,
+            client,
+            health: Mutex::new(Health::default()),
+            placed: AtomicU64::new(0),
+        }
+    }
+
+    /// Asks the worker for its load; a worker that answers ready is marked up, any other
+    /// outcome marks it down and says why.
+    async fn probe(&self) -> Result<WorkerCapacity, String> {
+        let why = match tokio::time::timeout(PROBE_TIMEOUT, self.client.capacity()).await {
+            Ok(Ok(c)) if c.ready => {
+                self.mark_up();
+                return Ok(c);
+            }
+            Ok(Ok(_)) => "not ready".to_string(),
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
+        };
+        self.mark_down(&why);
+        Err(why)
+    }
+
     fn is_down(&self, now: Instant) -> bool {
         self.down_until().is_some_and(|t| t > now)
     }

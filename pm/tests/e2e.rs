@@ -189,15 +189,21 @@ pub(crate) fn final_state(out: &Output) -> Value {
 }
 
 fn happy_script() -> Vec<Value> {
+    write_then_search("hello from the model\n", "hello")
+}
+
+/// Plans t1 and t2, writes hello.txt with `content` (t1), searches for `pattern` (t2),
+/// finishes.
+fn write_then_search(content: &str, pattern: &str) -> Vec<Value> {
     vec![
         json!({ "type": "plan_update", "state_patch": [
             { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write the greeting", "status": "pending" } },
             { "op": "add", "path": "/plan/-", "value": { "task_id": "t2", "description": "find it again", "status": "pending" } }
         ], "payload": { "note": "two tasks" } }),
         json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
-            "inputs": { "files": [{ "path": "hello.txt", "content": "hello from the model\n" }] } } }),
+            "inputs": { "files": [{ "path": "hello.txt", "content": content }] } } }),
         json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t2", "skill_id": "search-code",
-            "inputs": { "pattern": "hello" } } }),
+            "inputs": { "pattern": pattern } } }),
         json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote hello.txt and found it", "artifacts": [] } }),
     ]
 }
@@ -247,18 +253,7 @@ fn seeded_workspace_is_created_where_the_first_job_runs() {
     let state = tempfile::tempdir().unwrap();
     let seed = tempfile::tempdir().unwrap();
     std::fs::write(seed.path().join("notes.txt"), "a seeded line\n").unwrap();
-    let script = vec![
-        json!({ "type": "plan_update", "state_patch": [
-            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write", "status": "pending" } },
-            { "op": "add", "path": "/plan/-", "value": { "task_id": "t2", "description": "search", "status": "pending" } }
-        ], "payload": { "note": "two tasks" } }),
-        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
-            "inputs": { "files": [{ "path": "hello.txt", "content": "hi\n" }] } } }),
-        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t2", "skill_id": "search-code",
-            "inputs": { "pattern": "seeded" } } }),
-        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
-    ];
-    let (url, model) = model_server(script);
+    let (url, model) = model_server(write_then_search("hi\n", "seeded"));
     let seed_arg = seed.path().display().to_string();
     let out = pm(
         state.path(),

@@ -537,59 +537,111 @@ async fn cancel_stops_the_worker_job() {
     assert_eq!(events.last().map(|e| e.1.as_str()), Some("canceled"));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_killed_replica_hands_its_session_to_another() {
+/// Two replicas on a fresh PostgreSQL database, one session napping in a worker job.
+struct MidJob {
+    dir: tempfile::TempDir,
+    worker: Worker,
+    script: crate::e2e::Model,
+    db: String,
+    replicas: [Replica; 2],
+    id: String,
+    job: String,
+    /// The replica holding the session's lease (index into `replicas`).
+    owner: usize,
+}
+
+/// Starts [`MidJob`] with `extra` replica flags and waits until the nap job is active.
+async fn two_replicas_mid_job(nap: u32, objective: &str, extra: &[&str]) -> MidJob {
     let dir = tempfile::tempdir().unwrap();
     let skills = sleep_skill(dir.path());
     let worker = start_worker(0);
-    let (model, script) = model_server(nap_script(4));
+    let (model, script) = model_server(nap_script(nap));
     let db = fresh_postgres().await;
     let skill_arg = skills.display().to_string();
-    let args = ["--skill-dir", &skill_arg, "--lease-seconds", "3"];
-    let mut r1 = start_replica(dir.path(), "r1", &db, &model, &worker, &args);
-    let mut r2 = start_replica(dir.path(), "r2", &db, &model, &worker, &args);
-    let id = create(&r1.base, "nap across a crash").await;
-    let job = wait_active_job(&r1.base, &id).await;
-    // Kill -9 whichever replica holds the lease, mid-job.
-    let owner = lease_owner(&db, &id).await.unwrap();
-    let (victim, survivor) = if owner == "r1" {
-        (&mut r1, &r2)
-    } else {
-        (&mut r2, &r1)
+    let mut args = vec!["--skill-dir", &skill_arg];
+    args.extend_from_slice(extra);
+    let replicas = ["r1", "r2"].map(|n| start_replica(dir.path(), n, &db, &model, &worker, &args));
+    let id = create(&replicas[0].base, objective).await;
+    let job = wait_active_job(&replicas[0].base, &id).await;
+    let owner = match lease_owner(&db, &id).await.as_deref() {
+        Some("r1") => 0,
+        Some("r2") => 1,
+        other => panic!("session {id} leased by {other:?}"),
     };
+    MidJob {
+        dir,
+        worker,
+        script,
+        db,
+        replicas,
+        id,
+        job,
+        owner,
+    }
+}
+
+impl MidJob {
+    /// The lease holder (mutable, to signal it) and the other replica.
+    fn victim_and_survivor(&mut self) -> (&mut Replica, &Replica) {
+        let [r1, r2] = &mut self.replicas;
+        if self.owner == 0 {
+            (r1, r2)
+        } else {
+            (r2, r1)
+        }
+    }
+
+    /// The log of replica `i`.
+    fn log(&self, i: usize) -> String {
+        std::fs::read_to_string(self.dir.path().join(format!("r{}.log", i + 1))).unwrap()
+    }
+
+    /// Waits for the surviving replica to complete the session, within 30 s of `t`,
+    /// with one job and no model call asked twice; returns the session.
+    async fn survivor_completes(&self, t: Instant) -> Value {
+        let survivor = &self.replicas[1 - self.owner];
+        let v = wait_status(
+            &survivor.base,
+            &self.id,
+            &["completed", "failed"],
+            Duration::from_secs(60),
+        )
+        .await;
+        assert_eq!(v["status"], "completed", "{v}");
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "takeover took {:?}",
+            t.elapsed()
+        );
+        // No duplicate: three replies asked for once each, one job.
+        assert_eq!(self.script.requests().len(), 3, "no model call twice");
+        assert_eq!(v["jobs_dispatched"], 1);
+        v
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replica_hands_its_session_to_another() {
+    let mut m = two_replicas_mid_job(4, "nap across a crash", &["--lease-seconds", "3"]).await;
+    // Kill -9 whichever replica holds the lease, mid-job.
+    let (victim, _) = m.victim_and_survivor();
     // SAFETY: SIGKILL to the child process this test started.
     unsafe { libc::kill(victim.child.id() as i32, libc::SIGKILL) };
     let _ = victim.child.wait();
-    let t = Instant::now();
-    let v = wait_status(
-        &survivor.base,
-        &id,
-        &["completed", "failed"],
-        Duration::from_secs(60),
-    )
-    .await;
-    assert_eq!(v["status"], "completed", "{v}");
-    assert!(
-        t.elapsed() < Duration::from_secs(30),
-        "takeover took {:?}",
-        t.elapsed()
-    );
-    // No duplicate: three replies asked for once each, one job.
-    assert_eq!(script.requests().len(), 3);
-    assert_eq!(v["jobs_dispatched"], 1);
+    m.survivor_completes(Instant::now()).await;
     // The job finished once and its result was acknowledged (then forgotten) by the PM.
-    let j = worker_job(&worker, &job).await;
+    let j = worker_job(&m.worker, &m.job).await;
     assert_eq!(j["status"], 404, "{j}");
+    let survivor = &m.replicas[1 - m.owner];
     let (_, full) = call(
         reqwest::Method::GET,
-        &format!("{}/v1/sessions/{id}", survivor.base),
+        &format!("{}/v1/sessions/{}", survivor.base, m.id),
         TENANT_A,
         None,
     )
     .await;
     assert_eq!(full["active_job_id"], Value::Null);
-    let survivor_name = if owner == "r1" { "r2" } else { "r1" };
-    let log = std::fs::read_to_string(dir.path().join(format!("{survivor_name}.log"))).unwrap();
+    let log = m.log(1 - m.owner);
     assert!(
         log.contains("driving session"),
         "the survivor never took over:\n{log}"
@@ -615,30 +667,14 @@ async fn lease_owner(db: &str, id: &str) -> Option<String> {
 /// without a second model call or job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminated_replica_hands_its_session_over_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let skills = sleep_skill(dir.path());
-    let worker = start_worker(0);
-    let (model, script) = model_server(nap_script(6));
-    let db = fresh_postgres().await;
-    let skill_arg = skills.display().to_string();
-    let args = [
-        "--skill-dir",
-        &skill_arg,
-        "--lease-seconds",
-        "120",
-        "--shutdown-grace-seconds",
-        "1",
-    ];
-    let mut r1 = start_replica(dir.path(), "r1", &db, &model, &worker, &args);
-    let mut r2 = start_replica(dir.path(), "r2", &db, &model, &worker, &args);
-    let id = create(&r1.base, "nap across a rolling update").await;
-    wait_active_job(&r1.base, &id).await;
-    let owner = lease_owner(&db, &id).await.unwrap();
-    let (victim, survivor) = if owner == "r1" {
-        (&mut r1, &r2)
-    } else {
-        (&mut r2, &r1)
-    };
+    let mut m = two_replicas_mid_job(
+        6,
+        "nap across a rolling update",
+        &["--lease-seconds", "120", "--shutdown-grace-seconds", "1"],
+    )
+    .await;
+    let id = m.id.clone();
+    let (victim, _) = m.victim_and_survivor();
     // A client following the session's events on the replica that goes away.
     let (victim_base, sid) = (victim.base.clone(), id.clone());
     let stream = tokio::spawn(async move { sse(&victim_base, &sid, None, None).await });
@@ -666,30 +702,16 @@ async fn a_terminated_replica_hands_its_session_over_at_once() {
         seen.iter().any(|e| e.1 == "job_dispatched"),
         "the stream delivered the session's events before ending: {seen:?}"
     );
-    let v = wait_status(
-        &survivor.base,
-        &id,
-        &["completed", "failed"],
-        Duration::from_secs(60),
-    )
-    .await;
-    assert_eq!(v["status"], "completed", "{v}");
-    assert!(
-        t.elapsed() < Duration::from_secs(30),
-        "takeover took {:?} (the lease is 120 s)",
-        t.elapsed()
-    );
+    // The lease is 120 s: completing within 30 s means it was released, not expired.
+    m.survivor_completes(t).await;
     assert!(exited < Duration::from_secs(10), "exit took {exited:?}");
     eprintln!(
         "SIGTERM: the replica exited after {exited:?}; the session completed on the other {:?} after the signal",
         t.elapsed()
     );
-    assert_eq!(script.requests().len(), 3, "no model call twice");
-    assert_eq!(v["jobs_dispatched"], 1);
-    let victim_name = if owner == "r1" { "r1" } else { "r2" };
-    let log = std::fs::read_to_string(dir.path().join(format!("{victim_name}.log"))).unwrap();
+    let log = m.log(m.owner);
     assert!(log.contains("handing sessions back"), "{log}");
-    assert_eq!(lease_owner(&db, &id).await, None, "released once done");
+    assert_eq!(lease_owner(&m.db, &id).await, None, "released once done");
 }
 
 /// The checked-in OpenAPI document is what the handlers describe.

@@ -10,25 +10,39 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::e2e::{model_server, start_worker, Worker, TOKEN};
-use crate::service::{call, start_replica_with, wait_status, TENANT_A};
+use crate::service::{call, start_replica_with, wait_status, Replica, TENANT_A};
 
 const IMAGE: &str = "localhost/cynode-sba-test:latest";
 
-fn workers_file(dir: &Path, w1: &Worker, w2: &Worker) -> std::path::PathBuf {
-    std::fs::write(dir.join("worker-token"), TOKEN).unwrap();
+/// Writes the workers' token file and `dir/workers.yaml` listing `entries` (YAML list
+/// items, where `TOKEN_FILE` stands for the token file's path); returns the file's path.
+fn registry(dir: &Path, entries: &str) -> String {
     let token = dir.join("worker-token");
-    let text = format!(
-        "workers:\n\
-         - id: w1\n  endpoint: http://{}\n  token_file: {}\n  capacity: 4\n  purposes:\n    base-tools: {IMAGE}\n  labels: {{ zone: a }}\n\
-         - id: w2\n  endpoint: http://{}\n  token_file: {}\n  capacity: 4\n  purposes:\n    base-tools: {IMAGE}\n    python-tools: {IMAGE}\n",
-        w1.addr,
-        token.display(),
-        w2.addr,
-        token.display()
-    );
+    std::fs::write(&token, TOKEN).unwrap();
     let path = dir.join("workers.yaml");
+    let text = format!(
+        "workers:\n{}",
+        entries.replace("TOKEN_FILE", &token.display().to_string())
+    );
     std::fs::write(&path, text).unwrap();
-    path
+    path.display().to_string()
+}
+
+/// `cynode-pm serve` on SQLite in `dir`, with the scripted model at `model`.
+fn serve(dir: &Path, model: &str, workers: &[&str], extra: &[&str]) -> Replica {
+    let db = format!("sqlite://{}", dir.join("pm.db").display());
+    start_replica_with(dir, "r1", &db, model, workers, extra)
+}
+
+/// `GET /readyz`: the status code and body.
+async fn readyz(base: &str) -> (u16, Value) {
+    call(
+        reqwest::Method::GET,
+        &format!("{base}/readyz"),
+        TENANT_A,
+        None,
+    )
+    .await
 }
 
 fn plan(task: &str) -> Value {
@@ -55,24 +69,10 @@ fn fin() -> Value {
 
 /// Creates a session, waits for it to complete, returns it and its events.
 async fn session(base: &str) -> (Value, Vec<Value>) {
-    let (code, v) = call(
-        reqwest::Method::POST,
-        &format!("{base}/v1/sessions"),
-        TENANT_A,
-        Some(json!({ "objective": "route my jobs" })),
-    )
-    .await;
-    assert_eq!(code, 201, "{v}");
-    let id = v["session_id"].as_str().unwrap().to_string();
-    let done = wait_status(
-        base,
-        &id,
-        &["completed", "failed", "canceled"],
-        Duration::from_secs(120),
-    )
-    .await;
+    let done = session_ending(base, json!({ "objective": "route my jobs" })).await;
     assert_eq!(done["status"], "completed", "{done}");
-    let events = crate::service::sse(base, &id, None, None)
+    let id = done["session_id"].as_str().unwrap();
+    let events = crate::service::sse(base, id, None, None)
         .await
         .into_iter()
         .map(|(_, kind, data)| json!({ "kind": kind, "data": data["data"] }))
@@ -142,7 +142,14 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
     let mut w2 = start_worker(0);
     let w2_port: u16 = w2.addr.rsplit(':').next().unwrap().parse().unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let workers = workers_file(dir.path(), &w1, &w2);
+    let workers = registry(
+        dir.path(),
+        &format!(
+            "- id: w1\n  endpoint: http://{}\n  token_file: TOKEN_FILE\n  capacity: 4\n  purposes:\n    base-tools: {IMAGE}\n  labels: {{ zone: a }}\n\
+             - id: w2\n  endpoint: http://{}\n  token_file: TOKEN_FILE\n  capacity: 4\n  purposes:\n    base-tools: {IMAGE}\n    python-tools: {IMAGE}\n",
+            w1.addr, w2.addr
+        ),
+    );
     let script = vec![
         // s1: base-tools twice (pinned to its first worker), then python-tools, which
         // that worker (w1) does not offer: refused and fed back, no job.
@@ -179,14 +186,10 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
         fin(),
     ];
     let (model, m) = model_server(script);
-    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
-    let workers_arg = workers.display().to_string();
-    let r = start_replica_with(
+    let r = serve(
         dir.path(),
-        "r1",
-        &db,
         &model,
-        &["--workers-file", &workers_arg],
+        &["--workers-file", &workers],
         &["--worker-wait-seconds", "20"],
     );
 
@@ -262,13 +265,7 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
     drop(w2);
     let (_, e6) = session(&r.base).await;
     assert_eq!(routed(&e6), [("job_dispatched".into(), "w1".into())]);
-    let (code, ready) = call(
-        reqwest::Method::GET,
-        &format!("{}/readyz", r.base),
-        TENANT_A,
-        None,
-    )
-    .await;
+    let (code, ready) = readyz(&r.base).await;
     assert_eq!(code, 200, "one worker of two is enough: {ready}");
 
     w2 = start_worker(w2_port);
@@ -308,7 +305,7 @@ async fn session_ending(base: &str, body: Value) -> Value {
         base,
         v["session_id"].as_str().unwrap(),
         &["completed", "failed", "canceled"],
-        Duration::from_secs(60),
+        Duration::from_secs(120),
     )
     .await
 }
@@ -320,16 +317,8 @@ async fn a_refused_seed_fails_the_session_naming_the_worker() {
     let w = start_worker(0);
     let dir = tempfile::tempdir().unwrap();
     let (model, _m) = model_server(vec![plan("t1"), write("t1"), fin()]);
-    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
     let endpoint = format!("http://{}", w.addr);
-    let r = start_replica_with(
-        dir.path(),
-        "r1",
-        &db,
-        &model,
-        &["--worker-endpoint", &endpoint],
-        &[],
-    );
+    let r = serve(dir.path(), &model, &["--worker-endpoint", &endpoint], &[]);
     let v = session_ending(
         &r.base,
         json!({ "objective": "seed from /etc", "workspace": { "seed_path": "/etc" } }),
@@ -350,26 +339,18 @@ async fn a_refused_seed_fails_the_session_naming_the_worker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_reachable_worker_fails_the_session_after_the_wait() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("worker-token"), TOKEN).unwrap();
-    let token = dir.path().join("worker-token");
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dead_port = dead.local_addr().unwrap().port();
     drop(dead);
-    std::fs::write(
-        dir.path().join("workers.yaml"),
-        format!(
-            "workers:\n- id: gone-a\n  endpoint: http://127.0.0.1:{dead_port}\n  token_file: {t}\n  purposes: {{ \"*\": {IMAGE} }}\n- id: gone-b\n  endpoint: http://127.0.0.1:1\n  token_file: {t}\n  purposes: {{ base-tools: {IMAGE} }}\n",
-            t = token.display()
-        ),
-    )
-    .unwrap();
-    let (model, _m) = model_server(vec![plan("t1"), write("t1"), fin()]);
-    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
-    let workers = dir.path().join("workers.yaml").display().to_string();
-    let r = start_replica_with(
+    let workers = registry(
         dir.path(),
-        "r1",
-        &db,
+        &format!(
+            "- id: gone-a\n  endpoint: http://127.0.0.1:{dead_port}\n  token_file: TOKEN_FILE\n  purposes: {{ \"*\": {IMAGE} }}\n- id: gone-b\n  endpoint: http://127.0.0.1:1\n  token_file: TOKEN_FILE\n  purposes: {{ base-tools: {IMAGE} }}\n"
+        ),
+    );
+    let (model, _m) = model_server(vec![plan("t1"), write("t1"), fin()]);
+    let r = serve(
+        dir.path(),
         &model,
         &["--workers-file", &workers],
         &["--worker-wait-seconds", "3"],
@@ -391,13 +372,7 @@ async fn no_reachable_worker_fails_the_session_after_the_wait() {
         t.elapsed()
     );
     assert_eq!(v["jobs_dispatched"], 0);
-    let (code, ready) = call(
-        reqwest::Method::GET,
-        &format!("{}/readyz", r.base),
-        TENANT_A,
-        None,
-    )
-    .await;
+    let (code, ready) = readyz(&r.base).await;
     assert_eq!(code, 503, "{ready}");
 }
 
@@ -405,21 +380,15 @@ async fn no_reachable_worker_fails_the_session_after_the_wait() {
 #[test]
 fn no_runnable_skill_is_a_startup_error() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("worker-token"), TOKEN).unwrap();
     std::fs::write(dir.path().join("tokens"), format!("{TENANT_A} acme\n")).unwrap();
-    std::fs::write(
-        dir.path().join("workers.yaml"),
-        format!(
-            "workers:\n- id: w1\n  endpoint: http://127.0.0.1:1\n  token_file: {}\n  purposes: {{ cobol-tools: {IMAGE} }}\n",
-            dir.path().join("worker-token").display()
-        ),
-    )
-    .unwrap();
+    let workers = registry(
+        dir.path(),
+        &format!("- id: w1\n  endpoint: http://127.0.0.1:1\n  token_file: TOKEN_FILE\n  purposes: {{ cobol-tools: {IMAGE} }}\n"),
+    );
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
         .args(["serve", "--listen", "127.0.0.1:0", "--api-tokens-file"])
         .arg(dir.path().join("tokens"))
-        .arg("--workers-file")
-        .arg(dir.path().join("workers.yaml"))
+        .args(["--workers-file", &workers])
         .arg("--state-dir")
         .arg(dir.path().join("state"))
         .current_dir(crate::e2e::repo())

@@ -52,6 +52,29 @@ pub fn arg(name: &str) -> Option<String> {
         .and_then(|i| args.get(i + 1).cloned())
 }
 
+/// The number after `--name`, else `default`.
+pub fn arg_num(name: &str, default: usize) -> usize {
+    arg(name).and_then(|s| s.parse().ok()).unwrap_or(default)
+}
+
+/// The comma-separated numbers after `--name` (e.g. `--replicas 1,2,3`), else `default`.
+pub fn arg_list(name: &str, default: &str) -> Vec<usize> {
+    arg(name)
+        .unwrap_or_else(|| default.into())
+        .split(',')
+        .filter_map(|s| s.trim().parse().ok())
+        .collect()
+}
+
+/// The benches' runtime: 2 worker threads, like the machines they run on.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
 /// The `p` quantile (0–1) of `v`, nearest rank; NaN when empty.
 pub fn percentile(v: &[f64], p: f64) -> f64 {
     if v.is_empty() {

@@ -9,8 +9,9 @@
 //!
 //! Stateless replicas share one database: any replica answers any request, and sessions
 //! are driven by whichever replica holds their lease. `/healthz` is liveness, `/readyz`
-//! checks the database and the worker, `/metrics` is Prometheus text, `/openapi.json` the
-//! API description (checked in at `docs/openapi.json`, drift-tested).
+//! checks the database and that at least one worker of the registry answers its `/readyz`, `/metrics`
+//! is Prometheus text, `/openapi.json` the API description (checked in at
+//! `docs/openapi.json`, drift-tested).
 
 pub mod api;
 pub mod auth;

@@ -36,12 +36,7 @@ pub struct SkillLimits {
 impl SkillManifest {
     /// Checks the fields serde cannot: id alphabet, semver, positive limits.
     pub fn check(&self) -> Result<(), String> {
-        let id_ok = !self.skill_id.is_empty()
-            && self
-                .skill_id
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
-        if !id_ok {
+        if !is_id(&self.skill_id) {
             return Err(format!(
                 "skill_id `{}`: use lowercase letters, digits and `-`",
                 self.skill_id
@@ -64,6 +59,13 @@ impl SkillManifest {
         }
         Ok(())
     }
+}
+
+/// A non-empty name of lowercase letters, digits and `-` (skill and worker ids).
+pub fn is_id(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
 /// `MAJOR.MINOR.PATCH` with an optional `-pre` / `+build` suffix.

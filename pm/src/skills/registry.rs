@@ -115,7 +115,13 @@ impl Registry {
 
     /// What the model is offered: id, version, description, input schema.
     pub fn catalog(&self) -> Vec<CatalogEntry> {
+        self.catalog_of(|_| true)
+    }
+
+    /// The catalog of the skills `keep` accepts.
+    pub fn catalog_of(&self, keep: impl Fn(&Skill) -> bool) -> Vec<CatalogEntry> {
         self.iter()
+            .filter(|s| keep(s))
             .map(|s| CatalogEntry {
                 skill_id: s.manifest.skill_id.clone(),
                 version: s.manifest.version.clone(),
