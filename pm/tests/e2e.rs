@@ -188,6 +188,17 @@ pub(crate) fn final_state(out: &Output) -> Value {
     })
 }
 
+/// The final state of a run that must have completed (exit 0).
+fn completed(out: &Output) -> Value {
+    let v = final_state(out);
+    assert_eq!(
+        (out.status.code(), v["status"].clone()),
+        (Some(0), json!("completed")),
+        "{v}"
+    );
+    v
+}
+
 fn happy_script() -> Vec<Value> {
     write_then_search("hello from the model\n", "hello")
 }
@@ -261,12 +272,7 @@ fn seeded_workspace_is_created_where_the_first_job_runs() {
         &["run", "work on the seeded tree", "--workspace", &seed_arg],
         None,
     );
-    let v = final_state(&out);
-    assert_eq!(
-        (out.status.code(), v["status"].clone()),
-        (Some(0), json!("completed")),
-        "{v}"
-    );
+    let v = completed(&out);
     assert_eq!(v["worker_id"], "default");
     let ws = state
         .path()
@@ -349,12 +355,7 @@ fn crash_then_resume(failpoint: &str) {
     assert_ne!(out.status.code(), Some(0), "the failpoint did not fire");
     let id = session_id(&out);
     let out = pm(state.path(), &url, &["sessions", "resume", &id], None);
-    let v = final_state(&out);
-    assert_eq!(
-        (out.status.code(), v["status"].clone()),
-        (Some(0), json!("completed")),
-        "{v}"
-    );
+    let v = completed(&out);
     // No duplicate model call: exactly one request per scripted reply.
     assert_eq!(model.requests().len(), 4, "{failpoint}");
     // No duplicate job: write-files refuses to overwrite, so a second run would have failed.
@@ -455,12 +456,7 @@ fn clarification_round_trip() {
         &["sessions", "resume", &id, "--answer", "notes.md"],
         None,
     );
-    let v = final_state(&out);
-    assert_eq!(
-        (out.status.code(), v["status"].clone()),
-        (Some(0), json!("completed")),
-        "{v}"
-    );
+    completed(&out);
     let second = model.requests()[1].to_string();
     assert!(second.contains("notes.md"), "{second}");
 }
@@ -653,12 +649,7 @@ fn worker_down_then_back_is_retried_without_duplicates() {
         &[("CYNODE_WORKER_TOKEN", TOKEN)],
     );
     let _worker = starter.join().unwrap();
-    let v = final_state(&out);
-    assert_eq!(
-        (out.status.code(), v["status"].clone()),
-        (Some(0), json!("completed")),
-        "{v}"
-    );
+    let v = completed(&out);
     assert_eq!(v["jobs_dispatched"], 2);
 }
 
