@@ -4,8 +4,10 @@
 # Usage:  deploy/install-deps.sh          (no arguments; run as root on Debian 12)
 #
 # What it does, idempotently:
-#   1. installs podman, runc, bubblewrap, busybox-static, patch, debootstrap, uidmap,
-#      slirp4netns, fuse-overlayfs and hyperfine with apt (skipped in well under a second
+#   1. installs podman, runc, catatonit (the init `podman run --init` needs for session
+#      sandboxes), bubblewrap, busybox-static, git (the worker's changesets), curl (the
+#      model server scripts), patch, debootstrap, uidmap, slirp4netns, fuse-overlayfs and
+#      hyperfine with apt (skipped in well under a second
 #      when dpkg-query says they are all installed already);
 #   2. configures podman for this kind of machine with the drop-in
 #      /etc/containers/containers.conf.d/50-cynode.conf (rewritten only when it changes):
@@ -29,8 +31,8 @@
 # and signature checker (gpgv) are not listed: apt itself depends on both.
 set -euo pipefail
 
-PACKAGES=(podman runc bubblewrap busybox-static patch debootstrap uidmap slirp4netns
-  fuse-overlayfs hyperfine)
+PACKAGES=(podman runc catatonit bubblewrap busybox-static git curl patch debootstrap uidmap
+  slirp4netns fuse-overlayfs hyperfine)
 DROPIN_DIR=/etc/containers/containers.conf.d
 DROPIN="$DROPIN_DIR/50-cynode.conf"
 LOCK_FILE=/run/lock/cynode-install-deps.lock
@@ -152,15 +154,21 @@ if [[ ${CYNODE_SKIP_SMOKE:-0} != 1 ]]; then
     --rootfs "$smoke_dir/rootfs" /bin/sh -c 'echo "smoke-ok $(id -u):$(id -g)"')
   [[ $out == "smoke-ok 1000:1000" ]] || die "podman smoke test (sandbox flags) printed '$out'"
 
+  # Session sandboxes run under an init (catatonit) as PID 1.
+  out=$(podman run --rm --init --rootfs "$smoke_dir/rootfs" /bin/sh -c 'echo init-ok')
+  [[ $out == init-ok ]] || die "podman smoke test (--init) printed '$out'"
+
   bwrap --ro-bind / / --dev /dev --proc /proc --unshare-all --die-with-parent true ||
     die "bubblewrap smoke test failed"
-  log "smoke tests passed (podman defaults, podman sandbox flags, bubblewrap)"
+  log "smoke tests passed (podman defaults, podman sandbox flags, podman --init, bubblewrap)"
 fi
 
 # --- versions ------------------------------------------------------------------------
 first_line() { "$@" 2>&1 | head -n 1 || true; }
 echo "podman:         $(first_line podman --version)"
 echo "runc:           $(first_line runc --version)"
+echo "catatonit:      $(first_line /usr/libexec/podman/catatonit --version)"
+echo "git:            $(first_line git --version)"
 echo "bubblewrap:     $(first_line bwrap --version)"
 echo "busybox:        $(first_line busybox)"
 echo "patch:          $(first_line patch --version)"

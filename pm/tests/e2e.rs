@@ -5,23 +5,28 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
 
 use axum::extract::State;
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use cynode_testkit::{output_bounded, LocalModel, OwnedChild};
 use serde_json::{json, Value};
 
 pub(crate) fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// How long one run of `cynode-pm` may take in these tests (scripted model, local worker).
+const PM_LIMIT: Duration = Duration::from_secs(180);
+
 fn script(args: &[&str]) -> String {
-    let out = Command::new("bash")
-        .args(args)
+    let mut cmd = Command::new("bash");
+    cmd.args(args)
         .current_dir(repo())
-        .env("CYNODE_SKIP_SMOKE", "1")
-        .output()
-        .expect("run setup script");
+        .env("CYNODE_SKIP_SMOKE", "1");
+    // Cached by deploy/test-env.sh before the tests run: seconds, not minutes.
+    let out = output_bounded(cmd, Duration::from_secs(240));
     assert!(
         out.status.success(),
         "{args:?}: {}",
@@ -45,13 +50,16 @@ fn env() -> &'static PathBuf {
         let worker = Path::new(env!("CARGO_BIN_EXE_cynode-pm")).with_file_name("cynode-worker");
         if !worker.is_file() {
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let ok = Command::new(cargo)
+            let mut build = Command::new(cargo);
+            build
                 .args(["build", "-p", "cynode-worker", "--bin", "cynode-worker"])
-                .current_dir(repo())
-                .status()
-                .unwrap()
-                .success();
-            assert!(ok, "cannot build cynode-worker");
+                .current_dir(repo());
+            let out = output_bounded(build, Duration::from_secs(240));
+            assert!(
+                out.status.success(),
+                "cannot build cynode-worker: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
         PathBuf::from(script(&[
             "deploy/sba/export-rootfs.sh",
@@ -151,6 +159,18 @@ pub(crate) fn pm_with(
     failpoint: Option<&str>,
     envs: &[(&str, &str)],
 ) -> Output {
+    output_bounded(pm_command(state, model, args, failpoint, envs), PM_LIMIT)
+}
+
+/// The `cynode-pm` command line of these tests: JSON output, the state directory, a local
+/// bwrap worker on the test image, the model at `model`.
+fn pm_command(
+    state: &Path,
+    model: &str,
+    args: &[&str],
+    failpoint: Option<&str>,
+    envs: &[(&str, &str)],
+) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_cynode-pm"));
     c.envs(envs.iter().copied());
     c.args(["--output", "json"])
@@ -165,7 +185,7 @@ pub(crate) fn pm_with(
     if let Some(f) = failpoint {
         c.env("CYNODE_PM_FAILPOINT", f);
     }
-    c.output().unwrap()
+    c
 }
 
 pub(crate) fn session_id(out: &Output) -> String {
@@ -462,17 +482,11 @@ fn clarification_round_trip() {
 }
 
 /// A worker started by the test (not by the PM), on `port` (0 = any).
+/// Dropping it kills the worker's process group; its directory goes after.
 pub(crate) struct Worker {
-    child: std::process::Child,
+    _child: OwnedChild,
     pub(crate) addr: String,
     _dir: tempfile::TempDir,
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 pub(crate) const TOKEN: &str = "e2e-worker-token-0123456789";
@@ -491,13 +505,12 @@ pub(crate) fn start_worker(port: u16) -> Worker {
     );
     std::fs::write(dir.path().join("w.yaml"), cfg).unwrap();
     let bin = Path::new(env!("CARGO_BIN_EXE_cynode-pm")).with_file_name("cynode-worker");
-    let mut child = Command::new(bin)
-        .args(["serve", "--config"])
+    let mut cmd = Command::new(bin);
+    cmd.args(["serve", "--config"])
         .arg(dir.path().join("w.yaml"))
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
+        .stderr(std::process::Stdio::piped());
+    let mut child = OwnedChild::spawn(cmd);
+    let stderr = child.child_mut().stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let mut tx = Some(tx);
@@ -514,9 +527,11 @@ pub(crate) fn start_worker(port: u16) -> Worker {
             }
         }
     });
-    let addr = rx.recv_timeout(std::time::Duration::from_secs(60)).unwrap();
+    let addr = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the worker did not report its address within 60 s");
     Worker {
-        child,
+        _child: child,
         addr,
         _dir: dir,
     }
@@ -653,30 +668,72 @@ fn worker_down_then_back_is_retried_without_duplicates() {
     assert_eq!(v["jobs_dispatched"], 2);
 }
 
+/// This test's own model server port (the demo uses 8089, the worker's test 8097).
+const REAL_LLM_PORT: u16 = 8099;
+/// The whole test's budget: the model server's start and every PM run within it, well
+/// under nextest's 300 s backstop.
+const REAL_LLM_BUDGET: Duration = Duration::from_secs(230);
+
+/// What a real-model run saw, for the verdict and for a failure message.
+fn real_llm_report(model: &LocalModel, state: &Path, id: Option<&str>, stderr: &[u8]) -> String {
+    let tps = model
+        .last_tokens_per_second()
+        .map_or_else(|| "unknown".to_string(), |t| format!("{t:.1}"));
+    let (turns, last) = id
+        .and_then(|id| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            rt.block_on(async {
+                let url = format!("sqlite://{}", state.join("pm.db").display());
+                let store = cynode_pm::store::Store::connect(&url).await.ok()?;
+                let journal = store.journal(id).await.ok()?;
+                let replies: Vec<_> = journal.iter().filter(|e| e.kind == "model_reply").collect();
+                let last = replies.last().map(|e| e.data["raw"].to_string());
+                Some((replies.len(), last.unwrap_or_else(|| "none".into())))
+            })
+        })
+        .unwrap_or((0, "none".into()));
+    let err = String::from_utf8_lossy(stderr);
+    let tail: Vec<&str> = err.lines().rev().take(8).collect();
+    format!(
+        "{turns} replies passed the contract; the model generated {tps} tokens/s in its last completion; last reply: {last}; PM stderr (last lines, newest first): {tail:?}"
+    )
+}
+
+/// One `cynode-pm` run against the real model, bounded by `deadline`; a run still going at
+/// the deadline fails the test with what it saw.
+fn real_pm(model: &LocalModel, state: &Path, args: &[&str], deadline: Instant) -> Output {
+    let left = deadline.saturating_duration_since(Instant::now());
+    let cmd = pm_command(state, &model.base_url, args, None, &[]);
+    cynode_testkit::output_within(cmd, left).unwrap_or_else(|t| {
+        let id = String::from_utf8_lossy(&t.stderr).lines().find_map(|l| {
+            l.strip_prefix("session s-")
+                .map(|r| format!("s-{}", r.split_whitespace().next().unwrap_or("")))
+        });
+        panic!(
+            "the PM did not finish on the real model within the test's budget ({REAL_LLM_BUDGET:?}, this run {:?}): {}",
+            t.elapsed,
+            real_llm_report(model, state, id.as_deref(), &t.stderr)
+        )
+    })
+}
+
 /// The real local model (llama-server + SmolLM2-135M, built from the registries by
-/// deploy/llm/start.sh), the real worker and SBA: the loop runs on real, grammar-constrained
-/// replies. The 135M model is not clever: it tends to update the plan again and again (the
-/// progress guard makes it act after three) and then to ask or to finish without running
-/// anything. When it asks, the test answers through `sessions resume --answer` (the
-/// clarification round trip on the real model), at most twice. The test asserts the
-/// plumbing (real requests answered, replies validated and acted on, a terminal state for a
-/// reason the small model explains), not task success; the outcome is printed.
+/// deploy/llm/setup.sh and started by deploy/llm/start.sh on this test's own port, stopped
+/// at the end), the real worker and SBA: the loop runs on real, grammar-constrained
+/// replies. The 135M model is not clever: it may plan, ask or finish without running
+/// anything. When it asks, the test answers once through `sessions resume --answer` (the
+/// clarification round trip on the real model). The test bounds its own work so that it
+/// ends with its own verdict on a loaded 2-core machine: at most 5 turns per run, 160
+/// tokens per reply, and REAL_LLM_BUDGET for everything. It asserts the plumbing (real
+/// requests answered, replies validated and acted on, a terminal state for a reason the
+/// small model explains), not task success; the outcome is printed.
 #[test]
 fn real_llm_drives_the_loop() {
-    let out = Command::new("bash")
-        .args(["deploy/llm/start.sh", "8099"])
-        .current_dir(repo())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let url = String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .find_map(|l| l.strip_prefix("CYNODE_MODEL_BASE_URL=").map(str::to_string))
-        .expect("model url");
+    let deadline = Instant::now() + REAL_LLM_BUDGET;
+    let model = LocalModel::start(&repo(), REAL_LLM_PORT, Duration::from_secs(120));
     let state = tempfile::tempdir().unwrap();
     let common = [
         "--skill-dir",
@@ -684,18 +741,17 @@ fn real_llm_drives_the_loop() {
         "--skill-dir",
         "skills/search-code",
         "--max-turns",
-        "8",
+        "5",
+        "--max-tokens",
+        "160",
     ];
     let mut args = vec![
         "run",
         "Look at the files in the workspace, then finish with a one-sentence summary.",
     ];
     args.extend(common);
-    let mut out = pm(state.path(), &url, &args, None);
-    for _ in 0..2 {
-        if final_state(&out)["status"] != "awaiting_input" {
-            break;
-        }
+    let mut out = real_pm(&model, state.path(), &args, deadline);
+    if final_state(&out)["status"] == "awaiting_input" {
         let id = session_id(&out);
         let mut args = vec![
             "sessions",
@@ -705,9 +761,11 @@ fn real_llm_drives_the_loop() {
             "Run the repo-inspect skill on the workspace now, then reply final.",
         ];
         args.extend(common);
-        out = pm(state.path(), &url, &args, None);
+        out = real_pm(&model, state.path(), &args, deadline);
     }
     let v = final_state(&out);
+    let id = session_id(&out);
+    let report = real_llm_report(&model, state.path(), Some(&id), &out.stderr);
     let replies = v["state"]["history"]
         .as_array()
         .unwrap()
@@ -716,16 +774,16 @@ fn real_llm_drives_the_loop() {
         .count();
     assert!(
         replies >= 1,
-        "no reply of the real model passed the contract: {v}"
+        "no reply of the real model passed the contract: {report}; state {v}"
     );
     let status = v["status"].as_str().unwrap();
     eprintln!(
-        "real model: status {status}, {replies} replies passed the contract, {} jobs, failure {}",
+        "real model: status {status}, {} jobs, failure {}; {report}",
         v["jobs_dispatched"], v["failure"]
     );
     assert!(
         matches!(status, "completed" | "failed" | "awaiting_input"),
-        "{v}"
+        "{report}; state {v}"
     );
     if status == "failed" {
         let kind = v["failure"]["kind"].as_str().unwrap();
@@ -734,7 +792,7 @@ fn real_llm_drives_the_loop() {
                 kind,
                 "budget_exhausted" | "model_contract_violation" | "task_failed"
             ),
-            "the loop broke for a reason other than the small model's limits: {v}"
+            "the loop broke for a reason other than the small model's limits: {report}; state {v}"
         );
     }
 }

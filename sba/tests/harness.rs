@@ -97,7 +97,9 @@ impl Sandbox {
     /// Runs `job` and returns the exit code, the parsed result and the raw output.
     pub fn run(&self, job: &Value) -> Run {
         self.write_job(job);
-        let output = self.command().output().expect("spawn cynode-sba");
+        // Bounded by the test, in a process group it owns: a runner that hangs fails here.
+        let output =
+            cynode_testkit::output_bounded(self.command(), std::time::Duration::from_secs(120));
         self.finish(output)
     }
 

@@ -3,11 +3,12 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use cynode_testkit::{output_bounded, OwnedChild};
 use serde_json::{json, Value};
 
 pub const TOKEN: &str = "test-token-0123456789abcdef";
@@ -23,14 +24,17 @@ fn repo_root() -> PathBuf {
 }
 
 fn script(args: &[&str]) -> String {
-    let out = Command::new("bash")
-        .args(args)
+    let mut cmd = Command::new("bash");
+    cmd.args(args)
         .current_dir(repo_root())
-        .env("CYNODE_SKIP_SMOKE", "1")
-        .stderr(Stdio::inherit())
-        .output()
-        .expect("run setup script");
-    assert!(out.status.success(), "setup script {args:?} failed");
+        .env("CYNODE_SKIP_SMOKE", "1");
+    // Cached by deploy/test-env.sh before the tests run: seconds, not minutes.
+    let out = output_bounded(cmd, Duration::from_secs(240));
+    assert!(
+        out.status.success(),
+        "setup script {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8(out.stdout)
         .expect("utf8")
         .trim()
@@ -80,7 +84,7 @@ pub struct Server {
     pub dir: tempfile::TempDir,
     pub addr: String,
     pub extra_config: String,
-    child: Child,
+    child: OwnedChild,
     pub log: Arc<Mutex<Vec<String>>>,
     pub client: reqwest::Client,
 }
@@ -101,14 +105,18 @@ impl Server {
             extra_config: extra_config.to_string(),
             child,
             log,
-            client: reqwest::Client::new(),
+            // Every request bounded: a hung worker fails the test, not the runner.
+            client: reqwest::Client::builder()
+                .timeout(Duration::from_secs(200))
+                .build()
+                .expect("client"),
         }
     }
 
     /// SIGKILLs the worker (no graceful anything) and starts it again on the same state.
     pub fn kill9_and_restart(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.child.signal(libc::SIGKILL);
+        let _ = self.child.wait_timeout(Duration::from_secs(30));
         let (child, addr, log) = launch(self.backend, self.dir.path(), &self.extra_config);
         self.child = child;
         self.addr = addr;
@@ -118,13 +126,11 @@ impl Server {
     /// SIGTERMs the worker, waits for it to exit (bounded), and starts it again.
     pub fn terminate_and_restart(&mut self) -> std::time::Duration {
         let t = Instant::now();
-        // SAFETY: signalling the worker process we spawned.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let until = Instant::now() + Duration::from_secs(60);
-        while self.child.try_wait().expect("try_wait").is_none() {
-            assert!(Instant::now() < until, "worker did not exit after SIGTERM");
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.child.signal(libc::SIGTERM);
+        assert!(
+            self.child.wait_timeout(Duration::from_secs(60)).is_some(),
+            "worker did not exit within 60 s of SIGTERM"
+        );
         let took = t.elapsed();
         let (child, addr, log) = launch(self.backend, self.dir.path(), &self.extra_config);
         self.child = child;
@@ -206,14 +212,7 @@ impl Server {
     }
 }
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn launch(backend: &str, dir: &Path, extra: &str) -> (Child, String, Arc<Mutex<Vec<String>>>) {
+fn launch(backend: &str, dir: &Path, extra: &str) -> (OwnedChild, String, Arc<Mutex<Vec<String>>>) {
     let e = env();
     let token = dir.join("token");
     std::fs::write(&token, TOKEN).expect("token");
@@ -229,15 +228,14 @@ fn launch(backend: &str, dir: &Path, extra: &str) -> (Child, String, Arc<Mutex<V
         ),
     )
     .expect("config");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_cynode-worker"))
-        .args(["serve", "--config"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-worker"));
+    cmd.args(["serve", "--config"])
         .arg(&config)
         .env_remove("WORKER_API_BEARER_TOKEN")
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn worker");
-    let stderr = child.stderr.take().expect("stderr");
+        .stderr(Stdio::piped());
+    let mut child = OwnedChild::spawn(cmd);
+    let stderr = child.child_mut().stderr.take().expect("stderr");
     let log = Arc::new(Mutex::new(Vec::new()));
     let (tx, rx) = std::sync::mpsc::channel();
     let sink = Arc::clone(&log);

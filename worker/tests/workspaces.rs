@@ -267,11 +267,9 @@ async fn replay_reports_match_and_mismatch() {
     assert_eq!(v["status"], "completed");
     let config = sv.dir.path().join("worker.yaml");
     let run = |id: &str| {
-        Command::new(env!("CARGO_BIN_EXE_cynode-worker"))
-            .args(["replay", id, "--config"])
-            .arg(&config)
-            .output()
-            .unwrap()
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-worker"));
+        cmd.args(["replay", id, "--config"]).arg(&config);
+        cynode_testkit::output_bounded(cmd, std::time::Duration::from_secs(120))
     };
     let out = run(&same);
     let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -295,12 +293,11 @@ async fn replay_reports_match_and_mismatch() {
 #[test]
 fn check_prints_what_is_missing() {
     let dir = tempfile::tempdir().unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_cynode-worker"))
-        .args(["check", "--backend", "bwrap", "--state-dir"])
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-worker"));
+    cmd.args(["check", "--backend", "bwrap", "--state-dir"])
         .arg(dir.path())
-        .env_remove("WORKER_API_BEARER_TOKEN")
-        .output()
-        .unwrap();
+        .env_remove("WORKER_API_BEARER_TOKEN");
+    let out = cynode_testkit::output_bounded(cmd, std::time::Duration::from_secs(60));
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# deploy/test-env.sh - prepare, once and before any test runs, everything the test suites
+# use, so that no test spends its own time limit installing or building:
+#   1. deploy/install-deps.sh     host tools (podman, runc, catatonit, bubblewrap, git, …)
+#   2. deploy/sba/build-static.sh the static cynode-sba
+#   3. deploy/sba/build-test-image.sh + export-rootfs.sh   the offline test image and its
+#      root filesystem for bwrap
+#   4. deploy/llm/setup.sh        llama-server and SmolLM2 (built, not started)
+#   5. deploy/postgres/start.sh   a local PostgreSQL cluster (started if it is not running)
+# Every step is cached and idempotent: a second run takes a few seconds. The tests call the
+# same scripts themselves (cheap once this has run), so each still works on its own.
+#
+# nextest runs this as a setup script (.config/nextest.toml) before the integration test
+# binaries; .ci/run runs it before the test command. Progress goes to stderr.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/cache/cynode/target}"
+log() { printf 'test-env: [%4ds] %s\n' "$SECONDS" "$*" >&2; }
+
+log "host dependencies"
+CYNODE_SKIP_SMOKE="${CYNODE_SKIP_SMOKE:-1}" bash deploy/install-deps.sh >&2
+log "static cynode-sba"
+bin=$(bash deploy/sba/build-static.sh)
+log "test image"
+bash deploy/sba/build-test-image.sh "$bin" >/dev/null
+bash deploy/sba/export-rootfs.sh localhost/cynode-sba-test:latest >/dev/null
+log "local model server (build only)"
+bash deploy/llm/setup.sh >/dev/null
+log "PostgreSQL"
+bash deploy/postgres/start.sh >/dev/null
+log "ready"

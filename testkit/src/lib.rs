@@ -1,0 +1,19 @@
+//! Test support shared by the crates' integration tests.
+//!
+//! A test that starts a process owns it: [`OwnedChild`] puts the child in a process group
+//! of its own and gives it a parent-death signal, so the whole group ends when the test
+//! drops it (pass or panic), and the child ends even when the test process is killed
+//! outright. [`output_bounded`] runs a command to the end within a deadline the test sets,
+//! and fails with its own message (what ran, how long, what it printed) instead of leaving
+//! the runner's time-out to end it.
+//!
+//! [`LocalModel`] is the local model server as a test-owned resource.
+//!
+//! The `cynode-reap` binary is the last line of defence in CI: it runs the test command as
+//! a child subreaper and fails when anything the run started is still alive afterwards.
+
+pub mod model;
+pub mod proc;
+
+pub use model::LocalModel;
+pub use proc::{output_bounded, output_within, OwnedChild, TimedOut};
