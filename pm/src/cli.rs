@@ -29,10 +29,14 @@ pub struct Global {
     /// Output format.
     #[arg(long, value_enum, default_value_t = Output::Human, global = true)]
     pub output: Output,
-    /// A directory of skill packages (repeatable; default ./skills).
+    /// A directory of skill packages (repeatable): its skills are added to the built-in
+    /// ones, and replace a built-in skill with the same id.
     #[arg(long = "skill-dir", global = true)]
     pub skill_dirs: Vec<PathBuf>,
-    /// Directory of the Rego policy (default: ./policies when present, else the built-in).
+    /// Offer only the skills of --skill-dir, none of the built-in ones.
+    #[arg(long, global = true, requires = "skill_dirs")]
+    pub no_builtin_skills: bool,
+    /// Directory of the Rego policy (default: the built-in policy, policies/cynode.rego).
     #[arg(long, global = true)]
     pub policy_dir: Option<PathBuf>,
     /// An external OPA-compatible policy engine to ask instead (fails closed).
@@ -205,7 +209,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Skills(SkillsCmd::List) => {
-            let reg = load_registry(&skill_dirs(g))?;
+            let reg = load_registry(g)?;
             match g.output {
                 Output::Human => {
                     for s in reg.iter() {
@@ -223,7 +227,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Skills(SkillsCmd::Show { id }) => {
-            let reg = load_registry(&skill_dirs(g))?;
+            let reg = load_registry(g)?;
             let s = reg
                 .get(id)
                 .with_context(|| format!("unknown skill `{id}`"))?;
@@ -239,12 +243,12 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             Ok(0)
         }
         Command::Skills(SkillsCmd::Validate { dirs }) => {
-            let dirs = if dirs.is_empty() {
-                skill_dirs(g)
+            let loaded = if dirs.is_empty() {
+                registry(g)
             } else {
-                dirs.clone()
+                Registry::load(dirs)
             };
-            validate(g, &dirs)
+            validate(g, loaded)
         }
         Command::Skills(SkillsCmd::Render {
             id,
@@ -253,7 +257,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             task,
             attempt,
         }) => {
-            let reg = load_registry(&skill_dirs(g))?;
+            let reg = load_registry(g)?;
             let s = reg
                 .get(id)
                 .with_context(|| format!("unknown skill `{id}`"))?;
@@ -287,7 +291,7 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
                 .or_else(|| job["skill_id"].as_str().map(str::to_string));
             let manifest = match skill_id {
                 Some(id) => {
-                    let reg = load_registry(&skill_dirs(g))?;
+                    let reg = load_registry(g)?;
                     let s = reg
                         .get(&id)
                         .with_context(|| format!("unknown skill `{id}`"))?;
@@ -374,16 +378,19 @@ async fn sessions(cmd: &SessionsCmd, g: &Global) -> anyhow::Result<i32> {
     }
 }
 
-pub(crate) fn skill_dirs(g: &Global) -> Vec<PathBuf> {
-    if g.skill_dirs.is_empty() {
-        vec![PathBuf::from("skills")]
+/// The skills of this invocation: the built-in ones with --skill-dir on top, or only
+/// --skill-dir's with --no-builtin-skills.
+fn registry(g: &Global) -> Result<Registry, Vec<SkillError>> {
+    if g.no_builtin_skills {
+        Registry::load(&g.skill_dirs)
     } else {
-        g.skill_dirs.clone()
+        Registry::builtin_with(&g.skill_dirs)
     }
 }
 
-fn load_registry(dirs: &[PathBuf]) -> anyhow::Result<Registry> {
-    Registry::load(dirs).map_err(|errs| {
+/// [`registry`], every problem in one error.
+pub(crate) fn load_registry(g: &Global) -> anyhow::Result<Registry> {
+    registry(g).map_err(|errs| {
         anyhow::anyhow!(
             "cannot load skills:\n{}",
             errs.iter()
@@ -397,18 +404,13 @@ fn load_registry(dirs: &[PathBuf]) -> anyhow::Result<Registry> {
 pub(crate) fn gate(g: &Global, mode: Mode) -> anyhow::Result<PolicyGate> {
     Ok(match &g.policy_endpoint {
         Some(url) => PolicyGate::remote(url, "cynode/policy", mode),
-        None => {
-            let dir = g.policy_dir.clone().or_else(|| {
-                let local = PathBuf::from("policies");
-                local.is_dir().then_some(local)
-            });
-            match dir {
-                Some(d) => PolicyGate::local_from_dir(&d, mode)
-                    .map_err(|e| anyhow::anyhow!("cannot load policy from {}: {e}", d.display()))?,
-                None => PolicyGate::builtin(mode)
-                    .map_err(|e| anyhow::anyhow!("built-in policy: {e}"))?,
+        None => match &g.policy_dir {
+            Some(d) => PolicyGate::local_from_dir(d, mode)
+                .map_err(|e| anyhow::anyhow!("cannot load policy from {}: {e}", d.display()))?,
+            None => {
+                PolicyGate::builtin(mode).map_err(|e| anyhow::anyhow!("built-in policy: {e}"))?
             }
-        }
+        },
     })
 }
 
@@ -433,9 +435,9 @@ fn block_on<F: std::future::Future>(f: F) -> anyhow::Result<F::Output> {
 }
 
 /// Validates packages: load errors, then per example: inputs, render, protocol, policy.
-fn validate(g: &Global, dirs: &[PathBuf]) -> anyhow::Result<i32> {
+fn validate(g: &Global, loaded: Result<Registry, Vec<SkillError>>) -> anyhow::Result<i32> {
     let mut errors: Vec<SkillError> = Vec::new();
-    let reg = match Registry::load(dirs) {
+    let reg = match loaded {
         Ok(r) => r,
         Err(e) => {
             errors = e;

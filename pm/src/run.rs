@@ -17,7 +17,6 @@ use crate::driver::{Pm, Progress};
 use crate::llm::{LlmClient, ModelConfig};
 use crate::policy::{Mode, PolicyGate, TenantPolicy};
 use crate::session::{Budgets, SessionRecord, SessionStatus};
-use crate::skills::Registry;
 use crate::store::Store;
 use crate::workers::WorkerPool;
 
@@ -213,16 +212,7 @@ pub(crate) async fn build_pm(
     let store = Store::connect(&url)
         .await
         .with_context(|| format!("cannot open the datastore {url}"))?;
-    let dirs = crate::cli::skill_dirs(global);
-    let registry = Registry::load(&dirs).map_err(|e| {
-        anyhow::anyhow!(
-            "cannot load skills: {}",
-            e.iter()
-                .map(|x| x.to_string())
-                .collect::<Vec<_>>()
-                .join("; ")
-        )
-    })?;
+    let registry = crate::cli::load_registry(global)?;
     let gate: PolicyGate = crate::cli::gate(global, Mode::Enforce)?;
     let tenant: TenantPolicy = crate::cli::tenant(global)?;
     let mut cfg = ModelConfig::new(&args.model_base_url, &args.model_name);

@@ -192,12 +192,12 @@ fn a_template_that_splices_into_a_string_fails_to_build() {
     assert!(matches!(e, BuildError::NotJson { .. }), "{e:?}");
 }
 
+/// Runs the CLI from an empty directory: the built-in skills and policy are in the binary.
 fn pm(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
-        .args(args)
-        .current_dir(repo())
-        .output()
-        .unwrap();
+    let empty = tempfile::tempdir().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-pm"));
+    cmd.args(args).current_dir(empty.path());
+    let out = cynode_testkit::output_bounded(cmd, std::time::Duration::from_secs(60));
     (
         out.status.code().unwrap_or(-1),
         String::from_utf8_lossy(&out.stdout).into_owned(),
@@ -293,6 +293,66 @@ fn cli_render_prints_canonical_job_json() {
     ]);
     assert_eq!(code, 2);
     assert!(err.contains("unknown skill `no-such-skill`"), "{err}");
+}
+
+fn manifest_overridden(v: &Value) -> bool {
+    v["manifest"]["description"]
+        .as_str()
+        .is_some_and(|d| d.starts_with("OVERRIDDEN"))
+}
+
+#[test]
+fn a_skill_dir_adds_skills_and_overrides_built_ins_by_id() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = repo().join("skills/repo-inspect");
+    let pkg = dir.path().join("repo-inspect");
+    std::fs::create_dir_all(pkg.join("examples")).unwrap();
+    for f in ["job.json.j2", "examples/basic.json"] {
+        std::fs::copy(src.join(f), pkg.join(f)).unwrap();
+    }
+    let manifest = std::fs::read_to_string(src.join("skill.yaml")).unwrap();
+    let manifest = manifest.replacen("description: >-\n", "description: >-\n  OVERRIDDEN\n", 1);
+    std::fs::write(pkg.join("skill.yaml"), manifest).unwrap();
+    let d = dir.path().to_str().unwrap();
+    let (code, out, err) = pm(&[
+        "--output",
+        "json",
+        "--skill-dir",
+        d,
+        "skills",
+        "show",
+        "repo-inspect",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert!(manifest_overridden(&v), "{v}");
+    assert_eq!(v["dir"].as_str(), pkg.to_str());
+    let (_, out, _) = pm(&["--output", "json", "--skill-dir", d, "skills", "list"]);
+    let ids: Vec<Value> = serde_json::from_str::<Value>(&out)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["skill_id"].clone())
+        .collect();
+    assert_eq!(ids.len(), 9, "{ids:?}");
+    let (_, out, _) = pm(&[
+        "--output",
+        "json",
+        "--no-builtin-skills",
+        "--skill-dir",
+        d,
+        "skills",
+        "list",
+    ]);
+    let ids: Vec<Value> = serde_json::from_str::<Value>(&out)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["skill_id"].clone())
+        .collect();
+    assert_eq!(ids, vec![json!("repo-inspect")]);
 }
 
 #[test]

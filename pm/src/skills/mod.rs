@@ -6,8 +6,13 @@
 //!   model, input JSON Schema, allowed commands, network need, limits, sandbox purpose);
 //! - `job.json.j2`: the job template (minijinja, JSON auto-escaping);
 //! - `examples/*.json`: example inputs, each of which must validate and render.
+//!
+//! The repository's `skills/` folder is built into the binary ([`builtin`]), so an
+//! installed `cynode-pm` works from any directory; `--skill-dir` adds packages or replaces
+//! built-in ones by id.
 
 pub mod build;
+pub mod builtin;
 pub mod manifest;
 pub mod registry;
 

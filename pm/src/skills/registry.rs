@@ -62,28 +62,43 @@ impl Registry {
     /// Loads every package under each directory (a directory that is itself a package
     /// counts too). Returns every problem found, not just the first.
     pub fn load(dirs: &[PathBuf]) -> Result<Registry, Vec<SkillError>> {
+        let mut errors = Vec::new();
+        let packages: Vec<PathBuf> = dirs
+            .iter()
+            .flat_map(|d| package_dirs(d, &mut errors))
+            .collect();
+        let reg = Registry::from_packages(packages.iter().map(|p| load_package(p)));
+        match (reg, errors.is_empty()) {
+            (Ok(reg), true) => Ok(reg),
+            (Ok(_), false) => Err(errors),
+            (Err(mut e), _) => {
+                errors.append(&mut e);
+                Err(errors)
+            }
+        }
+    }
+
+    /// A registry of loaded packages; two with one id are an error.
+    pub fn from_packages(
+        packages: impl IntoIterator<Item = Result<Skill, Vec<SkillError>>>,
+    ) -> Result<Registry, Vec<SkillError>> {
         let mut reg = Registry::default();
         let mut errors = Vec::new();
-        for dir in dirs {
-            for pkg in package_dirs(dir, &mut errors) {
-                match load_package(&pkg) {
-                    Ok(skill) => {
-                        let id = skill.manifest.skill_id.clone();
-                        if let Some(prev) = reg.skills.get(&id) {
-                            errors.push(SkillError::new(
-                                &pkg.join(MANIFEST_FILE),
-                                None,
-                                format!(
-                                    "duplicate skill_id `{id}` (also in {})",
-                                    prev.dir.display()
-                                ),
-                            ));
-                        } else {
-                            reg.skills.insert(id, skill);
-                        }
+        for package in packages {
+            match package {
+                Ok(skill) => {
+                    let id = skill.manifest.skill_id.clone();
+                    if let Some(prev) = reg.skills.get(&id) {
+                        errors.push(SkillError::new(
+                            &skill.dir.join(MANIFEST_FILE),
+                            None,
+                            format!("duplicate skill_id `{id}` (also in {})", prev.dir.display()),
+                        ));
+                    } else {
+                        reg.skills.insert(id, skill);
                     }
-                    Err(mut e) => errors.append(&mut e),
                 }
+                Err(mut e) => errors.append(&mut e),
             }
         }
         if errors.is_empty() {
@@ -91,6 +106,16 @@ impl Registry {
         } else {
             Err(errors)
         }
+    }
+
+    /// The built-in skills (embedded in the binary) with the packages under `dirs` on top:
+    /// a package of `dirs` adds a skill, or replaces the built-in one with its id. Two
+    /// packages of `dirs` with one id are still an error.
+    pub fn builtin_with(dirs: &[PathBuf]) -> Result<Registry, Vec<SkillError>> {
+        let mut reg = super::builtin::registry()?;
+        let user = Registry::load(dirs)?;
+        reg.skills.extend(user.skills);
+        Ok(reg)
     }
 
     /// The skill with `id`.
@@ -149,11 +174,63 @@ fn package_dirs(dir: &Path, errors: &mut Vec<SkillError>) -> Vec<PathBuf> {
     out
 }
 
-/// Loads and checks one package: manifest, schema, template syntax, examples' shape.
+/// Where a package's files come from: a folder on disk, or the copy built into the binary.
+pub trait PackageFiles {
+    /// The package's location, for messages and `Skill::dir`.
+    fn dir(&self) -> PathBuf;
+    /// The text of the file `name` of the package.
+    fn read(&self, name: &str) -> Result<String, String>;
+    /// `(file name, text)` of every `examples/*.json`, sorted by name.
+    fn examples(&self) -> Vec<(String, Result<String, String>)>;
+}
+
+/// A package folder on disk.
+struct DiskPackage<'a>(&'a Path);
+
+impl PackageFiles for DiskPackage<'_> {
+    fn dir(&self) -> PathBuf {
+        self.0.to_path_buf()
+    }
+
+    fn read(&self, name: &str) -> Result<String, String> {
+        std::fs::read_to_string(self.0.join(name)).map_err(|e| e.to_string())
+    }
+
+    fn examples(&self) -> Vec<(String, Result<String, String>)> {
+        let Ok(rd) = std::fs::read_dir(self.0.join(EXAMPLES_DIR)) else {
+            return Vec::new();
+        };
+        let mut files: Vec<PathBuf> = rd
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .collect();
+        files.sort();
+        files
+            .into_iter()
+            .map(|f| {
+                let name = f
+                    .file_name()
+                    .map(|n| n.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                (name, std::fs::read_to_string(&f).map_err(|e| e.to_string()))
+            })
+            .collect()
+    }
+}
+
+/// Loads and checks one package folder: manifest, schema, template syntax, examples' shape.
 pub fn load_package(dir: &Path) -> Result<Skill, Vec<SkillError>> {
+    load_files(&DiskPackage(dir))
+}
+
+/// Loads and checks one package from `files`.
+pub fn load_files(files: &dyn PackageFiles) -> Result<Skill, Vec<SkillError>> {
+    let dir = files.dir();
+    let dir = dir.as_path();
     let mut errors = Vec::new();
     let mpath = dir.join(MANIFEST_FILE);
-    let manifest: Option<SkillManifest> = match std::fs::read_to_string(&mpath) {
+    let manifest: Option<SkillManifest> = match files.read(MANIFEST_FILE) {
         Ok(text) => match serde_yaml::from_str::<SkillManifest>(&text) {
             Ok(m) => Some(m),
             Err(e) => {
@@ -197,7 +274,7 @@ pub fn load_package(dir: &Path) -> Result<Skill, Vec<SkillError>> {
         }
     }
     let tpath = dir.join(TEMPLATE_FILE);
-    let template = match std::fs::read_to_string(&tpath) {
+    let template = match files.read(TEMPLATE_FILE) {
         Ok(t) => {
             let mut env = minijinja::Environment::new();
             if let Err(e) = env.add_template("job", &t) {
@@ -212,27 +289,12 @@ pub fn load_package(dir: &Path) -> Result<Skill, Vec<SkillError>> {
     };
     let mut examples = Vec::new();
     let edir = dir.join(EXAMPLES_DIR);
-    if let Ok(rd) = std::fs::read_dir(&edir) {
-        let mut files: Vec<PathBuf> = rd
-            .flatten()
-            .map(|e| e.path())
-            .filter(|p| p.extension().is_some_and(|x| x == "json"))
-            .collect();
-        files.sort();
-        for f in files {
-            match std::fs::read_to_string(&f)
-                .map_err(|e| e.to_string())
-                .and_then(|t| {
-                    serde_json::from_str::<Value>(&t).map_err(|e| format!("line {}: {e}", e.line()))
-                }) {
-                Ok(v) => examples.push((
-                    f.file_name()
-                        .map(|n| n.to_string_lossy().into_owned())
-                        .unwrap_or_default(),
-                    v,
-                )),
-                Err(msg) => errors.push(SkillError::new(&f, None, msg)),
-            }
+    for (name, text) in files.examples() {
+        match text.and_then(|t| {
+            serde_json::from_str::<Value>(&t).map_err(|e| format!("line {}: {e}", e.line()))
+        }) {
+            Ok(v) => examples.push((name, v)),
+            Err(msg) => errors.push(SkillError::new(&edir.join(&name), None, msg)),
         }
     }
     if examples.is_empty() {
