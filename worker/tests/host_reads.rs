@@ -342,8 +342,11 @@ async fn artifact_hashing_is_bounded_in_time(backend: &'static str) {
     assert!(took < Duration::from_secs(45), "took {took:?}");
 }
 
-/// Finding 7: a job writing 1 GiB into /workspace is stopped near `disk_mb`; the host's
-/// free space does not drop by 1 GiB. A job creating too many files is stopped too.
+/// Finding 7: a job writing 2 GiB into /workspace is stopped near `disk_mb` (64 MiB): the
+/// workspace and the host's free space stay well under 1 GiB. The overshoot is the job's
+/// write rate times the guard's interval plus the backend's stop latency (measured: bwrap
+/// ~75 MiB, podman ~100 MiB idle and ~540 MiB on a loaded host). A job creating too many
+/// files is stopped too.
 async fn disk_limit_stops_a_job_filling_its_workspace(backend: &'static str) {
     let sv = Server::start(backend, "limits:\n  disk_mb: 64\n  disk_max_files: 500\n");
     let task = unique("t");
@@ -357,7 +360,7 @@ async fn disk_limit_stops_a_job_filling_its_workspace(backend: &'static str) {
                 &[
                     "sh",
                     "-c",
-                    "dd if=/dev/zero of=/workspace/fill bs=1048576 count=1024 && echo wrote-all",
+                    "dd if=/dev/zero of=/workspace/fill bs=1048576 count=2048 && echo wrote-all",
                 ],
             ),
         )
@@ -378,7 +381,7 @@ async fn disk_limit_stops_a_job_filling_its_workspace(backend: &'static str) {
         !v["stdout"].as_str().unwrap_or("").contains("wrote-all"),
         "{v}"
     );
-    assert!(used < 512 << 20, "the job wrote {used} bytes");
+    assert!(used < 1 << 30, "the job wrote {used} bytes");
     assert!(
         free_before.saturating_sub(free_after) < 1 << 30,
         "host free space dropped by 1 GiB or more"
