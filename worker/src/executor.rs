@@ -139,6 +139,8 @@ const RESULT_READ_TIME: Duration = Duration::from_secs(10);
 
 /// result.json's name in the job directory.
 pub const RESULT_FILE: &str = "result.json";
+/// The artifacts directory's name in the job directory.
+pub const ARTIFACTS_DIR: &str = "artifacts";
 
 /// Paths of one job on the host, and the bounds on what the node reads from them.
 #[derive(Debug, Clone)]
@@ -195,7 +197,7 @@ impl JobPaths {
     }
 
     pub fn artifacts(&self) -> PathBuf {
-        self.mount.join("artifacts")
+        self.mount.join(ARTIFACTS_DIR)
     }
 }
 
@@ -415,8 +417,8 @@ pub fn artifacts_reason(e: &TreeError) -> String {
 
 /// Hashes the job's artifacts on a blocking thread, within the job's bounds.
 pub async fn collect_artifacts(paths: &JobPaths) -> Result<Vec<ArtifactRecord>, TreeError> {
-    let (dir, bounds) = (paths.artifacts(), paths.bounds.artifacts);
-    match tokio::task::spawn_blocking(move || hash_tree(&dir, bounds)).await {
+    let (dir, bounds) = (paths.mount.clone(), paths.bounds.artifacts);
+    match tokio::task::spawn_blocking(move || hash_tree(&dir, ARTIFACTS_DIR, bounds)).await {
         Ok(r) => r,
         Err(e) => Err(TreeError::Read(ReadError::Io {
             path: "artifacts".into(),
@@ -492,10 +494,14 @@ pub fn apply_sba_result(
     resp.sba_result = Some(result);
 }
 
-/// sha256 and size of every regular file under `dir`, never following links, within
-/// `bounds`; sorted. Blocking.
-pub fn hash_tree(dir: &Path, bounds: TreeBounds) -> Result<Vec<ArtifactRecord>, TreeError> {
-    Ok(sandbox_files::hash_tree(dir, bounds)?
+/// sha256 and size of every regular file under `rel` beneath `dir`, never following links,
+/// within `bounds`; sorted. Blocking.
+pub fn hash_tree(
+    dir: &Path,
+    rel: &str,
+    bounds: TreeBounds,
+) -> Result<Vec<ArtifactRecord>, TreeError> {
+    Ok(sandbox_files::hash_tree(dir, rel, bounds)?
         .into_iter()
         .map(|h| ArtifactRecord {
             path: h.rel,

@@ -512,12 +512,14 @@ impl Node {
                 "artifact paths are relative and contain no `..`",
             )));
         }
-        let base = JobPaths::new(&self.cfg, &rec.request).artifacts();
-        let rel_owned = rel.to_string();
+        // Beneath the job directory: a job that swapped `artifacts` itself for a link is
+        // refused like a link inside it.
+        let base = JobPaths::new(&self.cfg, &rec.request).mount;
+        let rel_owned = format!("{}/{rel}", executor::ARTIFACTS_DIR);
         let opened = tokio::task::spawn_blocking(move || {
             let dir = crate::sandbox_files::open_dir(&base).map_err(|e| {
                 crate::sandbox_files::ReadError::Io {
-                    path: "artifacts".into(),
+                    path: "job directory".into(),
                     source: e,
                 }
             })?;

@@ -93,7 +93,16 @@ pub fn open_beneath(dir: BorrowedFd<'_>, rel: &str, extra: OFlags) -> Result<Own
         Mode::empty(),
         resolve(),
     )
-    .map_err(|e| io_err(rel, e))
+    .map_err(|e| match e {
+        // O_DIRECTORY on a link at the end says ENOTDIR: name the link.
+        rustix::io::Errno::NOTDIR
+            if rustix::fs::statat(dir, rel, AtFlags::SYMLINK_NOFOLLOW)
+                .is_ok_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::Symlink) =>
+        {
+            ReadError::Link { path: rel.into() }
+        }
+        other => io_err(rel, other),
+    })
 }
 
 /// Opens `rel` beneath `dir` as a regular file of at most `cap` bytes; returns it and its
@@ -341,18 +350,20 @@ pub struct Hashed {
     pub sha256: String,
 }
 
-/// sha256 and size of every regular file under `dir`, sorted by path. Links, FIFOs and
-/// other special files are never opened nor listed. A missing `dir` is an empty tree.
-pub fn hash_tree(dir: &Path, b: TreeBounds) -> Result<Vec<Hashed>, TreeError> {
-    let root = match open_dir(dir) {
+/// sha256 and size of every regular file under `rel` beneath the node's directory `base`,
+/// sorted by path. Links, FIFOs and other special files are never opened nor listed; `rel`
+/// itself being a link is an error. A missing `rel` is an empty tree.
+pub fn hash_tree(base: &Path, rel: &str, b: TreeBounds) -> Result<Vec<Hashed>, TreeError> {
+    let base_fd = open_dir(base).map_err(|e| {
+        TreeError::Read(ReadError::Io {
+            path: rel.into(),
+            source: e,
+        })
+    })?;
+    let root = match open_beneath(base_fd.as_fd(), rel, OFlags::DIRECTORY) {
         Ok(fd) => fd,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => {
-            return Err(TreeError::Read(ReadError::Io {
-                path: dir.display().to_string(),
-                source: e,
-            }))
-        }
+        Err(ReadError::Missing { .. }) => return Ok(Vec::new()),
+        Err(e) => return Err(TreeError::Read(e)),
     };
     let deadline = Instant::now() + b.time;
     let mut total = 0u64;
@@ -497,16 +508,17 @@ mod tests {
         std::fs::write(d.path().join("b"), b"").unwrap();
         symlink("/etc/passwd", d.path().join("l")).unwrap();
         symlink("/etc", d.path().join("ld")).unwrap();
-        let got = hash_tree(d.path(), bounds()).unwrap();
+        let got = hash_tree(d.path(), ".", bounds()).unwrap();
         let names: Vec<_> = got.iter().map(|h| (h.rel.as_str(), h.size)).collect();
         assert_eq!(names, vec![("b", 0), ("sub/a", 3)]);
         assert_eq!(
             got[1].sha256,
             "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
         );
-        assert!(hash_tree(&d.path().join("none"), bounds())
-            .unwrap()
-            .is_empty());
+        assert!(hash_tree(d.path(), "none", bounds()).unwrap().is_empty());
+        // The tree's own directory being a link is refused, not followed.
+        let e = hash_tree(d.path(), "ld", bounds()).unwrap_err();
+        assert!(matches!(e, TreeError::Read(ReadError::Link { .. })), "{e}");
     }
 
     #[test]
@@ -515,12 +527,12 @@ mod tests {
         for i in 0..11 {
             std::fs::write(d.path().join(format!("f{i}")), b"").unwrap();
         }
-        let e = hash_tree(d.path(), bounds()).unwrap_err();
+        let e = hash_tree(d.path(), ".", bounds()).unwrap_err();
         assert!(matches!(e, TreeError::TooManyFiles(10)), "{e}");
 
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join("big"), [0u8; 101]).unwrap();
-        let e = hash_tree(d.path(), bounds()).unwrap_err();
+        let e = hash_tree(d.path(), ".", bounds()).unwrap_err();
         assert!(
             matches!(e, TreeError::FileTooLarge { size: 101, .. }),
             "{e}"
@@ -529,7 +541,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         std::fs::write(d.path().join("a"), [0u8; 80]).unwrap();
         std::fs::write(d.path().join("b"), [0u8; 80]).unwrap();
-        let e = hash_tree(d.path(), bounds()).unwrap_err();
+        let e = hash_tree(d.path(), ".", bounds()).unwrap_err();
         assert!(matches!(e, TreeError::TotalTooLarge { cap: 150 }), "{e}");
     }
 
@@ -545,7 +557,7 @@ mod tests {
             time: Duration::from_millis(200),
         };
         let t = Instant::now();
-        let e = hash_tree(d.path(), b).unwrap_err();
+        let e = hash_tree(d.path(), ".", b).unwrap_err();
         assert!(matches!(e, TreeError::TooSlow(_)), "{e}");
         assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
     }

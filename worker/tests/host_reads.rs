@@ -42,6 +42,7 @@ per_backend!(
     artifact_hashing_is_bounded_in_time,
     disk_limit_stops_a_job_filling_its_workspace,
     job_id_reuse_with_another_request_is_409,
+    swapped_artifacts_dir_and_artifact_links_are_never_followed,
 );
 
 /// An SBA job whose one step runs `script` with `sh -c`.
@@ -474,4 +475,73 @@ async fn job_id_reuse_with_another_request_is_409(backend: &'static str) {
     assert_eq!(sv.post("/v1/worker/jobs", &slow_other).await.0, 409);
     assert_eq!(sv.post("/v1/worker/jobs:run", &slow_other).await.0, 409);
     assert_eq!(sv.wait_terminal(&id2).await["status"], "completed");
+}
+
+/// Beyond the list: the job swaps /job/artifacts itself for a link to a root-only host
+/// directory (or links artifacts to host files). The node neither hashes nor serves what
+/// the links point at.
+async fn swapped_artifacts_dir_and_artifact_links_are_never_followed(backend: &'static str) {
+    use std::os::unix::fs::PermissionsExt;
+    let sv = Server::start(backend, "");
+    let secret_dir = tempfile::tempdir().unwrap();
+    let secret = format!("host-secret-{}", unique("m"));
+    std::fs::write(secret_dir.path().join("secret.txt"), &secret).unwrap();
+    std::fs::set_permissions(
+        secret_dir.path().join("secret.txt"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    let secret_sha = crate::harness::sha256_hex(secret.as_bytes());
+    let dir = secret_dir.path().display();
+
+    let id = unique("j");
+    let script = format!("rm -rf /job/artifacts && ln -s {dir} /job/artifacts");
+    let (_, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &command_job(&id, &unique("t"), &["sh", "-c", &script]),
+        )
+        .await;
+    assert_eq!(v["status"], "failed", "{v}");
+    assert!(reason(&v).contains("symbolic link"), "{v}");
+    assert!(!v.to_string().contains(&secret_sha), "{v}");
+    let r = sv
+        .client
+        .get(sv.url(&format!("/v1/worker/jobs/{id}/artifacts/secret.txt")))
+        .bearer_auth(crate::harness::TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    assert!(!r.text().await.unwrap().contains(&secret));
+
+    let id = unique("j");
+    let script = format!(
+        "ln -s {dir}/secret.txt $CYNODE_ARTIFACTS_DIR/leak && ln -s {dir} $CYNODE_ARTIFACTS_DIR/d && echo ok > $CYNODE_ARTIFACTS_DIR/ok"
+    );
+    let (_, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &command_job(&id, &unique("t"), &["sh", "-c", &script]),
+        )
+        .await;
+    assert_eq!(v["status"], "completed", "{v}");
+    let listed: Vec<&str> = v["artifacts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a["path"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed, vec!["ok"], "{v}");
+    for path in ["leak", "d/secret.txt"] {
+        let r = sv
+            .client
+            .get(sv.url(&format!("/v1/worker/jobs/{id}/artifacts/{path}")))
+            .bearer_auth(crate::harness::TOKEN)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status().as_u16(), 404, "{path}");
+        assert!(!r.text().await.unwrap().contains(&secret), "{path}");
+    }
 }
