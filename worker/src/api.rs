@@ -243,11 +243,8 @@ async fn artifact(
     State(node): State<Arc<Node>>,
     Path((job_id, path)): Path<(String, String)>,
 ) -> Result<Response, ApiError> {
-    let file_path = node.artifact(&job_id, &path).await?;
-    let file = tokio::fs::File::open(&file_path)
-        .await
-        .map_err(|_| ApiError::NotFound(format!("artifact {path}")))?;
-    let len = file.metadata().await.map(|m| m.len()).unwrap_or(0);
+    let (file, len) = node.artifact(&job_id, &path).await?;
+    let file = tokio::fs::File::from_std(file);
     let stream = tokio_util::io::ReaderStream::new(file);
     let mut resp = axum::body::Body::from_stream(stream).into_response();
     let headers = resp.headers_mut();

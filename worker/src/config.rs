@@ -131,6 +131,20 @@ pub struct Limits {
     /// Cap on each of stdout and stderr in a response.
     pub output_cap_bytes: usize,
     pub max_request_bytes: usize,
+    /// Disk a job's /workspace and /job may use together, checked every ~200 ms while the
+    /// sandbox runs and once after it ends (a job can overshoot by what it writes between
+    /// two checks).
+    pub disk_mb: u64,
+    /// Files and directories /workspace and /job may hold together.
+    pub disk_max_files: u64,
+    /// Cap on result.json, read by the node.
+    pub result_max_bytes: u64,
+    /// Caps on the artifacts the node hashes after a job: their number, each one's size,
+    /// their total size, and the time hashing may take.
+    pub artifact_max_files: u64,
+    pub artifact_max_file_mb: u64,
+    pub artifact_max_total_mb: u64,
+    pub artifact_hash_seconds: u64,
 }
 
 /// Async job backpressure.
@@ -204,6 +218,13 @@ impl Default for Limits {
             max_timeout_seconds: MAX_TIMEOUT_SECONDS,
             output_cap_bytes: DEFAULT_OUTPUT_CAP_BYTES,
             max_request_bytes: DEFAULT_MAX_REQUEST_BYTES,
+            disk_mb: 10 * 1024,
+            disk_max_files: 100_000,
+            result_max_bytes: 16 * 1024 * 1024,
+            artifact_max_files: 1000,
+            artifact_max_file_mb: 1024,
+            artifact_max_total_mb: 2048,
+            artifact_hash_seconds: 60,
         }
     }
 }

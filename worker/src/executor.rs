@@ -1,6 +1,9 @@
 //! From a validated request to a response the caller can trust: lay out the job
 //! directory, build the sandbox spec (mounts, env, limits), run it, and read back what the
-//! sandbox left, verifying every artifact's hash on the host.
+//! sandbox left, verifying every artifact's hash on the host. Everything the sandbox left is
+//! read through [`crate::sandbox_files`] (beneath the job directory, no links, regular
+//! files only, bounded), and the job's disk use is held to its limit by
+//! [`crate::disk_guard`].
 //!
 //! Job directory layout (`<state>/jobs/<job_id>/`): `request.json`, and `job/` which is
 //! mounted at `/job` (job.json, result.json, artifacts/, status.sock, and for jobs that use
@@ -16,12 +19,13 @@ use cynode_protocol::worker_api::{
     NetworkPolicy, RunJobRequest, RunJobResponse, WorkerJobStatus, API_VERSION,
 };
 use cynode_protocol::{JobResult, ValidationError};
-use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Backend, EndReason, Mount, ResourceLimits, SandboxSpec};
 use crate::clock::now_rfc3339;
-use crate::config::Config;
+use crate::config::{Config, Limits};
+use crate::disk_guard::{DiskGuard, DiskLimit};
+use crate::sandbox_files::{self, ReadError, TreeBounds, TreeError};
 
 /// The uid/gid sandboxes run as.
 pub const SANDBOX_UID: u32 = 1000;
@@ -130,12 +134,46 @@ pub fn inference_models(
     Ok(Some(models))
 }
 
-/// Paths of one job on the host.
+/// How long the node reads result.json at most.
+const RESULT_READ_TIME: Duration = Duration::from_secs(10);
+
+/// result.json's name in the job directory.
+pub const RESULT_FILE: &str = "result.json";
+/// The artifacts directory's name in the job directory.
+pub const ARTIFACTS_DIR: &str = "artifacts";
+
+/// Paths of one job on the host, and the bounds on what the node reads from them.
 #[derive(Debug, Clone)]
 pub struct JobPaths {
     pub root: PathBuf,
     pub mount: PathBuf,
     pub workspace: PathBuf,
+    pub bounds: HostBounds,
+}
+
+/// Bounds on the node's work over what a sandbox left (config `limits`).
+#[derive(Debug, Clone, Copy)]
+pub struct HostBounds {
+    pub disk: DiskLimit,
+    pub result_max_bytes: u64,
+    pub artifacts: TreeBounds,
+}
+
+impl HostBounds {
+    /// From the node's limits.
+    pub fn from_limits(l: &Limits) -> Self {
+        const MB: u64 = 1024 * 1024;
+        HostBounds {
+            disk: DiskLimit::from_limits(l),
+            result_max_bytes: l.result_max_bytes,
+            artifacts: TreeBounds {
+                max_files: l.artifact_max_files,
+                max_file_bytes: l.artifact_max_file_mb.saturating_mul(MB),
+                max_total_bytes: l.artifact_max_total_mb.saturating_mul(MB),
+                time: Duration::from_secs(l.artifact_hash_seconds.max(1)),
+            },
+        }
+    }
 }
 
 impl JobPaths {
@@ -150,15 +188,16 @@ impl JobPaths {
             mount: root.join("job"),
             root,
             workspace: cfg.workspaces_dir().join(ws),
+            bounds: HostBounds::from_limits(&cfg.limits),
         }
     }
 
     pub fn result(&self) -> PathBuf {
-        self.mount.join("result.json")
+        self.mount.join(RESULT_FILE)
     }
 
     pub fn artifacts(&self) -> PathBuf {
-        self.mount.join("artifacts")
+        self.mount.join(ARTIFACTS_DIR)
     }
 }
 
@@ -277,7 +316,15 @@ pub async fn run(
     cancel: &CancellationToken,
 ) -> RunJobResponse {
     let started_at = now_rfc3339();
-    let out = backend.run(spec, cancel).await;
+    // The disk guard stops the sandbox through a child token: a breach is not a cancel.
+    let trip = cancel.child_token();
+    let guard = DiskGuard::start(
+        vec![paths.workspace.clone(), paths.mount.clone()],
+        paths.bounds.disk,
+        trip.clone(),
+    );
+    let out = backend.run(spec, &trip).await;
+    let breach = guard.finish().await;
     let ended_at = now_rfc3339();
     let mut resp = RunJobResponse {
         version: API_VERSION,
@@ -294,7 +341,7 @@ pub async fn run(
         artifacts: None,
         failure_reason: None,
     };
-    let artifacts = hash_tree(&paths.artifacts());
+    let artifacts = collect_artifacts(paths).await;
     match &out.end {
         EndReason::StartFailed(msg) => {
             resp.failure_reason = Some(msg.clone());
@@ -324,34 +371,95 @@ pub async fn run(
             }
         }
     }
+    if let Some(b) = breach {
+        tracing::warn!(job_id = %req.job_id, reason = %b, "job over its disk limit");
+        resp.status = WorkerJobStatus::Failed;
+        if out.end != EndReason::Exited {
+            resp.exit_code = -1;
+        }
+        resp.failure_reason = Some(b.to_string());
+        resp.artifacts = artifacts.ok();
+        return resp;
+    }
+    let artifacts = match artifacts {
+        Ok(a) => a,
+        Err(e) => {
+            tracing::warn!(job_id = %req.job_id, reason = %e, "artifacts refused");
+            resp.status = WorkerJobStatus::Failed;
+            resp.failure_reason = Some(artifacts_reason(&e));
+            return resp;
+        }
+    };
     resp.artifacts = Some(artifacts.clone());
     if req.sandbox.job_spec_json.is_some() && out.end == EndReason::Exited {
-        apply_sba_result(&mut resp, &paths.result(), &artifacts);
+        match read_result(paths).await {
+            Ok(result) => apply_sba_result(&mut resp, result, &artifacts, true),
+            Err(reason) => {
+                resp.status = WorkerJobStatus::Failed;
+                resp.failure_reason = Some(reason);
+            }
+        }
     }
     resp
 }
 
-/// Derives status from result.json; a missing or invalid one is a failure, never success.
-fn apply_sba_result(resp: &mut RunJobResponse, path: &Path, host: &[ArtifactRecord]) {
-    let text = match std::fs::read(path) {
-        Ok(t) => t,
-        Err(e) => {
-            resp.status = WorkerJobStatus::Failed;
-            resp.failure_reason = Some(format!(
-                "result.json missing ({e}): the sandbox exited with code {} without a result",
-                resp.exit_code
-            ));
-            return;
-        }
+/// The failure reason for artifacts the node refused to collect, naming the cap.
+pub fn artifacts_reason(e: &TreeError) -> String {
+    let key = match e {
+        TreeError::TooManyFiles(_) => "limits.artifact_max_files",
+        TreeError::FileTooLarge { .. } => "limits.artifact_max_file_mb",
+        TreeError::TotalTooLarge { .. } => "limits.artifact_max_total_mb",
+        TreeError::TooSlow(_) => "limits.artifact_hash_seconds",
+        TreeError::Read(r) => return format!("cannot collect artifacts: {r}"),
     };
-    let result: JobResult = match serde_json::from_slice(&text) {
+    format!("resource_limit_exceeded: artifacts: {e} ({key})")
+}
+
+/// Hashes the job's artifacts on a blocking thread, within the job's bounds.
+pub async fn collect_artifacts(paths: &JobPaths) -> Result<Vec<ArtifactRecord>, TreeError> {
+    let (dir, bounds) = (paths.mount.clone(), paths.bounds.artifacts);
+    match tokio::task::spawn_blocking(move || hash_tree(&dir, ARTIFACTS_DIR, bounds)).await {
         Ok(r) => r,
-        Err(e) => {
-            resp.status = WorkerJobStatus::Failed;
-            resp.failure_reason = Some(format!("result.json invalid: {e}"));
-            return;
+        Err(e) => Err(TreeError::Read(ReadError::Io {
+            path: "artifacts".into(),
+            source: std::io::Error::other(e.to_string()),
+        })),
+    }
+}
+
+/// Reads and parses result.json beneath the job directory (never through a link, regular
+/// file only, bounded); the error is the job's failure reason.
+pub async fn read_result(paths: &JobPaths) -> Result<JobResult, String> {
+    let (dir, cap) = (paths.mount.clone(), paths.bounds.result_max_bytes);
+    let read = tokio::task::spawn_blocking(move || {
+        sandbox_files::read_file_beneath(&dir, RESULT_FILE, cap, RESULT_READ_TIME)
+    })
+    .await
+    .map_err(|e| format!("cannot read result.json: {e}"))?;
+    let text = match read {
+        Ok(t) => t,
+        Err(ReadError::Missing { .. }) => {
+            return Err("result.json missing: the sandbox exited without a result".into())
         }
+        Err(e @ ReadError::TooLarge { .. }) => {
+            return Err(format!(
+                "resource_limit_exceeded: {e} (limits.result_max_bytes)"
+            ))
+        }
+        Err(e) => return Err(format!("result.json refused: {e}")),
     };
+    serde_json::from_slice(&text).map_err(|e| format!("result.json invalid: {e}"))
+}
+
+/// Derives status from result.json; a missing or invalid one is a failure, never success.
+/// With `exit_known`, a result claiming success from a sandbox that exited non-zero is a
+/// failure too.
+pub fn apply_sba_result(
+    resp: &mut RunJobResponse,
+    result: JobResult,
+    host: &[ArtifactRecord],
+    exit_known: bool,
+) {
     if result.job_id != resp.job_id {
         resp.status = WorkerJobStatus::Failed;
         resp.failure_reason = Some(format!(
@@ -365,6 +473,14 @@ fn apply_sba_result(resp: &mut RunJobResponse, path: &Path, host: &[ArtifactReco
         JobStatus::Failure => WorkerJobStatus::Failed,
         JobStatus::Timeout => WorkerJobStatus::Timeout,
     };
+    if exit_known && resp.status == WorkerJobStatus::Completed && resp.exit_code != 0 {
+        resp.status = WorkerJobStatus::Failed;
+        resp.failure_reason = Some(format!(
+            "result.json reports success but the sandbox exited with code {}",
+            resp.exit_code
+        ));
+        return;
+    }
     for claimed in &result.artifacts {
         let found = host.iter().find(|h| h.path == claimed.path);
         if found != Some(claimed) {
@@ -378,53 +494,19 @@ fn apply_sba_result(resp: &mut RunJobResponse, path: &Path, host: &[ArtifactReco
     resp.sba_result = Some(result);
 }
 
-/// sha256 and size of every regular file under `dir`, never following symlinks; sorted.
-pub fn hash_tree(dir: &Path) -> Vec<ArtifactRecord> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let Ok(rd) = std::fs::read_dir(&d) else {
-            continue;
-        };
-        for e in rd.flatten() {
-            let Ok(ft) = e.file_type() else { continue };
-            let p = e.path();
-            if ft.is_dir() {
-                stack.push(p);
-            } else if ft.is_file() {
-                if let Some((size_bytes, sha256)) = hash_file(&p) {
-                    let rel = p.strip_prefix(dir).unwrap_or(&p).display().to_string();
-                    out.push(ArtifactRecord {
-                        path: rel,
-                        sha256,
-                        size_bytes,
-                    });
-                }
-            }
-        }
-    }
-    out.sort_by(|a, b| a.path.cmp(&b.path));
-    out
-}
-
-fn hash_file(p: &Path) -> Option<(u64, String)> {
-    use std::io::Read;
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(p)
-        .ok()?;
-    let mut h = Sha256::new();
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut n_total = 0u64;
-    loop {
-        let n = f.read(&mut buf).ok()?;
-        if n == 0 {
-            break;
-        }
-        h.update(&buf[..n]);
-        n_total += n as u64;
-    }
-    Some((n_total, hex::encode(h.finalize())))
+/// sha256 and size of every regular file under `rel` beneath `dir`, never following links,
+/// within `bounds`; sorted. Blocking.
+pub fn hash_tree(
+    dir: &Path,
+    rel: &str,
+    bounds: TreeBounds,
+) -> Result<Vec<ArtifactRecord>, TreeError> {
+    Ok(sandbox_files::hash_tree(dir, rel, bounds)?
+        .into_iter()
+        .map(|h| ArtifactRecord {
+            path: h.rel,
+            sha256: h.sha256,
+            size_bytes: h.size,
+        })
+        .collect())
 }

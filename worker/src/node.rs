@@ -3,7 +3,6 @@
 //! restart so nothing is silently lost.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -20,7 +19,7 @@ use crate::backend::Backend;
 use crate::callback;
 use crate::config::Config;
 use crate::executor::{self, JobPaths};
-use crate::store::{JobRecord, Mode, Store};
+use crate::store::{request_digest, JobRecord, Mode, Store};
 
 /// Attempts at recording a job's final state (about a minute with the backoff).
 const RESULT_WRITE_TRIES: u32 = 15;
@@ -190,19 +189,26 @@ impl Node {
             let paths = JobPaths::new(&self.cfg, &rec.request);
             let mut resp = restarted_response(&rec);
             if rec.request.sandbox.job_spec_json.is_some() {
-                if let Ok(text) = std::fs::read(paths.result()) {
-                    if let Ok(result) = serde_json::from_slice::<cynode_protocol::JobResult>(&text)
-                    {
-                        resp.status = match result.status {
-                            cynode_protocol::result::JobStatus::Success => {
-                                WorkerJobStatus::Completed
+                // The same reads as after a run: beneath the job directory, no links,
+                // bounded; a result that cannot be read or verified leaves the job
+                // `worker_restarted`.
+                if let Ok(result) = executor::read_result(&paths).await {
+                    match executor::collect_artifacts(&paths).await {
+                        Ok(artifacts) => {
+                            let mut settled = resp.clone();
+                            settled.failure_reason = None;
+                            settled.artifacts = Some(artifacts.clone());
+                            executor::apply_sba_result(&mut settled, result, &artifacts, false);
+                            if settled.failure_reason.is_none() {
+                                resp = settled;
                             }
-                            cynode_protocol::result::JobStatus::Failure => WorkerJobStatus::Failed,
-                            cynode_protocol::result::JobStatus::Timeout => WorkerJobStatus::Timeout,
-                        };
-                        resp.failure_reason = None;
-                        resp.artifacts = Some(executor::hash_tree(&paths.artifacts()));
-                        resp.sba_result = Some(result);
+                        }
+                        Err(e) => {
+                            resp.failure_reason = Some(format!(
+                                "worker_restarted; {}",
+                                executor::artifacts_reason(&e)
+                            ));
+                        }
                     }
                 }
             }
@@ -262,10 +268,12 @@ impl Node {
         req: RunJobRequest,
     ) -> Result<RunJobResponse, NodeError> {
         executor::validate(&self.cfg, &req)?;
+        let digest = request_digest(&req)?;
         self.take_slot()?;
         if !self.insert_holding_slot(&req, Mode::Sync).await? {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             return match self.store.get(&req.job_id).await? {
+                Some(rec) if rec.request_digest != digest => Err(different_request(&req.job_id)),
                 Some(JobRecord {
                     response: Some(resp),
                     ..
@@ -286,7 +294,11 @@ impl Node {
         req: RunJobRequest,
     ) -> Result<(bool, AsyncJobStatus), NodeError> {
         executor::validate(&self.cfg, &req)?;
+        let digest = request_digest(&req)?;
         if let Some(existing) = self.store.get(&req.job_id).await? {
+            if existing.request_digest != digest {
+                return Err(different_request(&req.job_id));
+            }
             return Ok((false, status_of(existing)));
         }
         self.take_slot()?;
@@ -297,6 +309,9 @@ impl Node {
                 .get(&req.job_id)
                 .await?
                 .ok_or_else(|| NodeError::NotFound(format!("job {} not found", req.job_id)))?;
+            if existing.request_digest != digest {
+                return Err(different_request(&req.job_id));
+            }
             return Ok((false, status_of(existing)));
         }
         let status = AsyncJobStatus {
@@ -472,8 +487,13 @@ impl Node {
         Ok(())
     }
 
-    /// The host path of an artifact of a finished job; refuses escapes and symlinks.
-    pub async fn artifact(&self, job_id: &str, rel: &str) -> Result<PathBuf, NodeError> {
+    /// An artifact of a finished job, opened beneath the job's artifacts directory without
+    /// following links (a regular file only); with its size.
+    pub async fn artifact(
+        &self,
+        job_id: &str,
+        rel: &str,
+    ) -> Result<(std::fs::File, u64), NodeError> {
         let rec = self
             .store
             .get(job_id)
@@ -482,30 +502,35 @@ impl Node {
         if !rec.state.is_terminal() {
             return Err(NodeError::Conflict(format!("job {job_id} is not finished")));
         }
-        let base = JobPaths::new(&self.cfg, &rec.request).artifacts();
-        let mut p = base.clone();
-        for comp in std::path::Path::new(rel).components() {
-            match comp {
-                std::path::Component::Normal(c) => {
-                    p.push(c);
-                    let meta = std::fs::symlink_metadata(&p)
-                        .map_err(|_| NodeError::NotFound(format!("artifact {rel}")))?;
-                    if meta.file_type().is_symlink() {
-                        return Err(NodeError::NotFound(format!("artifact {rel}")));
-                    }
-                }
-                _ => {
-                    return Err(NodeError::Invalid(ValidationError::new(
-                        "path",
-                        "artifact paths are relative and contain no `..`",
-                    )))
-                }
-            }
+        if rel.is_empty()
+            || !std::path::Path::new(rel)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(NodeError::Invalid(ValidationError::new(
+                "path",
+                "artifact paths are relative and contain no `..`",
+            )));
         }
-        if p == base || !p.is_file() {
-            return Err(NodeError::NotFound(format!("artifact {rel}")));
-        }
-        Ok(p)
+        // Beneath the job directory: a job that swapped `artifacts` itself for a link is
+        // refused like a link inside it.
+        let base = JobPaths::new(&self.cfg, &rec.request).mount;
+        let rel_owned = format!("{}/{rel}", executor::ARTIFACTS_DIR);
+        let opened = tokio::task::spawn_blocking(move || {
+            let dir = crate::sandbox_files::open_dir(&base).map_err(|e| {
+                crate::sandbox_files::ReadError::Io {
+                    path: "job directory".into(),
+                    source: e,
+                }
+            })?;
+            crate::sandbox_files::open_regular(std::os::fd::AsFd::as_fd(&dir), &rel_owned, u64::MAX)
+        })
+        .await
+        .map_err(|e| NodeError::Internal(e.to_string()))?;
+        opened.map_err(|e| {
+            tracing::info!(job_id = %job_id, error = %e, "artifact refused");
+            NodeError::NotFound(format!("artifact {rel}"))
+        })
     }
 
     /// Deletes finished jobs nobody acked within `retention_seconds`.
@@ -541,6 +566,13 @@ impl Node {
     pub fn active(&self) -> usize {
         self.waiting.load(Ordering::SeqCst)
     }
+}
+
+/// A job_id reused for another request: idempotency is keyed on the request.
+fn different_request(job_id: &str) -> NodeError {
+    NodeError::Conflict(format!(
+        "job {job_id} already exists with a different request; a job_id names one request"
+    ))
 }
 
 fn state_of(resp: &RunJobResponse) -> AsyncJobState {

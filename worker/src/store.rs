@@ -40,7 +40,52 @@ pub struct JobRecord {
     pub mode: Mode,
     pub state: AsyncJobState,
     pub request: RunJobRequest,
+    /// [`request_digest`] of the request the job was accepted with.
+    pub request_digest: String,
     pub response: Option<RunJobResponse>,
+}
+
+/// sha256 (hex) of the canonical JSON of `req`: object keys sorted at every level, no
+/// whitespace. Two requests with the same digest are the same request.
+pub fn request_digest(req: &RunJobRequest) -> Result<String> {
+    use sha2::Digest;
+    let v = serde_json::to_value(req)?;
+    let mut out = String::new();
+    canonical(&v, &mut out)?;
+    Ok(hex::encode(sha2::Sha256::digest(out.as_bytes())))
+}
+
+fn canonical(v: &serde_json::Value, out: &mut String) -> Result<()> {
+    match v {
+        serde_json::Value::Object(m) => {
+            let mut keys: Vec<&String> = m.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                out.push_str(&serde_json::to_string(k)?);
+                out.push(':');
+                if let Some(x) = m.get(k) {
+                    canonical(x, out)?;
+                }
+            }
+            out.push('}');
+        }
+        serde_json::Value::Array(a) => {
+            out.push('[');
+            for (i, x) in a.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical(x, out)?;
+            }
+            out.push(']');
+        }
+        other => out.push_str(&serde_json::to_string(other)?),
+    }
+    Ok(())
 }
 
 /// The job database.
@@ -102,14 +147,15 @@ impl Store {
         };
         let at = now();
         let res = sqlx::query(
-            "INSERT INTO jobs (job_id, task_id, mode, state, request_json, created_at, updated_at) \
-             VALUES (?1, ?2, ?3, 'accepted', ?4, ?5, ?5) ON CONFLICT (job_id) DO NOTHING",
+            "INSERT INTO jobs (job_id, task_id, mode, state, request_json, created_at, updated_at, request_digest) \
+             VALUES (?1, ?2, ?3, 'accepted', ?4, ?5, ?5, ?6) ON CONFLICT (job_id) DO NOTHING",
         )
         .bind(&req.job_id)
         .bind(&req.task_id)
         .bind(mode)
         .bind(serde_json::to_string(req)?)
         .bind(at)
+        .bind(request_digest(req)?)
         .execute(&self.pool)
         .await?;
         Ok(res.rows_affected() == 1)
@@ -151,7 +197,7 @@ impl Store {
     /// One job, if known.
     pub async fn get(&self, job_id: &str) -> Result<Option<JobRecord>> {
         let row = sqlx::query(
-            "SELECT job_id, task_id, mode, state, request_json, response_json FROM jobs WHERE job_id = ?1",
+            "SELECT job_id, task_id, mode, state, request_json, response_json, request_digest FROM jobs WHERE job_id = ?1",
         )
         .bind(job_id)
         .fetch_optional(&self.pool)
@@ -162,7 +208,7 @@ impl Store {
     /// Jobs that were accepted or running: after a restart they need reconciling.
     pub async fn unfinished(&self) -> Result<Vec<JobRecord>> {
         let rows = sqlx::query(
-            "SELECT job_id, task_id, mode, state, request_json, response_json FROM jobs \
+            "SELECT job_id, task_id, mode, state, request_json, response_json, request_digest FROM jobs \
              WHERE state IN ('accepted', 'in_progress') ORDER BY created_at",
         )
         .fetch_all(&self.pool)
@@ -200,6 +246,12 @@ impl Store {
 fn decode(r: &sqlx::sqlite::SqliteRow) -> Result<JobRecord> {
     let mode: String = r.get("mode");
     let response: Option<String> = r.get("response_json");
+    let request: RunJobRequest = serde_json::from_str(&r.get::<String, _>("request_json"))?;
+    let digest: Option<String> = r.get("request_digest");
+    let request_digest = match digest {
+        Some(d) => d,
+        None => request_digest(&request)?,
+    };
     Ok(JobRecord {
         job_id: r.get("job_id"),
         task_id: r.get("task_id"),
@@ -209,7 +261,8 @@ fn decode(r: &sqlx::sqlite::SqliteRow) -> Result<JobRecord> {
             Mode::Async
         },
         state: parse_state(&r.get::<String, _>("state"))?,
-        request: serde_json::from_str(&r.get::<String, _>("request_json"))?,
+        request,
+        request_digest,
         response: response.map(|s| serde_json::from_str(&s)).transpose()?,
     })
 }
@@ -217,6 +270,22 @@ fn decode(r: &sqlx::sqlite::SqliteRow) -> Result<JobRecord> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn digest_is_canonical_and_tells_requests_apart() {
+        let a = req("a");
+        let same: RunJobRequest = serde_json::from_str(
+            r#"{"sandbox":{"command":["true"],"image":"i"},"job_id":"a","task_id":"t","version":1}"#,
+        )
+        .unwrap();
+        assert_eq!(request_digest(&a).unwrap(), request_digest(&same).unwrap());
+        let mut other = req("a");
+        other.task_id = "t2".into();
+        assert_ne!(request_digest(&a).unwrap(), request_digest(&other).unwrap());
+        let mut other = req("a");
+        other.sandbox.command = vec!["false".into()];
+        assert_ne!(request_digest(&a).unwrap(), request_digest(&other).unwrap());
+    }
 
     fn req(id: &str) -> RunJobRequest {
         serde_json::from_value(serde_json::json!({
@@ -242,6 +311,7 @@ mod tests {
             (got.state, got.mode),
             (AsyncJobState::InProgress, Mode::Async)
         );
+        assert_eq!(got.request_digest, request_digest(&req("a")).unwrap());
         assert!(store.delete("a").await.unwrap());
         assert!(store.get("a").await.unwrap().is_none());
     }

@@ -6,6 +6,7 @@
 mod backends;
 mod cases;
 mod harness;
+mod host_reads;
 mod inference;
 mod sessions;
 mod workspaces;

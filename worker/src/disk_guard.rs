@@ -1,0 +1,203 @@
+//! A job's disk limit (`limits.disk_mb`, `limits.disk_max_files`): while the sandbox runs,
+//! a thread walks the job's /workspace and /job every [`INTERVAL`] (links never followed,
+//! the walk bounded in entries), sums the blocks allocated, and on a breach cancels the
+//! sandbox; once more after the sandbox ended. The job then fails `resource_limit_exceeded`.
+//!
+//! The overshoot is bounded by what the job writes between a breach and its sandbox's end:
+//! its write rate times [`INTERVAL`] (longer when a walk itself takes long: the pause is at
+//! least twice the last walk) plus the backend's stop latency (bwrap: a cgroup kill;
+//! podman: `podman rm --force`, up to a second or more on a loaded host). Measured with
+//! `dd` into /workspace and a 64 MiB limit: ~75 MiB on bwrap, ~100 MiB on podman idle,
+//! ~540 MiB on podman under heavy load. Sparse files count what they allocate. Residual: a file the job unlinks while
+//! keeping it open is not seen by a walk; its space is freed when the sandbox ends.
+
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Limits;
+use crate::sandbox_files::{self, WalkError};
+
+/// Pause between two checks.
+pub const INTERVAL: Duration = Duration::from_millis(200);
+/// A walk slower than this is given up (and counts as no breach).
+const WALK_BOUND: Duration = Duration::from_secs(30);
+
+/// The limit for one job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskLimit {
+    pub bytes: u64,
+    pub max_files: u64,
+}
+
+impl DiskLimit {
+    /// From the node's limits.
+    pub fn from_limits(l: &Limits) -> Self {
+        DiskLimit {
+            bytes: l.disk_mb.saturating_mul(1024 * 1024),
+            max_files: l.disk_max_files,
+        }
+    }
+}
+
+/// A job over its disk limit.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Breach {
+    #[error("resource_limit_exceeded: /workspace and /job use more than {limit} bytes, the disk limit (limits.disk_mb); the sandbox was stopped")]
+    Bytes { limit: u64 },
+    #[error("resource_limit_exceeded: /workspace and /job hold more than {0} files and directories (limits.disk_max_files); the sandbox was stopped")]
+    Files(u64),
+}
+
+#[derive(Debug, thiserror::Error)]
+enum Over {
+    #[error("over")]
+    Bytes,
+}
+
+/// Checks `dirs` once against `limit`. Directories that cannot be walked (missing, or a
+/// walk over its time bound) count as no breach.
+pub fn check(dirs: &[PathBuf], limit: DiskLimit) -> Result<(), Breach> {
+    let mut used = 0u64;
+    let mut entries = 0u64;
+    for d in dirs {
+        let Ok(fd) = sandbox_files::open_dir(d) else {
+            continue;
+        };
+        let left = limit.max_files.saturating_sub(entries);
+        let res = sandbox_files::walk(
+            fd.as_fd(),
+            left,
+            Instant::now() + WALK_BOUND,
+            WALK_BOUND,
+            |_, e| {
+                used = used.saturating_add(e.allocated);
+                if used > limit.bytes {
+                    return Err(Over::Bytes);
+                }
+                Ok(())
+            },
+        );
+        match res {
+            Ok(n) => entries += n,
+            Err(WalkError::Visit(Over::Bytes)) => return Err(Breach::Bytes { limit: limit.bytes }),
+            Err(WalkError::TooManyEntries(_)) => return Err(Breach::Files(limit.max_files)),
+            Err(e) => tracing::warn!(dir = %d.display(), error = %e, "disk usage walk gave up"),
+        }
+    }
+    Ok(())
+}
+
+/// A running guard; [`DiskGuard::finish`] ends it.
+#[derive(Debug)]
+pub struct DiskGuard {
+    stop: Option<mpsc::Sender<()>>,
+    breach: Arc<Mutex<Option<Breach>>>,
+    dirs: Vec<PathBuf>,
+    limit: DiskLimit,
+}
+
+impl DiskGuard {
+    /// Starts checking `dirs`; a breach cancels `trip`.
+    pub fn start(dirs: Vec<PathBuf>, limit: DiskLimit, trip: CancellationToken) -> DiskGuard {
+        let (tx, rx) = mpsc::channel::<()>();
+        let breach = Arc::new(Mutex::new(None));
+        let (b, d) = (Arc::clone(&breach), dirs.clone());
+        let spawned = std::thread::Builder::new()
+            .name("disk-guard".into())
+            .spawn(move || loop {
+                let t = Instant::now();
+                if let Err(e) = check(&d, limit) {
+                    if let Ok(mut g) = b.lock() {
+                        *g = Some(e);
+                    }
+                    trip.cancel();
+                    return;
+                }
+                let pause = INTERVAL.max(t.elapsed() * 2);
+                match rx.recv_timeout(pause) {
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    _ => return,
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start the disk guard; the disk limit is checked only after the job");
+        }
+        DiskGuard {
+            stop: Some(tx),
+            breach,
+            dirs,
+            limit,
+        }
+    }
+
+    /// Stops the guard and checks once more: the breach, if any.
+    pub async fn finish(mut self) -> Option<Breach> {
+        self.stop.take();
+        if let Some(b) = self.breach.lock().ok().and_then(|g| g.clone()) {
+            return Some(b);
+        }
+        let (dirs, limit) = (std::mem::take(&mut self.dirs), self.limit);
+        match tokio::task::spawn_blocking(move || check(&dirs, limit)).await {
+            Ok(Ok(())) => None,
+            Ok(Err(b)) => Some(b),
+            Err(e) => {
+                tracing::warn!(error = %e, "final disk check failed");
+                None
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_allocated_bytes_and_entries_not_sparse_sizes() {
+        let d = tempfile::tempdir().unwrap();
+        let f = std::fs::File::create(d.path().join("sparse")).unwrap();
+        f.set_len(1 << 40).unwrap();
+        let dirs = vec![d.path().to_path_buf()];
+        let lim = DiskLimit {
+            bytes: 1 << 20,
+            max_files: 10,
+        };
+        assert_eq!(check(&dirs, lim), Ok(()));
+        std::fs::write(d.path().join("real"), vec![1u8; 2 << 20]).unwrap();
+        assert_eq!(check(&dirs, lim), Err(Breach::Bytes { limit: 1 << 20 }));
+        let lim = DiskLimit {
+            bytes: 1 << 30,
+            max_files: 2,
+        };
+        std::fs::create_dir(d.path().join("sub")).unwrap();
+        assert_eq!(check(&dirs, lim), Err(Breach::Files(2)));
+        // A link to a big tree outside is not followed.
+        let d2 = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink("/usr", d2.path().join("usr")).unwrap();
+        let lim = DiskLimit {
+            bytes: 1 << 20,
+            max_files: 10,
+        };
+        assert_eq!(check(&[d2.path().to_path_buf()], lim), Ok(()));
+    }
+
+    #[tokio::test]
+    async fn a_breach_while_running_cancels() {
+        let d = tempfile::tempdir().unwrap();
+        let trip = CancellationToken::new();
+        let lim = DiskLimit {
+            bytes: 1 << 20,
+            max_files: 100,
+        };
+        let g = DiskGuard::start(vec![d.path().to_path_buf()], lim, trip.clone());
+        std::fs::write(d.path().join("real"), vec![1u8; 2 << 20]).unwrap();
+        tokio::time::timeout(Duration::from_secs(30), trip.cancelled())
+            .await
+            .expect("the guard never tripped");
+        assert_eq!(g.finish().await, Some(Breach::Bytes { limit: 1 << 20 }));
+    }
+}
