@@ -7,13 +7,16 @@
 //! and fails with its own message (what ran, how long, what it printed) instead of leaving
 //! the runner's time-out to end it.
 //!
-//! [`LocalModel`] is the local model server as a test-owned resource.
+//! [`LocalModel`] is the local model server as a test-owned resource, and [`TestCa`]
+//! makes the certificates of the TLS tests.
 //!
 //! The `cynode-reap` binary is the last line of defence in CI: it runs the test command as
 //! a child subreaper and fails when anything the run started is still alive afterwards.
 
+pub mod certs;
 pub mod model;
 pub mod proc;
 
+pub use certs::{CertFiles, TestCa};
 pub use model::LocalModel;
 pub use proc::{output_bounded, output_within, OwnedChild, TimedOut};

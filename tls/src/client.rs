@@ -2,12 +2,12 @@
 
 use std::path::PathBuf;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{read, Result, TlsError};
 
 /// What a client trusts and presents, beyond the system's roots.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClientTls {
     /// PEM file of extra CA certificates to trust (the system's roots stay trusted).

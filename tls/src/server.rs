@@ -11,7 +11,7 @@ use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{read, Result, TlsError};
 
@@ -20,7 +20,7 @@ const RELOAD_POLL: Duration = Duration::from_secs(2);
 
 /// A server's certificate and key, and optionally the CA its clients must present a
 /// certificate from.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ServerTls {
     pub cert_file: PathBuf,

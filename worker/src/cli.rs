@@ -150,15 +150,24 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
     let token = cfg.token()?;
     let listen = cfg.listen;
+    let tls = cfg.tls.clone();
+    if tls.is_none() && !listen.ip().is_loopback() && !cfg.allow_plain_http {
+        anyhow::bail!(
+            "refusing to serve the Worker API (and its bearer token) over plain http on the non-loopback address {listen}: configure tls.cert_file and tls.key_file, or set allow_plain_http: true when a TLS-terminating proxy on this host fronts it"
+        );
+    }
+    if let Some(t) = &tls {
+        // Fail at start-up, naming the file, rather than on the first connection.
+        cynode_tls::server_config(t).context("tls")?;
+    }
     let node = Node::start(cfg, token).await?;
-    let listener = tokio::net::TcpListener::bind(listen)
-        .await
+    let listener = std::net::TcpListener::bind(listen)
         .with_context(|| format!("cannot listen on {listen}"))?;
     let ready = node.readiness();
-    tracing::info!(addr = %listener.local_addr()?, backend = node.backend.kind().as_str(), ready = ready.ready, detail = %ready.detail, "cynode-worker listening");
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    tracing::info!(addr = %listener.local_addr()?, scheme, mutual_tls = tls.as_ref().is_some_and(|t| t.client_ca_file.is_some()), backend = node.backend.kind().as_str(), ready = ready.ready, detail = %ready.detail, "cynode-worker listening");
     let app = crate::api::app(Arc::clone(&node));
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
+    cynode_tls::serve(listener, app, tls, shutdown_signal())
         .await
         .context("server failed")?;
     // Stop accepting is done; give running jobs a grace period, then stop them. Results

@@ -58,6 +58,13 @@ pub struct Config {
     /// The OpenAI-compatible upstream behind the per-job inference proxy; without it, jobs
     /// that need inference are refused.
     pub inference: Option<InferenceConfig>,
+    /// Serve the Worker API over HTTPS (`cert_file`, `key_file`); `client_ca_file` makes
+    /// client certificates required (mutual TLS). Plain http is for loopback only: a
+    /// non-loopback `listen` without `tls` needs `allow_plain_http: true`.
+    pub tls: Option<cynode_tls::ServerTls>,
+    /// Serve plain http on a non-loopback address anyway (e.g. behind a TLS-terminating
+    /// proxy on the same host).
+    pub allow_plain_http: bool,
 }
 
 /// The inference upstream. The API key never lives in this file: `api_key_file` or the
@@ -65,8 +72,12 @@ pub struct Config {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct InferenceConfig {
-    /// `http://host:port` (a trailing `/v1` is accepted).
+    /// `http://host:port` or `https://host:port` (a trailing `/v1` is accepted).
     pub base_url: String,
+    /// Extra CA and client identity for an `https://` upstream (the system's roots, and
+    /// `SSL_CERT_FILE`, are trusted too).
+    #[serde(default)]
+    pub tls: cynode_tls::ClientTls,
     #[serde(default)]
     pub api_key_file: Option<PathBuf>,
     #[serde(default)]
@@ -194,6 +205,8 @@ impl Default for Config {
             .to_vec(),
             retention_seconds: 7 * 24 * 3600,
             inference: None,
+            tls: None,
+            allow_plain_http: false,
         }
     }
 }

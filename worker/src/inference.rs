@@ -61,9 +61,9 @@ impl Upstream {
         use anyhow::Context;
         let base = cfg.base_url.trim().trim_end_matches('/');
         let base = base.strip_suffix("/v1").unwrap_or(base).to_string();
-        if !base.starts_with("http://") {
+        if !base.starts_with("http://") && !base.starts_with("https://") {
             anyhow::bail!(
-                "inference.base_url `{}`: only http:// upstreams are supported (this build has no TLS; put a TLS-terminating proxy on the host)",
+                "inference.base_url `{}`: must be an http:// or https:// URL",
                 cfg.base_url
             );
         }
@@ -83,7 +83,11 @@ impl Upstream {
             (None, None) => None,
         }
         .filter(|k| !k.is_empty());
-        let client = reqwest::Client::builder()
+        let builder = cfg
+            .tls
+            .apply(reqwest::Client::builder())
+            .context("inference.tls")?;
+        let client = builder
             .timeout(Duration::from_secs(cfg.timeout_seconds.max(1)))
             .connect_timeout(Duration::from_secs(10))
             .build()

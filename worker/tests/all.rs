@@ -9,4 +9,5 @@ mod harness;
 mod host_reads;
 mod inference;
 mod sessions;
+mod tls;
 mod workspaces;
