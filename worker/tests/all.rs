@@ -8,4 +8,5 @@ mod cases;
 mod harness;
 mod inference;
 mod sessions;
+mod workspace_attacks;
 mod workspaces;
