@@ -5,7 +5,7 @@
 //! the node is root) in new user, pid, network, ipc, uts and cgroup namespaces, with a
 //! cleared environment, every capability dropped, only the host's `/usr` (with the
 //! `/bin`, `/lib`, `/lib64`, `/sbin` links or read-only binds) plus the workspace and
-//! baseline read-only, a small tmpfs `/tmp`, and bounds on time and output. The invocation
+//! baseline read-only, a small tmpfs `/tmp`, and bounds on time, output and address space. The invocation
 //! is hardened as well: no system or global config, command-line overrides of every
 //! config key known to run a program, `--no-ext-diff --no-textconv`, no protocols.
 //! Whatever a repository still makes git run (a clean filter, say) runs inside that
@@ -49,7 +49,7 @@ pub enum ChangesetError {
 
 /// Config overrides (command-line precedence) for every key that makes git run a program
 /// or reach out, plus output settings a repository must not change.
-const GIT_CONFIG: [(&str, &str); 16] = [
+const GIT_CONFIG: [(&str, &str); 18] = [
     ("core.fsmonitor", "false"),
     ("core.hooksPath", "/dev/null"),
     ("core.pager", "cat"),
@@ -66,7 +66,13 @@ const GIT_CONFIG: [(&str, &str); 16] = [
     ("safe.directory", "*"),
     ("submodule.recurse", "false"),
     ("core.quotePath", "true"),
+    // Pack windows that fit the address-space bound below.
+    ("core.packedGitLimit", "1g"),
+    ("core.packedGitWindowSize", "256m"),
 ];
+
+/// Address space of git (and of anything a repository makes it run), inherited through bwrap.
+const MAX_ADDRESS_SPACE: u64 = 4 << 30;
 
 const DIFF_FLAGS: &str = "--no-ext-diff --no-textconv --no-color --binary";
 
@@ -110,7 +116,8 @@ pub async fn changeset(
     }
     let (code, out, err) = run(bwrap, &args, limits).await?;
     // git diff --no-index exits 1 when there are differences.
-    if code != 0 && !(code == 1 && !has_git) {
+    let ok = code == 0 || (code == 1 && !has_git);
+    if !ok {
         return Err(ChangesetError::Git(format!("exit {code}: {}", err.trim())));
     }
     if has_git {
@@ -142,7 +149,7 @@ fn sandbox_args() -> Vec<String> {
         "--dev",
         "/dev",
         "--size",
-        "16777216",
+        "67108864",
         "--tmpfs",
         "/tmp",
     ]
@@ -260,7 +267,7 @@ async fn run(
         .kill_on_drop(true);
     let drop_root = rustix::process::geteuid().is_root();
     // SAFETY: between fork and exec this only makes async-signal-safe syscalls
-    // (setrlimit, setgroups, setgid, setuid) on integers.
+    // (setrlimit, setgroups, setgid, setuid) on integers and stack values.
     unsafe {
         cmd.pre_exec(move || {
             let core = libc::rlimit {
@@ -268,6 +275,11 @@ async fn run(
                 rlim_max: 0,
             };
             libc::setrlimit(libc::RLIMIT_CORE, &core);
+            let space = libc::rlimit {
+                rlim_cur: MAX_ADDRESS_SPACE,
+                rlim_max: MAX_ADDRESS_SPACE,
+            };
+            libc::setrlimit(libc::RLIMIT_AS, &space);
             if drop_root {
                 let id = crate::executor::SANDBOX_UID;
                 if libc::setgroups(0, std::ptr::null()) != 0
@@ -334,7 +346,9 @@ async fn run(
     };
     let err = String::from_utf8_lossy(&err).into_owned();
     let code = status.code().unwrap_or(-1);
-    if code != 0 && code != 1 && err.contains("bwrap:") {
+    // bwrap reports its own failures (exit 1, like a no-index diff with changes) as
+    // `bwrap: …` lines; a changeset computed without the sandbox is never returned.
+    if code != 0 && err.lines().any(|l| l.starts_with("bwrap: ")) {
         return Err(ChangesetError::Sandbox(err.trim().to_string()));
     }
     Ok((code, String::from_utf8_lossy(&out).into_owned(), err))
@@ -343,6 +357,30 @@ async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn unusable_bwrap_is_a_clear_error_never_an_empty_diff() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let lim = ChangesetLimits::default();
+        let e = changeset("/nonexistent/bwrap", t.path(), t.path(), false, lim)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().starts_with("bubblewrap is unusable"), "{e}");
+        // bwrap fails with exit 1, which a no-index diff also uses for "differences".
+        let fake = t.path().join("bwrap");
+        std::fs::write(
+            &fake,
+            "#!/bin/sh\necho 'bwrap: setting up uid map: Permission denied' >&2\nexit 1\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let e = changeset(fake.to_str().unwrap(), t.path(), t.path(), false, lim)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("bwrap: setting up uid map"), "{e}");
+    }
 
     #[test]
     fn no_index_headers_name_both_sides() {

@@ -7,11 +7,15 @@ use std::ffi::OsString;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use rustix::fs::FileType;
 
 use super::beneath;
+
+/// How deep an exported tree may nest.
+const MAX_DEPTH: usize = 256;
 
 /// Bounds on one export.
 #[derive(Debug, Clone, Copy)]
@@ -35,12 +39,26 @@ impl Default for ExportLimits {
 pub fn export(dir: &Path, out: impl Write, limits: ExportLimits) -> std::io::Result<()> {
     let deadline = Instant::now() + limits.max_time;
     let mut b = tar::Builder::new(out);
-    let root = beneath::open_root(dir)?;
-    let mut stack: Vec<(OwnedFd, PathBuf)> = vec![(root, PathBuf::from("."))];
+    // Directories are opened when visited, beneath their (shared) parent's fd, so open
+    // fds stay bounded by the depth, and the depth is bounded.
+    let root = Rc::new(beneath::open_root(dir)?);
+    let mut stack: Vec<(Rc<OwnedFd>, Option<OsString>, PathBuf)> =
+        vec![(root, None, PathBuf::from("."))];
     let mut entries = 0u64;
     let mut bytes = 0u64;
     let over = |what: String| std::io::Error::other(format!("export over its {what} bound"));
-    while let Some((dfd, rel)) = stack.pop() {
+    while let Some((parent, name, rel)) = stack.pop() {
+        let dfd = match name {
+            None => parent,
+            // Left out if it was swapped for a link meanwhile.
+            Some(n) => match beneath::open_dir(parent.as_fd(), Path::new(&n)) {
+                Ok(fd) => Rc::new(fd),
+                Err(_) => continue,
+            },
+        };
+        if rel.components().count() > MAX_DEPTH {
+            return Err(over(format!("{MAX_DEPTH} levels depth")));
+        }
         let (_, st) = beneath::kind(dfd.as_fd(), std::ffi::OsStr::new("."))?;
         let mut h = header(&st, tar::EntryType::Directory, 0);
         b.append_data(&mut h, &rel, std::io::empty())?;
@@ -59,12 +77,7 @@ pub fn export(dir: &Path, out: impl Write, limits: ExportLimits) -> std::io::Res
                 continue; // gone meanwhile
             };
             match ft {
-                FileType::Directory => {
-                    // Fails (and is left out) if it was swapped for a link meanwhile.
-                    if let Ok(fd) = beneath::open_dir(dfd.as_fd(), Path::new(&name)) {
-                        subdirs.push((fd, path));
-                    }
-                }
+                FileType::Directory => subdirs.push((Rc::clone(&dfd), Some(name), path)),
                 FileType::RegularFile => {
                     let Ok((file, size)) = beneath::open_regular(dfd.as_fd(), &name) else {
                         continue; // swapped for something else meanwhile
