@@ -299,11 +299,22 @@ async fn run(
     let mut stdout = child.stdout.take();
     let mut stderr = child.stderr.take();
     let cap = limits.max_output;
+    let kill = move || {
+        if let Some(pg) = pgid {
+            // SAFETY: signalling the process group this function created.
+            unsafe {
+                libc::kill(-(pg as i32), libc::SIGKILL);
+            }
+        }
+    };
     let work = async {
         let read_out = async {
             let mut buf = Vec::new();
             if let Some(s) = stdout.as_mut() {
                 s.take(cap + 1).read_to_end(&mut buf).await.ok();
+            }
+            if buf.len() as u64 > cap {
+                kill(); // so stderr ends too
             }
             buf
         };
@@ -325,14 +336,6 @@ async fn run(
         Ok((status, out, err))
     };
     let res = tokio::time::timeout(limits.max_time, work).await;
-    let kill = || {
-        if let Some(pg) = pgid {
-            // SAFETY: signalling the process group this function created.
-            unsafe {
-                libc::kill(-(pg as i32), libc::SIGKILL);
-            }
-        }
-    };
     let (status, out, err) = match res {
         Err(_) => {
             kill();
@@ -380,6 +383,39 @@ mod tests {
             .await
             .unwrap_err();
         assert!(e.to_string().contains("bwrap: setting up uid map"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn time_and_output_are_bounded() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let script = |name: &str, body: &str| {
+            let p = t.path().join(name);
+            std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+            p.display().to_string()
+        };
+        let slow = script("slow", "exec sleep 60");
+        let lim = ChangesetLimits {
+            max_time: Duration::from_secs(1),
+            max_output: 1 << 20,
+        };
+        let started = std::time::Instant::now();
+        let e = changeset(&slow, t.path(), t.path(), true, lim)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, ChangesetError::Timeout(1)), "{e}");
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{:?}",
+            started.elapsed()
+        );
+        let loud = script("loud", "exec yes");
+        let e = changeset(&loud, t.path(), t.path(), true, lim)
+            .await
+            .unwrap_err();
+        assert!(matches!(e, ChangesetError::TooLarge(_)), "{e}");
     }
 
     #[test]
