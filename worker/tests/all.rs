@@ -10,4 +10,5 @@ mod host_reads;
 mod inference;
 mod sessions;
 mod tls;
+mod workspace_attacks;
 mod workspaces;
