@@ -614,3 +614,72 @@ fn a_model_that_never_answers_fails_within_the_model_timeout() {
         );
     }
 }
+
+/// Issue 14 item 4 on PostgreSQL: replicas opening a new database at once all migrate it
+/// without error (the migration runs under `pg_advisory_lock`).
+#[test]
+fn processes_opening_a_fresh_postgres_database_at_once_all_succeed() {
+    let admin = crate::store::postgres_url();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for trial in 0..3 {
+        let name = format!("cynode_fresh_{}", uuid::Uuid::new_v4().simple());
+        rt.block_on(async {
+            sqlx::any::install_default_drivers();
+            let mut c = <sqlx::AnyConnection as sqlx::Connection>::connect(admin)
+                .await
+                .unwrap();
+            sqlx::query(&format!("CREATE DATABASE {name}"))
+                .execute(&mut c)
+                .await
+                .unwrap();
+        });
+        let mut url = url::Url::parse(admin).unwrap();
+        url.set_path(&format!("/{name}"));
+        let mut procs: Vec<Child> = (0..3)
+            .map(|_| {
+                Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
+                    .args([
+                        "--output",
+                        "json",
+                        "sessions",
+                        "list",
+                        "--datastore-endpoint",
+                    ])
+                    .arg(url.as_str())
+                    .current_dir(repo())
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let t = Instant::now();
+        let mut failures = Vec::new();
+        for p in &mut procs {
+            let status = loop {
+                if let Some(s) = p.try_wait().unwrap() {
+                    break s;
+                }
+                assert!(
+                    t.elapsed() < Duration::from_secs(120),
+                    "trial {trial}: hung"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            let mut err = String::new();
+            p.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+            if !status.success() {
+                failures.push(format!("{status}: {err}"));
+            }
+        }
+        rt.block_on(async {
+            let mut c = <sqlx::AnyConnection as sqlx::Connection>::connect(admin)
+                .await
+                .unwrap();
+            let _ = sqlx::query(&format!("DROP DATABASE IF EXISTS {name}"))
+                .execute(&mut c)
+                .await;
+        });
+        assert!(failures.is_empty(), "trial {trial}: {failures:?}");
+    }
+}
