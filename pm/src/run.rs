@@ -43,8 +43,9 @@ pub struct RunArgs {
     pub max_tokens: u32,
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
-    /// How long one model reply may take, every transport retry for it included; a turn
-    /// ends within this times (1 + contract retries).
+    /// How long one model request may take; a reply is asked at most 3 times on
+    /// timeouts and transport errors, so a model that never answers fails the session
+    /// after about 3 × this.
     #[arg(long, env = "CYNODE_MODEL_TIMEOUT_SECONDS", default_value_t = 120,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub model_timeout_seconds: u64,

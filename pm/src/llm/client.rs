@@ -6,11 +6,11 @@
 //! Retries, two kinds, never mixed up:
 //! - transport: a timeout, an unreachable endpoint, HTTP 408/429/5xx. A completion is an
 //!   idempotent read, so the same request is sent again, [`TRANSPORT_TRIES`] times in all,
-//!   with exponential backoff, but all tries for one reply share one deadline,
-//!   [`ModelConfig::timeout`] (`--model-timeout-seconds`): a model that never answers
-//!   fails the reply after that long, not after every try's own timeout. A turn therefore
-//!   ends within `timeout × (1 + max_contract_retries)`. async-openai's own retry layer is
-//!   replaced so this is the only one.
+//!   with exponential backoff. Each try is bounded by [`ModelConfig::timeout`]
+//!   (`--model-timeout-seconds`), so a model that never answers fails a reply after
+//!   `TRANSPORT_TRIES × timeout` plus the backoff, and a turn is bounded by that times
+//!   `1 + max_contract_retries`. async-openai's own retry layer is replaced so this is
+//!   the only one.
 //! - contract: a reply that fails [`ReplyValidator`] goes back to the model with the error,
 //!   up to [`ModelConfig::max_contract_retries`] times, then
 //!   [`LlmError::ModelContractViolation`].
@@ -67,8 +67,8 @@ pub struct ModelConfig {
     pub api_key: Option<String>,
     pub max_tokens: u32,
     pub temperature: f32,
-    /// Deadline of one reply: every transport try for it together (connect, generate,
-    /// read). `--model-timeout-seconds` / `CYNODE_MODEL_TIMEOUT_SECONDS`.
+    /// Deadline of one HTTP request (connect, generate, read).
+    /// `--model-timeout-seconds` / `CYNODE_MODEL_TIMEOUT_SECONDS`.
     pub timeout: Duration,
     /// How many times an invalid reply is sent back for correction (so at most
     /// `1 + max_contract_retries` replies are asked for per turn).
@@ -444,24 +444,13 @@ impl LlmClient {
         messages: &[ChatMessage],
         schema: &Value,
     ) -> Result<String, LlmError> {
-        self.complete_within(messages, schema, self.cfg.timeout)
-            .await
-    }
-
-    /// [`LlmClient::complete`] with its own deadline `limit` (at most the configured one).
-    async fn complete_within(
-        &self,
-        messages: &[ChatMessage],
-        schema: &Value,
-        limit: Duration,
-    ) -> Result<String, LlmError> {
         self.check_config()?;
         let request = self.request(messages, schema);
         let started = Instant::now();
         let chat = self.client.chat();
         let sent = chat.create_byot::<_, CompletionBody>(request);
         let m = crate::metrics::metrics();
-        let body = match tokio::time::timeout(limit.min(self.cfg.timeout), sent).await {
+        let body = match tokio::time::timeout(self.cfg.timeout, sent).await {
             Err(_) => {
                 m.model_call(false, started.elapsed(), 0, 0);
                 return Err(LlmError::Timeout {
@@ -530,20 +519,9 @@ impl LlmClient {
     ) -> Result<String, LlmError> {
         let mut delay = BACKOFF_BASE;
         let mut tries = 1;
-        let deadline = Instant::now() + self.cfg.timeout;
         loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(LlmError::Timeout {
-                    after: self.cfg.timeout,
-                });
-            }
-            match self.complete_within(messages, schema, left).await {
-                Err(e)
-                    if e.is_retryable()
-                        && tries < TRANSPORT_TRIES
-                        && deadline.saturating_duration_since(Instant::now()) > delay =>
-                {
+            match self.complete(messages, schema).await {
+                Err(e) if e.is_retryable() && tries < TRANSPORT_TRIES => {
                     warn!(
                         try_number = tries,
                         delay_ms = delay.as_millis() as u64,
