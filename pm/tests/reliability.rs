@@ -571,7 +571,8 @@ fn silent_model() -> String {
 
 /// Issue 14 item 7: `--model-timeout-seconds` (and `CYNODE_MODEL_TIMEOUT_SECONDS`) bounds
 /// how long a model that never answers can hold a turn: each of the 3 transport tries
-/// waits that long, so 3 s gives about 9 s, not the fixed 120 s per try of before.
+/// waits that long, so 3 s gives about 10 s, where the fixed 120 s per try of before
+/// gave 6 minutes (the upper bound leaves room for a loaded machine).
 #[test]
 fn a_model_that_never_answers_fails_within_the_model_timeout() {
     let url = silent_model();
@@ -610,7 +611,7 @@ fn a_model_that_never_answers_fails_within_the_model_timeout() {
         assert_eq!(code, Some(1), "{name}: {v} {}", pm.stderr());
         assert_eq!(v["failure"]["kind"], "model_unavailable", "{name}: {v}");
         assert!(
-            took >= Duration::from_secs(9) && took < Duration::from_secs(40),
+            took >= Duration::from_secs(9) && took < Duration::from_secs(120),
             "{name}: took {took:?}"
         );
     }
