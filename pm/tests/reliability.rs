@@ -618,12 +618,13 @@ fn a_model_that_never_answers_fails_within_the_model_timeout() {
 }
 
 /// Issue 14 item 4 on PostgreSQL: replicas opening a new database at once all migrate it
-/// without error (the migration runs under `pg_advisory_lock`).
+/// without error (the migration, including sqlx's creation of its own table, runs under
+/// `pg_advisory_lock`).
 #[test]
 fn processes_opening_a_fresh_postgres_database_at_once_all_succeed() {
     let admin = crate::store::postgres_url();
     let rt = tokio::runtime::Runtime::new().unwrap();
-    for trial in 0..3 {
+    for trial in 0..4 {
         let name = format!("cynode_fresh_{}", uuid::Uuid::new_v4().simple());
         rt.block_on(async {
             sqlx::any::install_default_drivers();
