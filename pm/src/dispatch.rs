@@ -1,6 +1,15 @@
 //! The PM's client of the Worker API: async submit (idempotent on job_id), status polling,
-//! artifact download, ack, workspace changeset. Transport failures and 5xx/503 answers are
-//! retried with exponential backoff: every call here is idempotent.
+//! artifact download, ack, workspace changeset.
+//!
+//! Fail-fast classes: transport failures and 5xx answers are retried with exponential
+//! backoff (every call here is idempotent); 401/403 is an authentication error naming the
+//! worker and any other 4xx a final refusal, neither retried: they will not fix
+//! themselves.
+//!
+//! Every URL is built from the parsed base with `url`'s path-segment API, one segment per
+//! id or path component, so job ids, workspace ids and artifact paths with spaces, `#`,
+//! `?`, `%` or non-ASCII characters are percent-encoded and never read as a query or
+//! fragment.
 
 use std::time::Duration;
 
@@ -16,6 +25,12 @@ pub enum DispatchError {
     Rejected { status: u16, detail: String },
     #[error("not found on the worker: {0}")]
     NotFound(String),
+    /// 401/403: the worker does not accept this PM's token.
+    #[error("worker {worker} refused our token ({status}): authentication failed; check the worker token")]
+    Auth { worker: String, status: u16 },
+    /// The worker endpoint is not a base URL.
+    #[error("invalid worker endpoint `{endpoint}`: {reason}")]
+    BadEndpoint { endpoint: String, reason: String },
 }
 
 impl DispatchError {
@@ -25,6 +40,8 @@ impl DispatchError {
             DispatchError::Unavailable(_) => true,
             DispatchError::Rejected { .. } => false,
             DispatchError::NotFound(_) => false,
+            DispatchError::Auth { .. } => false,
+            DispatchError::BadEndpoint { .. } => false,
         }
     }
 }
@@ -33,6 +50,8 @@ impl DispatchError {
 #[derive(Clone)]
 pub struct WorkerClient {
     base: String,
+    /// `base` parsed; an endpoint that is not a base URL fails every call.
+    base_url: Result<url::Url, String>,
     token: String,
     http: reqwest::Client,
     /// How many times a retryable failure is retried.
@@ -53,8 +72,19 @@ impl std::fmt::Debug for WorkerClient {
 impl WorkerClient {
     /// A client of `base` (e.g. `http://127.0.0.1:9190`).
     pub fn new(base: &str, token: &str) -> Self {
+        let base = base.trim_end_matches('/').to_string();
+        let base_url = url::Url::parse(&base)
+            .map_err(|e| e.to_string())
+            .and_then(|u| {
+                if u.cannot_be_a_base() {
+                    Err("not a base URL".to_string())
+                } else {
+                    Ok(u)
+                }
+            });
         WorkerClient {
-            base: base.trim_end_matches('/').to_string(),
+            base,
+            base_url,
             token: token.to_string(),
             http: reqwest::Client::builder()
                 .timeout(Duration::from_secs(60))
@@ -71,9 +101,20 @@ impl WorkerClient {
     async fn call(
         &self,
         method: reqwest::Method,
-        path: &str,
+        segments: &[&str],
         body: Option<&serde_json::Value>,
     ) -> Result<reqwest::Response, DispatchError> {
+        self.call_url(method, self.url(segments)?, body).await
+    }
+
+    /// [`WorkerClient::call`] on a URL built by [`WorkerClient::url`].
+    async fn call_url(
+        &self,
+        method: reqwest::Method,
+        url: url::Url,
+        body: Option<&serde_json::Value>,
+    ) -> Result<reqwest::Response, DispatchError> {
+        let path = url.path();
         let span = tracing::info_span!(
             "worker_call",
             otel.kind = "client",
@@ -81,18 +122,50 @@ impl WorkerClient {
             url.path = path,
             http.response.status_code = tracing::field::Empty,
         );
-        self.call_with_retries(method, path, body, self.retries)
+        self.call_with_retries(method, &url, body, self.retries)
             .instrument(span)
             .await
+    }
+
+    /// The base URL with `segments` appended, each one percent-encoded as one path
+    /// segment (a `/` inside a segment is encoded too).
+    pub fn url(&self, segments: &[&str]) -> Result<url::Url, DispatchError> {
+        let mut url = self
+            .base_url
+            .clone()
+            .map_err(|reason| DispatchError::BadEndpoint {
+                endpoint: self.base.clone(),
+                reason,
+            })?;
+        {
+            let mut path = url
+                .path_segments_mut()
+                .map_err(|()| DispatchError::BadEndpoint {
+                    endpoint: self.base.clone(),
+                    reason: "not a base URL".into(),
+                })?;
+            path.pop_if_empty();
+            path.extend(segments);
+        }
+        Ok(url)
+    }
+
+    /// The base URL with the fixed segments `prefix`, then each `/`-separated component
+    /// of the relative `path` as a segment of its own.
+    fn url_with_path(&self, prefix: &[&str], path: &str) -> Result<url::Url, DispatchError> {
+        let mut all: Vec<&str> = prefix.to_vec();
+        all.extend(path.split('/').filter(|c| !c.is_empty()));
+        self.url(&all)
     }
 
     async fn call_with_retries(
         &self,
         method: reqwest::Method,
-        path: &str,
+        url: &url::Url,
         body: Option<&serde_json::Value>,
         retries: u32,
     ) -> Result<reqwest::Response, DispatchError> {
+        let path = url.path();
         let traceparent = crate::telemetry::traceparent();
         let mut delay = Duration::from_millis(100);
         let mut last = String::new();
@@ -103,7 +176,7 @@ impl WorkerClient {
             }
             let mut req = self
                 .http
-                .request(method.clone(), format!("{}{path}", self.base))
+                .request(method.clone(), url.clone())
                 .bearer_auth(&self.token);
             if let Some(tp) = &traceparent {
                 req = req.header("traceparent", tp);
@@ -126,6 +199,12 @@ impl WorkerClient {
                         attempt,
                         "worker error; retrying"
                     );
+                }
+                Ok(r) if matches!(r.status().as_u16(), 401 | 403) => {
+                    return Err(DispatchError::Auth {
+                        worker: self.base.clone(),
+                        status: r.status().as_u16(),
+                    })
                 }
                 Ok(r) if r.status().as_u16() == 404 => {
                     return Err(DispatchError::NotFound(path.to_string()))
@@ -166,8 +245,9 @@ impl WorkerClient {
     /// `GET /v1/worker/capacity`, asked once (placement skips a worker that does not
     /// answer rather than wait for it).
     pub async fn capacity(&self) -> Result<WorkerCapacity, DispatchError> {
+        let url = self.url(&["v1", "worker", "capacity"])?;
         Self::json(
-            self.call_with_retries(reqwest::Method::GET, "/v1/worker/capacity", None, 0)
+            self.call_with_retries(reqwest::Method::GET, &url, None, 0)
                 .await?,
         )
         .await
@@ -178,8 +258,12 @@ impl WorkerClient {
         let body =
             serde_json::to_value(req).map_err(|e| DispatchError::Unavailable(e.to_string()))?;
         Self::json(
-            self.call(reqwest::Method::POST, "/v1/worker/jobs", Some(&body))
-                .await?,
+            self.call(
+                reqwest::Method::POST,
+                &["v1", "worker", "jobs"],
+                Some(&body),
+            )
+            .await?,
         )
         .await
     }
@@ -189,7 +273,7 @@ impl WorkerClient {
         Self::json(
             self.call(
                 reqwest::Method::GET,
-                &format!("/v1/worker/jobs/{job_id}"),
+                &["v1", "worker", "jobs", job_id],
                 None,
             )
             .await?,
@@ -202,7 +286,7 @@ impl WorkerClient {
         Self::json(
             self.call(
                 reqwest::Method::POST,
-                &format!("/v1/worker/jobs/{job_id}:stop"),
+                &["v1", "worker", "jobs", &format!("{job_id}:stop")],
                 Some(&serde_json::json!({})),
             )
             .await?,
@@ -212,13 +296,8 @@ impl WorkerClient {
 
     /// The bytes of one artifact.
     pub async fn artifact(&self, job_id: &str, path: &str) -> Result<Vec<u8>, DispatchError> {
-        let r = self
-            .call(
-                reqwest::Method::GET,
-                &format!("/v1/worker/jobs/{job_id}/artifacts/{path}"),
-                None,
-            )
-            .await?;
+        let url = self.url_with_path(&["v1", "worker", "jobs", job_id, "artifacts"], path)?;
+        let r = self.call_url(reqwest::Method::GET, url, None).await?;
         r.bytes()
             .await
             .map(|b| b.to_vec())
@@ -229,7 +308,7 @@ impl WorkerClient {
     pub async fn ack(&self, job_id: &str) -> Result<(), DispatchError> {
         self.call(
             reqwest::Method::POST,
-            &format!("/v1/worker/jobs/{job_id}:ack"),
+            &["v1", "worker", "jobs", &format!("{job_id}:ack")],
             Some(&serde_json::json!({})),
         )
         .await?;
@@ -238,8 +317,11 @@ impl WorkerClient {
 
     /// `GET /readyz` answers 200.
     pub async fn ready(&self) -> bool {
+        let Ok(url) = self.url(&["readyz"]) else {
+            return false;
+        };
         self.http
-            .get(format!("{}/readyz", self.base))
+            .get(url)
             .send()
             .await
             .map(|r| r.status().is_success())
@@ -251,7 +333,7 @@ impl WorkerClient {
         let r = self
             .call(
                 reqwest::Method::GET,
-                &format!("/v1/worker/workspaces/{workspace_id}/changeset"),
+                &["v1", "worker", "workspaces", workspace_id, "changeset"],
                 None,
             )
             .await?;
@@ -270,8 +352,12 @@ impl WorkerClient {
         if let Some(dir) = seed_from {
             body["seed_from"] = serde_json::json!(dir);
         }
-        self.call(reqwest::Method::POST, "/v1/worker/workspaces", Some(&body))
-            .await?;
+        self.call(
+            reqwest::Method::POST,
+            &["v1", "worker", "workspaces"],
+            Some(&body),
+        )
+        .await?;
         Ok(())
     }
 }

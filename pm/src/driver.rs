@@ -616,7 +616,9 @@ impl Pm {
         let resp = match outcome {
             Ok(r) => r,
             Err(WatchError::Store(e)) => return Err(e.into()),
-            Err(WatchError::Dispatch(e @ DispatchError::Unavailable(_))) => {
+            Err(WatchError::Dispatch(
+                e @ (DispatchError::Unavailable(_) | DispatchError::Auth { .. }),
+            )) => {
                 rec.fail(FailureKind::WorkerUnavailable, e.to_string());
                 self.store.save(rec, version, &[]).await?;
                 return Ok(());

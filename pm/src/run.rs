@@ -42,6 +42,12 @@ pub struct RunArgs {
     pub max_tokens: u32,
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// How long one model request may take; a reply is asked at most 3 times on
+    /// timeouts and transport errors, so a model that never answers fails the session
+    /// after about 3 × this.
+    #[arg(long, env = "CYNODE_MODEL_TIMEOUT_SECONDS", default_value_t = 120,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub model_timeout_seconds: u64,
     /// A running worker; without it (and without --workers-file) a local cynode-worker
     /// is started and stopped.
     #[arg(long, env = "CYNODE_WORKER_ENDPOINT", conflicts_with = "workers_file")]
@@ -82,23 +88,119 @@ pub struct RunArgs {
 }
 
 /// A local worker started for this run; stopped on drop.
+///
+/// It lives and dies with this PM: the child gets `PR_SET_PDEATHSIG = SIGKILL`, so a PM
+/// killed with SIGKILL (or crashing) takes its worker along, and the worker's bwrap
+/// sandboxes follow it (`--die-with-parent`). The parent-death signal fires when the
+/// *thread* that forked the child exits, not only the process, so the child is spawned
+/// from a dedicated thread ([`supervise`]) that lives until this value is dropped, never
+/// from a runtime thread that tokio may retire.
+///
+/// The worker locks its state directory (`cynode-worker serve` holds a `flock` on
+/// `<state>/worker/state/worker.lock`), so a second PM on the same `--state-dir` starts a
+/// worker that waits for the first one to be gone before it reconciles anything; this
+/// PM waits for it, saying so, and never runs a rival beside it.
 struct LocalWorker {
-    child: Child,
     endpoint: String,
     token: String,
+    /// Dropping it tells the supervising thread to stop the worker.
+    stop: Option<std::sync::mpsc::Sender<()>>,
+    supervisor: Option<std::thread::JoinHandle<()>>,
+    /// This run's token and config files, removed once the worker stopped.
+    files: Vec<PathBuf>,
 }
 
 impl Drop for LocalWorker {
     fn drop(&mut self) {
-        // SAFETY: SIGTERM to the worker we started, for a graceful stop.
-        unsafe {
-            libc::kill(self.child.id() as i32, libc::SIGTERM);
+        drop(self.stop.take());
+        if let Some(t) = self.supervisor.take() {
+            let _ = t.join();
         }
-        let _ = self.child.wait();
+        for f in &self.files {
+            let _ = std::fs::remove_file(f);
+        }
     }
 }
 
-fn start_local_worker(args: &RunArgs, seed: Option<&Path>) -> anyhow::Result<LocalWorker> {
+/// Environment variables the local worker gets from this process, when set: what it needs
+/// to find and run its sandbox engine, its logs and its traces. Nothing else passes (no
+/// `CYNODE_MODEL_API_KEY`, no tokens, no other secret): the worker starts from a cleared
+/// environment.
+pub const LOCAL_WORKER_ENV: &[&str] = &[
+    "PATH",
+    "HOME",
+    "USER",
+    "LOGNAME",
+    "LANG",
+    "LC_ALL",
+    "TMPDIR",
+    "XDG_RUNTIME_DIR",
+    "XDG_CONFIG_HOME",
+    "XDG_DATA_HOME",
+    "CONTAINERS_CONF",
+    "CONTAINERS_STORAGE_CONF",
+    "CONTAINERS_REGISTRIES_CONF",
+    "RUST_LOG",
+    "CYNODE_OTLP_ENDPOINT",
+];
+
+/// What the worker's log says while it starts.
+enum StartEvent {
+    Waiting(String),
+    Listening(String),
+}
+
+/// Spawns the worker from the calling thread (which must outlive it, see [`LocalWorker`])
+/// and then waits there for the stop signal (the sender dropped), then stops it with
+/// SIGTERM and reaps it.
+fn supervise(
+    mut cmd: Command,
+    spawned: std::sync::mpsc::Sender<std::io::Result<(u32, std::process::ChildStderr)>>,
+    stop: std::sync::mpsc::Receiver<()>,
+) {
+    use std::os::unix::process::CommandExt;
+    let parent = std::process::id();
+    // SAFETY: between fork and exec only async-signal-safe calls: prctl and getppid.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The PM died before the signal was armed: do not outlive it.
+            if libc::getppid() as u32 != parent {
+                return Err(std::io::Error::other("the cynode-pm process is gone"));
+            }
+            Ok(())
+        });
+    }
+    let mut child: Child = match cmd.spawn() {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = spawned.send(Err(e));
+            return;
+        }
+    };
+    let sent = match child.stderr.take() {
+        Some(stderr) => spawned.send(Ok((child.id(), stderr))).is_ok(),
+        None => false,
+    };
+    if sent {
+        // Blocks until the LocalWorker is dropped (or the PM exits, taking us along).
+        let _ = stop.recv();
+    }
+    // SAFETY: SIGTERM to the worker we started and have not reaped yet, for a graceful stop.
+    unsafe {
+        libc::kill(child.id() as i32, libc::SIGTERM);
+    }
+    let _ = child.wait();
+}
+
+fn start_local_worker(
+    args: &RunArgs,
+    global: &crate::cli::Global,
+    seed: Option<&Path>,
+    reporter: &Reporter,
+) -> anyhow::Result<LocalWorker> {
     let exe = std::env::current_exe().context("cannot find the cynode-pm executable")?;
     let bin = exe.with_file_name("cynode-worker");
     anyhow::ensure!(
@@ -112,11 +214,21 @@ fn start_local_worker(args: &RunArgs, seed: Option<&Path>) -> anyhow::Result<Loc
     for d in [args.state_dir.as_path(), dir.as_path()] {
         std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?;
     }
+    // Per PM: a second PM on this state directory writes its own files, so the first
+    // one's worker keeps the token and config it started with.
+    let tag = uuid::Uuid::new_v4().simple().to_string();
     let token =
         format!("{}", uuid::Uuid::new_v4().simple()) + &uuid::Uuid::new_v4().simple().to_string();
-    let token_file = dir.join("token");
-    std::fs::write(&token_file, &token)?;
-    std::fs::set_permissions(&token_file, std::fs::Permissions::from_mode(0o600))?;
+    let token_file = dir.join(format!("token-{tag}"));
+    {
+        use std::os::unix::fs::OpenOptionsExt;
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&token_file)?;
+        f.write_all(token.as_bytes())?;
+    }
     let mut cfg = format!(
         "listen: 127.0.0.1:0\nbackend: {}\nstate_dir: {}\ntoken_file: {}\n",
         args.local_backend,
@@ -133,20 +245,48 @@ fn start_local_worker(args: &RunArgs, seed: Option<&Path>) -> anyhow::Result<Loc
             rootfs.display()
         ));
     }
-    let cfg_path = dir.join("worker.yaml");
+    let cfg_path = dir.join(format!("worker-{tag}.yaml"));
     std::fs::write(&cfg_path, cfg)?;
-    let mut child = Command::new(&bin)
-        .args(["serve", "--config"])
+    let mut cmd = Command::new(&bin);
+    cmd.args(["serve", "--config"])
         .arg(&cfg_path)
+        .env_clear()
+        .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
+        .stderr(Stdio::piped());
+    for name in LOCAL_WORKER_ENV {
+        if let Some(v) = std::env::var_os(name) {
+            cmd.env(name, v);
+        }
+    }
+    if let Some(e) = &global.otlp_endpoint {
+        cmd.env("CYNODE_OTLP_ENDPOINT", e);
+    }
+    let (spawned_tx, spawned_rx) = std::sync::mpsc::channel();
+    let (stop_tx, stop_rx) = std::sync::mpsc::channel();
+    let supervisor = std::thread::Builder::new()
+        .name("local-worker".into())
+        .spawn(move || supervise(cmd, spawned_tx, stop_rx))
+        .context("cannot start the local worker's supervising thread")?;
+    let mut worker = LocalWorker {
+        endpoint: String::new(),
+        token,
+        stop: Some(stop_tx),
+        supervisor: Some(supervisor),
+        files: vec![token_file, cfg_path],
+    };
+    let (pid, stderr) = spawned_rx
+        .recv()
+        .map_err(|_| anyhow::anyhow!("the local worker's supervising thread ended"))?
         .with_context(|| format!("cannot start {}", bin.display()))?;
-    let stderr = child.stderr.take().context("worker stderr")?;
     let log_path = dir.join("worker.log");
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
-        let mut log = std::fs::File::create(&log_path).ok();
+        let mut log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .ok();
         let mut tx = Some(tx);
         for line in std::io::BufReader::new(stderr)
             .lines()
@@ -155,28 +295,57 @@ fn start_local_worker(args: &RunArgs, seed: Option<&Path>) -> anyhow::Result<Loc
             if let Some(l) = log.as_mut() {
                 let _ = writeln!(l, "{line}");
             }
+            let Some(t) = tx.as_ref() else { continue };
             if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                if v["fields"]["message"] == "cynode-worker listening" {
-                    if let Some(tx) = tx.take() {
-                        let _ =
-                            tx.send(v["fields"]["addr"].as_str().unwrap_or_default().to_string());
-                    }
+                let message = &v["fields"]["message"];
+                if *message == "cynode-worker listening" {
+                    let addr = v["fields"]["addr"].as_str().unwrap_or_default().to_string();
+                    let _ = t.send(StartEvent::Listening(addr));
+                    tx = None;
+                } else if *message == LOCK_WAIT_MESSAGE {
+                    let holder = v["fields"]["holder_pid"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string();
+                    let _ = t.send(StartEvent::Waiting(holder));
                 }
             }
         }
     });
-    let addr = rx.recv_timeout(Duration::from_secs(60)).map_err(|_| {
+    let not_started = || {
         anyhow::anyhow!(
             "the local worker did not start; see {}",
             dir.join("worker.log").display()
         )
-    })?;
-    Ok(LocalWorker {
-        child,
-        endpoint: format!("http://{addr}"),
-        token,
-    })
+    };
+    let mut limit = Some(Duration::from_secs(60));
+    let addr = loop {
+        let event = match limit {
+            Some(l) => rx.recv_timeout(l).map_err(|_| not_started())?,
+            None => rx.recv().map_err(|_| not_started())?,
+        };
+        match event {
+            StartEvent::Listening(addr) => break addr,
+            StartEvent::Waiting(holder) => {
+                // Another PM's worker runs on this state directory: wait for it to finish
+                // (however long its session takes), never start beside it.
+                reporter.line(format!(
+                    "another cynode-pm's worker (pid {holder}) uses {}; waiting for it to finish",
+                    dir.display()
+                ));
+                tracing::warn!(holder_pid = %holder, state_dir = %dir.display(), "waiting for the running local worker");
+                limit = None;
+            }
+        }
+    };
+    tracing::info!(pid, addr = %addr, "local worker started");
+    worker.endpoint = format!("http://{addr}");
+    Ok(worker)
 }
+
+/// Log message of a worker waiting for its state-directory lock
+/// (`cynode_worker::cli::LOCK_WAIT_MESSAGE`; the PM does not link the worker).
+const LOCK_WAIT_MESSAGE: &str = "waiting for the state directory lock";
 
 /// The registry given by `--workers-file` or `--worker-endpoint`; `None` when neither is
 /// given (`run` then starts a local worker).
@@ -218,6 +387,7 @@ pub(crate) async fn build_pm(
     let mut cfg = ModelConfig::new(&args.model_base_url, &args.model_name);
     cfg.max_tokens = args.max_tokens;
     cfg.temperature = args.temperature;
+    cfg.timeout = Duration::from_secs(args.model_timeout_seconds);
     cfg.api_key = ModelConfig::api_key_from_env();
     // The model (and `GET /v1/skills`) sees only the skills some worker can run.
     let catalog = registry.catalog_of(|skill| {
@@ -352,11 +522,13 @@ async fn drive_session(
         .map(std::fs::canonicalize)
         .transpose()
         .context("--workspace")?;
+    let json_out = global.output == crate::cli::Output::Json;
+    let reporter = Reporter::new(json_out);
     let local;
     let workers = match configured_workers(args)? {
         Some(pool) => pool,
         None => {
-            local = start_local_worker(args, seed.as_deref())?;
+            local = start_local_worker(args, global, seed.as_deref(), &reporter)?;
             WorkerPool::single(
                 WorkerClient::new(&local.endpoint, &local.token),
                 &args.sandbox_image,
@@ -387,8 +559,6 @@ async fn drive_session(
         }
         (None, None) => anyhow::bail!("give an objective or a session to resume"),
     };
-    let json_out = global.output == crate::cli::Output::Json;
-    let reporter = Reporter::new(json_out);
     reporter.line(format!("session {session_id}"));
     let interactive = std::io::stdin().is_terminal();
     let rec = loop {

@@ -6,6 +6,11 @@
 //! dispatch decision, written in the same transaction as the state change that follows
 //! from it, so a crash at any point resumes without asking the model again for a reply it
 //! already gave and without dispatching a job twice.
+//!
+//! Opening a new database is safe when several processes do it at once: SQLite's set-up
+//! (WAL switch and migrations) runs under an exclusive `flock` on `<db>.lock` next to the
+//! file, with a busy timeout on every connection; PostgreSQL's migrations run under a
+//! session-level `pg_advisory_lock` held on the connection that migrates.
 
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
@@ -25,6 +30,12 @@ pub enum StoreError {
     Conflict(String),
     #[error("unsupported datastore `{0}`: use sqlite://PATH or postgres://…")]
     Unsupported(String),
+    #[error("cannot lock {path} for set-up: {source}")]
+    Lock {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl StoreError {
@@ -36,6 +47,7 @@ impl StoreError {
             StoreError::Json(_) => false,
             StoreError::Conflict(_) => false,
             StoreError::Unsupported(_) => false,
+            StoreError::Lock { .. } => false,
         }
     }
 }
@@ -76,14 +88,60 @@ fn now() -> String {
     t.format(&fmt).unwrap_or_default()
 }
 
+/// The `pg_advisory_lock` key the PM's migrations run under ("cynode" in ASCII).
+const MIGRATION_LOCK_KEY: i64 = 0x6379_6e6f_6465;
+
+/// An exclusive `flock` on a file beside the SQLite database, held while the database is
+/// set up; released on drop (or when the process dies).
+struct SetupLock {
+    _file: std::fs::File,
+}
+
+impl SetupLock {
+    async fn acquire(path: &str) -> Result<SetupLock> {
+        let owned = path.to_string();
+        let err = |source| StoreError::Lock {
+            path: owned.clone(),
+            source,
+        };
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)
+            .map_err(err)?;
+        let locked = tokio::task::spawn_blocking(move || {
+            use std::os::fd::AsRawFd;
+            loop {
+                // SAFETY: flock on a descriptor this closure owns (through `file`).
+                if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) } == 0 {
+                    return Ok(file);
+                }
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        })
+        .await
+        .map_err(|e| err(std::io::Error::other(e.to_string())))?;
+        Ok(SetupLock {
+            _file: locked.map_err(err)?,
+        })
+    }
+}
+
 impl Store {
     /// Connects to `url` (`sqlite://path` creating the file, or `postgres://…`) and migrates.
     pub async fn connect(url: &str) -> Result<Store> {
         sqlx::any::install_default_drivers();
+        let mut setup_lock = None;
         let (url, migrator) = if let Some(path) = url.strip_prefix("sqlite://") {
             if let Some(parent) = std::path::Path::new(path).parent() {
                 let _ = std::fs::create_dir_all(parent);
             }
+            let file = path.split('?').next().unwrap_or(path);
+            setup_lock = Some(SetupLock::acquire(&format!("{file}.lock")).await?);
             let sep = if path.contains('?') { "&" } else { "?" };
             (format!("sqlite://{path}{sep}mode=rwc"), &SQLITE)
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
@@ -113,9 +171,26 @@ impl Store {
             sqlx::query("PRAGMA journal_mode=WAL")
                 .execute(&pool)
                 .await?;
+            migrator.run(&pool).await?;
+        } else {
+            // Replicas starting together: one migrates, the others wait for it here (the
+            // lock is released when this connection goes back, at the latest when the
+            // process dies).
+            let mut conn = pool.acquire().await?;
+            sqlx::query("SELECT pg_advisory_lock($1)")
+                .bind(MIGRATION_LOCK_KEY)
+                .execute(&mut *conn)
+                .await?;
+            let migrated = migrator.run(&mut *conn).await;
+            let unlocked = sqlx::query("SELECT pg_advisory_unlock($1)")
+                .bind(MIGRATION_LOCK_KEY)
+                .execute(&mut *conn)
+                .await;
+            migrated?;
+            unlocked?;
         }
-        migrator.run(&pool).await?;
-        let postgres = !url.starts_with("sqlite://");
+        drop(setup_lock);
+        let postgres = !sqlite;
         Ok(Store { pool, postgres })
     }
 

@@ -27,7 +27,7 @@ use anyhow::Context;
 use cynode_protocol::worker_api::WorkerCapacity;
 use serde::{Deserialize, Serialize};
 
-use crate::dispatch::WorkerClient;
+use crate::dispatch::{DispatchError, WorkerClient};
 
 /// Offers every purpose.
 pub const ANY_PURPOSE: &str = "*";
@@ -189,6 +189,10 @@ pub enum PlaceError {
     /// The session's worker is no longer in the registry.
     #[error("this session's workspace is on worker `{0}`, which is no longer configured")]
     Unknown(String),
+    /// Every worker offering the purpose refused this PM's token (401/403): final, a
+    /// wrong token does not fix itself.
+    #[error("authentication failed: {}", refused.join("; "))]
+    Auth { refused: Vec<String> },
 }
 
 impl PlaceError {
@@ -196,6 +200,14 @@ impl PlaceError {
     pub fn is_retryable(&self) -> bool {
         matches!(self, PlaceError::Unreachable { .. })
     }
+}
+
+/// Why a capacity probe failed.
+enum Probe {
+    /// The worker refused the token (401/403): retrying cannot help.
+    Auth(String),
+    /// Unreachable, not ready or erroring: may answer later.
+    Down(String),
 }
 
 /// Health of one worker as this process last saw it.
@@ -338,12 +350,18 @@ impl WorkerPool {
         }
         let probes = futures_util::future::join_all(up.iter().map(|m| m.probe())).await;
         let mut answered = Vec::new();
+        let mut refused = Vec::new();
         for (m, r) in up.into_iter().zip(probes) {
             match r {
                 Ok(c) => answered.push((m, c)),
-                Err(why) => tried.push(format!("{}: {why}", m.entry.id)),
+                Err(Probe::Auth(why)) => refused.push(format!("worker `{}`: {why}", m.entry.id)),
+                Err(Probe::Down(why)) => tried.push(format!("{}: {why}", m.entry.id)),
             }
         }
+        if answered.is_empty() && !refused.is_empty() && tried.is_empty() {
+            return Err(PlaceError::Auth { refused });
+        }
+        tried.extend(refused);
         let best = choose(
             answered
                 .iter()
@@ -412,18 +430,22 @@ impl Member {
 
     /// Asks the worker for its load; a worker that answers ready is marked up, any other
     /// outcome marks it down and says why.
-    async fn probe(&self) -> Result<WorkerCapacity, String> {
+    async fn probe(&self) -> Result<WorkerCapacity, Probe> {
         let why = match tokio::time::timeout(PROBE_TIMEOUT, self.client.capacity()).await {
             Ok(Ok(c)) if c.ready => {
                 self.mark_up();
                 return Ok(c);
             }
             Ok(Ok(_)) => "not ready".to_string(),
+            Ok(Err(e @ DispatchError::Auth { .. })) => {
+                self.mark_down(&e.to_string());
+                return Err(Probe::Auth(e.to_string()));
+            }
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
         };
         self.mark_down(&why);
-        Err(why)
+        Err(Probe::Down(why))
     }
 
     fn is_down(&self, now: Instant) -> bool {

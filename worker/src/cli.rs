@@ -1,5 +1,12 @@
 //! `cynode-worker serve | check`: flags override the config file; with no file at all the
 //! flags give a working node with safe defaults.
+//!
+//! `serve` holds an exclusive `flock` on `<state_dir>/worker.lock` for its whole life,
+//! taken before the start-up reconciliation: a second worker on the same state directory
+//! logs `waiting for the state directory lock` and waits until the first one is gone, so
+//! its reconciliation never removes the sandboxes of a live worker. The lock goes with the
+//! process (even on SIGKILL), and its descriptor is close-on-exec, so no sandbox inherits
+//! it.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -146,6 +153,68 @@ async fn check(args: NodeArgs) -> anyhow::Result<i32> {
     Ok(if missing.is_empty() { 0 } else { 1 })
 }
 
+/// Log message of a worker waiting for another one's state-directory lock (the PM
+/// watches for it).
+pub const LOCK_WAIT_MESSAGE: &str = "waiting for the state directory lock";
+
+/// The exclusive lock on a worker's state directory, held while the value lives.
+#[derive(Debug)]
+pub struct StateLock {
+    _file: std::fs::File,
+}
+
+impl StateLock {
+    /// Takes the lock on `<state_dir>/worker.lock`, waiting (with a log line naming the
+    /// holder's pid) while another process holds it; then records this process's pid.
+    pub async fn acquire(state_dir: &std::path::Path) -> anyhow::Result<StateLock> {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+        std::fs::create_dir_all(state_dir)
+            .with_context(|| format!("cannot create {}", state_dir.display()))?;
+        let path = state_dir.join("worker.lock");
+        let mut file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("cannot open {}", path.display()))?;
+        let flock = |fd: i32, op: i32| -> std::io::Result<()> {
+            loop {
+                // SAFETY: flock on a descriptor owned by `file`, alive for this call.
+                if unsafe { libc::flock(fd, op) } == 0 {
+                    return Ok(());
+                }
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        };
+        let fd = file.as_raw_fd();
+        match flock(fd, libc::LOCK_EX | libc::LOCK_NB) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let mut holder = String::new();
+                let _ = file.read_to_string(&mut holder);
+                tracing::warn!(lock = %path.display(), holder_pid = %holder.trim(), "{LOCK_WAIT_MESSAGE}");
+                file = tokio::task::spawn_blocking(move || {
+                    flock(file.as_raw_fd(), libc::LOCK_EX).map(|()| file)
+                })
+                .await
+                .context("the lock waiter broke")?
+                .with_context(|| format!("cannot lock {}", path.display()))?;
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot lock {}", path.display())),
+        }
+        file.set_len(0)?;
+        file.rewind()?;
+        write!(file, "{}", std::process::id())?;
+        tracing::info!(lock = %path.display(), "holding the state directory lock");
+        Ok(StateLock { _file: file })
+    }
+}
+
 async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
     let token = cfg.token()?;
@@ -160,6 +229,9 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
         // Fail at start-up, naming the file, rather than on the first connection.
         cynode_tls::server_config(t).context("tls")?;
     }
+    // Before anything touches the state directory: reconciliation must never run while
+    // another live worker owns it.
+    let _lock = StateLock::acquire(&cfg.state_dir).await?;
     let node = Node::start(cfg, token).await?;
     let listener = std::net::TcpListener::bind(listen)
         .with_context(|| format!("cannot listen on {listen}"))?;

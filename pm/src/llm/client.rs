@@ -6,8 +6,11 @@
 //! Retries, two kinds, never mixed up:
 //! - transport: a timeout, an unreachable endpoint, HTTP 408/429/5xx. A completion is an
 //!   idempotent read, so the same request is sent again, [`TRANSPORT_TRIES`] times in all,
-//!   with exponential backoff. async-openai's own retry layer is replaced so this is the
-//!   only one.
+//!   with exponential backoff. Each try is bounded by [`ModelConfig::timeout`]
+//!   (`--model-timeout-seconds`), so a model that never answers fails a reply after
+//!   `TRANSPORT_TRIES × timeout` plus the backoff, and a turn is bounded by that times
+//!   `1 + max_contract_retries`. async-openai's own retry layer is replaced so this is
+//!   the only one.
 //! - contract: a reply that fails [`ReplyValidator`] goes back to the model with the error,
 //!   up to [`ModelConfig::max_contract_retries`] times, then
 //!   [`LlmError::ModelContractViolation`].
@@ -65,6 +68,7 @@ pub struct ModelConfig {
     pub max_tokens: u32,
     pub temperature: f32,
     /// Deadline of one HTTP request (connect, generate, read).
+    /// `--model-timeout-seconds` / `CYNODE_MODEL_TIMEOUT_SECONDS`.
     pub timeout: Duration,
     /// How many times an invalid reply is sent back for correction (so at most
     /// `1 + max_contract_retries` replies are asked for per turn).

@@ -6,7 +6,6 @@
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -17,6 +16,7 @@ use sha2::{Digest, Sha256};
 use utoipa::{IntoParams, ToSchema};
 
 use super::auth::Tenant;
+use super::extract::ApiJson;
 use super::problem::Problem;
 use super::AppState;
 use crate::policy::PolicyInput;
@@ -155,18 +155,6 @@ pub struct Validation {
     pub decision: Value,
 }
 
-pub(super) fn parse<T: serde::de::DeserializeOwned>(body: &Bytes) -> Result<T, Problem> {
-    let de = &mut serde_json::Deserializer::from_slice(body);
-    serde_path_to_error::deserialize(de).map_err(|e| {
-        let path = e.path().to_string();
-        Problem::bad_request(if path == "." {
-            e.inner().to_string()
-        } else {
-            format!("{path}: {}", e.inner())
-        })
-    })
-}
-
 /// The session if it exists and belongs to `tenant`.
 pub(super) async fn owned(
     st: &AppState,
@@ -196,9 +184,8 @@ pub async fn create_session(
     State(st): State<Arc<AppState>>,
     tenant: Tenant,
     headers: HeaderMap,
-    body: Bytes,
+    ApiJson(req): ApiJson<CreateSession>,
 ) -> Result<Response, Problem> {
-    let req: CreateSession = parse(&body)?;
     if req.objective.trim().is_empty() {
         return Err(Problem::bad_request("objective: must not be empty"));
     }
@@ -288,9 +275,8 @@ pub async fn post_message(
     State(st): State<Arc<AppState>>,
     tenant: Tenant,
     Path(id): Path<String>,
-    body: Bytes,
+    ApiJson(a): ApiJson<Answer>,
 ) -> Result<Json<SessionView>, Problem> {
-    let a: Answer = parse(&body)?;
     let (rec, _) = owned(&st, &tenant, &id).await?;
     if !matches!(rec.phase, crate::session::Phase::AwaitInput { .. })
         || rec.status != SessionStatus::AwaitingInput
@@ -402,9 +388,8 @@ pub async fn list_skills(State(st): State<Arc<AppState>>, _t: Tenant) -> Json<Va
 pub async fn validate_job(
     State(st): State<Arc<AppState>>,
     _t: Tenant,
-    body: Bytes,
+    ApiJson(req): ApiJson<ValidateJob>,
 ) -> Result<Json<Validation>, Problem> {
-    let req: ValidateJob = parse(&body)?;
     let skill = st
         .pm
         .registry

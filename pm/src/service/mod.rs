@@ -5,6 +5,8 @@
 //! - [`events`]: the Server-Sent Events stream of a session;
 //! - [`auth`]: bearer tokens mapped to tenants;
 //! - [`problem`]: RFC 9457 errors;
+//! - [`extract`]: the one request-body extractor and the layer making every rejection
+//!   problem+json;
 //! - [`scheduler`]: leases and drives the sessions of this replica.
 //!
 //! Stateless replicas share one database: any replica answers any request, and sessions
@@ -16,6 +18,7 @@
 pub mod api;
 pub mod auth;
 pub mod events;
+pub mod extract;
 pub mod problem;
 pub mod scheduler;
 
@@ -151,6 +154,9 @@ pub fn router(state: Arc<AppState>, max_body: usize, timeout: Duration) -> Route
         .fallback(|| async { Problem::not_found("route") })
         .layer(DefaultBodyLimit::disable())
         .layer(RequestBodyLimitLayer::new(max_body))
+        .layer(axum::middleware::map_response(move |r: Response| {
+            extract::problem_responses(max_body, r)
+        }))
         .with_state(state)
 }
 
