@@ -48,6 +48,10 @@ pub struct RunArgs {
     #[arg(long, env = "CYNODE_MODEL_TIMEOUT_SECONDS", default_value_t = 120,
           value_parser = clap::value_parser!(u64).range(1..))]
     pub model_timeout_seconds: u64,
+    /// PEM file of extra CA certificates to trust for an https:// model endpoint (the
+    /// system's roots, and SSL_CERT_FILE, are trusted too).
+    #[arg(long, env = "CYNODE_MODEL_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
     /// A running worker; without it (and without --workers-file) a local cynode-worker
     /// is started and stopped.
     #[arg(long, env = "CYNODE_WORKER_ENDPOINT", conflicts_with = "workers_file")]
@@ -388,6 +392,7 @@ pub(crate) async fn build_pm(
     cfg.max_tokens = args.max_tokens;
     cfg.temperature = args.temperature;
     cfg.timeout = Duration::from_secs(args.model_timeout_seconds);
+    cfg.ca_file = args.ca_file.clone();
     cfg.api_key = ModelConfig::api_key_from_env();
     // The model (and `GET /v1/skills`) sees only the skills some worker can run.
     let catalog = registry.catalog_of(|skill| {

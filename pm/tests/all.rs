@@ -10,4 +10,5 @@ mod reliability;
 mod service;
 mod skills;
 mod store;
+mod tls;
 mod workers;

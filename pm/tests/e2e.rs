@@ -107,6 +107,13 @@ async fn models() -> Json<Value> {
 
 /// Starts the scripted model on 127.0.0.1 in a background thread; returns its base URL.
 pub(crate) fn model_server(script: Vec<Value>) -> (String, Model) {
+    let (app, m) = model_app(script);
+    let addr = serve_in_background(app);
+    (format!("http://{addr}/v1"), m)
+}
+
+/// The scripted model's routes, for a server of the caller's own (e.g. over TLS).
+pub(crate) fn model_app(script: Vec<Value>) -> (Router, Model) {
     let m = Model {
         script: Arc::new(Mutex::new(
             script
@@ -126,8 +133,7 @@ pub(crate) fn model_server(script: Vec<Value>) -> (String, Model) {
         .route("/v1/chat/completions", post(completions))
         .route("/v1/models", get(models))
         .with_state(m.clone());
-    let addr = serve_in_background(app);
-    (format!("http://{addr}/v1"), m)
+    (app, m)
 }
 
 /// Serves `app` on 127.0.0.1 (any port) from a thread of its own, so sync tests can use
@@ -209,7 +215,7 @@ pub(crate) fn final_state(out: &Output) -> Value {
 }
 
 /// The final state of a run that must have completed (exit 0).
-fn completed(out: &Output) -> Value {
+pub(crate) fn completed(out: &Output) -> Value {
     let v = final_state(out);
     assert_eq!(
         (out.status.code(), v["status"].clone()),
@@ -219,7 +225,7 @@ fn completed(out: &Output) -> Value {
     v
 }
 
-fn happy_script() -> Vec<Value> {
+pub(crate) fn happy_script() -> Vec<Value> {
     write_then_search("hello from the model\n", "hello")
 }
 

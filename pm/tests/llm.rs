@@ -112,6 +112,7 @@ impl Server {
             max_tokens: 512,
             temperature: 0.0,
             timeout: Duration::from_secs(10),
+            ca_file: None,
             max_contract_retries: 3,
         }
     }

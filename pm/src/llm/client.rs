@@ -70,6 +70,8 @@ pub struct ModelConfig {
     /// Deadline of one HTTP request (connect, generate, read).
     /// `--model-timeout-seconds` / `CYNODE_MODEL_TIMEOUT_SECONDS`.
     pub timeout: Duration,
+    /// Extra CA certificates (PEM) for an https:// endpoint, beside the system's roots.
+    pub ca_file: Option<std::path::PathBuf>,
     /// How many times an invalid reply is sent back for correction (so at most
     /// `1 + max_contract_retries` replies are asked for per turn).
     pub max_contract_retries: u32,
@@ -84,6 +86,7 @@ impl Default for ModelConfig {
             max_tokens: 1024,
             temperature: 0.2,
             timeout: Duration::from_secs(120),
+            ca_file: None,
             max_contract_retries: 3,
         }
     }
@@ -250,8 +253,31 @@ impl std::error::Error for HttpStatusError {}
 
 type Response = <ReqwestService as tower::Service<HttpRequestFactory>>::Response;
 
+/// The model's HTTP client: rustls (ring) with the system's roots (`SSL_CERT_FILE` and
+/// `SSL_CERT_DIR` honoured) and, with `ca_file`, that file's certificates as well.
+fn model_http_client(ca_file: Option<&std::path::Path>) -> Result<reqwest_model::Client, String> {
+    cynode_tls::install_provider();
+    let mut builder = reqwest_model::Client::builder();
+    if let Some(path) = ca_file {
+        let pem = std::fs::read(path)
+            .map_err(|e| format!("cannot read the model CA file {}: {e}", path.display()))?;
+        let certs = reqwest_model::Certificate::from_pem_bundle(&pem)
+            .map_err(|e| format!("model CA file {}: {e}", path.display()))?;
+        if certs.is_empty() {
+            return Err(format!(
+                "model CA file {}: no certificate in the file",
+                path.display()
+            ));
+        }
+        builder = builder.tls_certs_merge(certs);
+    }
+    builder
+        .build()
+        .map_err(|e| format!("cannot build the model's http client: {e}"))
+}
+
 /// The transport: plain reqwest (no retry layer) plus the status check above.
-#[derive(Clone, Default)]
+#[derive(Clone)]
 struct Transport {
     inner: ReqwestService,
 }
@@ -375,8 +401,16 @@ impl LlmClient {
             key: SecretString::from(key),
             auth,
         };
-        let client =
-            async_openai::Client::with_config(endpoint).with_http_service(Transport::default());
+        let http = match model_http_client(cfg.ca_file.as_deref()) {
+            Ok(c) => c,
+            Err(e) => {
+                config_error = Some(e);
+                reqwest_model::Client::new()
+            }
+        };
+        let client = async_openai::Client::with_config(endpoint).with_http_service(Transport {
+            inner: ReqwestService::new(http),
+        });
         Self {
             cfg,
             client,
