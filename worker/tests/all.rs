@@ -7,5 +7,6 @@ mod backends;
 mod cases;
 mod harness;
 mod inference;
+mod sandbox_escapes;
 mod sessions;
 mod workspaces;
