@@ -304,13 +304,21 @@ pub async fn escape_cpu_limit_holds(backend: &'static str) {
         read u1 x < /proc/uptime; \
         ta=$(cut -d' ' -f14,15 /proc/$a/stat); tb=$(cut -d' ' -f14,15 /proc/$b/stat); \
         kill -9 $a $b; echo $u0 $u1 $ta $tb";
+    let id = unique("j");
     let (code, v) = sv
         .post(
-            "/v1/worker/jobs:run",
-            &command_job(&unique("j"), "t", &["sh", "-c", script]),
+            "/v1/worker/jobs",
+            &command_job(&id, "t", &["sh", "-c", script]),
         )
         .await;
-    assert_eq!(code, 200, "{v}");
+    assert_eq!(code, 202, "{v}");
+    // On a loaded host even unlimited loops may get little CPU, so the rate alone cannot
+    // tell; the quota the kernel enforces is read from the host while the job runs.
+    let quota = sandbox_cpu_quota(backend, &id).await;
+    assert_eq!(quota, Some(0.5), "{backend}: the sandbox's CPU quota");
+    let done = sv.wait_terminal(&id).await;
+    assert_eq!(done["status"], "completed", "{done}");
+    let v = &done["result"];
     let out = v["stdout"].as_str().unwrap_or("");
     let f: Vec<f64> = out.split_whitespace().map(|x| x.parse().unwrap()).collect();
     assert_eq!(f.len(), 6, "unexpected output: {v}");
@@ -324,6 +332,63 @@ pub async fn escape_cpu_limit_holds(backend: &'static str) {
         rate <= 0.5 * 1.3,
         "{backend}: two busy loops used {cpu:.2} CPU-s in {wall:.2} s ({rate:.2} CPUs) under cpus: 0.5"
     );
+}
+
+/// The CPU quota (in CPUs) the kernel applies to job `id`'s sandbox, read from the host
+/// while it runs: the bwrap sandbox's cgroup (`cpu.cfs_quota_us` / `cpu.max`), or the
+/// container's `HostConfig.NanoCpus`.
+async fn sandbox_cpu_quota(backend: &str, id: &str) -> Option<f64> {
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    let name = format!("cynode-{id}");
+    loop {
+        let found = if backend == "podman" {
+            let out = Command::new("podman")
+                .args(["inspect", "--format", "{{.HostConfig.NanoCpus}}", &name])
+                .output()
+                .ok()?;
+            String::from_utf8_lossy(&out.stdout)
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|n| *n > 0.0)
+                .map(|n| n / 1e9)
+        } else {
+            let v1 = glob_one("/sys/fs/cgroup/cpu/cynode", &name).and_then(|d| {
+                let q: f64 = read_trim(&d.join("cpu.cfs_quota_us"))?.parse().ok()?;
+                let p: f64 = read_trim(&d.join("cpu.cfs_period_us"))?.parse().ok()?;
+                (q > 0.0).then_some(q / p)
+            });
+            v1.or_else(|| {
+                let d = glob_one("/sys/fs/cgroup/cynode", &name)?;
+                let max = read_trim(&d.join("cpu.max"))?;
+                let (q, p) = max.split_once(' ')?;
+                Some(q.parse::<f64>().ok()? / p.parse::<f64>().ok()?)
+            })
+        };
+        if found.is_some() {
+            return found;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "{backend}: the sandbox of {id} never appeared"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn read_trim(p: &Path) -> Option<String> {
+    std::fs::read_to_string(p)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// `<parent>/<any node>/<name>` if it exists.
+fn glob_one(parent: &str, name: &str) -> Option<std::path::PathBuf> {
+    std::fs::read_dir(parent)
+        .ok()?
+        .flatten()
+        .map(|e| e.path().join(name))
+        .find(|p| p.is_dir())
 }
 
 /// Item 10: no new user namespace (so no uid 0 in one), no other new namespace, no setns,
