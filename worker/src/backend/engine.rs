@@ -339,3 +339,68 @@ impl EngineBackend {
         names.len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Mount, ResourceLimits};
+    use cynode_protocol::worker_api::NetworkPolicy;
+
+    fn spec(image: &str, command: &[&str]) -> SandboxSpec {
+        SandboxSpec {
+            name: "cynode-j".into(),
+            image: image.into(),
+            command: command.iter().map(|s| s.to_string()).collect(),
+            override_entrypoint: true,
+            env: vec![("A".into(), "b".into())],
+            mounts: vec![Mount {
+                host: "/h".into(),
+                target: "/workspace".into(),
+                writable: true,
+            }],
+            workdir: "/workspace".into(),
+            network: NetworkPolicy::None,
+            limits: ResourceLimits {
+                memory_mb: 64,
+                pids: 16,
+                cpus: 0.5,
+                tmpfs_mb: 8,
+            },
+            labels: Vec::new(),
+            timeout: Duration::from_secs(1),
+            output_cap: 1,
+        }
+    }
+
+    /// The image is the first argument after `--`, so nothing from the request that
+    /// follows the options can be read as one; the seccomp profile and `--pull=never` are
+    /// always there.
+    #[test]
+    fn image_follows_the_end_of_options() {
+        for kind in [BackendKind::Podman, BackendKind::Docker] {
+            let e = EngineBackend::new(kind, EngineConfig::default(), "n".into(), Path::new("/s"));
+            let a = e.run_args(&spec("img:1", &["sh", "--user=0:0", "img:1", "-c", "id"]));
+            let end = a.iter().position(|x| x == "--").unwrap();
+            assert_eq!(&a[end + 1..], ["img:1", "--user=0:0", "img:1", "-c", "id"]);
+            assert!(a[..end].contains(&"--entrypoint=sh".to_string()));
+            assert!(a[..end].contains(&"--pull=never".to_string()));
+            assert!(a[..end]
+                .iter()
+                .any(|x| x.starts_with("--security-opt=seccomp=/s/seccomp/profile-")));
+            assert!(!a[..end].iter().any(|x| x.contains("--user=0")));
+        }
+    }
+
+    #[test]
+    fn a_configured_init_path_is_checked() {
+        let cfg = EngineConfig {
+            init_path: Some("/nonexistent/catatonit".into()),
+            ..EngineConfig::default()
+        };
+        let e = EngineBackend::new(BackendKind::Podman, cfg, "n".into(), Path::new("/s"));
+        assert_eq!(
+            e.init_binary(),
+            ("/nonexistent/catatonit".to_string(), false)
+        );
+    }
+}
