@@ -7,6 +7,10 @@
 //! after `--`, so even a value that slipped past validation cannot be read as a flag. The
 //! client runs with a cleared environment ([`super::client_env`]). On timeout or cancel the
 //! container itself is killed and removed (not just the client process).
+//!
+//! Residual: as with bwrap, `/proc/self/mountinfo` inside names the host paths of the
+//! `/job` and `/workspace` volumes (relative to the filesystem holding the state
+//! directory); put `state_dir` on a filesystem of its own to show only paths below it.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
