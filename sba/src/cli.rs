@@ -43,6 +43,10 @@ pub struct Cli {
 
 /// Parses the command line, sets up logging, runs the job; returns the exit code.
 pub fn main() -> i32 {
+    if let Err(e) = crate::process::make_non_dumpable() {
+        eprintln!("cynode-sba: cannot make the runner non-dumpable: {e}");
+        return 1;
+    }
     let cli = Cli::parse();
     init_logging(cli.stdin_mode);
     let status_url = std::env::var("SBA_JOB_STATUS_URL")

@@ -63,6 +63,19 @@ pub fn become_subreaper() -> io::Result<()> {
     }
 }
 
+/// Makes the runner non-dumpable, so the steps it runs (same uid) can neither ptrace it
+/// nor read its `/proc/<pid>/mem`, `environ` or fds: they could otherwise rewrite its
+/// limits or its result. Steps are exec'd and so dumpable again; only the runner is not.
+pub fn make_non_dumpable() -> io::Result<()> {
+    // SAFETY: prctl with PR_SET_DUMPABLE takes one integer argument.
+    let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
 /// Spawns and supervises the child. `Err` only when it could not start.
 pub fn run(spec: Spec<'_>) -> io::Result<Outcome> {
     let started = Instant::now();

@@ -45,7 +45,11 @@ pub struct Config {
     pub podman: EngineConfig,
     pub docker: EngineConfig,
     pub bwrap: BwrapConfig,
-    /// Images jobs may use; empty allows any.
+    /// Images jobs and sessions may use. Whatever it says, an image must be a valid OCI
+    /// reference (`name[:tag][@digest]`, see `backend::image_ref`), so no request value can
+    /// become an engine flag. Empty (the default): any valid reference the backend already
+    /// has (nothing is ever pulled: `--pull=never`; bwrap: only images with a configured
+    /// `bwrap.rootfs`). Production nodes should list their images.
     pub images: Vec<String>,
     pub limits: Limits,
     pub queue: QueueConfig,
@@ -118,6 +122,12 @@ pub struct EngineConfig {
     pub binary: String,
     /// OCI runtime (`runc`: crun refuses hybrid cgroup layouts); empty for the default.
     pub runtime: String,
+    /// The init binary `run --init` starts as PID 1 of session containers. Unset: the
+    /// engine's default (Podman: `/usr/libexec/podman/catatonit`, Debian package
+    /// `catatonit`; Docker: `docker-init`, Debian package `tini`). Set, Podman is given it
+    /// with `--init-path`.
+    #[serde(default)]
+    pub init_path: Option<PathBuf>,
 }
 
 /// bubblewrap settings.
@@ -178,10 +188,12 @@ impl Default for Config {
             podman: EngineConfig {
                 binary: "podman".into(),
                 runtime: "runc".into(),
+                init_path: None,
             },
             docker: EngineConfig {
                 binary: "docker".into(),
                 runtime: String::new(),
+                init_path: None,
             },
             bwrap: BwrapConfig::default(),
             images: Vec::new(),
@@ -216,6 +228,7 @@ impl Default for EngineConfig {
         Self {
             binary: "podman".into(),
             runtime: String::new(),
+            init_path: None,
         }
     }
 }
@@ -313,9 +326,22 @@ impl Config {
         self.state_dir.join("worker.db")
     }
 
-    /// Whether `image` may run here.
+    /// Whether `image` may run here: a valid OCI reference, and in the allowlist if one is
+    /// set.
     pub fn image_allowed(&self, image: &str) -> bool {
-        self.images.is_empty() || self.images.iter().any(|i| i == image)
+        self.check_image(image).is_ok()
+    }
+
+    /// Why `image` may not run here (a message for the `image` field), if it may not.
+    pub fn check_image(&self, image: &str) -> Result<(), String> {
+        crate::backend::image_ref::check(image).map_err(|e| format!("image {e}"))?;
+        if self.images.is_empty() || self.images.iter().any(|i| i == image) {
+            Ok(())
+        } else {
+            Err(format!(
+                "image `{image}` is not in this node's image allowlist"
+            ))
+        }
     }
 }
 
@@ -338,5 +364,30 @@ mod tests {
         assert_eq!(cfg.limits.pids, 32);
         assert_eq!(cfg.limits.memory_mb, 512);
         assert!(serde_yaml::from_str::<Config>("bakend: bwrap\n").is_err());
+    }
+
+    #[test]
+    fn no_image_is_a_flag_even_without_an_allowlist() {
+        let mut cfg = Config::default();
+        assert!(cfg.images.is_empty());
+        assert!(cfg.image_allowed("localhost/cynode-sba-test:latest"));
+        for bad in ["--volume=/:/host:rw", "-v", "--privileged", "", "a b"] {
+            assert!(!cfg.image_allowed(bad), "{bad:?}");
+        }
+        cfg.images = vec!["alpine:3".into(), "--privileged".into()];
+        assert!(cfg.image_allowed("alpine:3"));
+        assert!(!cfg.image_allowed("alpine:4"));
+        assert!(
+            !cfg.image_allowed("--privileged"),
+            "a listed flag is still refused"
+        );
+        assert!(cfg
+            .check_image("alpine:4")
+            .unwrap_err()
+            .contains("allowlist"));
+        assert!(cfg
+            .check_image("-v")
+            .unwrap_err()
+            .contains("OCI image reference"));
     }
 }

@@ -216,15 +216,8 @@ fn validate_create(cfg: &Config, req: &CreateSessionRequest) -> Result<Validated
     if req.image.trim().is_empty() {
         return Err(ValidationError::new("image", "must not be empty"));
     }
-    if !cfg.image_allowed(&req.image) {
-        return Err(ValidationError::new(
-            "image",
-            format!(
-                "image `{}` is not in this node's image allowlist",
-                req.image
-            ),
-        ));
-    }
+    cfg.check_image(&req.image)
+        .map_err(|e| ValidationError::new("image", e))?;
     positive("idle_timeout_seconds", req.idle_timeout_seconds)?;
     positive("max_lifetime_seconds", req.max_lifetime_seconds)?;
     check_env("env", &req.env)?;

@@ -8,6 +8,7 @@ mod cases;
 mod harness;
 mod host_reads;
 mod inference;
+mod sandbox_escapes;
 mod sessions;
 mod tls;
 mod workspace_attacks;

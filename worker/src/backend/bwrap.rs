@@ -5,9 +5,21 @@
 //! at all), uid/gid 1000 inside, every capability dropped, a read-only root taken from the
 //! image's root filesystem directory (`bwrap.rootfs` in the config), a fresh /dev, /proc
 //! and tmpfs /tmp, and only the job and workspace directories writable. `--die-with-parent`
-//! ties the sandbox to the node. Memory and pids limits come from a per-sandbox cgroup
-//! (v2, or the v1 `memory` and `pids` hierarchies) joined before bwrap executes, so even
-//! bwrap's first child is inside it.
+//! ties the sandbox to the node. Memory, pids and CPU limits come from a per-sandbox
+//! cgroup (v2 `memory.max`/`pids.max`/`cpu.max`, or the v1 `memory`, `pids` and `cpu`
+//! hierarchies with `cpu.cfs_quota_us`) joined before bwrap executes, so even bwrap's
+//! first child is inside it.
+//!
+//! The command runs under the node's seccomp filter ([`super::seccomp`], handed to bwrap
+//! as BPF through memfds and `--add-seccomp-fd`), and with `--disable-userns` where this
+//! bwrap has it, so no nested user namespace can be made. bwrap itself starts with a
+//! cleared environment ([`super::client_env`]): it is PID 1 of the sandbox, so its
+//! `/proc/1/environ` is readable inside.
+//!
+//! Residual: `/proc/self/mountinfo` inside shows, as the root of the `/job` and
+//! `/workspace` bind mounts, their paths relative to the filesystem holding the state
+//! directory (a bind mount's root is a path in its source filesystem; no bind trick hides
+//! it). Put `state_dir` on a filesystem of its own to show only paths below it.
 //!
 //! When the node runs as root, bwrap itself is started as uid/gid 1000 (after joining the
 //! cgroup), so the unprivileged user namespace maps the sandbox's uid 1000 to host uid
@@ -24,7 +36,7 @@ use cynode_protocol::worker_api::Truncated;
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
-use super::{capture, ResourceLimits, SandboxOutcome, SandboxSpec};
+use super::{capture, seccomp, ResourceLimits, SandboxOutcome, SandboxSpec};
 use crate::config::BwrapConfig;
 
 /// What runs when an SBA job's image has no explicit command.
@@ -33,17 +45,64 @@ const DRAIN_BOUND: Duration = Duration::from_secs(2);
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 const CGROUP_PARENT: &str = "cynode";
 
+/// CFS period for the v1 `cpu.cfs_period_us` and the v2 `cpu.max`.
+const CPU_PERIOD_US: u64 = 100_000;
+
 /// The bubblewrap backend.
 #[derive(Debug, Clone)]
 pub struct BwrapBackend {
     cfg: BwrapConfig,
     node: String,
+    /// This bwrap knows `--disable-userns` (0.8 and later).
+    disable_userns: bool,
+}
+
+/// The compiled seccomp programs, built once.
+fn seccomp_programs() -> Result<&'static [Vec<u8>], String> {
+    static PROGS: std::sync::OnceLock<Result<Vec<Vec<u8>>, String>> = std::sync::OnceLock::new();
+    PROGS
+        .get_or_init(|| seccomp::bpf_programs().map_err(|e| e.to_string()))
+        .as_deref()
+        .map_err(Clone::clone)
+}
+
+/// A memfd (close-on-exec) holding `bytes`, read from its start.
+fn memfd_with(bytes: &[u8]) -> std::io::Result<std::os::fd::OwnedFd> {
+    use std::io::{Seek, Write};
+    use std::os::fd::FromRawFd;
+    // SAFETY: memfd_create with a valid NUL-terminated name.
+    let fd = unsafe { libc::memfd_create(c"cynode-seccomp".as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd was just created and is owned by nothing else.
+    let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
+    file.write_all(bytes)?;
+    file.seek(std::io::SeekFrom::Start(0))?;
+    Ok(file.into())
 }
 
 impl BwrapBackend {
     /// A backend with `cfg`.
     pub fn new(cfg: BwrapConfig, node: String) -> Self {
-        Self { cfg, node }
+        let binary = cfg.binary.clone().unwrap_or_else(|| "bwrap".into());
+        let disable_userns = std::process::Command::new(&binary)
+            .arg("--help")
+            .env_clear()
+            .env(
+                "PATH",
+                std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
+            )
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).contains("--disable-userns"))
+            .unwrap_or(false);
+        Self {
+            cfg,
+            node,
+            disable_userns,
+        }
     }
 
     fn binary(&self) -> &str {
@@ -61,7 +120,7 @@ impl BwrapBackend {
 
     /// bwrap runs, and cgroups are usable for limits.
     pub async fn check(&self) -> Result<String, String> {
-        let out = Command::new(self.binary())
+        let out = super::client_env(&mut Command::new(self.binary()))
             .arg("--version")
             .output()
             .await
@@ -72,16 +131,23 @@ impl BwrapBackend {
         let limits = match Cgroup::layout() {
             Some(CgroupLayout::V2) => "cgroup v2 limits",
             Some(CgroupLayout::V1) => "cgroup v1 limits",
-            None => return Err("no writable cgroup hierarchy for memory/pids limits".into()),
+            None => return Err("no writable cgroup hierarchy for memory/pids/cpu limits".into()),
+        };
+        seccomp_programs()?;
+        let userns = if self.disable_userns {
+            ", --disable-userns"
+        } else {
+            ""
         };
         Ok(format!(
-            "{}, {limits}",
+            "{}, {limits}, seccomp{userns}",
             String::from_utf8_lossy(&out.stdout).trim()
         ))
     }
 
-    /// The bwrap argv for `spec` with `rootfs` as `/`.
-    pub fn args(&self, spec: &SandboxSpec, rootfs: &Path) -> Vec<String> {
+    /// The bwrap argv for `spec` with `rootfs` as `/`, the seccomp programs read from
+    /// `seccomp_fds`.
+    pub fn args(&self, spec: &SandboxSpec, rootfs: &Path, seccomp_fds: &[i32]) -> Vec<String> {
         let mut a: Vec<String> = [
             "--unshare-all",
             "--unshare-user",
@@ -98,6 +164,12 @@ impl BwrapBackend {
         ]
         .map(String::from)
         .to_vec();
+        if self.disable_userns {
+            a.push("--disable-userns".into());
+        }
+        for fd in seccomp_fds {
+            a.extend(["--add-seccomp-fd".into(), fd.to_string()]);
+        }
         a.extend(["--ro-bind".into(), rootfs.display().to_string(), "/".into()]);
         a.extend(["--dev", "/dev", "--proc", "/proc"].map(String::from));
         a.extend([
@@ -132,24 +204,44 @@ impl BwrapBackend {
                 spec.image
             ));
         };
+        let memfds = match seccomp_programs().and_then(|progs| {
+            progs
+                .iter()
+                .map(|p| memfd_with(p).map_err(|e| format!("cannot pass the seccomp filter: {e}")))
+                .collect::<Result<Vec<_>, String>>()
+        }) {
+            Ok(f) => f,
+            Err(e) => return fail(e),
+        };
+        use std::os::fd::AsRawFd;
+        let fds: Vec<i32> = memfds.iter().map(AsRawFd::as_raw_fd).collect();
         let cgroup = match Cgroup::create(&self.node, &spec.name, &spec.limits) {
             Ok(c) => c,
             Err(e) => return fail(format!("cannot create cgroup for limits: {e}")),
         };
         let mut cmd = Command::new(self.binary());
-        cmd.args(self.args(spec, rootfs))
+        super::client_env(&mut cmd)
+            .args(self.args(spec, rootfs, &fds))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
         let procs = cgroup.procs_files();
-        // SAFETY: between fork and exec this only calls getpid/open/write/close on paths
-        // prepared before the fork, and formats the pid into a stack buffer.
-        // SAFETY: see above; setgroups/setgid/setuid are async-signal-safe syscalls.
+        let inherit = fds.clone();
+        // SAFETY: geteuid has no preconditions.
         let drop_to_sandbox_user = unsafe { libc::geteuid() } == 0;
+        // SAFETY: between fork and exec this only calls getpid/open/write/close on paths
+        // prepared before the fork, formats the pid into a stack buffer, clears
+        // close-on-exec on fds opened before the fork, and makes the async-signal-safe
+        // setgroups/setgid/setuid/prctl syscalls.
         unsafe {
             cmd.pre_exec(move || {
+                for fd in &inherit {
+                    if libc::fcntl(*fd, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
                 join_cgroups(&procs)?;
                 if drop_to_sandbox_user {
                     become_sandbox_user()?;
@@ -157,7 +249,9 @@ impl BwrapBackend {
                 super::die_with_node()
             });
         }
-        let mut child = match cmd.spawn() {
+        let spawned = cmd.spawn();
+        drop(memfds);
+        let mut child = match spawned {
             Ok(c) => c,
             Err(e) => {
                 cgroup.destroy();
@@ -283,7 +377,10 @@ impl Cgroup {
         let root = Path::new(CGROUP_ROOT);
         if root.join("cgroup.controllers").exists() {
             Some(CgroupLayout::V2)
-        } else if root.join("pids").is_dir() && root.join("memory").is_dir() {
+        } else if root.join("pids").is_dir()
+            && root.join("memory").is_dir()
+            && root.join("cpu").is_dir()
+        {
             Some(CgroupLayout::V1)
         } else {
             None
@@ -298,6 +395,7 @@ impl Cgroup {
             Some(CgroupLayout::V1) => vec![
                 root.join("pids").join(CGROUP_PARENT).join(node),
                 root.join("memory").join(CGROUP_PARENT).join(node),
+                root.join("cpu").join(CGROUP_PARENT).join(node),
             ],
             None => Vec::new(),
         }
@@ -323,9 +421,13 @@ impl Cgroup {
             let mut ancestors: Vec<&Path> = leaf.ancestors().skip(1).collect();
             ancestors.retain(|a| a.starts_with(CGROUP_ROOT));
             for a in ancestors.into_iter().rev() {
-                let _ = write(a, "cgroup.subtree_control", "+pids +memory");
+                let _ = write(a, "cgroup.subtree_control", "+pids +memory +cpu");
             }
         }
+        // CPU: `cpus` CPUs' worth of time per period; none (or a nonsense value) means no
+        // limit, like podman's `--cpus=0`.
+        let quota = (limits.cpus.is_finite() && limits.cpus > 0.0)
+            .then(|| ((limits.cpus * CPU_PERIOD_US as f64) as u64).max(1000));
         let res = match layout {
             CgroupLayout::V2 => {
                 let d = &cg.dirs[0];
@@ -334,11 +436,20 @@ impl Cgroup {
                     .map(|()| {
                         let _ = write(d, "memory.swap.max", "0");
                     })
+                    .and_then(|()| match quota {
+                        Some(q) => write(d, "cpu.max", &format!("{q} {CPU_PERIOD_US}")),
+                        None => Ok(()),
+                    })
             }
             CgroupLayout::V1 => write(&cg.dirs[0], "pids.max", &pids)
                 .and_then(|()| write(&cg.dirs[1], "memory.limit_in_bytes", &memory))
                 .map(|()| {
                     let _ = write(&cg.dirs[1], "memory.memsw.limit_in_bytes", &memory);
+                })
+                .and_then(|()| match quota {
+                    Some(q) => write(&cg.dirs[2], "cpu.cfs_period_us", &CPU_PERIOD_US.to_string())
+                        .and_then(|()| write(&cg.dirs[2], "cpu.cfs_quota_us", &q.to_string())),
+                    None => Ok(()),
                 }),
         };
         if let Err(e) = res {

@@ -1,22 +1,35 @@
 //! Podman and Docker: the same `run` flags, chosen by binary name.
 //!
 //! Every sandbox runs with `--rm`, no network, a read-only root, uid 1000, all
-//! capabilities dropped, no-new-privileges, memory/CPU/pids limits, a tmpfs /tmp, and
-//! labels carrying task_id and job_id. On timeout or cancel the container itself is killed
-//! and removed (not just the client process).
+//! capabilities dropped, no-new-privileges, the node's seccomp profile
+//! ([`super::seccomp`], written to `<state_dir>/seccomp/`), memory/CPU/pids limits, a
+//! tmpfs /tmp, and labels carrying task_id and job_id; nothing is pulled. The image comes
+//! after `--`, so even a value that slipped past validation cannot be read as a flag. The
+//! client runs with a cleared environment ([`super::client_env`]). On timeout or cancel the
+//! container itself is killed and removed (not just the client process).
+//!
+//! Residual: as with bwrap, `/proc/self/mountinfo` inside names the host paths of the
+//! `/job` and `/workspace` volumes (relative to the filesystem holding the state
+//! directory); put `state_dir` on a filesystem of its own to show only paths below it.
 
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
-use super::{capture, EndReason, SandboxOutcome, SandboxSpec, MANAGED_LABEL};
+use super::{capture, seccomp, EndReason, SandboxOutcome, SandboxSpec, MANAGED_LABEL};
 use crate::config::{BackendKind, EngineConfig};
 use cynode_protocol::worker_api::Truncated;
 
 /// How long output may keep flowing after the client exits.
 const DRAIN_BOUND: Duration = Duration::from_secs(2);
+
+/// Podman's default `init_path` (containers.conf), from the Debian package `catatonit`.
+pub const PODMAN_DEFAULT_INIT: &str = "/usr/libexec/podman/catatonit";
+/// Where Docker's `docker-init` may live when it is not on PATH.
+const DOCKER_INIT_DIRS: &[&str] = &["/usr/libexec/docker", "/usr/local/libexec/docker"];
 
 /// A container engine driven through its CLI.
 #[derive(Debug, Clone)]
@@ -24,12 +37,76 @@ pub struct EngineBackend {
     kind: BackendKind,
     cfg: EngineConfig,
     node: String,
+    /// The seccomp profile file every container is started with.
+    profile: PathBuf,
 }
 
 impl EngineBackend {
-    /// A backend for `kind` (podman or docker).
-    pub fn new(kind: BackendKind, cfg: EngineConfig, node: String) -> Self {
-        Self { kind, cfg, node }
+    /// A backend for `kind` (podman or docker) of the node whose state lives in
+    /// `state_dir`.
+    pub fn new(kind: BackendKind, cfg: EngineConfig, node: String, state_dir: &Path) -> Self {
+        let text = seccomp::oci_profile().to_string();
+        let digest = {
+            use sha2::Digest;
+            hex::encode(sha2::Sha256::digest(text.as_bytes()))
+        };
+        let profile = state_dir
+            .join("seccomp")
+            .join(format!("profile-{}.json", &digest[..16]));
+        Self {
+            kind,
+            cfg,
+            node,
+            profile,
+        }
+    }
+
+    /// Writes the seccomp profile file if it is not there yet (its name carries its hash).
+    pub fn ensure_profile(&self) -> Result<(), String> {
+        if self.profile.is_file() {
+            return Ok(());
+        }
+        let fail = |e: std::io::Error| {
+            format!(
+                "cannot write the seccomp profile {}: {e}",
+                self.profile.display()
+            )
+        };
+        let dir = self.profile.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).map_err(fail)?;
+        let tmp = tempfile::NamedTempFile::new_in(dir).map_err(fail)?;
+        std::fs::write(tmp.path(), seccomp::oci_profile().to_string()).map_err(fail)?;
+        tmp.persist(&self.profile).map_err(|e| fail(e.error))?;
+        Ok(())
+    }
+
+    /// The init binary session containers need, and whether it is there.
+    pub fn init_binary(&self) -> (String, bool) {
+        if let Some(p) = &self.cfg.init_path {
+            return (p.display().to_string(), p.is_file());
+        }
+        match self.kind {
+            BackendKind::Docker => {
+                let on_path = std::env::var_os("PATH")
+                    .map(|p| std::env::split_paths(&p).collect::<Vec<_>>())
+                    .unwrap_or_default();
+                let found = on_path
+                    .iter()
+                    .map(PathBuf::as_path)
+                    .chain(DOCKER_INIT_DIRS.iter().map(Path::new))
+                    .any(|d| d.join("docker-init").is_file());
+                ("docker-init".into(), found)
+            }
+            _ => (
+                PODMAN_DEFAULT_INIT.into(),
+                Path::new(PODMAN_DEFAULT_INIT).is_file(),
+            ),
+        }
+    }
+
+    /// The configured init binary, if any (passed as `--init-path` to Podman).
+    pub fn init_path(&self) -> Option<&Path> {
+        self.cfg.init_path.as_deref()
     }
 
     /// podman or docker.
@@ -39,11 +116,14 @@ impl EngineBackend {
 
     fn cmd(&self) -> Command {
         let mut c = Command::new(&self.cfg.binary);
-        c.stdin(Stdio::null()).kill_on_drop(true);
+        super::client_env(&mut c)
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
         c
     }
 
-    /// `podman version` answers.
+    /// `podman version` answers, the seccomp profile is in place, and the init binary that
+    /// session containers need (`run --init`) exists.
     pub async fn check(&self) -> Result<String, String> {
         let out = self
             .cmd()
@@ -56,6 +136,20 @@ impl EngineBackend {
                 "{} version failed: {}",
                 self.cfg.binary,
                 String::from_utf8_lossy(&out.stderr).trim()
+            ));
+        }
+        self.ensure_profile()?;
+        let (init, present) = self.init_binary();
+        if !present {
+            let package = match self.kind {
+                BackendKind::Docker => "tini",
+                _ => "catatonit",
+            };
+            return Err(format!(
+                "{} {}; session sandboxes need the init binary {init} (`run --init`), which is missing: install the Debian package `{package}` or set {}.init_path",
+                self.kind.as_str(),
+                String::from_utf8_lossy(&out.stdout).trim(),
+                self.kind.as_str()
             ));
         }
         Ok(format!(
@@ -73,6 +167,7 @@ impl EngineBackend {
         };
         self.cmd()
             .args(sub)
+            .arg("--")
             .arg(image)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -101,9 +196,8 @@ impl EngineBackend {
             a.push("--runtime".into());
             a.push(self.cfg.runtime.clone());
         }
-        if self.kind == BackendKind::Podman {
-            a.push("--pull=never".into());
-        }
+        a.push("--pull=never".into());
+        a.push(format!("--security-opt=seccomp={}", self.profile.display()));
         a.extend(
             [
                 "--network=none",
@@ -135,6 +229,7 @@ impl EngineBackend {
                 a.push(format!("--entrypoint={first}"));
             }
         }
+        a.push("--".into());
         a.push(spec.image.clone());
         a.extend(cmd.cloned());
         a
@@ -143,6 +238,9 @@ impl EngineBackend {
     /// Runs the container to the end.
     pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
         let started = Instant::now();
+        if let Err(e) = self.ensure_profile() {
+            return SandboxOutcome::start_failed(e, started);
+        }
         let mut cmd = self.cmd();
         cmd.args(self.run_args(spec))
             .stdout(Stdio::piped())
@@ -243,5 +341,70 @@ impl EngineBackend {
             self.force_remove(n).await;
         }
         names.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Mount, ResourceLimits};
+    use cynode_protocol::worker_api::NetworkPolicy;
+
+    fn spec(image: &str, command: &[&str]) -> SandboxSpec {
+        SandboxSpec {
+            name: "cynode-j".into(),
+            image: image.into(),
+            command: command.iter().map(|s| s.to_string()).collect(),
+            override_entrypoint: true,
+            env: vec![("A".into(), "b".into())],
+            mounts: vec![Mount {
+                host: "/h".into(),
+                target: "/workspace".into(),
+                writable: true,
+            }],
+            workdir: "/workspace".into(),
+            network: NetworkPolicy::None,
+            limits: ResourceLimits {
+                memory_mb: 64,
+                pids: 16,
+                cpus: 0.5,
+                tmpfs_mb: 8,
+            },
+            labels: Vec::new(),
+            timeout: Duration::from_secs(1),
+            output_cap: 1,
+        }
+    }
+
+    /// The image is the first argument after `--`, so nothing from the request that
+    /// follows the options can be read as one; the seccomp profile and `--pull=never` are
+    /// always there.
+    #[test]
+    fn image_follows_the_end_of_options() {
+        for kind in [BackendKind::Podman, BackendKind::Docker] {
+            let e = EngineBackend::new(kind, EngineConfig::default(), "n".into(), Path::new("/s"));
+            let a = e.run_args(&spec("img:1", &["sh", "--user=0:0", "img:1", "-c", "id"]));
+            let end = a.iter().position(|x| x == "--").unwrap();
+            assert_eq!(&a[end + 1..], ["img:1", "--user=0:0", "img:1", "-c", "id"]);
+            assert!(a[..end].contains(&"--entrypoint=sh".to_string()));
+            assert!(a[..end].contains(&"--pull=never".to_string()));
+            assert!(a[..end]
+                .iter()
+                .any(|x| x.starts_with("--security-opt=seccomp=/s/seccomp/profile-")));
+            assert!(!a[..end].iter().any(|x| x.contains("--user=0")));
+        }
+    }
+
+    #[test]
+    fn a_configured_init_path_is_checked() {
+        let cfg = EngineConfig {
+            init_path: Some("/nonexistent/catatonit".into()),
+            ..EngineConfig::default()
+        };
+        let e = EngineBackend::new(BackendKind::Podman, cfg, "n".into(), Path::new("/s"));
+        assert_eq!(
+            e.init_binary(),
+            ("/nonexistent/catatonit".to_string(), false)
+        );
     }
 }

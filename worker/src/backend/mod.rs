@@ -14,6 +14,8 @@ use crate::config::{BackendKind, Config};
 pub mod bwrap;
 pub mod capture;
 pub mod engine;
+pub mod image_ref;
+pub mod seccomp;
 pub mod session_ops;
 
 /// Label every sandbox of a node carries, valued with the node's id, so that node's
@@ -99,6 +101,44 @@ pub fn die_with_node() -> std::io::Result<()> {
     Ok(())
 }
 
+/// Variables a sandbox client (bwrap, podman, docker) may inherit from the node: what the
+/// client itself needs to find its binaries, its configuration and its runtime directory.
+/// Nothing else of the node's environment (its bearer token, API keys) reaches a client,
+/// and so none reaches a sandbox, not even as bwrap's own `/proc/1/environ`.
+const CLIENT_ENV: &[&str] = &[
+    "PATH",
+    "HOME",
+    "XDG_RUNTIME_DIR",
+    "XDG_CONFIG_HOME",
+    "XDG_DATA_HOME",
+    "TMPDIR",
+    "CONTAINERS_CONF",
+    "CONTAINERS_STORAGE_CONF",
+    "CONTAINERS_REGISTRIES_CONF",
+    "CONTAINER_HOST",
+    "CONTAINER_CONNECTION",
+    "DOCKER_HOST",
+    "DOCKER_CONFIG",
+    "DOCKER_CONTEXT",
+];
+
+/// The PATH a client gets when the node has none.
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Clears `cmd`'s environment down to [`CLIENT_ENV`].
+pub fn client_env(cmd: &mut tokio::process::Command) -> &mut tokio::process::Command {
+    cmd.env_clear();
+    for k in CLIENT_ENV {
+        if let Some(v) = std::env::var_os(k) {
+            cmd.env(k, v);
+        }
+    }
+    if std::env::var_os("PATH").is_none() {
+        cmd.env("PATH", DEFAULT_PATH);
+    }
+    cmd
+}
+
 /// Removes the named sandbox if it exists (reconciliation of one job).
 pub async fn remove_named(backend: &Backend, name: &str) {
     if let Backend::Engine(e) = backend {
@@ -150,11 +190,13 @@ impl Backend {
                 BackendKind::Podman,
                 cfg.podman.clone(),
                 node,
+                &cfg.state_dir,
             )),
             BackendKind::Docker => Backend::Engine(engine::EngineBackend::new(
                 BackendKind::Docker,
                 cfg.docker.clone(),
                 node,
+                &cfg.state_dir,
             )),
             BackendKind::Bwrap => Backend::Bwrap(bwrap::BwrapBackend::new(cfg.bwrap.clone(), node)),
         }

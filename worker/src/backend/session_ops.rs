@@ -85,7 +85,9 @@ impl SessionOps {
 
     fn cmd(&self) -> Command {
         let mut c = Command::new(&self.binary);
-        c.stdin(Stdio::null()).kill_on_drop(true);
+        super::client_env(&mut c)
+            .stdin(Stdio::null())
+            .kill_on_drop(true);
         c
     }
 
@@ -114,9 +116,14 @@ impl SessionOps {
         let keep_for = spec.timeout + KEEPALIVE_MARGIN;
         keepalive.command = vec!["sleep".into(), keep_for.as_secs().to_string()];
         keepalive.override_entrypoint = true;
+        engine.ensure_profile()?;
         let mut args = engine.run_args(&keepalive);
-        // `run --rm …` becomes `run --detach --init --rm …`.
-        args.splice(1..1, ["--detach".to_string(), "--init".to_string()]);
+        // `run --rm …` becomes `run --detach --init [--init-path=…] --rm …`.
+        let mut extra = vec!["--detach".to_string(), "--init".to_string()];
+        if let (BackendKind::Podman, Some(p)) = (engine.kind(), engine.init_path()) {
+            extra.push(format!("--init-path={}", p.display()));
+        }
+        args.splice(1..1, extra);
         let out = self.output(self.cmd().args(&args)).await?;
         if !out.status.success() {
             return Err(format!(
