@@ -295,6 +295,17 @@ fn cli_render_prints_canonical_job_json() {
     assert!(err.contains("unknown skill `no-such-skill`"), "{err}");
 }
 
+/// The ids of `skills list --output json`.
+fn skill_ids(out: &str) -> Vec<Value> {
+    serde_json::from_str::<Value>(out)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["skill_id"].clone())
+        .collect()
+}
+
 fn manifest_overridden(v: &Value) -> bool {
     v["manifest"]["description"]
         .as_str()
@@ -328,13 +339,7 @@ fn a_skill_dir_adds_skills_and_overrides_built_ins_by_id() {
     assert!(manifest_overridden(&v), "{v}");
     assert_eq!(v["dir"].as_str(), pkg.to_str());
     let (_, out, _) = pm(&["--output", "json", "--skill-dir", d, "skills", "list"]);
-    let ids: Vec<Value> = serde_json::from_str::<Value>(&out)
-        .unwrap()
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["skill_id"].clone())
-        .collect();
+    let ids = skill_ids(&out);
     assert_eq!(ids.len(), 9, "{ids:?}");
     let (_, out, _) = pm(&[
         "--output",
@@ -345,13 +350,7 @@ fn a_skill_dir_adds_skills_and_overrides_built_ins_by_id() {
         "skills",
         "list",
     ]);
-    let ids: Vec<Value> = serde_json::from_str::<Value>(&out)
-        .unwrap()
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["skill_id"].clone())
-        .collect();
+    let ids = skill_ids(&out);
     assert_eq!(ids, vec![json!("repo-inspect")]);
 }
 

@@ -5,12 +5,12 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
 use crate::harness::{command_job, env, unique, Server, TOKEN};
+use crate::workspaces::git;
 
 const BACKENDS: [&str; 2] = ["bwrap", "podman"];
 
@@ -32,23 +32,6 @@ fn assert_empty(dir: &Path, what: &str) {
         })
         .collect();
     assert!(found.is_empty(), "{what}: the host was reached: {found:?}");
-}
-
-fn git(dir: &Path, args: &[&str]) {
-    let ok = Command::new("git")
-        .args([
-            "-c",
-            "user.name=t",
-            "-c",
-            "user.email=t@example.invalid",
-            "-C",
-        ])
-        .arg(dir)
-        .args(args)
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "git {args:?}");
 }
 
 /// A committed repository at `root/name` with `a.txt`.

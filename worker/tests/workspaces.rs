@@ -8,7 +8,8 @@ use serde_json::json;
 
 use crate::harness::{command_job, env, sba_job, unique, Server, TOKEN};
 
-fn git(dir: &Path, args: &[&str]) {
+/// Runs git on the host (test set-up only) and requires success.
+pub(crate) fn git(dir: &Path, args: &[&str]) {
     let ok = Command::new("git")
         .args([
             "-c",

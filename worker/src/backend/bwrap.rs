@@ -148,22 +148,7 @@ impl BwrapBackend {
     /// The bwrap argv for `spec` with `rootfs` as `/`, the seccomp programs read from
     /// `seccomp_fds`.
     pub fn args(&self, spec: &SandboxSpec, rootfs: &Path, seccomp_fds: &[i32]) -> Vec<String> {
-        let mut a: Vec<String> = [
-            "--unshare-all",
-            "--unshare-user",
-            "--die-with-parent",
-            "--new-session",
-            "--uid",
-            "1000",
-            "--gid",
-            "1000",
-            "--hostname",
-            "sandbox",
-            "--cap-drop",
-            "ALL",
-        ]
-        .map(String::from)
-        .to_vec();
+        let mut a = isolation_args("sandbox");
         if self.disable_userns {
             a.push("--disable-userns".into());
         }
@@ -314,6 +299,28 @@ impl BwrapBackend {
         }
         removed
     }
+}
+
+/// The isolation every bwrap sandbox of the node starts with: every namespace new (no
+/// network), uid/gid 1000 inside, all capabilities dropped, a new session, and death with
+/// the parent.
+pub fn isolation_args(hostname: &str) -> Vec<String> {
+    [
+        "--unshare-all",
+        "--unshare-user",
+        "--die-with-parent",
+        "--new-session",
+        "--uid",
+        "1000",
+        "--gid",
+        "1000",
+        "--hostname",
+        hostname,
+        "--cap-drop",
+        "ALL",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// Drops from root to uid/gid 1000 with no supplementary groups (between fork and exec).

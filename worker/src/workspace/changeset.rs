@@ -128,33 +128,23 @@ pub async fn changeset(
 }
 
 fn sandbox_args() -> Vec<String> {
-    let mut a: Vec<String> = [
-        "--unshare-all",
-        "--unshare-user",
-        "--die-with-parent",
-        "--new-session",
-        "--uid",
-        "1000",
-        "--gid",
-        "1000",
-        "--hostname",
-        "changeset",
-        "--cap-drop",
-        "ALL",
-        "--ro-bind",
-        "/usr",
-        "/usr",
-        "--proc",
-        "/proc",
-        "--dev",
-        "/dev",
-        "--size",
-        "67108864",
-        "--tmpfs",
-        "/tmp",
-    ]
-    .map(String::from)
-    .to_vec();
+    let mut a = crate::backend::bwrap::isolation_args("changeset");
+    a.extend(
+        [
+            "--ro-bind",
+            "/usr",
+            "/usr",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--size",
+            "67108864",
+            "--tmpfs",
+            "/tmp",
+        ]
+        .map(String::from),
+    );
     for top in ["bin", "lib", "lib64", "lib32", "sbin"] {
         let host = Path::new("/").join(top);
         match std::fs::symlink_metadata(&host) {
