@@ -87,6 +87,8 @@ pub struct Server {
     child: OwnedChild,
     pub log: Arc<Mutex<Vec<String>>>,
     pub client: reqwest::Client,
+    /// Temp directories the test made for this server (its key files…), removed with it.
+    pub owned: Vec<tempfile::TempDir>,
 }
 
 impl Server {
@@ -110,6 +112,7 @@ impl Server {
                 .timeout(Duration::from_secs(200))
                 .build()
                 .expect("client"),
+            owned: Vec::new(),
         }
     }
 

@@ -96,16 +96,19 @@ fn worker(url: &str, extra: &str) -> Server {
 }
 
 fn worker_on(backend: &'static str, url: &str, extra: &str) -> Server {
-    let keydir = tempfile::tempdir().unwrap().keep();
-    let keyfile = keydir.join("key");
+    let keydir = tempfile::tempdir().unwrap();
+    let keyfile = keydir.path().join("key");
     std::fs::write(&keyfile, format!("{KEY}\n")).unwrap();
-    Server::start(
+    let mut sv = Server::start(
         backend,
         &format!(
             "inference:\n  base_url: {url}/v1\n  api_key_file: {}\n{extra}",
             keyfile.display()
         ),
-    )
+    );
+    // The key's directory goes when the server does.
+    sv.owned.push(keydir);
+    sv
 }
 
 /// One HTTP/1.1 exchange over a Unix socket, as the SBA does it.
