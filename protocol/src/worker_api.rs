@@ -40,13 +40,20 @@ pub enum NetworkPolicy {
     Restricted,
 }
 
+/// `null` or a list, read as a list (absent and `null` are the same).
+fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, D::Error> {
+    Ok(Option::<Vec<String>>::deserialize(d)?.unwrap_or_default())
+}
+
 /// What to run and how.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxSpec {
     pub image: String,
-    /// argv; may be empty for SBA jobs, where the image's entrypoint runs.
-    #[serde(default)]
+    /// argv; may be empty for SBA jobs, where the image's entrypoint runs. `null` (what
+    /// upstream CyNodeAI sends on every SBA dispatch) means absent.
+    #[serde(default, deserialize_with = "null_as_empty")]
+    #[schemars(with = "Option<Vec<String>>")]
     pub command: Vec<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
@@ -292,6 +299,20 @@ mod tests {
         let r: RunJobRequest = serde_json::from_value(req()).unwrap();
         r.validate().unwrap();
         assert_eq!(r.sandbox.command, ["echo", "hello"]);
+    }
+
+    /// Upstream CyNodeAI sends `"command": null` on every SBA dispatch (its field has no
+    /// omitempty): null means absent, as the job spec then says what runs.
+    #[test]
+    fn upstream_null_command_is_absent() {
+        let mut v = req();
+        v["sandbox"]["command"] = serde_json::Value::Null;
+        v["sandbox"]["job_spec_json"] = "{}".into();
+        let r: RunJobRequest = serde_json::from_value(v).unwrap();
+        assert_eq!(r.sandbox.command, Vec::<String>::new());
+        let mut v = req();
+        v["sandbox"]["command"] = serde_json::json!([1]);
+        assert!(serde_json::from_value::<RunJobRequest>(v).is_err());
     }
 
     #[test]

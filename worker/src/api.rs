@@ -176,10 +176,29 @@ async fn auth(
     }
 }
 
-async fn readyz(State(node): State<Arc<Node>>) -> Response {
+/// `GET /readyz`: 200 `ready` (exactly, as upstream CyNodeAI and its BDD steps expect) or
+/// 503 `not ready: <reason>`. With `Accept: application/json` the answer is
+/// `{"ready": bool, "detail": "<backend and checks>"}` with the same status.
+async fn readyz(State(node): State<Arc<Node>>, headers: axum::http::HeaderMap) -> Response {
     let r = node.check_ready().await;
+    let status = if r.ready {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    let wants_json = headers
+        .get(axum::http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("application/json"));
+    if wants_json {
+        return (
+            status,
+            Json(serde_json::json!({ "ready": r.ready, "detail": r.detail })),
+        )
+            .into_response();
+    }
     if r.ready {
-        (StatusCode::OK, format!("ready\n{}", r.detail)).into_response()
+        (StatusCode::OK, "ready").into_response()
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -62,14 +62,29 @@ pub async fn auth_is_required(backend: &'static str) {
     );
 }
 
+/// Plain `/readyz` is exactly `ready` (upstream's contract); the details come as JSON.
 pub async fn readyz_names_the_backend(backend: &'static str) {
     let sv = Server::start(backend, "");
     let r = sv.client.get(sv.url("/readyz")).send().await.unwrap();
+    assert_eq!(
+        (r.status().as_u16(), r.text().await.unwrap()),
+        (200, "ready".to_string())
+    );
+    let r = sv
+        .client
+        .get(sv.url("/readyz"))
+        .header("accept", "application/json")
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status().as_u16(), 200);
-    let text = r.text().await.unwrap();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["ready"], true, "{v}");
     assert!(
-        text.starts_with(&format!("ready\nbackend {backend}")),
-        "{text}"
+        v["detail"]
+            .as_str()
+            .is_some_and(|d| d.starts_with(&format!("backend {backend}"))),
+        "{v}"
     );
 }
 
