@@ -405,15 +405,15 @@ pub fn tls_failure(e: &reqwest::Error) -> Option<String> {
         if let Some(r) = err.downcast_ref::<rustls::Error>() {
             return Some(describe_tls(r));
         }
-        // io::Error::source skips the error it wraps: look at it directly.
-        if let Some(r) = err
+        // io::Error::source skips the error it wraps (itself often an io::Error around
+        // the rustls error, when connecting): go into it instead.
+        next = match err
             .downcast_ref::<std::io::Error>()
             .and_then(|io| io.get_ref())
-            .and_then(|inner| inner.downcast_ref::<rustls::Error>())
         {
-            return Some(describe_tls(r));
-        }
-        next = err.source();
+            Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
+            None => err.source(),
+        };
     }
     None
 }

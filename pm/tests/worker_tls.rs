@@ -347,3 +347,85 @@ fn plain_http_to_a_non_loopback_worker_is_a_start_up_error() {
     }
     assert!(started.elapsed() < Duration::from_secs(60));
 }
+
+/// The classification behind "final, not retried": each certificate problem of a real
+/// handshake is recognised as a TLS failure and said in words; a refused connection is not.
+#[tokio::test]
+async fn each_certificate_problem_is_recognised_as_a_tls_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = TestCa::new(dir.path(), "nodes");
+    let other = TestCa::new(dir.path(), "other");
+    let cert = ca.server(dir.path(), "srv");
+    // Bound before serving: connections queue until the server accepts them.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let tls = cynode_tls::ServerTls {
+        cert_file: cert.cert_file,
+        key_file: cert.key_file,
+        client_ca_file: Some(ca.cert_file.clone()),
+    };
+    let app = axum::Router::new().route("/x", axum::routing::get(|| async { "ok" }));
+    tokio::spawn(cynode_tls::serve(
+        listener,
+        app,
+        Some(tls),
+        std::future::pending(),
+    ));
+    let good = ca.client(dir.path(), "good");
+    let cases = [
+        (
+            "the right CA and certificate",
+            &ca,
+            Some(good.clone()),
+            None,
+        ),
+        (
+            "a client certificate of another CA",
+            &ca,
+            Some(other.client(dir.path(), "foreign")),
+            Some("refused this PM's client certificate"),
+        ),
+        (
+            "no client certificate",
+            &ca,
+            None,
+            Some("requires a client certificate and none was presented"),
+        ),
+        (
+            "a worker certificate of an unknown CA",
+            &other,
+            Some(good),
+            Some("not issued by a trusted CA"),
+        ),
+    ];
+    for (what, trust, id, want) in cases {
+        let c = cynode_tls::ClientTls {
+            ca_file: Some(trust.cert_file.clone()),
+            cert_file: id.as_ref().map(|i| i.cert_file.clone()),
+            key_file: id.as_ref().map(|i| i.key_file.clone()),
+        }
+        .apply(reqwest::Client::builder().timeout(Duration::from_secs(30)))
+        .unwrap()
+        .build()
+        .unwrap();
+        let r = c.get(format!("https://{addr}/x")).send().await;
+        match (want, r) {
+            (None, Ok(r)) => assert_eq!(r.status(), 200, "{what}"),
+            (Some(want), Err(e)) => {
+                let got = cynode_pm::dispatch::tls_failure(&e);
+                assert!(
+                    got.as_deref().is_some_and(|g| g.contains(want)),
+                    "{what}: {got:?} from {e:?}"
+                );
+            }
+            (want, r) => panic!("{what}: want {want:?}, got {r:?}"),
+        }
+    }
+    // Nothing listens on port 1: unreachable, not a TLS failure (that one may pass).
+    let e = reqwest::Client::new()
+        .get("https://127.0.0.1:1/x")
+        .send()
+        .await
+        .unwrap_err();
+    assert_eq!(cynode_pm::dispatch::tls_failure(&e), None, "{e:?}");
+}
