@@ -248,7 +248,7 @@ SELF_TESTS=(
   "k8s|k8s/kustomization.yaml|s/workers.yaml=pm-workers.yaml/registry.yaml=pm-workers.yaml/"
   "k8s|k8s/worker.yaml|/hostPort: 7070/d"
   "k8s|k8s/pm-workers.yaml|0,/token_file: \/run\/secrets\/cynode\/worker\/token/s//token_file: \/run\/secrets\/worker-token/"
-  "k8s|k8s/pm-workers.yaml|0,/endpoint: http:\/\/192.0.2.11:7070/s//endpoint: http:\/\/cynode-worker.cynode-worker.svc:7070/"
+  "k8s|k8s/pm-workers.yaml|0,/endpoint: https:\/\/192.0.2.11:7070/s//endpoint: https:\/\/cynode-worker.cynode-worker.svc:7070/"
   "k8s|k8s/pm-workers.yaml|s/id: worker-node-2 /id: worker-node-1 /"
   "k8s|k8s/pm-workers.yaml|0,/base-tools: localhost\/cynode-sba:latest/s//base-tools: localhost\/cynode-sba-test:latest/"
   "compose|compose/compose.yaml|s/interval: 5s/interval: fivesec/"

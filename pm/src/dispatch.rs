@@ -3,8 +3,10 @@
 //!
 //! Fail-fast classes: transport failures and 5xx answers are retried with exponential
 //! backoff (every call here is idempotent); 401/403 is an authentication error naming the
-//! worker and any other 4xx a final refusal, neither retried: they will not fix
-//! themselves.
+//! worker, a failed TLS handshake (a worker certificate no configured CA issued, a client
+//! certificate the worker refuses or lacks) a TLS error naming the worker and the
+//! certificate problem, and any other 4xx a final refusal: none of these is retried, they
+//! will not fix themselves.
 //!
 //! Every URL is built from the parsed base with `url`'s path-segment API, one segment per
 //! id or path component, so job ids, workspace ids and artifact paths with spaces, `#`,
@@ -14,6 +16,7 @@
 use std::time::Duration;
 
 use cynode_protocol::worker_api::{AsyncJobStatus, RunJobRequest, WorkerCapacity};
+use cynode_tls::ClientTls;
 use tracing::Instrument;
 
 /// Why a worker call failed.
@@ -28,6 +31,10 @@ pub enum DispatchError {
     /// 401/403: the worker does not accept this PM's token.
     #[error("worker {worker} refused our token ({status}): authentication failed; check the worker token")]
     Auth { worker: String, status: u16 },
+    /// The TLS handshake failed: the worker's certificate is not trusted, or the worker
+    /// refused (or missed) this PM's client certificate.
+    #[error("worker {worker}: tls handshake failed: {detail}")]
+    Tls { worker: String, detail: String },
     /// The worker endpoint is not a base URL.
     #[error("invalid worker endpoint `{endpoint}`: {reason}")]
     BadEndpoint { endpoint: String, reason: String },
@@ -41,6 +48,7 @@ impl DispatchError {
             DispatchError::Rejected { .. } => false,
             DispatchError::NotFound(_) => false,
             DispatchError::Auth { .. } => false,
+            DispatchError::Tls { .. } => false,
             DispatchError::BadEndpoint { .. } => false,
         }
     }
@@ -70,8 +78,31 @@ impl std::fmt::Debug for WorkerClient {
 }
 
 impl WorkerClient {
-    /// A client of `base` (e.g. `http://127.0.0.1:9190`).
+    /// A client of `base` (e.g. `http://127.0.0.1:9190`) trusting the system's roots.
     pub fn new(base: &str, token: &str) -> Self {
+        Self::with_tls(base, token, &ClientTls::default()).unwrap_or_else(|e| {
+            // Unreachable with the default (no file is read); keep a working client.
+            tracing::warn!(error = %e, "worker client without tls settings");
+            Self::with_http(base, token, reqwest::Client::new())
+        })
+    }
+
+    /// A client of `base` (`http://` or `https://`) that trusts `tls.ca_file` beside the
+    /// system's roots and presents `tls.cert_file`/`tls.key_file` to a worker that
+    /// requires client certificates.
+    pub fn with_tls(
+        base: &str,
+        token: &str,
+        tls: &ClientTls,
+    ) -> Result<Self, cynode_tls::TlsError> {
+        let http = tls
+            .apply(reqwest::Client::builder().timeout(Duration::from_secs(60)))?
+            .build()
+            .map_err(|e| cynode_tls::TlsError::Config(e.to_string()))?;
+        Ok(Self::with_http(base, token, http))
+    }
+
+    fn with_http(base: &str, token: &str, http: reqwest::Client) -> Self {
         let base = base.trim_end_matches('/').to_string();
         let base_url = url::Url::parse(&base)
             .map_err(|e| e.to_string())
@@ -86,10 +117,7 @@ impl WorkerClient {
             base,
             base_url,
             token: token.to_string(),
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(60))
-                .build()
-                .unwrap_or_default(),
+            http,
             retries: 6,
             poll: (Duration::from_millis(50), Duration::from_secs(1)),
         }
@@ -221,6 +249,13 @@ impl WorkerClient {
                 }
                 Ok(r) => return Ok(r),
                 Err(e) => {
+                    if let Some(detail) = tls_failure(&e) {
+                        tracing::warn!(path, error = %detail, "tls handshake with the worker failed; not retrying");
+                        return Err(DispatchError::Tls {
+                            worker: self.base.clone(),
+                            detail,
+                        });
+                    }
                     last = format!("{}: {e}", self.base);
                     tracing::warn!(path, attempt, error = %e, "worker unreachable; retrying");
                 }
@@ -359,5 +394,50 @@ impl WorkerClient {
         )
         .await?;
         Ok(())
+    }
+}
+
+/// The TLS problem behind a failed request, in words, or `None` when it failed otherwise
+/// (refused connection, timeout…: those may pass).
+pub fn tls_failure(e: &reqwest::Error) -> Option<String> {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = next {
+        if let Some(r) = err.downcast_ref::<rustls::Error>() {
+            return Some(describe_tls(r));
+        }
+        // io::Error::source skips the error it wraps (itself often an io::Error around
+        // the rustls error, when connecting): go into it instead.
+        next = match err
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+        {
+            Some(inner) => Some(inner as &(dyn std::error::Error + 'static)),
+            None => err.source(),
+        };
+    }
+    None
+}
+
+fn describe_tls(e: &rustls::Error) -> String {
+    use rustls::{AlertDescription as A, CertificateError as C, Error as E};
+    match e {
+        E::InvalidCertificate(C::UnknownIssuer) => format!(
+            "the worker's certificate is not issued by a trusted CA (give its CA as ca_file / --worker-ca-file) ({e})"
+        ),
+        E::InvalidCertificate(_) => format!("the worker's certificate is not valid here ({e})"),
+        E::AlertReceived(A::CertificateRequired) => format!(
+            "the worker requires a client certificate and none was presented (give cert_file and key_file / --worker-client-cert and --worker-client-key) ({e})"
+        ),
+        E::AlertReceived(
+            A::UnknownCA
+            | A::BadCertificate
+            | A::UnsupportedCertificate
+            | A::CertificateRevoked
+            | A::CertificateExpired
+            | A::CertificateUnknown
+            | A::AccessDenied
+            | A::DecryptError,
+        ) => format!("the worker refused this PM's client certificate ({e})"),
+        _ => format!("{e}"),
     }
 }

@@ -617,7 +617,9 @@ impl Pm {
             Ok(r) => r,
             Err(WatchError::Store(e)) => return Err(e.into()),
             Err(WatchError::Dispatch(
-                e @ (DispatchError::Unavailable(_) | DispatchError::Auth { .. }),
+                e @ (DispatchError::Unavailable(_)
+                | DispatchError::Auth { .. }
+                | DispatchError::Tls { .. }),
             )) => {
                 rec.fail(FailureKind::WorkerUnavailable, e.to_string());
                 self.store.save(rec, version, &[]).await?;

@@ -56,6 +56,22 @@ pub struct RunArgs {
     /// is started and stopped.
     #[arg(long, env = "CYNODE_WORKER_ENDPOINT", conflicts_with = "workers_file")]
     pub worker_endpoint: Option<String>,
+    /// PEM file of extra CA certificates to trust for an https:// --worker-endpoint (the
+    /// system's roots are trusted too).
+    #[arg(long, requires = "worker_endpoint")]
+    pub worker_ca_file: Option<PathBuf>,
+    /// PEM client certificate presented to a --worker-endpoint that requires one (mutual
+    /// TLS); needs --worker-client-key.
+    #[arg(long, requires_all = ["worker_endpoint", "worker_client_key"])]
+    pub worker_client_cert: Option<PathBuf>,
+    /// PEM private key of --worker-client-cert.
+    #[arg(long, requires_all = ["worker_endpoint", "worker_client_cert"])]
+    pub worker_client_key: Option<PathBuf>,
+    /// Allows a plain http:// --worker-endpoint on a non-loopback host (the worker token
+    /// then crosses the network in clear); a workers file says `allow_plain_http: true`
+    /// per entry instead.
+    #[arg(long, requires = "worker_endpoint")]
+    pub allow_plain_http_worker: bool,
     /// The worker registry: a YAML file listing several workers with their tokens,
     /// purposes, images and capacity (see docs and `crate::workers`).
     #[arg(long, env = "CYNODE_WORKERS_FILE")]
@@ -358,13 +374,24 @@ pub(crate) fn configured_workers(args: &RunArgs) -> anyhow::Result<Option<Worker
         let file = crate::workers::WorkersFile::load(path)?;
         return Ok(Some(WorkerPool::from_file(&file)?));
     }
-    match &args.worker_endpoint {
-        Some(e) => Ok(Some(WorkerPool::single(
-            WorkerClient::new(e, &worker_token(args)?),
-            &args.sandbox_image,
-        ))),
-        None => Ok(None),
-    }
+    let Some(endpoint) = &args.worker_endpoint else {
+        return Ok(None);
+    };
+    let tls = cynode_tls::ClientTls {
+        ca_file: args.worker_ca_file.clone(),
+        cert_file: args.worker_client_cert.clone(),
+        key_file: args.worker_client_key.clone(),
+    };
+    crate::workers::check_endpoint(
+        endpoint,
+        !tls.is_default(),
+        args.allow_plain_http_worker,
+        "--allow-plain-http-worker",
+    )
+    .map_err(|e| anyhow::anyhow!("--worker-endpoint: {e}"))?;
+    let client = WorkerClient::with_tls(endpoint, &worker_token(args)?, &tls)
+        .context("--worker-endpoint: tls")?;
+    Ok(Some(WorkerPool::single(client, &args.sandbox_image)))
 }
 
 pub(crate) async fn build_pm(

@@ -7,6 +7,12 @@
 //! environment variable: never the file itself), the sandbox purposes it offers with the
 //! image that serves each (`"*"` offers any purpose), a capacity and free-form labels.
 //!
+//! Transport: an `https://` endpoint is reached over rustls, trusting the system's roots
+//! and the entry's `tls.ca_file`, presenting `tls.cert_file`/`tls.key_file` to a worker
+//! that requires client certificates. Plain `http://` carries the bearer token in clear,
+//! so it is accepted only to a loopback host (127.0.0.0/8, ::1, localhost) unless the
+//! entry sets `allow_plain_http: true` (a private network the operator vouches for).
+//!
 //! Placement rules (see ARCHITECTURE.md):
 //! - a session's workspace lives on one worker, so the session's first job places it
 //!   ([`WorkerPool::place`]) and every later job goes to that worker ([`WorkerPool::pinned`]);
@@ -26,6 +32,8 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use cynode_protocol::worker_api::WorkerCapacity;
 use serde::{Deserialize, Serialize};
+
+use cynode_tls::ClientTls;
 
 use crate::dispatch::{DispatchError, WorkerClient};
 
@@ -52,8 +60,17 @@ pub struct WorkersFile {
 pub struct WorkerEntry {
     /// Stable name, recorded in sessions (`[a-z0-9-]+`).
     pub id: String,
-    /// `http://host:port` of its Worker API.
+    /// `https://host:port` of its Worker API (`http://` only to loopback, or with
+    /// `allow_plain_http`).
     pub endpoint: String,
+    /// What the PM trusts and presents over `https://`: `ca_file` (beside the system's
+    /// roots), `cert_file` and `key_file` (its client certificate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<ClientTls>,
+    /// Allows a plain `http://` endpoint on a non-loopback host (the token then crosses
+    /// the network in clear).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_plain_http: bool,
     /// File holding its bearer token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_file: Option<PathBuf>,
@@ -91,15 +108,13 @@ impl WorkerEntry {
                 self.id
             ));
         }
-        let rest = self.endpoint.strip_prefix("http://").ok_or_else(|| {
-            format!(
-                "{}: endpoint `{}`: expected http://host:port (this build has no TLS client)",
-                self.id, self.endpoint
-            )
-        })?;
-        if rest.trim_end_matches('/').is_empty() {
-            return Err(format!("{}: endpoint has no host", self.id));
-        }
+        check_endpoint(
+            &self.endpoint,
+            self.tls.is_some(),
+            self.allow_plain_http,
+            "allow_plain_http: true",
+        )
+        .map_err(|e| format!("{}: {e}", self.id))?;
         if self.purposes.is_empty() {
             return Err(format!("{}: purposes: offer at least one", self.id));
         }
@@ -135,6 +150,44 @@ impl WorkerEntry {
         let t = t.trim().to_string();
         anyhow::ensure!(!t.is_empty(), "worker {}: the token is empty", self.id);
         Ok(t)
+    }
+}
+
+/// Whether `host` is loopback: 127.0.0.0/8, ::1 or `localhost`.
+fn is_loopback(host: &url::Host<&str>) -> bool {
+    match host {
+        url::Host::Ipv4(ip) => ip.is_loopback(),
+        url::Host::Ipv6(ip) => ip.is_loopback(),
+        url::Host::Domain(d) => d.trim_end_matches('.').eq_ignore_ascii_case("localhost"),
+    }
+}
+
+/// Checks a worker endpoint: `https://host[:port]`, or `http://` to a loopback host
+/// unless `allow_plain` (named `allow_how` in the error); `has_tls` settings need
+/// `https://`.
+pub fn check_endpoint(
+    endpoint: &str,
+    has_tls: bool,
+    allow_plain: bool,
+    allow_how: &str,
+) -> Result<(), String> {
+    let url = url::Url::parse(endpoint)
+        .map_err(|e| format!("endpoint `{endpoint}`: expected https://host:port ({e})"))?;
+    let Some(host) = url.host() else {
+        return Err(format!("endpoint `{endpoint}` has no host"));
+    };
+    match url.scheme() {
+        "https" => Ok(()),
+        "http" if has_tls => Err(format!(
+            "endpoint `{endpoint}`: tls settings are given but the endpoint is plain http; use https://"
+        )),
+        "http" if allow_plain || is_loopback(&host) => Ok(()),
+        "http" => Err(format!(
+            "endpoint `{endpoint}`: plain http to the non-loopback host `{host}` would send the worker token in clear; use https:// (with tls settings), or set {allow_how} on a private network"
+        )),
+        other => Err(format!(
+            "endpoint `{endpoint}`: scheme `{other}`: expected https:// or http://"
+        )),
     }
 }
 
@@ -189,8 +242,9 @@ pub enum PlaceError {
     /// The session's worker is no longer in the registry.
     #[error("this session's workspace is on worker `{0}`, which is no longer configured")]
     Unknown(String),
-    /// Every worker offering the purpose refused this PM's token (401/403): final, a
-    /// wrong token does not fix itself.
+    /// Every worker offering the purpose refused this PM's token (401/403) or failed the
+    /// TLS handshake (an untrusted worker certificate, a refused or missing client
+    /// certificate): final, neither fixes itself.
     #[error("authentication failed: {}", refused.join("; "))]
     Auth { refused: Vec<String> },
 }
@@ -204,7 +258,8 @@ impl PlaceError {
 
 /// Why a capacity probe failed.
 enum Probe {
-    /// The worker refused the token (401/403): retrying cannot help.
+    /// The worker refused the token (401/403), or the TLS handshake failed: retrying
+    /// cannot help.
     Auth(String),
     /// Unreachable, not ready or erroring: may answer later.
     Down(String),
@@ -246,10 +301,10 @@ impl WorkerPool {
             .workers
             .iter()
             .map(|e| {
-                Ok(Member::new(
-                    e.clone(),
-                    WorkerClient::new(&e.endpoint, &e.token()?),
-                ))
+                let tls = e.tls.clone().unwrap_or_default();
+                let client = WorkerClient::with_tls(&e.endpoint, &e.token()?, &tls)
+                    .with_context(|| format!("worker {}: tls", e.id))?;
+                Ok(Member::new(e.clone(), client))
             })
             .collect::<anyhow::Result<_>>()?;
         Ok(WorkerPool { members })
@@ -263,6 +318,8 @@ impl WorkerPool {
             endpoint: client.base().to_string(),
             token_file: None,
             token_env: None,
+            tls: None,
+            allow_plain_http: false,
             purposes: BTreeMap::from([(ANY_PURPOSE.to_string(), image.to_string())]),
             capacity: default_capacity(),
             labels: BTreeMap::new(),
@@ -437,7 +494,7 @@ impl Member {
                 return Ok(c);
             }
             Ok(Ok(_)) => "not ready".to_string(),
-            Ok(Err(e @ DispatchError::Auth { .. })) => {
+            Ok(Err(e @ (DispatchError::Auth { .. } | DispatchError::Tls { .. }))) => {
                 self.mark_down(&e.to_string());
                 return Err(Probe::Auth(e.to_string()));
             }
@@ -506,7 +563,7 @@ mod tests {
     const GOOD: &str = r#"
 workers:
   - id: w1
-    endpoint: http://10.0.0.1:9190
+    endpoint: https://10.0.0.1:9190
     token_file: /run/secrets/w1
     capacity: 8
     purposes:
@@ -515,6 +572,7 @@ workers:
     labels: { zone: a }
   - id: w2
     endpoint: http://10.0.0.2:9190
+    allow_plain_http: true
     token_env: CYNODE_W2_TOKEN
     purposes:
       "*": localhost/cynode-sba:latest
@@ -546,8 +604,34 @@ workers:
             ),
             (GOOD.replace("id: w2", "id: w1"), "id `w1` is used twice"),
             (
-                GOOD.replace("http://10.0.0.2:9190", "https://10.0.0.2"),
-                "no TLS client",
+                GOOD.replace("    allow_plain_http: true\n", ""),
+                "w2: endpoint `http://10.0.0.2:9190`: plain http to the non-loopback host `10.0.0.2` would send the worker token in clear; use https:// (with tls settings), or set allow_plain_http: true",
+            ),
+            (
+                GOOD.replace("https://10.0.0.1:9190", "http://10.0.0.1:9190"),
+                "w1: endpoint `http://10.0.0.1:9190`: plain http to the non-loopback host",
+            ),
+            (
+                GOOD.replace(
+                    "    allow_plain_http: true\n",
+                    "    allow_plain_http: true\n    tls: { ca_file: /etc/ca.pem }\n",
+                ),
+                "w2: endpoint `http://10.0.0.2:9190`: tls settings are given but the endpoint is plain http",
+            ),
+            (
+                GOOD.replace(
+                    "    token_file: /run/secrets/w1\n",
+                    "    token_file: /run/secrets/w1\n    tls: { ca: /etc/ca.pem }\n",
+                ),
+                "unknown field `ca`",
+            ),
+            (
+                GOOD.replace("https://10.0.0.1:9190", "ftp://10.0.0.1"),
+                "w1: endpoint `ftp://10.0.0.1`: scheme `ftp`",
+            ),
+            (
+                GOOD.replace("https://10.0.0.1:9190", "https://"),
+                "w1: endpoint `https://`",
             ),
             (GOOD.replace("labels:", "label:"), "unknown field `label`"),
             (
@@ -565,6 +649,72 @@ workers:
             let err = format!("{:#}", WorkersFile::parse(&text).unwrap_err());
             assert!(err.contains(want), "want `{want}` in: {err}");
         }
+    }
+
+    #[test]
+    fn tls_settings_parse_and_loopback_may_stay_plain() {
+        let text = GOOD.replace(
+            "    token_file: /run/secrets/w1\n",
+            "    token_file: /run/secrets/w1\n    tls:\n      ca_file: /etc/cynode/ca.pem\n      cert_file: /etc/cynode/pm.pem\n      key_file: /etc/cynode/pm-key.pem\n",
+        );
+        let f = WorkersFile::parse(&text).unwrap();
+        assert_eq!(
+            f.workers[0].tls,
+            Some(ClientTls {
+                ca_file: Some("/etc/cynode/ca.pem".into()),
+                cert_file: Some("/etc/cynode/pm.pem".into()),
+                key_file: Some("/etc/cynode/pm-key.pem".into()),
+            })
+        );
+        assert!(f.workers[1].allow_plain_http && !f.workers[0].allow_plain_http);
+        for host in [
+            "127.0.0.1:9190",
+            "127.8.9.10",
+            "[::1]:9190",
+            "localhost:9190",
+            "LOCALHOST.",
+        ] {
+            let text = GOOD
+                .replace("    allow_plain_http: true\n", "")
+                .replace("10.0.0.2:9190", host);
+            assert!(WorkersFile::parse(&text).is_ok(), "http://{host} refused");
+        }
+        for host in ["128.0.0.1", "[::2]:1", "localhost.example", "0.0.0.0:9190"] {
+            let text = GOOD
+                .replace("    allow_plain_http: true\n", "")
+                .replace("10.0.0.2:9190", host);
+            let err = format!("{:#}", WorkersFile::parse(&text).unwrap_err());
+            assert!(
+                err.contains("plain http to the non-loopback host"),
+                "{host}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn unreadable_tls_files_are_a_start_up_error_naming_the_worker() {
+        let token = tempfile::NamedTempFile::new().unwrap();
+        std::fs::write(token.path(), "t0123456789\n").unwrap();
+        let text = GOOD
+            .replace(
+                "    token_file: /run/secrets/w1\n",
+                &format!(
+                    "    token_file: {}\n    tls: {{ ca_file: /nonexistent/ca.pem }}\n",
+                    token.path().display()
+                ),
+            )
+            .replace(
+                "token_env: CYNODE_W2_TOKEN",
+                &format!("token_file: {}", token.path().display()),
+            );
+        let err = format!(
+            "{:#}",
+            WorkerPool::from_file(&WorkersFile::parse(&text).unwrap()).unwrap_err()
+        );
+        assert!(
+            err.contains("worker w1: tls") && err.contains("/nonexistent/ca.pem"),
+            "{err}"
+        );
     }
 
     fn cap(running: u64, queued: u64) -> WorkerCapacity {

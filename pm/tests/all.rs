@@ -11,4 +11,5 @@ mod service;
 mod skills;
 mod store;
 mod tls;
+mod worker_tls;
 mod workers;

@@ -140,9 +140,13 @@ fn registry(rel: &str) -> WorkersFile {
     WorkersFile::parse(&read(rel)).unwrap_or_else(|e| panic!("{rel}: {e:#}"))
 }
 
-/// `(host, port)` of an `http://host:port` endpoint.
+/// `(host, port)` of an `http://host:port` or `https://host:port` endpoint.
 fn host_port(w: &WorkerEntry) -> (String, u16) {
-    let rest = w.endpoint.strip_prefix("http://").expect("http endpoint");
+    let rest = w
+        .endpoint
+        .strip_prefix("https://")
+        .or_else(|| w.endpoint.strip_prefix("http://"))
+        .expect("an http(s) endpoint");
     let (host, port) = rest
         .trim_end_matches('/')
         .rsplit_once(':')
@@ -283,7 +287,34 @@ fn k8s_worker_registry_lists_each_node_at_its_hostport() {
         "no Service in front of the node-local workers"
     );
     assert!(reg.workers.len() >= 2, "{rel}: shows more than one node");
+    // TLS: the worker serves HTTPS and requires client certificates, so every entry is
+    // https:// with the CA, certificate and key of the Secret cynode-pm-worker-tls.
+    let worker_cfg = k8s_worker_config(&worker_docs);
+    assert!(
+        worker_cfg
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.client_ca_file.is_some()),
+        "the k8s worker requires client certificates"
+    );
+    assert_eq!(
+        volume("worker-tls")["secret"]["secretName"],
+        "cynode-pm-worker-tls"
+    );
+    assert_eq!(mount("worker-tls")["readOnly"], true);
+    let tls_dir = mount("worker-tls")["mountPath"]
+        .as_str()
+        .expect("path")
+        .to_string();
+    let want_tls = cynode_tls::ClientTls {
+        ca_file: Some(format!("{tls_dir}/ca.crt").into()),
+        cert_file: Some(format!("{tls_dir}/tls.crt").into()),
+        key_file: Some(format!("{tls_dir}/tls.key").into()),
+    };
     for w in &reg.workers {
+        assert!(w.endpoint.starts_with("https://"), "{rel}: {}", w.endpoint);
+        assert!(!w.allow_plain_http, "{rel}: {}", w.id);
+        assert_eq!(w.tls.as_ref(), Some(&want_tls), "{rel}: {}", w.id);
         let (host, port) = host_port(w);
         assert_eq!(port, node_port, "{rel}: {}", w.id);
         assert!(!host.contains(".svc"), "{rel}: {host}");
@@ -294,7 +325,7 @@ fn k8s_worker_registry_lists_each_node_at_its_hostport() {
             w.id
         );
     }
-    check_offers(rel, &reg, &k8s_worker_config(&worker_docs));
+    check_offers(rel, &reg, &worker_cfg);
 }
 
 #[test]
@@ -327,6 +358,11 @@ fn compose_worker_registry_names_the_worker_service_and_its_secret() {
     assert_eq!(
         (w.id.as_str(), host_port(w)),
         ("worker", ("worker".to_string(), worker_cfg.listen.port()))
+    );
+    // One host, a private bridge: the worker serves plain http and the PM says so.
+    assert!(
+        w.endpoint.starts_with("http://") && w.allow_plain_http && worker_cfg.tls.is_none(),
+        "{rel}: plain http is explicit on both sides"
     );
     // Compose mounts the secret worker-token at /run/secrets/worker-token in every
     // service: the PM presents the token the worker checks.
