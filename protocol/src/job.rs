@@ -363,11 +363,15 @@ impl JobSpec {
         Ok(job)
     }
 
-    /// The mode the runner uses: the explicit one, else `direct_steps` when steps exist.
+    /// The mode the runner uses: the explicit one, else `agent_inference` when there are
+    /// no steps but an `inference` block, else `direct_steps`. A job with neither steps nor
+    /// inference is valid (as upstream CyNodeAI has it): a job with nothing to do.
     pub fn effective_mode(&self) -> ExecutionMode {
         match self.execution_mode {
             Some(m) => m,
-            None if self.steps.is_empty() => ExecutionMode::AgentInference,
+            None if self.steps.is_empty() && self.inference.is_some() => {
+                ExecutionMode::AgentInference
+            }
             None => ExecutionMode::DirectSteps,
         }
     }
@@ -734,9 +738,15 @@ mod tests {
     }
 
     #[test]
-    fn no_steps_means_agent_mode() {
+    fn no_steps_means_agent_mode_with_inference_and_nothing_to_do_without() {
         let mut v = base();
         v["steps"] = serde_json::json!([]);
+        // Upstream CyNodeAI: `steps: []` without `inference` is a job with nothing to do.
+        assert_eq!(
+            parse(&v).unwrap().effective_mode(),
+            ExecutionMode::DirectSteps
+        );
+        v["inference"] = serde_json::json!({ "allowed_models": [] });
         assert_eq!(
             first_error(&v),
             ValidationError::new(

@@ -64,7 +64,11 @@ pub fn main() -> i32 {
     let agent = crate::agent::Settings {
         todo_path,
         max_turns: cli.max_turns.max(1),
-        model: cli.model.filter(|m| !m.is_empty()),
+        // Upstream CyNodeAI names the model INFERENCE_MODEL; ours wins when both are set.
+        model: cli
+            .model
+            .or_else(|| std::env::var("INFERENCE_MODEL").ok())
+            .filter(|m| !m.is_empty()),
     };
     let opts = Options {
         agent,

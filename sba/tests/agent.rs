@@ -190,6 +190,25 @@ fn a_model_outside_the_allowed_list_is_refused_before_any_step() {
     assert_eq!(*model.models_calls.lock().unwrap(), 0);
 }
 
+/// Upstream CyNodeAI's name for the model, INFERENCE_MODEL, selects it too.
+#[test]
+fn upstream_inference_model_selects_the_model() {
+    let sb = Sandbox::new();
+    let model = Model::tcp(&["m1", "evil"], vec![], None);
+    let run = run_with(
+        &sb,
+        &agent_job(json!({ "task_context": "x" })),
+        &[("OLLAMA_BASE_URL", &model.url), ("INFERENCE_MODEL", "evil")],
+    );
+    assert_eq!(
+        (run.failure(), run.message()),
+        (
+            "policy_violation".to_string(),
+            "model `evil` is not in inference.allowed_models (m1)".to_string()
+        )
+    );
+}
+
 #[test]
 fn an_allowed_model_the_endpoint_does_not_serve_fails_before_any_step() {
     let sb = Sandbox::new();

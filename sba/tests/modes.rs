@@ -92,6 +92,21 @@ fn file_mode_logs_json_lines_on_stdout() {
     assert_eq!(messages, ["job validated", "step finished", "job finished"]);
 }
 
+/// Upstream CyNodeAI: `steps: []` without `inference` is valid, a job with nothing to do.
+#[test]
+fn no_steps_and_no_inference_is_a_job_with_nothing_to_do() {
+    let sb = Sandbox::new();
+    let mut job = one("run_command", json!({ "command": "true" }));
+    job["steps"] = json!([]);
+    let run = sb.run(&job);
+    assert_eq!(
+        (run.code, run.failure(), run.result.steps.len()),
+        (Some(0), "none".to_string(), 0),
+        "{}",
+        run.raw
+    );
+}
+
 #[test]
 fn exit_2_when_no_result_can_be_written() {
     let sb = Sandbox::new();
