@@ -86,8 +86,9 @@ pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, Va
 /// The models a job may use through the node's inference proxy, or `None` when the job
 /// needs no proxy: only jobs with `use_inference` or in agent mode get one. The job's
 /// `inference.allowed_models` (a command job: the node's list), cut to the models the node
-/// offers. A job that needs inference on a node without an upstream, or ends up with no
-/// model, is refused.
+/// offers. On a node without an upstream the job runs without a proxy, as upstream CyNodeAI
+/// runs it (its prompt-mode tasks always set `use_inference`): a job that really needs a
+/// model then fails on its own. A job left with no model the node offers is refused.
 pub fn inference_models(
     cfg: &Config,
     req: &RunJobRequest,
@@ -109,10 +110,12 @@ pub fn inference_models(
         "sandbox.use_inference"
     };
     let Some(inf) = &cfg.inference else {
-        return Err(ValidationError::new(
+        tracing::info!(
+            job_id = %req.job_id,
             field,
-            "this node has no inference upstream (config `inference.base_url`)",
-        ));
+            "the job asks for inference and this node has no upstream (config `inference.base_url`): it runs without a proxy"
+        );
+        return Ok(None);
     };
     let wanted: Vec<String> = match job.as_ref().and_then(|j| j.inference.as_ref()) {
         Some(i) if !i.allowed_models.is_empty() => i.allowed_models.clone(),

@@ -396,8 +396,10 @@ async fn agent_job_through_the_proxy(backend: &'static str) {
     assert_eq!(todo["job_id"], id.as_str());
 }
 
+/// Upstream CyNodeAI runs a job that asks for inference on a node without an upstream, and
+/// lets it fail if it really needs a model; a model the node does not offer is refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn jobs_needing_inference_are_refused_where_it_cannot_be_served() {
+async fn jobs_needing_inference_run_without_a_proxy_where_none_is_configured() {
     env();
     let spec = |id: &str| {
         json!({
@@ -413,10 +415,14 @@ async fn jobs_needing_inference_are_refused_where_it_cannot_be_served() {
     };
     let plain = Server::start("bwrap", "");
     let (code, v) = plain.post("/v1/worker/jobs:run", &req("a1")).await;
-    assert_eq!(code, 400);
     assert_eq!(
-        v["detail"],
-        "sandbox.job_spec_json.inference.allowed_models: this node has no inference upstream (config `inference.base_url`)"
+        (
+            code,
+            v["status"].clone(),
+            v["sba_result"]["failure_code"].clone()
+        ),
+        (200, json!("failed"), json!("execution_failure")),
+        "{v}"
     );
     let (code, v) = plain
         .post(
@@ -425,10 +431,10 @@ async fn jobs_needing_inference_are_refused_where_it_cannot_be_served() {
                      "sandbox": { "image": env().image, "command": ["true"], "use_inference": true } }),
         )
         .await;
-    assert_eq!(code, 400);
     assert_eq!(
-        v["detail"],
-        "sandbox.use_inference: this node has no inference upstream (config `inference.base_url`)"
+        (code, v["status"].clone()),
+        (200, json!("completed")),
+        "{v}"
     );
 
     let (url, _up) = upstream(vec![]).await;
