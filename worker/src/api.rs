@@ -215,16 +215,28 @@ async fn capacity(State(node): State<Arc<Node>>) -> Json<WorkerCapacity> {
 
 async fn run_sync(
     State(node): State<Arc<Node>>,
-    StrictJson(req): StrictJson<RunJobRequest>,
+    StrictJson(mut req): StrictJson<RunJobRequest>,
 ) -> Result<Response, ApiError> {
+    default_image(&node, &mut req);
     let resp = node.run_sync(req).await?;
     Ok(Json(resp).into_response())
 }
 
+/// An empty `sandbox.image` becomes the node's `default_image`, when it has one (upstream
+/// CyNodeAI's fallback); the allowlist and the image grammar still apply to it.
+fn default_image(node: &Node, req: &mut RunJobRequest) {
+    if req.sandbox.image.trim().is_empty() {
+        if let Some(image) = &node.cfg.default_image {
+            req.sandbox.image = image.clone();
+        }
+    }
+}
+
 async fn submit(
     State(node): State<Arc<Node>>,
-    StrictJson(req): StrictJson<RunJobRequest>,
+    StrictJson(mut req): StrictJson<RunJobRequest>,
 ) -> Result<Response, ApiError> {
+    default_image(&node, &mut req);
     let (new, status) = node.submit(req).await?;
     let code = if new {
         StatusCode::ACCEPTED

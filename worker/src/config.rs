@@ -51,6 +51,10 @@ pub struct Config {
     /// has (nothing is ever pulled: `--pull=never`; bwrap: only images with a configured
     /// `bwrap.rootfs`). Production nodes should list their images.
     pub images: Vec<String>,
+    /// The image a job request with an empty `sandbox.image` runs in (upstream CyNodeAI
+    /// falls back to a default image); still subject to `images`. Unset: such a request
+    /// is refused.
+    pub default_image: Option<String>,
     pub limits: Limits,
     pub queue: QueueConfig,
     /// Host directories a workspace may be seeded from.
@@ -218,6 +222,7 @@ impl Default for Config {
             retention_seconds: 7 * 24 * 3600,
             inference: None,
             tls: None,
+            default_image: None,
             allow_plain_http: false,
         }
     }

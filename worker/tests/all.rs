@@ -11,5 +11,6 @@ mod inference;
 mod sandbox_escapes;
 mod sessions;
 mod tls;
+mod upstream;
 mod workspace_attacks;
 mod workspaces;
