@@ -11,4 +11,5 @@ mod service;
 mod skills;
 mod store;
 mod tls;
+mod tls_services;
 mod workers;
