@@ -585,16 +585,25 @@ async fn the_store_reaches_a_tls_only_postgres_with_verify_full_and_refuses_a_wr
         .err()
         .unwrap_or_else(|| panic!("verify-full accepted a certificate of an unknown CA"));
     let text = anyhow_chain(&err);
+    eprintln!("verify-full with another CA: {text}");
     assert!(
         text.contains("certificate") || text.contains("UnknownIssuer"),
         "the refusal does not name the certificate: {text}"
     );
+    // `require` encrypts without verifying: the same wrong CA is not consulted.
+    let required = Store::connect(&pg.url(&format!(
+        "sslmode=require&sslrootcert={}",
+        other.cert_file.display()
+    )))
+    .await;
+    assert!(required.is_ok(), "sslmode=require: {:?}", required.err());
     // A missing root certificate file is named.
     let missing = certs.path().join("no-such-ca.pem");
     let err = Store::connect(&verify(&missing)).await.err();
     let text = err.as_ref().map(|e| anyhow_chain(e)).unwrap_or_default();
+    eprintln!("a missing sslrootcert: {text}");
     assert!(
-        text.contains("no-such-ca.pem") || text.contains("No such file"),
+        text.contains("sslrootcert") && text.contains("no-such-ca.pem"),
         "a missing sslrootcert is not named: {text:?}"
     );
 }
