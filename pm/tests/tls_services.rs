@@ -155,6 +155,56 @@ async fn serve_with_a_client_ca_requires_a_client_certificate_from_it() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_picks_up_a_rotated_certificate_without_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let old_ca = TestCa::new(dir.path(), "old");
+    let cert = old_ca.server(dir.path(), "pm-server");
+    let (_replica, https) = https_replica(
+        dir.path(),
+        "rotate",
+        &[
+            "--tls-cert-file",
+            cert.cert_file.to_str().unwrap(),
+            "--tls-key-file",
+            cert.key_file.to_str().unwrap(),
+        ],
+    );
+    let trusting = |ca: &TestCa| {
+        https_client(&cynode_tls::ClientTls {
+            ca_file: Some(ca.cert_file.clone()),
+            ..Default::default()
+        })
+    };
+    assert_eq!(
+        healthz(&trusting(&old_ca), &https).await,
+        Ok("ok".to_string())
+    );
+    // A certificate from a new CA is written over the same files (as a Secret update or
+    // a renewal does); the running server serves it within a bounded time.
+    let new_dir = tempfile::tempdir().unwrap();
+    let new_ca = TestCa::new(new_dir.path(), "new");
+    let renewed = new_ca.server(new_dir.path(), "pm-server");
+    std::fs::copy(&renewed.key_file, &cert.key_file).unwrap();
+    std::fs::copy(&renewed.cert_file, &cert.cert_file).unwrap();
+    let t = Instant::now();
+    let new_client = trusting(&new_ca);
+    loop {
+        // Fresh connections each time: a pooled one would keep the old session.
+        match healthz(&new_client, &https).await {
+            Ok(_) => break,
+            Err(e) => assert!(
+                t.elapsed() < Duration::from_secs(60),
+                "the renewed certificate was not served within 60 s: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    eprintln!("renewed certificate served after {:?}", t.elapsed());
+    let old = healthz(&trusting(&old_ca), &https).await;
+    assert!(old.is_err(), "the old certificate is still served: {old:?}");
+}
+
 #[test]
 fn serve_refuses_to_start_with_a_key_that_is_not_pem() {
     let dir = tempfile::tempdir().unwrap();
