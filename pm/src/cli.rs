@@ -46,8 +46,9 @@ pub struct Global {
     #[arg(long, global = true)]
     pub tenant: Option<PathBuf>,
     /// Export traces over OTLP/HTTP (protobuf) to this collector, e.g.
-    /// http://127.0.0.1:4318 (`/v1/traces` is appended); Worker API calls then carry a
-    /// W3C `traceparent` header.
+    /// http://127.0.0.1:4318 or https://collector:4318 (`/v1/traces` is appended; https
+    /// trusts the system's roots, or the bundle in SSL_CERT_FILE); Worker API calls then
+    /// carry a W3C `traceparent` header.
     #[arg(long, env = "CYNODE_OTLP_ENDPOINT", global = true)]
     pub otlp_endpoint: Option<String>,
 }

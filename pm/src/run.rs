@@ -162,6 +162,9 @@ pub const LOCAL_WORKER_ENV: &[&str] = &[
     "CONTAINERS_REGISTRIES_CONF",
     "RUST_LOG",
     "CYNODE_OTLP_ENDPOINT",
+    // The roots its https clients (OTLP, an https inference upstream) trust.
+    "SSL_CERT_FILE",
+    "SSL_CERT_DIR",
 ];
 
 /// What the worker's log says while it starts.

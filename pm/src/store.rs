@@ -30,6 +30,13 @@ pub enum StoreError {
     Conflict(String),
     #[error("unsupported datastore `{0}`: use sqlite://PATH or postgres://…")]
     Unsupported(String),
+    #[error("cannot read {param} {path}: {source}")]
+    TlsFile {
+        param: String,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("cannot lock {path} for set-up: {source}")]
     Lock {
         path: String,
@@ -48,6 +55,7 @@ impl StoreError {
             StoreError::Conflict(_) => false,
             StoreError::Unsupported(_) => false,
             StoreError::Lock { .. } => false,
+            StoreError::TlsFile { .. } => false,
         }
     }
 }
@@ -131,8 +139,43 @@ impl SetupLock {
     }
 }
 
+/// The TLS files a PostgreSQL URL names (`sslrootcert`, `sslcert`, `sslkey`) must be
+/// readable: sqlx would only report "No such file or directory" without the path.
+fn check_tls_files(url: &str) -> Result<()> {
+    let Ok(parsed) = url::Url::parse(url) else {
+        // sqlx reports a malformed URL itself.
+        return Ok(());
+    };
+    for (param, path) in parsed.query_pairs() {
+        let known = matches!(
+            param.as_ref(),
+            "sslrootcert"
+                | "ssl-root-cert"
+                | "ssl-ca"
+                | "sslcert"
+                | "ssl-cert"
+                | "sslkey"
+                | "ssl-key"
+        );
+        // sqlx also takes the PEM itself in place of a path.
+        if known && !path.trim_start().starts_with("-----BEGIN") {
+            if let Err(source) = std::fs::File::open(path.as_ref()) {
+                return Err(StoreError::TlsFile {
+                    param: param.into_owned(),
+                    path: path.into_owned(),
+                    source,
+                });
+            }
+        }
+    }
+    Ok(())
+}
+
 impl Store {
     /// Connects to `url` (`sqlite://path` creating the file, or `postgres://…`) and migrates.
+    /// A PostgreSQL URL may ask for TLS with libpq's `sslmode` (`require`, `verify-ca`,
+    /// `verify-full`) and name a CA with `sslrootcert` (and a client certificate with
+    /// `sslcert`/`sslkey`), e.g. `postgres://u@db:5432/d?sslmode=verify-full&sslrootcert=/ca.pem`.
     pub async fn connect(url: &str) -> Result<Store> {
         sqlx::any::install_default_drivers();
         let mut setup_lock = None;
@@ -145,6 +188,7 @@ impl Store {
             let sep = if path.contains('?') { "&" } else { "?" };
             (format!("sqlite://{path}{sep}mode=rwc"), &SQLITE)
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            check_tls_files(url)?;
             (url.to_string(), &POSTGRES)
         } else {
             return Err(StoreError::Unsupported(url.to_string()));

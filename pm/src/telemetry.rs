@@ -9,6 +9,9 @@
 //!   exported in batches from a background thread to `<endpoint>/v1/traces`, and every
 //!   Worker API call carries a W3C `traceparent` header (see [`traceparent`]). Without an
 //!   endpoint there is no exporter, no OpenTelemetry layer and no header.
+//! - An `https://` endpoint is reached over rustls, trusting the system's roots; a private
+//!   CA comes in through `SSL_CERT_FILE` / `SSL_CERT_DIR`, which replace those roots for
+//!   the process (put public roots in the bundle too when the process needs them).
 //! - [`Telemetry::shutdown`] flushes the exporter; `run` and `serve` call it on exit.
 
 use std::collections::HashMap;

@@ -12,4 +12,5 @@ mod skills;
 mod store;
 mod tls;
 mod worker_tls;
+mod tls_services;
 mod workers;

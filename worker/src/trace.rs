@@ -9,6 +9,8 @@
 //!   the `request` span becomes a child of the caller's span, and each job runs in a
 //!   `job` span under it, so one trace shows the PM's call and the sandbox's run. A
 //!   submit's `request` span lasts until its job ends (the job runs inside it).
+//! - An `https://` endpoint is reached over rustls, trusting the system's roots, or the
+//!   bundle in `SSL_CERT_FILE` / `SSL_CERT_DIR`, which replaces them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -73,6 +73,16 @@ pub struct ServeArgs {
     /// This replica's name in leases (default: host name and process id).
     #[arg(long, env = "CYNODE_PM_REPLICA_ID")]
     pub replica_id: Option<String>,
+    /// PEM certificate (chain): serve HTTPS instead of plain HTTP. Reloaded when the file
+    /// changes or on SIGHUP.
+    #[arg(long, env = "CYNODE_PM_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `--tls-cert-file`.
+    #[arg(long, env = "CYNODE_PM_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+    /// PEM CA: every client must then present a certificate issued by it (mutual TLS).
+    #[arg(long, env = "CYNODE_PM_TLS_CLIENT_CA_FILE", requires = "tls_cert_file")]
+    pub tls_client_ca_file: Option<PathBuf>,
     #[command(flatten)]
     pub run: crate::run::RunArgs,
 }
@@ -204,6 +214,34 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
+impl ServeArgs {
+    /// The HTTPS settings, when `--tls-cert-file` and `--tls-key-file` are given.
+    pub fn server_tls(&self) -> Option<cynode_tls::ServerTls> {
+        match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => Some(cynode_tls::ServerTls {
+                cert_file: cert.clone(),
+                key_file: key.clone(),
+                client_ca_file: self.tls_client_ca_file.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Resolves on SIGTERM or SIGINT, after cancelling `stop` (no new sessions are claimed).
+async fn shutdown_signal(stop: CancellationToken) {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(_) => return std::future::pending().await,
+    };
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("shutting down: no new sessions are claimed here");
+    stop.cancel();
+}
+
 /// Runs the service until SIGTERM / SIGINT, then shuts down in order: stop claiming,
 /// end event streams and finish in-flight requests, let sessions finish their step (up
 /// to the grace), release every lease, exit.
@@ -243,27 +281,28 @@ pub async fn serve(args: &ServeArgs, global: &crate::cli::Global) -> anyhow::Res
         args.max_body_bytes,
         Duration::from_secs(args.request_timeout_seconds.max(1)),
     );
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
+    let tls = args.server_tls();
+    // Checked before listening: a bad certificate or key fails the start, naming the file.
+    if let Some(t) = &tls {
+        cynode_tls::server_config(t).context("cannot set up HTTPS")?;
+    }
+    let listener = std::net::TcpListener::bind(args.listen)
         .with_context(|| format!("cannot listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
-    tracing::info!(addr = %addr, replica = %owner, "cynode-pm listening");
-    let on_signal = stop.clone();
-    axum::serve(listener, app)
-        .with_graceful_shutdown(async move {
-            let mut term =
-                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                    Ok(s) => s,
-                    Err(_) => return std::future::pending().await,
-                };
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = tokio::signal::ctrl_c() => {}
-            }
-            tracing::info!("shutting down: no new sessions are claimed here");
-            on_signal.cancel();
-        })
-        .await?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    tracing::info!(addr = %addr, scheme, replica = %owner, "cynode-pm listening");
+    match tls {
+        // HTTPS: the certificate, key and client CA are reloaded on change or SIGHUP.
+        Some(t) => cynode_tls::serve(listener, app, Some(t), shutdown_signal(stop.clone()))
+            .await
+            .context("https server")?,
+        None => {
+            listener.set_nonblocking(true)?;
+            axum::serve(tokio::net::TcpListener::from_std(listener)?, app)
+                .with_graceful_shutdown(shutdown_signal(stop.clone()))
+                .await?
+        }
+    }
     if let Err(e) = scheduler.await {
         tracing::warn!(error = %e, "the scheduler ended abnormally");
     }
