@@ -11,6 +11,6 @@ mod service;
 mod skills;
 mod store;
 mod tls;
-mod worker_tls;
 mod tls_services;
+mod worker_tls;
 mod workers;

@@ -369,6 +369,24 @@ fn plan_only_replies_are_cut_short_by_the_progress_guard() {
     assert_eq!(replies, 4);
 }
 
+/// The built-in skills and policy are in the binary: `run` works from an empty directory.
+#[test]
+fn run_works_from_an_empty_directory() {
+    let state = tempfile::tempdir().unwrap();
+    let empty = tempfile::tempdir().unwrap();
+    let (url, _model) = model_server(happy_script());
+    let mut cmd = pm_command(state.path(), &url, &["run", "greet the world"], None, &[]);
+    cmd.current_dir(empty.path());
+    let out = output_bounded(cmd, PM_LIMIT);
+    let v = completed(&out);
+    assert_eq!(v["jobs_dispatched"], 2, "{v}");
+    assert_eq!(
+        std::fs::read_dir(empty.path()).unwrap().count(),
+        0,
+        "run wrote into its working directory"
+    );
+}
+
 fn crash_then_resume(failpoint: &str) {
     let state = tempfile::tempdir().unwrap();
     let (url, model) = model_server(happy_script());

@@ -90,6 +90,25 @@ async fn upstream(script: Vec<Value>) -> (String, Upstream) {
     (url, u)
 }
 
+/// The recording upstream over HTTPS only, with a certificate from `ca`.
+async fn https_upstream(dir: &Path, ca: &cynode_testkit::TestCa) -> (String, Upstream) {
+    let u = Upstream::default();
+    let app = Router::new()
+        .route("/v1/models", get(up_models))
+        .route("/v1/chat/completions", post(up_chat))
+        .with_state(u.clone());
+    let cert = ca.server(dir, "upstream");
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("https://127.0.0.1:{}", l.local_addr().unwrap().port());
+    let tls = cynode_tls::ServerTls {
+        cert_file: cert.cert_file,
+        key_file: cert.key_file,
+        client_ca_file: None,
+    };
+    tokio::spawn(cynode_tls::serve(l, app, Some(tls), std::future::pending()));
+    (url, u)
+}
+
 /// A bwrap worker whose inference upstream is `url`, with the key in a file.
 fn worker(url: &str, extra: &str) -> Server {
     worker_on("bwrap", url, extra)
@@ -181,6 +200,56 @@ fn all_text(dir: &Path) -> String {
 
 fn log_text(sv: &Server) -> String {
     sv.log.lock().unwrap().join("\n")
+}
+
+/// The worker's hop to its inference upstream over real TLS: an upstream that speaks only
+/// HTTPS, trusted through `inference.tls.ca_file`; without that CA the proxy gets no answer
+/// from it and the upstream sees nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_reaches_an_https_only_upstream_it_trusts() {
+    env();
+    let dir = tempfile::tempdir().unwrap();
+    let ca = cynode_testkit::TestCa::new(dir.path(), "upstream");
+    let (url, up) = https_upstream(dir.path(), &ca).await;
+    for (trusted, extra) in [
+        (
+            true,
+            format!("  tls:\n    ca_file: {}\n", ca.cert_file.display()),
+        ),
+        (false, String::new()),
+    ] {
+        let sv = worker(&url, &format!("  models: [m1]\n{extra}"));
+        let id = unique("tls");
+        let body = json!({
+            "version": 1, "task_id": "t", "job_id": id,
+            "sandbox": { "image": env().image, "command": ["sleep", "60"], "use_inference": true }
+        });
+        let (code, _) = sv.post("/v1/worker/jobs", &body).await;
+        assert_eq!(code, 202);
+        let sock = socket_of(&sv, &id);
+        wait_until(Duration::from_secs(30), || sock.exists()).await;
+        let before = up.hits.lock().unwrap().len();
+        let (code, v) = unix_http(
+            &sock,
+            "POST",
+            "/v1/chat/completions",
+            Some(&chat_body("m1", "hi")),
+        );
+        let hits = up.hits.lock().unwrap().len() - before;
+        if trusted {
+            assert_eq!((code, hits), (200, 1), "{v}");
+            assert_eq!(v["choices"][0]["message"]["content"], "ok");
+        } else {
+            assert!(code >= 500, "an untrusted upstream answered: {code} {v}");
+            assert_eq!(
+                hits, 0,
+                "the request reached an upstream the node does not trust"
+            );
+        }
+        let _ = sv
+            .post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
+            .await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
