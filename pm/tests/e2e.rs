@@ -41,7 +41,7 @@ fn script(args: &[&str]) -> String {
 }
 
 /// The sandbox image's root filesystem for bwrap, and the worker binary beside cynode-pm.
-fn env() -> &'static PathBuf {
+pub(crate) fn env() -> &'static PathBuf {
     static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
     ROOTFS.get_or_init(|| {
         script(&["deploy/install-deps.sh"]);
@@ -134,6 +134,38 @@ pub(crate) fn model_app(script: Vec<Value>) -> (Router, Model) {
         .route("/v1/models", get(models))
         .with_state(m.clone());
     (app, m)
+}
+
+/// Serves `app` over HTTPS only on 127.0.0.1 (any port) from a thread of its own, with a
+/// server certificate named `name` from `ca`; returns its address.
+pub(crate) fn serve_https_in_background(
+    app: Router,
+    ca: &cynode_testkit::TestCa,
+    dir: &Path,
+    name: &str,
+) -> std::net::SocketAddr {
+    let cert = ca.server(dir, name);
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let tls = cynode_tls::ServerTls {
+        cert_file: cert.cert_file,
+        key_file: cert.key_file,
+        client_ca_file: None,
+    };
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(cynode_tls::serve(
+            listener,
+            app,
+            Some(tls),
+            std::future::pending(),
+        ))
+        .unwrap();
+    });
+    addr
 }
 
 /// Serves `app` on 127.0.0.1 (any port) from a thread of its own, so sync tests can use

@@ -5,32 +5,14 @@
 use cynode_testkit::TestCa;
 use serde_json::Value;
 
-use crate::e2e::{completed, final_state, happy_script, model_app, pm_with};
+use crate::e2e::{
+    completed, final_state, happy_script, model_app, pm_with, serve_https_in_background,
+};
 
 /// Serves the scripted model over HTTPS only, from a thread of its own.
 fn https_model(dir: &std::path::Path, ca: &TestCa) -> (String, crate::e2e::Model) {
-    let cert = ca.server(dir, "model");
     let (app, model) = model_app(happy_script());
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let tls = cynode_tls::ServerTls {
-        cert_file: cert.cert_file,
-        key_file: cert.key_file,
-        client_ca_file: None,
-    };
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(cynode_tls::serve(
-            listener,
-            app,
-            Some(tls),
-            std::future::pending(),
-        ))
-        .unwrap();
-    });
+    let addr = serve_https_in_background(app, ca, dir, "model");
     (format!("https://127.0.0.1:{}/v1", addr.port()), model)
 }
 

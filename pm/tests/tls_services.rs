@@ -255,31 +255,11 @@ fn https_collector(dir: &Path, ca: &TestCa) -> (String, Bodies) {
             Vec::<u8>::new(),
         )
     }
-    let cert = ca.server(dir, "collector");
     let bodies = Bodies::default();
     let app = Router::new()
         .route("/v1/traces", post(traces))
         .with_state(Arc::clone(&bodies));
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let tls = cynode_tls::ServerTls {
-        cert_file: cert.cert_file,
-        key_file: cert.key_file,
-        client_ca_file: None,
-    };
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(cynode_tls::serve(
-            listener,
-            app,
-            Some(tls),
-            std::future::pending(),
-        ))
-        .unwrap();
-    });
+    let port = crate::e2e::serve_https_in_background(app, ca, dir, "collector").port();
     (format!("https://127.0.0.1:{port}"), bodies)
 }
 

@@ -7,7 +7,6 @@
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use cynode_testkit::{output_bounded, CertFiles, OwnedChild, TestCa};
@@ -21,53 +20,6 @@ const TOKEN: &str = "worker-tls-token-0123456789";
 /// run that waited for the worker (retrying) instead of failing at once fails the test.
 const FAIL_FAST: Duration = Duration::from_secs(120);
 const WORKER_WAIT: &str = "900";
-
-fn script(args: &[&str]) -> String {
-    let mut cmd = Command::new("bash");
-    cmd.args(args)
-        .current_dir(repo())
-        .env("CYNODE_SKIP_SMOKE", "1");
-    let out = output_bounded(cmd, Duration::from_secs(240));
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .lines()
-        .last()
-        .unwrap_or("")
-        .to_string()
-}
-
-/// The test image's bwrap root filesystem (cached by deploy/test-env.sh), and the worker
-/// binary beside cynode-pm.
-fn rootfs() -> &'static PathBuf {
-    static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
-    ROOTFS.get_or_init(|| {
-        script(&["deploy/install-deps.sh"]);
-        let bin = script(&["deploy/sba/build-static.sh"]);
-        script(&["deploy/sba/build-test-image.sh", &bin]);
-        if !worker_bin().is_file() {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut build = Command::new(cargo);
-            build
-                .args(["build", "-p", "cynode-worker", "--bin", "cynode-worker"])
-                .current_dir(repo());
-            let out = output_bounded(build, Duration::from_secs(600));
-            assert!(
-                out.status.success(),
-                "cannot build cynode-worker: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
-        PathBuf::from(script(&[
-            "deploy/sba/export-rootfs.sh",
-            "localhost/cynode-sba-test:latest",
-        ]))
-    })
-}
 
 fn worker_bin() -> PathBuf {
     Path::new(env!("CARGO_BIN_EXE_cynode-pm")).with_file_name("cynode-worker")
@@ -84,7 +36,7 @@ struct TlsWorker {
 fn start_tls_worker(server: &CertFiles, client_ca: &Path) -> TlsWorker {
     use std::io::BufRead;
     use std::os::unix::fs::PermissionsExt;
-    let rootfs = rootfs();
+    let rootfs = crate::e2e::env();
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let token_file = dir.path().join("token");
