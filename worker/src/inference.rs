@@ -130,6 +130,12 @@ pub fn app(proxy: Arc<Proxy>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
+        // Upstream CyNodeAI's proxy answers /healthz, and its SBA and scripts speak
+        // Ollama's native API through OLLAMA_BASE_URL: the same checks apply there.
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/api/chat", post(ollama_chat))
+        .route("/api/generate", post(ollama_generate))
+        .route("/api/tags", get(ollama_tags))
         .fallback(|| async {
             error(
                 StatusCode::NOT_FOUND,
@@ -194,6 +200,27 @@ fn error(status: StatusCode, kind: &str, message: &str) -> Response {
 }
 
 async fn chat(State(p): State<Arc<Proxy>>, body: Body) -> Response {
+    forward_completion(p, body, "/v1/chat/completions").await
+}
+
+async fn ollama_chat(State(p): State<Arc<Proxy>>, body: Body) -> Response {
+    forward_completion(p, body, "/api/chat").await
+}
+
+async fn ollama_generate(State(p): State<Arc<Proxy>>, body: Body) -> Response {
+    forward_completion(p, body, "/api/generate").await
+}
+
+/// Ollama's model list, cut to the job's models like `/v1/models`.
+async fn ollama_tags(State(p): State<Arc<Proxy>>) -> Response {
+    list_models(p, "/api/tags").await
+}
+
+/// One completion request (OpenAI's or Ollama's native shape) forwarded to `path` after
+/// the checks every route shares: the size cap, a JSON object, a model the job may use,
+/// no streaming (Ollama's native routes stream unless told not to: `stream` is set to
+/// false when absent), and usage logged per job.
+async fn forward_completion(p: Arc<Proxy>, body: Body, path: &'static str) -> Response {
     let cap = p.upstream.max_request_bytes;
     let Ok(bytes) = axum::body::to_bytes(body, cap).await else {
         return error(
@@ -202,7 +229,7 @@ async fn chat(State(p): State<Arc<Proxy>>, body: Body) -> Response {
             &format!("request body over the proxy's cap of {cap} bytes"),
         );
     };
-    let Ok(Value::Object(req)) = serde_json::from_slice::<Value>(&bytes) else {
+    let Ok(Value::Object(mut req)) = serde_json::from_slice::<Value>(&bytes) else {
         return error(
             StatusCode::BAD_REQUEST,
             "invalid_request",
@@ -229,6 +256,9 @@ async fn chat(State(p): State<Arc<Proxy>>, body: Body) -> Response {
         );
     }
     let model = model.to_string();
+    if path.starts_with("/api/") {
+        req.entry("stream").or_insert(Value::Bool(false));
+    }
     let Ok(forward) = serde_json::to_vec(&req) else {
         return error(
             StatusCode::INTERNAL_SERVER_ERROR,
@@ -237,14 +267,7 @@ async fn chat(State(p): State<Arc<Proxy>>, body: Body) -> Response {
         );
     };
     p.requests.fetch_add(1, Ordering::Relaxed);
-    let resp = match forward_to(
-        &p,
-        reqwest::Method::POST,
-        "/v1/chat/completions",
-        Some(forward),
-    )
-    .await
-    {
+    let resp = match forward_to(&p, reqwest::Method::POST, path, Some(forward)).await {
         Ok(r) => r,
         Err(r) => return r,
     };
@@ -252,8 +275,13 @@ async fn chat(State(p): State<Arc<Proxy>>, body: Body) -> Response {
         resp.0.is_success(),
         serde_json::from_slice::<Value>(&resp.1),
     ) {
-        let prompt = v["usage"]["prompt_tokens"].as_u64();
-        let completion = v["usage"]["completion_tokens"].as_u64();
+        // OpenAI's usage, or Ollama's counts.
+        let prompt = v["usage"]["prompt_tokens"]
+            .as_u64()
+            .or_else(|| v["prompt_eval_count"].as_u64());
+        let completion = v["usage"]["completion_tokens"]
+            .as_u64()
+            .or_else(|| v["eval_count"].as_u64());
         p.prompt_tokens
             .fetch_add(prompt.unwrap_or(0), Ordering::Relaxed);
         p.completion_tokens
@@ -264,7 +292,13 @@ async fn chat(State(p): State<Arc<Proxy>>, body: Body) -> Response {
 }
 
 async fn models(State(p): State<Arc<Proxy>>) -> Response {
-    let (status, body) = match forward_to(&p, reqwest::Method::GET, "/v1/models", None).await {
+    list_models(p, "/v1/models").await
+}
+
+/// The upstream's model list at `path`, cut to the job's models (OpenAI's `data[].id` and
+/// Ollama's `models[].name`/`model`).
+async fn list_models(p: Arc<Proxy>, path: &'static str) -> Response {
+    let (status, body) = match forward_to(&p, reqwest::Method::GET, path, None).await {
         Ok(r) => r,
         Err(r) => return r,
     };

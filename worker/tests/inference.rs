@@ -81,6 +81,8 @@ async fn upstream(script: Vec<Value>) -> (String, Upstream) {
     let app = Router::new()
         .route("/v1/models", get(up_models))
         .route("/v1/chat/completions", post(up_chat))
+        .route("/api/tags", get(up_models))
+        .route("/api/chat", post(up_chat))
         .with_state(u.clone());
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
@@ -311,10 +313,38 @@ async fn proxy_allows_only_the_jobs_models_paths_and_sizes() {
     assert_eq!(v["data"], json!([{ "id": "m1" }, { "id": "m2" }]));
     assert_eq!(v["models"], json!([{ "name": "m1", "model": "m1" }]));
 
+    // Upstream CyNodeAI's extras: /healthz, and Ollama's native API with the same checks
+    // (a model the job may not use is refused; no streaming: `stream` goes as false).
+    assert_eq!(
+        unix_http(&sock, "GET", "/healthz", None),
+        (200, json!("ok"))
+    );
+    let (code, v) = unix_http(&sock, "POST", "/api/chat", Some(&chat_body("m3", "hi")));
+    assert_eq!(
+        (code, v["error"]["type"].clone()),
+        (403, json!("model_not_allowed"))
+    );
+    let (code, v) = unix_http(&sock, "POST", "/api/chat", Some(&chat_body("m1", "native")));
+    assert_eq!(code, 200, "{v}");
+    let hit = up.hits.lock().unwrap().last().cloned().unwrap();
+    assert_eq!(
+        (
+            hit.body["messages"][0]["content"].clone(),
+            hit.body["stream"].clone()
+        ),
+        (json!("native"), json!(false))
+    );
+    assert_eq!(hit.auth.as_deref(), Some(format!("Bearer {KEY}").as_str()));
+    let (code, v) = unix_http(&sock, "GET", "/api/tags", None);
+    assert_eq!(
+        (code, v["models"].clone()),
+        (200, json!([{ "name": "m1", "model": "m1" }]))
+    );
+
     // Nothing else is served.
     assert_eq!(unix_http(&sock, "GET", "/v1/embeddings", None).0, 404);
     assert_eq!(
-        unix_http(&sock, "POST", "/api/generate", Some(b"{}")).0,
+        unix_http(&sock, "POST", "/api/embeddings", Some(b"{}")).0,
         404
     );
     assert_eq!(unix_http(&sock, "GET", "/v1/chat/completions", None).0, 405);
@@ -367,8 +397,12 @@ async fn proxy_allows_only_the_jobs_models_paths_and_sizes() {
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|v| v["fields"]["message"] == "inference usage")
         .collect();
-    assert_eq!(usage.len(), 1, "{log}");
-    assert_eq!(usage[0]["fields"]["job_id"], id.as_str());
+    // One line per completion that went through: the OpenAI route's and the native one's.
+    assert_eq!(usage.len(), 2, "{log}");
+    assert!(
+        usage.iter().all(|u| u["fields"]["job_id"] == id.as_str()),
+        "{log}"
+    );
     assert_eq!(usage[0]["fields"]["prompt_tokens"], 321);
     assert_eq!(usage[0]["fields"]["completion_tokens"], 12);
 }
