@@ -5,9 +5,10 @@
 //! one killed mid-session.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use cynode_testkit::OwnedChild;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -18,16 +19,10 @@ pub(crate) const TENANT_A: &str = "token-of-tenant-a-0123456789";
 const TENANT_B: &str = "token-of-tenant-b-0123456789";
 
 /// One `cynode-pm serve` process; killed on drop.
+/// A `cynode-pm serve` replica; dropping it kills its process group.
 pub(crate) struct Replica {
-    child: Child,
+    child: OwnedChild,
     pub(crate) base: String,
-}
-
-impl Drop for Replica {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 fn free_port() -> u16 {
@@ -75,8 +70,8 @@ pub(crate) fn start_replica_with(
     let port = free_port();
     let state = dir.join(name);
     let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
-        .arg("serve")
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-pm"));
+    cmd.arg("serve")
         .args(["--listen", &format!("127.0.0.1:{port}")])
         .arg("--api-tokens-file")
         .arg(dir.join("tokens"))
@@ -89,15 +84,14 @@ pub(crate) fn start_replica_with(
         .env("CYNODE_WORKER_TOKEN", TOKEN)
         .current_dir(repo())
         .stdout(Stdio::null())
-        .stderr(log)
-        .spawn()
-        .unwrap();
+        .stderr(log);
+    let mut child = OwnedChild::spawn(cmd);
     let base = format!("http://127.0.0.1:{port}");
     let t = Instant::now();
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "replica {name} did not start: {}",
+            t.elapsed() < Duration::from_secs(60) && child.try_wait().is_none(),
+            "replica {name} did not start within 60 s, or exited: {}",
             std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default()
         );
         std::thread::sleep(Duration::from_millis(50));
@@ -625,9 +619,8 @@ async fn a_killed_replica_hands_its_session_to_another() {
     let mut m = two_replicas_mid_job(4, "nap across a crash", &["--lease-seconds", "3"]).await;
     // Kill -9 whichever replica holds the lease, mid-job.
     let (victim, _) = m.victim_and_survivor();
-    // SAFETY: SIGKILL to the child process this test started.
-    unsafe { libc::kill(victim.child.id() as i32, libc::SIGKILL) };
-    let _ = victim.child.wait();
+    victim.child.signal(libc::SIGKILL);
+    let _ = victim.child.wait_timeout(Duration::from_secs(30));
     m.survivor_completes(Instant::now()).await;
     // The job finished once and its result was acknowledged (then forgotten) by the PM.
     let j = worker_job(&m.worker, &m.job).await;
@@ -680,10 +673,9 @@ async fn a_terminated_replica_hands_its_session_over_at_once() {
     let stream = tokio::spawn(async move { sse(&victim_base, &sid, None, None).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     let t = Instant::now();
-    // SAFETY: SIGTERM to the child process this test started.
-    unsafe { libc::kill(victim.child.id() as i32, libc::SIGTERM) };
+    victim.child.signal(libc::SIGTERM);
     let exit = loop {
-        if let Some(st) = victim.child.try_wait().unwrap() {
+        if let Some(st) = victim.child.try_wait() {
             break st;
         }
         assert!(
