@@ -215,6 +215,36 @@ impl Server {
     }
 }
 
+impl Drop for Server {
+    /// The worker (and its process group) ends first. A worker killed this way leaves its
+    /// running Podman containers behind (conmon outlives the `podman run` client; a
+    /// restarted worker would reconcile them): they are removed here, by this node's
+    /// label, before the state directory goes.
+    fn drop(&mut self) {
+        self.child.kill();
+        if self.backend != "podman" {
+            return;
+        }
+        let Ok(state) = std::fs::canonicalize(self.state_dir()) else {
+            return;
+        };
+        let node = &sha256_hex(state.display().to_string().as_bytes())[..12];
+        let mut ps = Command::new("podman");
+        ps.args(["ps", "--all", "--quiet", "--filter"])
+            .arg(format!("label=io.cynode.node={node}"));
+        let out = output_bounded(ps, Duration::from_secs(60));
+        let ids: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        if !ids.is_empty() {
+            let mut rm = Command::new("podman");
+            rm.args(["rm", "--force", "--time", "0"]).args(&ids);
+            let _ = output_bounded(rm, Duration::from_secs(120));
+        }
+    }
+}
+
 fn launch(backend: &str, dir: &Path, extra: &str) -> (OwnedChild, String, Arc<Mutex<Vec<String>>>) {
     let e = env();
     let token = dir.join("token");
