@@ -548,7 +548,6 @@ pub(crate) struct Worker {
 pub(crate) const TOKEN: &str = "e2e-worker-token-0123456789";
 
 pub(crate) fn start_worker(port: u16) -> Worker {
-    use std::io::BufRead;
     let dir = tempfile::tempdir().unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -560,10 +559,22 @@ pub(crate) fn start_worker(port: u16) -> Worker {
         env().display()
     );
     std::fs::write(dir.path().join("w.yaml"), cfg).unwrap();
+    let (child, addr) = serve_worker(&dir.path().join("w.yaml"));
+    Worker {
+        _child: child,
+        addr,
+        _dir: dir,
+    }
+}
+
+/// Starts `cynode-worker serve --config CONFIG` (the binary beside cynode-pm) in a process
+/// group the test owns, and returns it with the address it reports listening on.
+pub(crate) fn serve_worker(config: &Path) -> (OwnedChild, String) {
+    use std::io::BufRead;
     let bin = Path::new(env!("CARGO_BIN_EXE_cynode-pm")).with_file_name("cynode-worker");
     let mut cmd = Command::new(bin);
     cmd.args(["serve", "--config"])
-        .arg(dir.path().join("w.yaml"))
+        .arg(config)
         .stderr(std::process::Stdio::piped());
     let mut child = OwnedChild::spawn(cmd);
     let stderr = child.child_mut().stderr.take().unwrap();
@@ -586,11 +597,7 @@ pub(crate) fn start_worker(port: u16) -> Worker {
     let addr = rx
         .recv_timeout(Duration::from_secs(60))
         .expect("the worker did not report its address within 60 s");
-    Worker {
-        _child: child,
-        addr,
-        _dir: dir,
-    }
+    (child, addr)
 }
 
 /// A test-only skill whose job leaves an artifact.

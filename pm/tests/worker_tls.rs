@@ -10,7 +10,6 @@ use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
 use cynode_testkit::{output_bounded, CertFiles, OwnedChild, TestCa};
-use serde_json::Value;
 
 use crate::e2e::{completed, final_state, happy_script, model_server, pm_with, repo};
 
@@ -21,10 +20,6 @@ const TOKEN: &str = "worker-tls-token-0123456789";
 const FAIL_FAST: Duration = Duration::from_secs(120);
 const WORKER_WAIT: &str = "900";
 
-fn worker_bin() -> PathBuf {
-    Path::new(env!("CARGO_BIN_EXE_cynode-pm")).with_file_name("cynode-worker")
-}
-
 /// A worker serving HTTPS with `server` and requiring client certificates of `client_ca`.
 struct TlsWorker {
     _child: OwnedChild,
@@ -34,7 +29,6 @@ struct TlsWorker {
 }
 
 fn start_tls_worker(server: &CertFiles, client_ca: &Path) -> TlsWorker {
-    use std::io::BufRead;
     use std::os::unix::fs::PermissionsExt;
     let rootfs = crate::e2e::env();
     let dir = tempfile::tempdir().unwrap();
@@ -51,31 +45,7 @@ fn start_tls_worker(server: &CertFiles, client_ca: &Path) -> TlsWorker {
         rootfs.display()
     );
     std::fs::write(dir.path().join("w.yaml"), cfg).unwrap();
-    let mut cmd = Command::new(worker_bin());
-    cmd.args(["serve", "--config"])
-        .arg(dir.path().join("w.yaml"))
-        .stderr(std::process::Stdio::piped());
-    let mut child = OwnedChild::spawn(cmd);
-    let stderr = child.child_mut().stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                if v["fields"]["message"] == "cynode-worker listening" {
-                    if let Some(t) = tx.take() {
-                        let _ = t.send(v["fields"]["addr"].as_str().unwrap().to_string());
-                    }
-                }
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the TLS worker did not report its address within 60 s");
+    let (child, addr) = crate::e2e::serve_worker(&dir.path().join("w.yaml"));
     TlsWorker {
         _child: child,
         addr,
