@@ -1,4 +1,4 @@
-//! cynode-protocol: every contract the three programs share (design.md §3).
+//! cynode-protocol: every contract the three programs share.
 //!
 //! This crate holds serde types and their validation only. It must never depend on an
 //! async runtime, an HTTP stack or a database driver (a test checks `cargo tree`), so the
@@ -10,6 +10,7 @@
 //! - [`llm`]: the PM's LLM output contract.
 //! - [`session`]: the PM's durable session state model.
 //! - [`schema`]: JSON Schemas generated from these types.
+//! - [`time`]: the one RFC 3339 timestamp format.
 
 pub mod error;
 pub mod job;
@@ -17,6 +18,7 @@ pub mod llm;
 pub mod result;
 pub mod schema;
 pub mod session;
+pub mod time;
 pub mod version;
 pub mod worker_api;
 

@@ -1,4 +1,4 @@
-//! Worker API v1 bodies (design.md §3.4), wire-compatible with the CyNodeAI Worker API.
+//! Worker API v1 bodies, wire-compatible with the CyNodeAI Worker API.
 //!
 //! Field names follow upstream exactly (`sandbox.job_spec_json`, `truncated.stdout`…);
 //! this project's extensions (async jobs, workspaces, sessions) add types but never change
@@ -252,7 +252,7 @@ impl WorkerCapacity {
     }
 }
 
-/// The SBA's lifecycle callback body (design.md §3.3).
+/// The SBA's lifecycle callback body (`POST $SBA_JOB_STATUS_URL`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SbaStatusCallback {

@@ -1,7 +1,7 @@
 //! cynode-sba: the deterministic runner that executes a job.json inside the sandbox.
 //!
 //! It never plans and never holds secrets: it validates the job completely, runs its steps
-//! confined to the workspace, and always leaves a complete result.json (design.md §3.2–3.3).
+//! confined to the workspace, and always leaves a complete result.json.
 //!
 //! - [`cli`] / [`runner`]: command line, job lifecycle, result writing.
 //! - [`agent`]: agent mode, the model loop over the same steps (via [`http`]).

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use cynode_protocol::job::{ExecutionMode, JobSpec, StepAction};
 use cynode_protocol::result::{ErrorInfo, JobStatus, StepRecord, StepStatus};
+use cynode_protocol::time::now_rfc3339;
 use cynode_protocol::version::PROTOCOL_VERSION;
 use cynode_protocol::worker_api::{SbaLifecycle, SbaStatusCallback};
 use cynode_protocol::{FailureCode, JobResult};
@@ -36,7 +37,8 @@ pub struct Options {
     pub agent: crate::agent::Settings,
 }
 
-/// Exit codes of design.md §3.3.
+/// Exit codes: 0 the job succeeded, 1 it failed or timed out (result.json says how), 2 the
+/// result could not be written.
 pub mod exit {
     pub const SUCCESS: i32 = 0;
     pub const FAILURE: i32 = 1;
@@ -414,14 +416,4 @@ impl Callbacks {
             }
         }
     }
-}
-
-/// Now, as RFC 3339 UTC with milliseconds.
-pub fn now_rfc3339() -> String {
-    let now = time::OffsetDateTime::now_utc();
-    let fmt = time::macros::format_description!(
-        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
-    );
-    now.format(&fmt)
-        .unwrap_or_else(|_| now.unix_timestamp().to_string())
 }

@@ -1,4 +1,4 @@
-//! The Worker API v1 over HTTP (design.md §3.4): `fn app(node) -> Router`.
+//! The Worker API v1 over HTTP: `fn app(node) -> Router`.
 //!
 //! Health endpoints are open; every `/v1/` route needs the bearer token (constant-time
 //! compare). Bodies are limited (413), parsed strictly with field-named errors (400), and

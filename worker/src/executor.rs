@@ -22,10 +22,10 @@ use cynode_protocol::{JobResult, ValidationError};
 use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Backend, EndReason, Mount, ResourceLimits, SandboxSpec};
-use crate::clock::now_rfc3339;
 use crate::config::{Config, Limits};
 use crate::disk_guard::{DiskGuard, DiskLimit};
 use crate::sandbox_files::{self, ReadError, TreeBounds, TreeError};
+use cynode_protocol::time::now_rfc3339;
 
 /// The uid/gid sandboxes run as.
 pub const SANDBOX_UID: u32 = 1000;

@@ -1,4 +1,4 @@
-//! cynode-worker: the Worker API node (design.md §3.4). It runs each job in a sandbox
+//! cynode-worker: the Worker API node (see ARCHITECTURE.md). It runs each job in a sandbox
 //! with timeouts, output caps and no network, records it durably, and keeps the result
 //! until the caller acks it. It decides nothing about what a job should do.
 //!
@@ -17,7 +17,6 @@ pub mod api;
 pub mod backend;
 pub mod callback;
 pub mod cli;
-pub mod clock;
 pub mod config;
 pub mod disk_guard;
 pub mod executor;

@@ -539,7 +539,7 @@ impl Node {
             - time::Duration::seconds(
                 i64::try_from(self.cfg.retention_seconds).unwrap_or(i64::MAX),
             );
-        let cutoff = crate::clock::format_rfc3339(cutoff);
+        let cutoff = cynode_protocol::time::format_rfc3339(cutoff);
         match self.store.expired(&cutoff).await {
             Ok(ids) => {
                 for id in ids {
@@ -598,7 +598,7 @@ fn status_of(rec: JobRecord) -> AsyncJobStatus {
 }
 
 fn restarted_response_for(req: &RunJobRequest) -> RunJobResponse {
-    let now = crate::clock::now_rfc3339();
+    let now = cynode_protocol::time::now_rfc3339();
     RunJobResponse {
         version: API_VERSION,
         task_id: req.task_id.clone(),

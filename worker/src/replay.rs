@@ -38,7 +38,7 @@ pub async fn replay(cfg: &Config, job_id: &str) -> anyhow::Result<ReplayReport> 
     let original = rec
         .response
         .ok_or_else(|| anyhow::anyhow!("job {job_id} has not finished; nothing to compare"))?;
-    let suffix = crate::clock::now_rfc3339().replace([':', '.', '-'], "");
+    let suffix = cynode_protocol::time::now_rfc3339().replace([':', '.', '-'], "");
     let replay_id = format!("{job_id}-replay-{suffix}");
     let mut req: RunJobRequest = rec.request;
     rewrite_ids(&mut req, &replay_id)?;

@@ -1,4 +1,4 @@
-//! Session sandboxes (design.md §3.4, extension): a sandbox that lives across several
+//! Session sandboxes (an extension of the Worker API): a sandbox that lives across several
 //! commands of one task, for interactive agents.
 //!
 //! - `POST /v1/worker/sessions` creates one (201; a repeat of a running session_id answers
@@ -44,10 +44,10 @@ use tokio_util::sync::CancellationToken;
 use crate::api::{ApiError, StrictJson};
 use crate::backend::session_ops::{SessionOps, SessionSandbox};
 use crate::backend::{Backend, EndReason, Mount, ResourceLimits, SandboxSpec};
-use crate::clock::{format_rfc3339, now_rfc3339};
 use crate::config::Config;
 use crate::executor::SANDBOX_UID;
 use crate::node::{Node, NodeError};
+use cynode_protocol::time::{format_rfc3339, now_rfc3339};
 
 /// Idle timeout when the request gives none.
 pub const DEFAULT_IDLE_TIMEOUT_SECONDS: u64 = 600;

@@ -130,7 +130,7 @@ impl Todo {
         let Some(path) = &self.path else { return };
         let file = File {
             job_id: &self.job_id,
-            updated_at: crate::runner::now_rfc3339(),
+            updated_at: cynode_protocol::time::now_rfc3339(),
             items: &self.items,
         };
         if let Err(e) = crate::result_file::write_json_atomic(path, &file) {
