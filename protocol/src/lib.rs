@@ -6,7 +6,9 @@
 //!
 //! - [`job`]: job.json, the SBA's input, with strict parsing ([`job::JobSpec::from_json`]).
 //! - [`result`]: result.json, the SBA's output, and the stable [`result::FailureCode`]s.
-//! - [`worker_api`]: the Worker API v1 bodies (upstream CyNodeAI compatible).
+//! - [`worker_api`]: the Worker API v1 job and capacity bodies (upstream CyNodeAI compatible).
+//! - [`worker_sessions`], [`worker_workspaces`]: the Worker API's session and workspace bodies.
+//! - [`problem`]: the one problem+json error body of every HTTP API, and its `type` scheme.
 //! - [`llm`]: the PM's LLM output contract.
 //! - [`session`]: the PM's durable session state model.
 //! - [`schema`]: JSON Schemas generated from these types.
@@ -15,12 +17,15 @@
 pub mod error;
 pub mod job;
 pub mod llm;
+pub mod problem;
 pub mod result;
 pub mod schema;
 pub mod session;
 pub mod time;
 pub mod version;
 pub mod worker_api;
+pub mod worker_sessions;
+pub mod worker_workspaces;
 
 pub use error::{ValidationError, ValidationErrors};
 pub use job::JobSpec;

@@ -270,18 +270,8 @@ pub enum SbaLifecycle {
     Completed,
 }
 
-/// RFC 9457 problem details, as the Worker API returns them.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub struct Problem {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub title: String,
-    pub status: u16,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub detail: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub instance: Option<String>,
-}
+/// RFC 9457 problem details, as the Worker API returns them (defined in [`crate::problem`]).
+pub use crate::problem::Problem;
 
 #[cfg(test)]
 mod tests {
