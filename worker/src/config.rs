@@ -46,7 +46,7 @@ pub struct Config {
     pub docker: EngineConfig,
     pub bwrap: BwrapConfig,
     /// Images jobs and sessions may use. Whatever it says, an image must be a valid OCI
-    /// reference (`name[:tag][@digest]`, see `backend::image_ref`), so no request value can
+    /// reference (`name[:tag][@digest]`, see `image_ref`), so no request value can
     /// become an engine flag. Empty (the default): any valid reference the backend already
     /// has (nothing is ever pulled: `--pull=never`; bwrap: only images with a configured
     /// `bwrap.rootfs`). Production nodes should list their images.
@@ -339,7 +339,7 @@ impl Config {
 
     /// Why `image` may not run here (a message for the `image` field), if it may not.
     pub fn check_image(&self, image: &str) -> Result<(), String> {
-        crate::backend::image_ref::check(image).map_err(|e| format!("image {e}"))?;
+        crate::image_ref::check(image).map_err(|e| format!("image {e}"))?;
         if self.images.is_empty() || self.images.iter().any(|i| i == image) {
             Ok(())
         } else {

@@ -13,16 +13,18 @@
 //! - [`replay`]: re-running a retained job for audits.
 //! - [`config`], [`cli`]: configuration and the `serve`/`check`/`replay` commands.
 
-pub mod api;
 pub mod backend;
 pub mod callback;
 pub mod cli;
 pub mod config;
 pub mod disk_guard;
 pub mod executor;
+pub mod http;
+pub mod image_ref;
 pub mod inference;
 pub mod node;
 pub mod replay;
+pub mod sandbox;
 pub mod sandbox_files;
 pub mod sessions;
 pub mod store;

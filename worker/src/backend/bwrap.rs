@@ -325,7 +325,7 @@ pub fn isolation_args(hostname: &str) -> Vec<String> {
 
 /// Drops from root to uid/gid 1000 with no supplementary groups (between fork and exec).
 fn become_sandbox_user() -> std::io::Result<()> {
-    let id = crate::executor::SANDBOX_UID;
+    let id = crate::sandbox::SANDBOX_UID;
     // SAFETY: plain syscalls on integers; called in the forked child only.
     unsafe {
         if libc::setgroups(0, std::ptr::null()) != 0

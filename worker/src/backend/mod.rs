@@ -3,10 +3,9 @@
 //! isolated process tree with the limits it is given, captures its output with caps, and
 //! guarantees it is gone afterwards.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use cynode_protocol::worker_api::{NetworkPolicy, Truncated};
+use cynode_protocol::worker_api::Truncated;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{BackendKind, Config};
@@ -14,7 +13,6 @@ use crate::config::{BackendKind, Config};
 pub mod bwrap;
 pub mod capture;
 pub mod engine;
-pub mod image_ref;
 pub mod seccomp;
 pub mod session_ops;
 
@@ -31,43 +29,7 @@ pub fn node_id(cfg: &Config) -> String {
     hex::encode(digest)[..12].to_string()
 }
 
-/// A bind mount into the sandbox.
-#[derive(Debug, Clone)]
-pub struct Mount {
-    pub host: PathBuf,
-    pub target: String,
-    pub writable: bool,
-}
-
-/// Resource limits for one sandbox.
-#[derive(Debug, Clone, Copy)]
-pub struct ResourceLimits {
-    pub memory_mb: u64,
-    pub pids: u64,
-    pub cpus: f64,
-    pub tmpfs_mb: u64,
-}
-
-/// Everything a backend needs to start one sandbox.
-#[derive(Debug, Clone)]
-pub struct SandboxSpec {
-    /// Unique name (`cynode-<job_id>`), also the container name.
-    pub name: String,
-    pub image: String,
-    /// argv; empty means the image's entrypoint with no arguments.
-    pub command: Vec<String>,
-    /// Whether `command` replaces the image entrypoint (plain jobs) or is passed to it
-    /// (SBA jobs).
-    pub override_entrypoint: bool,
-    pub env: Vec<(String, String)>,
-    pub mounts: Vec<Mount>,
-    pub workdir: String,
-    pub network: NetworkPolicy,
-    pub limits: ResourceLimits,
-    pub labels: Vec<(String, String)>,
-    pub timeout: Duration,
-    pub output_cap: usize,
-}
+pub use crate::sandbox::{Mount, ResourceLimits, SandboxSpec};
 
 /// Why the sandbox ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -122,9 +84,6 @@ const CLIENT_ENV: &[&str] = &[
     "DOCKER_CONTEXT",
 ];
 
-/// The PATH a client gets when the node has none.
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-
 /// Clears `cmd`'s environment down to [`CLIENT_ENV`].
 pub fn client_env(cmd: &mut tokio::process::Command) -> &mut tokio::process::Command {
     cmd.env_clear();
@@ -134,7 +93,7 @@ pub fn client_env(cmd: &mut tokio::process::Command) -> &mut tokio::process::Com
         }
     }
     if std::env::var_os("PATH").is_none() {
-        cmd.env("PATH", DEFAULT_PATH);
+        cmd.env("PATH", crate::sandbox::DEFAULT_PATH);
     }
     cmd
 }

@@ -271,7 +271,7 @@ async fn run(
             };
             libc::setrlimit(libc::RLIMIT_AS, &space);
             if drop_root {
-                let id = crate::executor::SANDBOX_UID;
+                let id = crate::sandbox::SANDBOX_UID;
                 if libc::setgroups(0, std::ptr::null()) != 0
                     || libc::setgid(id) != 0
                     || libc::setuid(id) != 0
