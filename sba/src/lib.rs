@@ -5,6 +5,7 @@
 //!
 //! - [`cli`] / [`runner`]: command line, job lifecycle, result writing.
 //! - [`agent`]: agent mode, the model loop over the same steps (via [`http`]).
+//! - [`step_runner`]: one step run and recorded, for the runner and the agent alike.
 //! - [`steps`]: the six step types; [`patch`] is the native diff engine.
 //! - [`confine`] / [`walk`]: every path resolved beneath the workspace root.
 //! - [`process`] / [`capture`]: child processes under deadlines with bounded output.
@@ -23,5 +24,6 @@ pub mod patch;
 pub mod process;
 pub mod result_file;
 pub mod runner;
+pub mod step_runner;
 pub mod steps;
 pub mod walk;
