@@ -360,7 +360,7 @@ pub async fn run(
             Ok(result) => apply_sba_result(&mut resp, result, &artifacts, true),
             Err(reason) => {
                 resp.status = WorkerJobStatus::Failed;
-                resp.failure_reason = Some(reason);
+                resp.failure_reason = Some(reason.to_string());
             }
         }
     }
@@ -391,28 +391,37 @@ pub async fn collect_artifacts(paths: &JobPaths) -> Result<Vec<ArtifactRecord>, 
     }
 }
 
+/// Why result.json gave no result; the text is the job's failure reason.
+#[derive(Debug, thiserror::Error)]
+pub enum ResultError {
+    #[error("cannot read result.json: {0}")]
+    Task(String),
+    #[error("result.json missing: the sandbox exited without a result")]
+    Missing,
+    #[error("resource_limit_exceeded: {0} (limits.result_max_bytes)")]
+    TooLarge(ReadError),
+    #[error("result.json refused: {0}")]
+    Refused(ReadError),
+    #[error("result.json invalid: {0}")]
+    Invalid(serde_json::Error),
+}
+
 /// Reads and parses result.json beneath the job directory (never through a link, regular
-/// file only, bounded); the error is the job's failure reason.
-pub async fn read_result(paths: &JobPaths) -> Result<JobResult, String> {
+/// file only, bounded).
+pub async fn read_result(paths: &JobPaths) -> Result<JobResult, ResultError> {
     let (dir, cap) = (paths.mount.clone(), paths.bounds.result_max_bytes);
     let read = tokio::task::spawn_blocking(move || {
         sandbox_files::read_file_beneath(&dir, RESULT_FILE, cap, RESULT_READ_TIME)
     })
     .await
-    .map_err(|e| format!("cannot read result.json: {e}"))?;
+    .map_err(|e| ResultError::Task(e.to_string()))?;
     let text = match read {
         Ok(t) => t,
-        Err(ReadError::Missing { .. }) => {
-            return Err("result.json missing: the sandbox exited without a result".into())
-        }
-        Err(e @ ReadError::TooLarge { .. }) => {
-            return Err(format!(
-                "resource_limit_exceeded: {e} (limits.result_max_bytes)"
-            ))
-        }
-        Err(e) => return Err(format!("result.json refused: {e}")),
+        Err(ReadError::Missing { .. }) => return Err(ResultError::Missing),
+        Err(e @ ReadError::TooLarge { .. }) => return Err(ResultError::TooLarge(e)),
+        Err(e) => return Err(ResultError::Refused(e)),
     };
-    serde_json::from_slice(&text).map_err(|e| format!("result.json invalid: {e}"))
+    serde_json::from_slice(&text).map_err(ResultError::Invalid)
 }
 
 /// Derives status from result.json; a missing or invalid one is a failure, never success.

@@ -31,6 +31,22 @@ pub fn node_id(cfg: &Config) -> String {
 
 pub use crate::sandbox::{Mount, ResourceLimits, SandboxSpec};
 
+/// Why a backend cannot serve, or could not start a session sandbox. The text names the
+/// client binary and what it said.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// The client binary cannot be run, or did not answer within its bound.
+    #[error("{0}")]
+    Client(String),
+    /// The client ran and refused.
+    #[error("{0}")]
+    Refused(String),
+    /// A host prerequisite is missing: cgroups, the init binary, the seccomp filter or
+    /// its profile file.
+    #[error("{0}")]
+    Unavailable(String),
+}
+
 /// Why the sandbox ended.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum EndReason {
@@ -170,7 +186,7 @@ impl Backend {
     }
 
     /// Checks that the backend answers; `Ok` carries a version line.
-    pub async fn check(&self) -> Result<String, String> {
+    pub async fn check(&self) -> Result<String, BackendError> {
         match self {
             Backend::Engine(e) => e.check().await,
             Backend::Bwrap(b) => b.check().await,

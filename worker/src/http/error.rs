@@ -93,7 +93,7 @@ impl From<SessionError> for ApiError {
         match e {
             SessionError::Invalid(v) => ApiError::Invalid(v),
             SessionError::TooMany => ApiError::Busy,
-            SessionError::NotFound(what) => ApiError::NotFound(what),
+            e @ SessionError::NotFound { .. } => ApiError::NotFound(e.to_string()),
             SessionError::Conflict(m) => ApiError::Conflict(m),
             SessionError::Internal(m) => ApiError::Internal(m),
         }
@@ -104,8 +104,9 @@ impl From<WorkspaceError> for ApiError {
     fn from(e: WorkspaceError) -> Self {
         match e {
             WorkspaceError::Invalid(v) => ApiError::Invalid(v),
-            WorkspaceError::NotFound(what) => ApiError::NotFound(what),
-            WorkspaceError::Conflict(m) => ApiError::Conflict(m),
+            e @ WorkspaceError::NotFound { .. } => ApiError::NotFound(e.to_string()),
+            WorkspaceError::HasContent(m) => ApiError::Conflict(m),
+            WorkspaceError::Changeset(e) => ApiError::Internal(e.to_string()),
             WorkspaceError::Internal(m) => ApiError::Internal(m),
         }
     }

@@ -27,12 +27,7 @@ pub(super) async fn submit(
     StrictJson(req): StrictJson<RunJobRequest>,
 ) -> Result<Response, ApiError> {
     let (new, status) = node.submit(req).await?;
-    let code = if new {
-        StatusCode::ACCEPTED
-    } else {
-        StatusCode::OK
-    };
-    Ok((code, Json(status)).into_response())
+    Ok(super::new_or_repeat(new, StatusCode::ACCEPTED, status))
 }
 
 pub(super) async fn status(

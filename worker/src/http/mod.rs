@@ -18,3 +18,13 @@ pub mod sessions;
 pub mod workspaces;
 
 pub use app::app;
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+/// `body` as JSON, with `new_status` for something new and 200 for a repeat of it.
+fn new_or_repeat(new: bool, new_status: StatusCode, body: impl serde::Serialize) -> Response {
+    let code = if new { new_status } else { StatusCode::OK };
+    (code, Json(body)).into_response()
+}

@@ -29,12 +29,7 @@ async fn create(
     StrictJson(req): StrictJson<CreateSessionRequest>,
 ) -> Result<Response, ApiError> {
     let (new, info) = node.sessions.create(req).await?;
-    let code = if new {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    Ok((code, Json(info)).into_response())
+    Ok(super::new_or_repeat(new, StatusCode::CREATED, info))
 }
 
 async fn show(

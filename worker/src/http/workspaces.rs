@@ -34,12 +34,11 @@ async fn create(
     StrictJson(req): StrictJson<CreateWorkspace>,
 ) -> Result<Response, ApiError> {
     let info = workspace::create(&node.cfg, req).await?;
-    let code = if info.created {
-        StatusCode::CREATED
-    } else {
-        StatusCode::OK
-    };
-    Ok((code, Json(info)).into_response())
+    Ok(super::new_or_repeat(
+        info.created,
+        StatusCode::CREATED,
+        info,
+    ))
 }
 
 async fn seed_tar(

@@ -234,12 +234,7 @@ impl Node {
 
     /// `GET /jobs/{id}`.
     pub async fn status(&self, job_id: &str) -> Result<AsyncJobStatus, NodeError> {
-        let rec = self
-            .store
-            .get(job_id)
-            .await?
-            .ok_or_else(|| NodeError::NotFound(format!("job {job_id} not found")))?;
-        Ok(status_of(rec))
+        Ok(status_of(self.record(job_id).await?))
     }
 
     /// `POST /jobs/{id}:stop`: cancels a waiting or running job (its sandbox is killed).
@@ -258,14 +253,7 @@ impl Node {
     /// `POST /jobs/{id}:ack`: the caller has the result; only now are the record and the
     /// job directory deleted. A job still running cannot be acked.
     pub async fn ack(&self, job_id: &str) -> Result<(), NodeError> {
-        let rec = self
-            .store
-            .get(job_id)
-            .await?
-            .ok_or_else(|| NodeError::NotFound(format!("job {job_id} not found")))?;
-        if !rec.state.is_terminal() {
-            return Err(NodeError::Conflict(format!("job {job_id} is not finished")));
-        }
+        let rec = self.finished_record(job_id).await?;
         let paths = JobPaths::new(&self.cfg, &rec.request);
         if let Err(e) = std::fs::remove_dir_all(&paths.root) {
             if e.kind() != std::io::ErrorKind::NotFound {

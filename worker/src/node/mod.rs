@@ -26,19 +26,24 @@ use crate::backend::Backend;
 use crate::config::Config;
 use crate::inference::{Upstream, UpstreamError};
 use crate::sessions::Sessions;
-use crate::store::{Store, StoreError};
+use crate::store::{JobRecord, Store, StoreError};
 
 /// Why the node refused or could not serve a call.
 #[derive(Debug, thiserror::Error)]
 pub enum NodeError {
+    /// The request or job.json is invalid, or the node cannot serve it (its image, models).
     #[error("{0}")]
     Invalid(#[from] ValidationError),
+    /// `queue.max_running + queue.max_queued` jobs are held already.
     #[error("the node is at capacity")]
     Busy,
+    /// No such job (or artifact) on this node.
     #[error("{0}")]
     NotFound(String),
+    /// The job_id names another request, or the job is not finished yet.
     #[error("{0}")]
     Conflict(String),
+    /// The store or the host failed.
     #[error("{0}")]
     Internal(String),
 }
@@ -209,6 +214,23 @@ impl Node {
                 t.cancel();
             }
         }
+    }
+
+    /// The record of `job_id`, or not found.
+    async fn record(&self, job_id: &str) -> Result<JobRecord, NodeError> {
+        self.store
+            .get(job_id)
+            .await?
+            .ok_or_else(|| NodeError::NotFound(format!("job {job_id} not found")))
+    }
+
+    /// The record of `job_id` once the job has finished; a conflict before.
+    async fn finished_record(&self, job_id: &str) -> Result<JobRecord, NodeError> {
+        let rec = self.record(job_id).await?;
+        if !rec.state.is_terminal() {
+            return Err(NodeError::Conflict(format!("job {job_id} is not finished")));
+        }
+        Ok(rec)
     }
 
     /// Jobs currently waiting or running.

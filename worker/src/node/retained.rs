@@ -17,14 +17,7 @@ impl Node {
         job_id: &str,
         rel: &str,
     ) -> Result<(std::fs::File, u64), NodeError> {
-        let rec = self
-            .store
-            .get(job_id)
-            .await?
-            .ok_or_else(|| NodeError::NotFound(format!("job {job_id} not found")))?;
-        if !rec.state.is_terminal() {
-            return Err(NodeError::Conflict(format!("job {job_id} is not finished")));
-        }
+        let rec = self.finished_record(job_id).await?;
         if rel.is_empty()
             || !std::path::Path::new(rel)
                 .components()

@@ -11,11 +11,13 @@ pub enum SessionError {
     /// [`super::MAX_ACTIVE_SESSIONS`] are starting or running (503).
     #[error("the node is at capacity")]
     TooMany,
-    #[error("{0}")]
-    NotFound(String),
+    /// No such session (ended ones are remembered for the node's retention).
+    #[error("session {session_id} not found")]
+    NotFound { session_id: String },
     /// The session is starting, ended, busy, or exists with another request (409).
     #[error("{0}")]
     Conflict(String),
+    /// The session table or its sandbox failed.
     #[error("{0}")]
     Internal(String),
 }

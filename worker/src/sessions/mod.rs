@@ -50,7 +50,7 @@ use state::{Entry, Phase};
 use validate::validate_create;
 
 use crate::backend::session_ops::{SessionOps, SessionSandbox};
-use crate::backend::Backend;
+use crate::backend::{Backend, BackendError};
 use crate::config::Config;
 
 /// Idle timeout when the request gives none.
@@ -61,6 +61,15 @@ pub const DEFAULT_MAX_LIFETIME_SECONDS: u64 = 3600;
 pub const MAX_ACTIVE_SESSIONS: usize = 32;
 /// How often the reaper looks for expired sessions.
 pub const REAP_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Why a session's sandbox did not start.
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error("{0}")]
+    Workspace(String),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
 
 struct Inner {
     cfg: Config,
@@ -104,7 +113,9 @@ impl Sessions {
             .map_err(|_| SessionError::poisoned())?;
         let e = map
             .get_mut(session_id)
-            .ok_or_else(|| SessionError::NotFound(format!("session {session_id} not found")))?;
+            .ok_or_else(|| SessionError::NotFound {
+                session_id: session_id.to_string(),
+            })?;
         f(e)
     }
 
@@ -215,11 +226,15 @@ impl Sessions {
         info: &SessionInfo,
         env: &BTreeMap<String, String>,
         workspace: PathBuf,
-    ) -> Result<SessionSandbox, String> {
+    ) -> Result<SessionSandbox, StartError> {
         // Owned by the sandbox user, as jobs make it; an existing workspace is kept.
         if !workspace.exists() {
-            crate::sandbox::create_owned_dir(&workspace)
-                .map_err(|e| format!("cannot prepare workspace {}: {e}", workspace.display()))?;
+            crate::sandbox::create_owned_dir(&workspace).map_err(|e| {
+                StartError::Workspace(format!(
+                    "cannot prepare workspace {}: {e}",
+                    workspace.display()
+                ))
+            })?;
         }
         let spec = sandbox_spec(
             &self.inner.cfg,
@@ -230,7 +245,7 @@ impl Sessions {
             sandbox_env(info, env, &BTreeMap::new()),
             Duration::from_secs(info.max_lifetime_seconds),
         );
-        self.inner.ops.start(&spec).await
+        Ok(self.inner.ops.start(&spec).await?)
     }
 
     /// The answer to a repeated create, if the session exists.

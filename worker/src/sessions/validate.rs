@@ -62,7 +62,7 @@ pub(super) fn validate_create(
         return Err(ValidationError::new("image", "must not be empty"));
     }
     cfg.check_image(&req.image)
-        .map_err(|e| ValidationError::new("image", e))?;
+        .map_err(|e| ValidationError::new("image", e.to_string()))?;
     positive("idle_timeout_seconds", req.idle_timeout_seconds)?;
     positive("max_lifetime_seconds", req.max_lifetime_seconds)?;
     check_env("env", &req.env)?;

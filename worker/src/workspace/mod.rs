@@ -36,11 +36,16 @@ pub enum WorkspaceError {
     /// A bad id, version, seed source or tar (400).
     #[error("{0}")]
     Invalid(#[from] ValidationError),
+    /// No such workspace (export and changeset need an existing one).
+    #[error("workspace {workspace_id} not found")]
+    NotFound { workspace_id: String },
+    /// Seeding needs an empty workspace (409).
     #[error("{0}")]
-    NotFound(String),
-    /// The workspace already has content (409).
-    #[error("{0}")]
-    Conflict(String),
+    HasContent(String),
+    /// git in its sandbox could not produce the changeset.
+    #[error(transparent)]
+    Changeset(#[from] changeset::ChangesetError),
+    /// Seeding failed on the host.
     #[error("{0}")]
     Internal(String),
 }
@@ -54,9 +59,9 @@ fn workspace_dir(cfg: &Config, id: &str) -> Result<PathBuf, WorkspaceError> {
 fn existing_dir(cfg: &Config, id: &str) -> Result<PathBuf, WorkspaceError> {
     let dir = workspace_dir(cfg, id)?;
     if !dir.is_dir() {
-        return Err(WorkspaceError::NotFound(format!(
-            "workspace {id} not found"
-        )));
+        return Err(WorkspaceError::NotFound {
+            workspace_id: id.to_string(),
+        });
     }
     Ok(dir)
 }
@@ -172,7 +177,7 @@ pub fn is_secret(name: &str) -> bool {
 fn seed_error(e: SeedError) -> WorkspaceError {
     match e {
         SeedError::Refused(m) => ValidationError::new("body", m).into(),
-        SeedError::HasContent => WorkspaceError::Conflict("workspace already has content".into()),
+        SeedError::HasContent => WorkspaceError::HasContent("workspace already has content".into()),
         SeedError::Io(e) => WorkspaceError::Internal(format!("seeding failed: {e}")),
     }
 }
@@ -186,7 +191,7 @@ pub async fn seed_tar(
 ) -> Result<WorkspaceInfo, WorkspaceError> {
     let dir = workspace_dir(cfg, &id)?;
     if dir.exists() && !is_empty_dir(&dir) {
-        return Err(WorkspaceError::Conflict(format!(
+        return Err(WorkspaceError::HasContent(format!(
             "workspace {id} already has content"
         )));
     }
@@ -206,7 +211,7 @@ pub async fn seed_tar(
     .map_err(|e| WorkspaceError::Internal(e.to_string()))?
     .map_err(|e| match e {
         SeedError::HasContent => {
-            WorkspaceError::Conflict(format!("workspace {id} already has content"))
+            WorkspaceError::HasContent(format!("workspace {id} already has content"))
         }
         other => seed_error(other),
     })?;
@@ -242,7 +247,7 @@ pub async fn changeset(cfg: &Config, id: &str) -> Result<String, WorkspaceError>
         .await
         .map_err(|e| {
             tracing::warn!(workspace_id = %id, error = %e, "changeset failed");
-            WorkspaceError::Internal(e.to_string())
+            e.into()
         })
 }
 
