@@ -16,6 +16,10 @@ use crate::config::Limits;
 
 /// The uid/gid sandboxes run as.
 pub const SANDBOX_UID: u32 = 1000;
+/// [`SANDBOX_UID`] as text, for the backends' argv.
+pub const SANDBOX_UID_TEXT: &str = "1000";
+/// `uid:gid` for the engines' `--user`.
+pub const SANDBOX_USER: &str = "1000:1000";
 /// Where the workspace is mounted, writable; also every sandbox's working directory.
 pub const WORKSPACE_MOUNT: &str = "/workspace";
 /// Where a job's directory is mounted (jobs only; sessions have none).
@@ -179,4 +183,15 @@ pub fn create_owned_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::os::unix::fs::chown(dir, Some(SANDBOX_UID), Some(SANDBOX_UID))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uid_texts_agree() {
+        assert_eq!(SANDBOX_UID_TEXT, SANDBOX_UID.to_string());
+        assert_eq!(SANDBOX_USER, format!("{SANDBOX_UID}:{SANDBOX_UID}"));
+    }
 }

@@ -38,6 +38,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{capture, seccomp, BackendError, ResourceLimits, SandboxOutcome, SandboxSpec};
 use crate::config::BwrapConfig;
+use crate::sandbox::SANDBOX_UID_TEXT;
 
 /// What runs when an SBA job's image has no explicit command.
 pub const SBA_ENTRYPOINT: &str = "/usr/local/bin/cynode-sba";
@@ -325,9 +326,9 @@ pub fn isolation_args(hostname: &str) -> Vec<String> {
         "--die-with-parent",
         "--new-session",
         "--uid",
-        "1000",
+        SANDBOX_UID_TEXT,
         "--gid",
-        "1000",
+        SANDBOX_UID_TEXT,
         "--hostname",
         hostname,
         "--cap-drop",

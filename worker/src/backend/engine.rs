@@ -23,6 +23,7 @@ use super::{
     capture, seccomp, BackendError, EndReason, SandboxOutcome, SandboxSpec, MANAGED_LABEL,
 };
 use crate::config::{BackendKind, EngineConfig};
+use crate::sandbox::SANDBOX_USER;
 use cynode_protocol::worker_api::Truncated;
 
 /// How long output may keep flowing after the client exits.
@@ -200,18 +201,15 @@ impl EngineBackend {
         }
         a.push("--pull=never".into());
         a.push(format!("--security-opt=seccomp={}", self.profile.display()));
-        a.extend(
-            [
-                "--network=none",
-                "--read-only",
-                "--user=1000:1000",
-                "--cap-drop=ALL",
-                "--security-opt=no-new-privileges",
-                "--ulimit=nofile=1024:1024",
-                "--ulimit=nproc=4096:4096",
-            ]
-            .map(String::from),
-        );
+        a.extend([
+            "--network=none".into(),
+            "--read-only".into(),
+            format!("--user={SANDBOX_USER}"),
+            "--cap-drop=ALL".into(),
+            "--security-opt=no-new-privileges".into(),
+            "--ulimit=nofile=1024:1024".into(),
+            "--ulimit=nproc=4096:4096".into(),
+        ]);
         a.push(format!("--memory={}m", l.memory_mb));
         a.push(format!("--memory-swap={}m", l.memory_mb));
         a.push(format!("--pids-limit={}", l.pids));

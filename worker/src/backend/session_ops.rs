@@ -33,6 +33,7 @@ use tokio_util::sync::CancellationToken;
 use super::engine::EngineBackend;
 use super::{capture, Backend, BackendError, EndReason, SandboxOutcome, SandboxSpec};
 use crate::config::{BackendKind, Config};
+use crate::sandbox::SANDBOX_USER;
 
 /// How long output may keep flowing after the exec client exits.
 const DRAIN_BOUND: Duration = Duration::from_secs(2);
@@ -211,7 +212,7 @@ impl SessionOps {
     pub fn exec_args(name: &str, spec: &SandboxSpec) -> Vec<String> {
         let mut a: Vec<String> = vec![
             "exec".into(),
-            "--user=1000:1000".into(),
+            format!("--user={SANDBOX_USER}"),
             format!("--workdir={}", spec.workdir),
         ];
         for (k, v) in &spec.env {
