@@ -7,7 +7,8 @@
 //! - [`job`]: job.json, the SBA's input, with strict parsing ([`job::JobSpec::from_json`]).
 //! - [`result`]: result.json, the SBA's output, and the stable [`result::FailureCode`]s.
 //! - [`worker_api`]: the Worker API v1 job and capacity bodies (upstream CyNodeAI compatible).
-//! - [`worker_sessions`], [`worker_workspaces`]: the Worker API's session and workspace bodies.
+//! - [`worker_sessions`], [`worker_workspaces`], [`worker_health`]: the Worker API's
+//!   session, workspace and readiness bodies.
 //! - [`problem`]: the one problem+json error body of every HTTP API, and its `type` scheme.
 //! - [`llm`]: the PM's LLM output contract.
 //! - [`session`]: the PM's durable session state model.
@@ -24,6 +25,7 @@ pub mod session;
 pub mod time;
 pub mod version;
 pub mod worker_api;
+pub mod worker_health;
 pub mod worker_sessions;
 pub mod worker_workspaces;
 

@@ -5,7 +5,10 @@
 
 use schemars::{schema_for, JsonSchema};
 
-use crate::{job, llm, problem, result, session, worker_api, worker_sessions, worker_workspaces};
+use crate::{
+    job, llm, problem, result, session, worker_api, worker_health, worker_sessions,
+    worker_workspaces,
+};
 
 /// `(file name, pretty JSON)` for every published schema, in a fixed order.
 pub fn all() -> Vec<(&'static str, String)> {
@@ -55,6 +58,10 @@ pub fn all() -> Vec<(&'static str, String)> {
         (
             "worker-workspace-info.schema.json",
             render::<worker_workspaces::WorkspaceInfo>(),
+        ),
+        (
+            "worker-readiness.schema.json",
+            render::<worker_health::Readiness>(),
         ),
         ("problem.schema.json", render::<problem::Problem>()),
         ("llm-output.schema.json", render::<llm::LlmOutput>()),

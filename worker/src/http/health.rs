@@ -1,5 +1,6 @@
 //! `GET /readyz` (`GET /healthz` is a constant `ok` in the router): readiness as the node
-//! checks it now, in upstream CyNodeAI's text form or as JSON.
+//! checks it now, in upstream CyNodeAI's text form or as JSON
+//! ([`cynode_protocol::worker_health::Readiness`]).
 
 use std::sync::Arc;
 
@@ -28,11 +29,7 @@ pub(super) async fn readyz(
         .and_then(|v| v.to_str().ok())
         .is_some_and(|a| a.contains("application/json"));
     if wants_json {
-        return (
-            status,
-            Json(serde_json::json!({ "ready": r.ready, "detail": r.detail })),
-        )
-            .into_response();
+        return (status, Json(r)).into_response();
     }
     if r.ready {
         (StatusCode::OK, "ready").into_response()

@@ -2,9 +2,9 @@
 //! job durably before acting, serves results until they are acked, and reconciles after a
 //! restart so nothing is silently lost.
 //!
-//! - [`jobs`]: `jobs:run`, submit, status, stop and ack, and running one job to its end.
-//! - [`reconcile`]: settling what a previous run left, after a restart.
-//! - [`retained`]: finished jobs kept for their caller: artifacts and retention expiry.
+//! - `jobs`: `jobs:run`, submit, status, stop and ack, and running one job to its end.
+//! - `reconcile`: settling what a previous run left, after a restart.
+//! - `retained`: finished jobs kept for their caller: artifacts and retention expiry.
 //!
 //! The HTTP routes are in [`crate::http`]; this module knows no HTTP.
 
@@ -70,12 +70,7 @@ pub enum StartError {
     Reconcile(#[from] StoreError),
 }
 
-/// Readiness as last checked.
-#[derive(Debug, Clone)]
-pub struct Readiness {
-    pub ready: bool,
-    pub detail: String,
-}
+pub use cynode_protocol::worker_health::Readiness;
 
 /// The node's shared state.
 pub struct Node {
