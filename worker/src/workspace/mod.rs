@@ -8,7 +8,7 @@
 //! `.ssh/`, `.aws/`, `.netrc`, `*.pem`, `id_rsa*`, credential files…) and the configured
 //! dependency caches; `.git` is kept so local git and changesets work. A seeded workspace
 //! without `.git` gets a pristine baseline copy, which its changeset is computed against.
-//! Changesets run git inside a bubblewrap sandbox ([`changeset`]); tar export walks the
+//! Changesets run git inside a bubblewrap sandbox ([`mod@changeset`]); tar export walks the
 //! tree with lstat semantics ([`export`]).
 //!
 //! The HTTP routes are in [`crate::http::workspaces`]; this module knows no HTTP.
@@ -233,7 +233,7 @@ pub fn export_tar(cfg: &Config, id: &str) -> Result<TarStream, WorkspaceError> {
     Ok(TarStream::start(dir, ExportLimits::default()))
 }
 
-/// The workspace's changeset (see [`changeset`]), computed by git in a sandbox.
+/// The workspace's changeset (see [`mod@changeset`]), computed by git in a sandbox.
 pub async fn changeset(cfg: &Config, id: &str) -> Result<String, WorkspaceError> {
     let dir = existing_dir(cfg, id)?;
     let baseline = cfg.baselines_dir().join(id);
