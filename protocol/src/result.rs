@@ -1,4 +1,4 @@
-//! result.json: what the SBA reports (design.md §3.2). Always complete JSON.
+//! result.json: what the SBA reports. Always complete JSON.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
