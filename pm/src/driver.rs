@@ -1,4 +1,4 @@
-//! The loop of seed §4.1: load state, ask the model, act on plan_update / job_request /
+//! The session loop: load state, ask the model, act on plan_update / job_request /
 //! message / final, wait for results, update, repeat.
 //!
 //! Every transition is saved (with its journal entry) before the work it leads to:

@@ -1,4 +1,4 @@
-//! cynode-pm: the project-manager control plane (design.md §1, §3.5).
+//! cynode-pm: the project-manager control plane (see ARCHITECTURE.md, "cynode-pm").
 //!
 //! - [`skills`]: skill packages, their registry, and the deterministic job builder.
 //! - [`policy`]: the policy gate (Rego in-process with regorus, or an external OPA).

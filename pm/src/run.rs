@@ -23,7 +23,7 @@ use crate::workers::WorkerPool;
 /// Exit code when the session waits for an answer and no terminal can give it.
 pub const EXIT_AWAITING_INPUT: i32 = 3;
 
-/// Flags and env of seed §15 plus this project's additions.
+/// The flags and environment of `run` (and of `serve`, which flattens them).
 #[derive(Debug, Clone, Args)]
 pub struct RunArgs {
     /// OpenAI-compatible endpoint, e.g. http://127.0.0.1:8089/v1.

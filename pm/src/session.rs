@@ -40,7 +40,7 @@ impl SessionStatus {
     }
 }
 
-/// The failure types of seed §14.1.
+/// The ways a session fails (its `failure.kind`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FailureKind {
@@ -237,7 +237,7 @@ impl SessionRecord {
         let seq = self.state.history.len() as u64 + 1;
         self.state.history.push(HistoryEvent {
             seq,
-            at: now_rfc3339(),
+            at: cynode_protocol::time::now_rfc3339(),
             kind: kind.to_string(),
             data,
         });
@@ -260,14 +260,4 @@ impl SessionRecord {
 /// Milliseconds since the epoch.
 pub fn now_ms() -> i64 {
     (time::OffsetDateTime::now_utc().unix_timestamp_nanos() / 1_000_000) as i64
-}
-
-/// Now as RFC 3339.
-pub fn now_rfc3339() -> String {
-    let fmt = time::macros::format_description!(
-        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
-    );
-    time::OffsetDateTime::now_utc()
-        .format(&fmt)
-        .unwrap_or_default()
 }

@@ -1,4 +1,4 @@
-//! The model's output contract (design.md §3.5) as a JSON Schema built from the live skill
+//! The model's output contract as a JSON Schema built from the live skill
 //! registry, and the validator every reply goes through before the PM acts on it.
 //!
 //! The schema ([`response_schema`]) is what the client sends as `response_format`, so a

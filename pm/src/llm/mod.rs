@@ -1,4 +1,4 @@
-//! The PM's interface to the model (design.md §3.5): the output contract as a JSON Schema
+//! The PM's interface to the model: the output contract as a JSON Schema
 //! built from the live skill registry, the validator that checks every reply against it,
 //! the system prompt and context composition, and the OpenAI-compatible client that asks
 //! for a reply and retries until it gets a valid one.

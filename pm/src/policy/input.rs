@@ -47,7 +47,7 @@ impl Default for TenantPolicy {
 
 /// The policy's `input` document.
 ///
-/// `job` is the rendered job.json (design.md §3.1); `skill` is the skill manifest as JSON
+/// `job` is the rendered job.json; `skill` is the skill manifest as JSON
 /// (`skill_id`, `version`, `description`, `purpose`, `allowed_commands`, `network`,
 /// `limits {max_runtime_seconds, max_output_bytes}`, `inputs_schema`, optional `image`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
