@@ -101,7 +101,13 @@ impl TurnRules {
             open_task: rec.state.plan.is_empty()
                 || rec.state.plan.iter().any(|p| p.status != TaskStatus::Done),
             plan_streak,
-            plan_limit: rec.budgets.max_plan_only_streak as usize,
+            // Autonomous: one plan_update, then act or finish (SmolLM2-135M otherwise
+            // spent the streak's three turns restating that the plan is done).
+            plan_limit: match rec.budgets.max_plan_only_streak as usize {
+                0 => 0,
+                n if rec.interactive => n,
+                _ => 1,
+            },
         });
         if !rec.interactive && rules.kinds == ["job_request"] {
             rules.first_look = catalog
@@ -140,7 +146,8 @@ impl TurnRules {
     /// - `job_request` only while the plan has a task that is not done: once every task
     ///   is done, the model adds a task or finishes (a job for a done task repeats work).
     ///
-    /// In both, `plan_update` is not offered after `plan_limit` of them in a row.
+    /// In both, `plan_update` is not offered after `plan_limit` of them in a row
+    /// (`Budgets::max_plan_only_streak`; 1 when autonomous, 0 turns the guard off).
     fn decide(f: Facts) -> Self {
         let mut notices = Vec::new();
         let mut kinds: Vec<&'static str> = REPLY_TYPES.to_vec();
@@ -373,6 +380,13 @@ mod tests {
         assert_eq!(
             TurnRules::for_session(&open, &cat()).kinds,
             vec!["plan_update", "job_request", "final"]
+        );
+        // One plan_update in a row, then act or finish.
+        let mut planned = autonomous(&["job_request", "plan_update"]);
+        planned.state.plan = open.state.plan.clone();
+        assert_eq!(
+            TurnRules::for_session(&planned, &cat()).kinds,
+            vec!["job_request", "final"]
         );
         // Every task done: add a task or finish.
         open.state.plan[0].status = TaskStatus::Done;
