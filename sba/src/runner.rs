@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cynode_protocol::job::{ExecutionMode, JobSpec, StepAction};
-use cynode_protocol::result::{ErrorInfo, JobStatus, StepRecord, StepStatus};
+use cynode_protocol::result::{JobStatus, StepRecord};
 use cynode_protocol::version::PROTOCOL_VERSION;
 use cynode_protocol::worker_api::{SbaLifecycle, SbaStatusCallback};
 use cynode_protocol::{FailureCode, JobResult};
@@ -248,23 +248,16 @@ fn execute(
 
 fn run_steps(ctx: &StepContext<'_>, result: &mut JobResult) {
     for step in &ctx.job.steps {
-        let step_type = step.action.step_type();
         if result.status != JobStatus::Success {
-            result.steps.push(StepRecord {
-                id: step.id.clone(),
-                step_type,
-                status: StepStatus::Skipped,
-                duration_ms: 0,
-                result: None,
-                error: None,
-            });
+            let rec = StepRecord::skipped(result.steps.len(), &step.id, step.action.step_type());
+            result.push_step(rec);
             continue;
         }
         let rec = run_step(ctx, &step.id, &step.action);
-        if let Some(e) = &rec.error {
+        if let Some(e) = rec.error_info() {
             result.set_failure(e.kind, format!("step {}: {}", step.id, e.message));
         }
-        result.steps.push(rec);
+        result.push_step(rec);
     }
     if ctx.interrupted.load(Ordering::Relaxed) && result.status == JobStatus::Success {
         result.set_failure(FailureCode::InternalError, "runner interrupted by SIGTERM");
@@ -289,17 +282,14 @@ pub fn run_step(ctx: &StepContext<'_>, id: &str, action: &StepAction) -> StepRec
         error = outcome.error.as_ref().map(|e| e.message.as_str()),
         "step finished"
     );
-    StepRecord {
-        id: id.to_string(),
-        step_type,
-        status,
-        duration_ms,
-        result: outcome.output,
-        error: outcome.error.map(|e| ErrorInfo {
-            kind: e.code,
-            message: e.message,
-        }),
+    let mut rec = StepRecord::skipped(0, id, step_type);
+    rec.status = status;
+    rec.duration_ms = duration_ms;
+    rec.set_result(outcome.output);
+    if let Some(e) = outcome.error {
+        rec.set_error(e.code, e.message);
     }
+    rec
 }
 
 fn read_job(opts: &Options) -> std::io::Result<Vec<u8>> {
