@@ -378,7 +378,11 @@ impl WorkerClient {
 
     /// `POST /v1/worker/jobs:run`, waiting up to `wait`. Only a request that never
     /// reached the worker is sent again (anything else might run the job twice).
-    async fn run_sync(&self, body: &serde_json::Value, wait: Duration) -> Result<RunJobResponse, DispatchError> {
+    async fn run_sync(
+        &self,
+        body: &serde_json::Value,
+        wait: Duration,
+    ) -> Result<RunJobResponse, DispatchError> {
         let url = self.url(&["v1", "worker", "jobs:run"])?;
         let path = url.path().to_string();
         let span = tracing::info_span!(
@@ -470,10 +474,11 @@ impl WorkerClient {
     /// `GET /v1/worker/jobs/{id}`.
     pub async fn status(&self, job_id: &str) -> Result<AsyncJobStatus, DispatchError> {
         if self.is_upstream() {
-            return self
-                .upstream
-                .status("", job_id)
-                .unwrap_or_else(|| Err(upstream::not_offered(&format!("job {job_id} is not known to this PM process"))));
+            return self.upstream.status("", job_id).unwrap_or_else(|| {
+                Err(upstream::not_offered(&format!(
+                    "job {job_id} is not known to this PM process"
+                )))
+            });
         }
         Self::json(
             self.call(
@@ -490,10 +495,11 @@ impl WorkerClient {
     pub async fn stop(&self, job_id: &str) -> Result<AsyncJobStatus, DispatchError> {
         if self.is_upstream() {
             self.upstream.cancel(job_id);
-            return self
-                .upstream
-                .status("", job_id)
-                .unwrap_or_else(|| Err(upstream::not_offered(&format!("job {job_id} is not known to this PM process"))));
+            return self.upstream.status("", job_id).unwrap_or_else(|| {
+                Err(upstream::not_offered(&format!(
+                    "job {job_id} is not known to this PM process"
+                )))
+            });
         }
         Self::json(
             self.call(
@@ -509,7 +515,9 @@ impl WorkerClient {
     /// The bytes of one artifact.
     pub async fn artifact(&self, job_id: &str, path: &str) -> Result<Vec<u8>, DispatchError> {
         if self.is_upstream() {
-            return Err(upstream::not_offered(&format!("artifact download of {path}")));
+            return Err(upstream::not_offered(&format!(
+                "artifact download of {path}"
+            )));
         }
         let url = self.url_with_path(&["v1", "worker", "jobs", job_id, "artifacts"], path)?;
         let r = self.call_url(reqwest::Method::GET, url, None).await?;

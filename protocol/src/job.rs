@@ -456,17 +456,21 @@ impl JsonSchema for Step {
             })
             .collect();
         // Upstream CyNodeAI's form (one form per job; ids are assigned by position).
-        one_of.extend(upstream_form::args_schemas(g).into_iter().map(|(ty, args)| {
-            serde_json::json!({
-                "type": "object",
-                "additionalProperties": false,
-                "required": ["type"],
-                "properties": {
-                    "type": { "const": ty.as_str() },
-                    "args": args,
-                }
-            })
-        }));
+        one_of.extend(
+            upstream_form::args_schemas(g)
+                .into_iter()
+                .map(|(ty, args)| {
+                    serde_json::json!({
+                        "type": "object",
+                        "additionalProperties": false,
+                        "required": ["type"],
+                        "properties": {
+                            "type": { "const": ty.as_str() },
+                            "args": args,
+                        }
+                    })
+                }),
+        );
         json_schema!({
             "description": "One step of a job: {id, type, arguments}, or upstream CyNodeAI's {type, args} (one form per job)",
             "oneOf": one_of
@@ -906,7 +910,8 @@ mod tests {
     #[test]
     fn upstream_form_is_strict_and_not_mixed() {
         let mut v = base();
-        v["steps"] = serde_json::json!([{ "type": "run_command", "args": { "argv": ["x"], "env": {} } }]);
+        v["steps"] =
+            serde_json::json!([{ "type": "run_command", "args": { "argv": ["x"], "env": {} } }]);
         let e = first_error(&v);
         assert_eq!(e.path, "steps[0].args.env");
         assert!(e.message.starts_with("unknown field `env`"), "{e}");
@@ -915,7 +920,8 @@ mod tests {
             first_error(&v),
             ValidationError::new("steps[0].args.argv", "must not be empty")
         );
-        v["steps"] = serde_json::json!([{ "type": "read_file", "args": { "path": "a" }, "extra": 1 }]);
+        v["steps"] =
+            serde_json::json!([{ "type": "read_file", "args": { "path": "a" }, "extra": 1 }]);
         assert_eq!(first_error(&v).path, "steps[0].extra");
         v["steps"] = serde_json::json!([
             { "id": "a", "type": "read_file", "arguments": { "path": "a" } },

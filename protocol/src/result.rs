@@ -229,7 +229,10 @@ impl StepRecord {
             Some(StepOutput::RunCommand(r)) => r.exit_code,
             _ => None,
         };
-        self.output = out.as_ref().map(StepOutput::upstream_output).unwrap_or_default();
+        self.output = out
+            .as_ref()
+            .map(StepOutput::upstream_output)
+            .unwrap_or_default();
         self.result = out;
     }
 

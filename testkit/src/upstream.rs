@@ -169,15 +169,19 @@ pub struct StepResult {
 pub struct ArtifactRef {
     #[serde(deserialize_with = "go", skip_serializing_if = "String::is_empty")]
     pub path: String,
-    #[serde(rename = "ref", deserialize_with = "go", skip_serializing_if = "String::is_empty")]
+    #[serde(
+        rename = "ref",
+        deserialize_with = "go",
+        skip_serializing_if = "String::is_empty"
+    )]
     pub reference: String,
 }
 
 /// `sbajob.ParseAndValidateJobSpec`: strict decode, then `ValidateJobSpec`. The error
 /// is upstream's message (`field: message`).
 pub fn parse_and_validate_job_spec(data: &[u8]) -> Result<JobSpec, String> {
-    let spec: JobSpec = serde_json::from_slice(data)
-        .map_err(|e| format!("invalid JSON or unknown field: {e}"))?;
+    let spec: JobSpec =
+        serde_json::from_slice(data).map_err(|e| format!("invalid JSON or unknown field: {e}"))?;
     validate_job_spec(&spec)?;
     Ok(spec)
 }
@@ -325,7 +329,8 @@ pub struct TruncatedInfo {
 
 /// `workerapi.ValidateRequest` plus worker-api's `validateRunJobRequest`.
 pub fn validate_run_job_request(req: &RunJobRequest) -> Result<(), String> {
-    if req.sandbox.job_spec_json.is_empty() && req.sandbox.command.as_ref().is_none_or(Vec::is_empty)
+    if req.sandbox.job_spec_json.is_empty()
+        && req.sandbox.command.as_ref().is_none_or(Vec::is_empty)
     {
         return Err("sandbox.command is required when job_spec_json is not set".into());
     }
@@ -363,7 +368,10 @@ mod tests {
             ..Default::default()
         };
         let v = serde_json::to_value(&resp).unwrap();
-        assert!(v.get("exit_code").is_none() && v.get("sba_result").is_none(), "{v}");
+        assert!(
+            v.get("exit_code").is_none() && v.get("sba_result").is_none(),
+            "{v}"
+        );
         let spec = SandboxSpec::default();
         assert_eq!(serde_json::to_value(spec).unwrap()["command"], Value::Null);
         assert!(parse_and_validate_job_spec(br#"{"protocol_version":"1.0","x":1}"#).is_err());

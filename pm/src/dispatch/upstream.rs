@@ -81,14 +81,16 @@ impl State {
     /// Jobs running now.
     pub(super) fn running(&self) -> u64 {
         self.jobs.lock().map_or(0, |j| {
-            j.values()
-                .filter(|s| matches!(s, Slot::Running(_)))
-                .count() as u64
+            j.values().filter(|s| matches!(s, Slot::Running(_))).count() as u64
         })
     }
 
     /// The status of a known job, `None` when this process never sent it.
-    pub(super) fn status(&self, req_task: &str, job_id: &str) -> Option<Result<AsyncJobStatus, DispatchError>> {
+    pub(super) fn status(
+        &self,
+        req_task: &str,
+        job_id: &str,
+    ) -> Option<Result<AsyncJobStatus, DispatchError>> {
         let jobs = self.jobs.lock().ok()?;
         let slot = jobs.get(job_id)?;
         let (status, result) = match slot {
@@ -185,9 +187,9 @@ pub(super) fn prepare(req: &RunJobRequest) -> Result<Prepared, String> {
             }
             let job = JobSpec::from_json(text.as_bytes())
                 .map_err(|e| format!("the job does not validate: {e}"))?;
-            let up = job.to_upstream().map_err(|e| {
-                format!("this job cannot run on an upstream CyNodeAI worker: {e}")
-            })?;
+            let up = job
+                .to_upstream()
+                .map_err(|e| format!("this job cannot run on an upstream CyNodeAI worker: {e}"))?;
             step_ids = job.steps.iter().map(|s| s.id.clone()).collect();
             timeout.get_or_insert(job.constraints.max_runtime_seconds + START_GRACE_SECONDS);
             Some(up.to_string())
@@ -233,7 +235,11 @@ fn cynode_is_sba_image(image: &str) -> bool {
 
 /// Fills in what upstream's answer lacks and this PM knows: the task id and the job's
 /// step ids (upstream numbers steps, `index`).
-pub(super) fn adopt(mut resp: RunJobResponse, req: &RunJobRequest, step_ids: &[String]) -> RunJobResponse {
+pub(super) fn adopt(
+    mut resp: RunJobResponse,
+    req: &RunJobRequest,
+    step_ids: &[String],
+) -> RunJobResponse {
     if let Some(r) = &mut resp.sba_result {
         if r.task_id.is_empty() {
             r.task_id = req.task_id.clone();

@@ -16,8 +16,8 @@ use schemars::{JsonSchema, Schema, SchemaGenerator};
 use serde::{Deserialize, Serialize};
 
 use super::{
-    ApplyUnifiedDiffArgs, ListTreeArgs, ReadFileArgs, RunCommandArgs, SearchFilesArgs,
-    StepAction, StepType, WriteFileArgs,
+    ApplyUnifiedDiffArgs, ListTreeArgs, ReadFileArgs, RunCommandArgs, SearchFilesArgs, StepAction,
+    StepType, WriteFileArgs,
 };
 use crate::error::ValidationError;
 
@@ -259,7 +259,10 @@ fn env_pairs(env: &BTreeMap<String, String>) -> impl Iterator<Item = String> + '
 }
 
 fn unsayable(path: &str, why: &str) -> ValidationError {
-    ValidationError::new(path, format!("upstream CyNodeAI cannot express this: {why}"))
+    ValidationError::new(
+        path,
+        format!("upstream CyNodeAI cannot express this: {why}"),
+    )
 }
 
 fn to_value<T: Serialize>(v: T) -> Result<serde_json::Value, ValidationError> {
@@ -291,7 +294,9 @@ mod tests {
     use super::*;
 
     fn up(v: serde_json::Value) -> Result<StepAction, ValidationError> {
-        serde_json::from_value::<UpstreamStep>(v).unwrap().into_action()
+        serde_json::from_value::<UpstreamStep>(v)
+            .unwrap()
+            .into_action()
     }
 
     #[test]
@@ -310,8 +315,9 @@ mod tests {
         assert_eq!(e, ValidationError::new("args.argv", "must not be empty"));
         let e = up(serde_json::json!({"type": "run_command"})).unwrap_err();
         assert_eq!(e, ValidationError::new("args", "missing field `argv`"));
-        let e = up(serde_json::json!({"type": "run_command", "args": {"argv": ["x"], "shell": true}}))
-            .unwrap_err();
+        let e =
+            up(serde_json::json!({"type": "run_command", "args": {"argv": ["x"], "shell": true}}))
+                .unwrap_err();
         assert_eq!(e.path, "args.shell");
     }
 
@@ -327,7 +333,9 @@ mod tests {
         let s = UpstreamStep::from_action(&StepAction::RunCommand(a.clone())).unwrap();
         assert_eq!(
             s.args,
-            Some(serde_json::json!({"argv": ["env", "GOFLAGS=-mod=mod", "go", "test"], "cwd": "mod"}))
+            Some(
+                serde_json::json!({"argv": ["env", "GOFLAGS=-mod=mod", "go", "test"], "cwd": "mod"})
+            )
         );
         a.stdin = Some("x".into());
         let e = UpstreamStep::from_action(&StepAction::RunCommand(a)).unwrap_err();
