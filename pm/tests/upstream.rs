@@ -360,3 +360,119 @@ fn pm_completes_a_session_on_a_worker_that_speaks_only_the_upstream_api() {
         "{last}"
     );
 }
+
+/// A `jobs:run` that holds until its client goes away, and says when it came and went.
+#[derive(Clone, Default)]
+struct Held {
+    calls: Arc<std::sync::atomic::AtomicUsize>,
+    entered: Arc<tokio::sync::Notify>,
+    dropped: Arc<tokio::sync::Notify>,
+}
+
+struct OnDrop(Arc<tokio::sync::Notify>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        self.0.notify_one();
+    }
+}
+
+async fn held_run(State(h): State<Held>) -> &'static str {
+    h.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let _guard = OnDrop(h.dropped.clone());
+    h.entered.notify_one();
+    // Upstream runs the job under the request's context; this one outlasts the test.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    "{}"
+}
+
+/// The async calls over a synchronous upstream worker: `capacity` is synthesised (ready,
+/// the PM's own running jobs), `submit` twice runs the job once, `stop` closes the
+/// request (the worker's handler is dropped), `ack` forgets the job; workspaces with a
+/// seed, artifacts and changesets are refused as not offered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_closes_an_upstream_jobs_request_and_a_second_submit_does_not_run_it_again() {
+    use cynode_pm::dispatch::{DispatchError, Flavor, WorkerClient};
+    use cynode_protocol::worker_api::{AsyncJobState, RunJobRequest, SandboxSpec};
+
+    let held = Held::default();
+    let app = Router::new()
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/readyz", get(|| async { "ready" }))
+        .route("/v1/worker/jobs:run", post(held_run))
+        .with_state(held.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    let server = tokio::spawn(async move { axum::serve(listener, app).await });
+
+    let client = WorkerClient::new(&base, TOKEN);
+    let cap = client.capacity().await.unwrap();
+    assert_eq!(
+        (cap.backend.as_str(), cap.ready, cap.running),
+        ("upstream", true, 0)
+    );
+    assert_eq!(client.flavor().await.unwrap(), Flavor::Upstream);
+
+    let job = json!({
+        "protocol_version": "1.0", "job_id": "held-1", "task_id": "t-1",
+        "constraints": { "max_runtime_seconds": 60, "max_output_bytes": 100 },
+        "steps": [{ "id": "wait", "type": "run_command", "arguments": { "command": "sleep", "args": ["60"] } }]
+    });
+    let req = RunJobRequest {
+        version: 1,
+        task_id: "t-1".into(),
+        job_id: "held-1".into(),
+        sandbox: SandboxSpec {
+            image: IMAGE.into(),
+            job_spec_json: Some(job.to_string()),
+            ..Default::default()
+        },
+        workspace_id: None,
+    };
+    assert_eq!(
+        client.submit(&req).await.unwrap().status,
+        AsyncJobState::InProgress
+    );
+    tokio::time::timeout(Duration::from_secs(20), held.entered.notified())
+        .await
+        .expect("the jobs:run request did not arrive within 20 s");
+    assert_eq!(
+        client.submit(&req).await.unwrap().status,
+        AsyncJobState::InProgress
+    );
+    assert_eq!(client.capacity().await.unwrap().running, 1);
+
+    assert_eq!(
+        client.stop("held-1").await.unwrap().status,
+        AsyncJobState::Canceled
+    );
+    tokio::time::timeout(Duration::from_secs(20), held.dropped.notified())
+        .await
+        .expect("the worker's handler was not dropped within 20 s of stop");
+    assert_eq!(
+        client.status("held-1").await.unwrap().status,
+        AsyncJobState::Canceled
+    );
+    assert_eq!(held.calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+    client.ack("held-1").await.unwrap();
+    assert!(matches!(
+        client.status("held-1").await,
+        Err(DispatchError::NotFound(_))
+    ));
+
+    client.create_workspace("ws-1", None).await.unwrap();
+    let seeded = client
+        .create_workspace("ws-1", Some(Path::new("/srv/repo")))
+        .await
+        .unwrap_err();
+    assert!(seeded.to_string().contains("has no workspaces"), "{seeded}");
+    assert!(matches!(
+        client.artifact("held-1", "out.txt").await,
+        Err(DispatchError::NotFound(_))
+    ));
+    assert!(matches!(
+        client.changeset("ws-1").await,
+        Err(DispatchError::NotFound(_))
+    ));
+    server.abort();
+}

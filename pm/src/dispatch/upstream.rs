@@ -290,3 +290,83 @@ pub(super) fn not_offered(what: &str) -> DispatchError {
 
 /// Shared state handle.
 pub(super) type Shared = Arc<State>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use cynode_protocol::worker_api::SandboxSpec;
+
+    fn req(image: &str, steps: Value) -> RunJobRequest {
+        let job = json!({
+            "protocol_version": "1.0", "job_id": "j-1", "task_id": "t-1",
+            "constraints": { "max_runtime_seconds": 90, "max_output_bytes": 100, "allowed_commands": ["echo"] },
+            "steps": steps
+        });
+        RunJobRequest {
+            version: 1,
+            task_id: "t-1".into(),
+            job_id: "j-1".into(),
+            sandbox: SandboxSpec {
+                image: image.into(),
+                job_spec_json: Some(job.to_string()),
+                ..Default::default()
+            },
+            workspace_id: Some("ws".into()),
+        }
+    }
+
+    #[test]
+    fn a_job_goes_in_upstreams_shape_with_its_own_timeout() {
+        let r = req(
+            "localhost/cynode-sba:latest",
+            json!([{ "id": "say", "type": "run_command", "arguments": { "command": "echo", "args": ["hi"] } }]),
+        );
+        let p = prepare(&r).unwrap();
+        let spec: Value =
+            serde_json::from_str(p.body["sandbox"]["job_spec_json"].as_str().unwrap()).unwrap();
+        assert_eq!(
+            spec["steps"],
+            json!([{ "type": "run_command", "args": { "argv": ["echo", "hi"] } }])
+        );
+        assert!(spec["constraints"].get("allowed_commands").is_none());
+        assert_eq!(p.body["sandbox"]["command"], Value::Null);
+        assert_eq!(p.body["sandbox"]["timeout_seconds"], 120);
+        assert!(p.body.get("workspace_id").is_none());
+        assert_eq!(p.step_ids, ["say"]);
+        assert_eq!(p.wait, Duration::from_secs(180));
+    }
+
+    #[test]
+    fn an_image_upstream_would_not_hand_the_job_is_refused_with_the_reason() {
+        let r = req(
+            "localhost/tools:latest",
+            json!([{ "id": "a", "type": "list_tree", "arguments": {} }]),
+        );
+        let why = prepare(&r).err().unwrap();
+        assert!(why.contains("contains `cynode-sba`"), "{why}");
+        let resp = refused(&r, why);
+        assert_eq!((resp.status, resp.exit_code), (WorkerJobStatus::Failed, -1));
+    }
+
+    #[test]
+    fn upstreams_answer_gets_the_step_ids_back() {
+        let r = req("cynode-sba", json!([]));
+        let resp: RunJobResponse = serde_json::from_value(json!({
+            "version": 1, "task_id": "t-1", "job_id": "j-1", "status": "completed",
+            "stdout": "", "stderr": "", "started_at": "", "ended_at": "",
+            "truncated": { "stdout": false, "stderr": false },
+            "sba_result": { "protocol_version": "1.0", "job_id": "j-1", "status": "success",
+                "steps": [{ "index": 1, "type": "list_tree", "status": "success", "output": "a\n" },
+                          { "index": 0, "type": "list_tree", "status": "success" }],
+                "artifacts": null }
+        }))
+        .unwrap();
+        let got = adopt(resp, &r, &["first".into(), "second".into()]);
+        let sba = got.sba_result.unwrap();
+        let ids: Vec<&str> = sba.steps.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!(
+            (ids, sba.task_id.as_str()),
+            (vec!["second", "first"], "t-1")
+        );
+    }
+}
