@@ -35,6 +35,7 @@ pub struct UpstreamStep {
 /// `run_command` args upstream: argv only, and a directory under the workspace.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "UpstreamRunCommandArgs")]
 struct RunCommandUp {
     argv: Vec<String>,
     #[serde(default, skip_serializing_if = "String::is_empty")]
@@ -44,6 +45,7 @@ struct RunCommandUp {
 /// `write_file` args upstream (written 0644, overwriting).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "UpstreamWriteFileArgs")]
 struct WriteFileUp {
     path: String,
     content: String,
@@ -52,6 +54,7 @@ struct WriteFileUp {
 /// `read_file` args upstream.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "UpstreamReadFileArgs")]
 struct ReadFileUp {
     path: String,
 }
@@ -59,6 +62,7 @@ struct ReadFileUp {
 /// `apply_unified_diff` args upstream.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "UpstreamApplyUnifiedDiffArgs")]
 struct ApplyDiffUp {
     diff: String,
 }
@@ -66,6 +70,7 @@ struct ApplyDiffUp {
 /// `list_tree` args upstream.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "UpstreamListTreeArgs")]
 struct ListTreeUp {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     path: String,
@@ -74,6 +79,7 @@ struct ListTreeUp {
 /// `search_files` args upstream.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[schemars(rename = "UpstreamSearchFilesArgs")]
 struct SearchFilesUp {
     pattern: String,
     #[serde(default, skip_serializing_if = "String::is_empty")]
