@@ -312,14 +312,17 @@ impl WorkerClient {
         Ok(c)
     }
 
-    /// The API this worker speaks, asking it (through its capacity endpoint) the first
-    /// time.
-    pub async fn flavor(&self) -> Result<Flavor, DispatchError> {
+    /// The API this worker speaks, asking it (through its capacity endpoint) until it
+    /// answers. A worker that does not answer yet counts as this project's, so the call
+    /// that follows gets its usual retries.
+    pub async fn flavor(&self) -> Flavor {
         if let Some(f) = self.upstream.flavor() {
-            return Ok(f);
+            return f;
         }
-        self.capacity().await?;
-        Ok(self.upstream.flavor().unwrap_or(Flavor::Native))
+        if let Err(e) = self.capacity().await {
+            tracing::debug!(error = %e, "cannot tell which Worker API the worker speaks yet");
+        }
+        self.upstream.flavor().unwrap_or(Flavor::Native)
     }
 
     fn is_upstream(&self) -> bool {
@@ -455,9 +458,21 @@ impl WorkerClient {
 
     /// `POST /v1/worker/jobs`: idempotent on job_id.
     pub async fn submit(&self, req: &RunJobRequest) -> Result<AsyncJobStatus, DispatchError> {
-        if self.flavor().await? == Flavor::Upstream {
+        if self.flavor().await == Flavor::Upstream {
             return self.upstream_submit(req);
         }
+        match self.submit_async(req).await {
+            // A worker that was down when first asked may be upstream's after all.
+            Err(DispatchError::NotFound(_))
+                if self.upstream.flavor().is_none() && self.flavor().await == Flavor::Upstream =>
+            {
+                self.upstream_submit(req)
+            }
+            other => other,
+        }
+    }
+
+    async fn submit_async(&self, req: &RunJobRequest) -> Result<AsyncJobStatus, DispatchError> {
         let body =
             serde_json::to_value(req).map_err(|e| DispatchError::Unavailable(e.to_string()))?;
         Self::json(
@@ -578,7 +593,7 @@ impl WorkerClient {
         workspace_id: &str,
         seed_from: Option<&std::path::Path>,
     ) -> Result<(), DispatchError> {
-        if self.flavor().await? == Flavor::Upstream {
+        if self.flavor().await == Flavor::Upstream {
             // Upstream gives every job a fresh workspace of its own: nothing to create,
             // and nothing a seed could go into.
             return match seed_from {

@@ -411,7 +411,7 @@ async fn stop_closes_an_upstream_jobs_request_and_a_second_submit_does_not_run_i
         (cap.backend.as_str(), cap.ready, cap.running),
         ("upstream", true, 0)
     );
-    assert_eq!(client.flavor().await.unwrap(), Flavor::Upstream);
+    assert_eq!(client.flavor().await, Flavor::Upstream);
 
     let job = json!({
         "protocol_version": "1.0", "job_id": "held-1", "task_id": "t-1",
