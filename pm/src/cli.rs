@@ -4,6 +4,7 @@
 //! `policy check JOB.json [--skill ID]`. Human-readable output by default, `--output json`
 //! for scripts. Exit codes: 0 ok / allowed, 1 invalid / denied, 2 usage or load errors.
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::Context;
@@ -76,6 +77,14 @@ pub enum Command {
         /// A directory the session's workspace is seeded from.
         #[arg(long)]
         workspace: Option<PathBuf>,
+        /// Nobody answers questions: the model is never offered `message`, so it must
+        /// plan, act or finish (the default when stdin is not a terminal).
+        #[arg(long, conflicts_with = "interactive")]
+        non_interactive: bool,
+        /// Offer the model `message` even when stdin is not a terminal: its question
+        /// then parks the session (exit 3) for `sessions resume --answer`.
+        #[arg(long)]
+        interactive: bool,
         #[command(flatten)]
         args: crate::run::RunArgs,
     },
@@ -124,6 +133,9 @@ pub enum SkillsCmd {
     /// Check packages: manifest, schema, template, and that every example validates,
     /// renders, and passes the protocol and the policy.
     Validate { dirs: Vec<PathBuf> },
+    /// Print what the model is sent for these skills: the system prompt and the response
+    /// schema of a first turn (`--output json`: both in one object).
+    Contract,
     /// Render a skill with inputs and print the job.json.
     Render {
         id: String,
@@ -176,19 +188,18 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Run {
             objective,
             workspace,
+            non_interactive,
+            interactive,
             args,
         } => {
             let telemetry = init_logging(g, "warn")?;
-            let r = runtime().and_then(|rt| {
-                rt.block_on(crate::run::run_session(
-                    args,
-                    g,
-                    Some(objective),
-                    None,
-                    workspace.as_deref(),
-                    None,
-                ))
-            });
+            let interactive = *interactive || (!*non_interactive && std::io::stdin().is_terminal());
+            let start = crate::run::Start::New {
+                objective,
+                workspace: workspace.as_deref(),
+                interactive,
+            };
+            let r = runtime().and_then(|rt| rt.block_on(crate::run::run_session(args, g, start)));
             telemetry.shutdown();
             r
         }
@@ -240,6 +251,22 @@ fn run(cli: Cli) -> anyhow::Result<i32> {
             match g.output {
                 Output::Human => println!("{}", serde_yaml::to_string(&v)?),
                 Output::Json => print_json(&v),
+            }
+            Ok(0)
+        }
+        Command::Skills(SkillsCmd::Contract) => {
+            let contract = crate::llm::Contract::new(load_registry(g)?.catalog())?;
+            let schema = crate::llm::TurnRules::first_turn(true).schema(&contract.catalog, &[]);
+            match g.output {
+                Output::Human => println!(
+                    "{}\n# Response schema (first turn)\n{}",
+                    contract.system_prompt,
+                    crate::llm::ordered_json(&schema, true)
+                ),
+                Output::Json => print_json(&json!({
+                    "system_prompt": contract.system_prompt,
+                    "response_schema": schema,
+                })),
             }
             Ok(0)
         }
@@ -374,7 +401,11 @@ async fn sessions(cmd: &SessionsCmd, g: &Global) -> anyhow::Result<i32> {
             Ok(0)
         }
         SessionsCmd::Resume { id, answer, .. } => {
-            crate::run::run_session(args, g, None, Some(id), None, answer.as_deref()).await
+            let start = crate::run::Start::Resume {
+                id,
+                answer: answer.as_deref(),
+            };
+            crate::run::run_session(args, g, start).await
         }
     }
 }

@@ -17,6 +17,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use cynode_protocol::llm::{LlmOutput, TypedPayload};
+use cynode_protocol::result::ArtifactRecord;
 use cynode_protocol::session::{PlanEntry, SessionArtifact, TaskStatus};
 use cynode_protocol::worker_api::{
     AsyncJobState, RunJobRequest, RunJobResponse, SandboxSpec, WorkerJobStatus,
@@ -38,22 +39,33 @@ use crate::workers::{PlaceError, Placement, WorkerPool};
 #[derive(Debug, Clone, PartialEq)]
 pub enum Progress {
     Turn(u32),
+    /// An accepted reply: its type, and what it asks in a few words (the skill, task and
+    /// inputs of a job_request; the note of a plan_update; the text of a message or final).
     Reply {
         kind: String,
+        detail: String,
     },
     Plan(Vec<PlanEntry>),
+    /// A job handed to a worker (also when a resumed session waits for it again).
     Dispatched {
         job_id: String,
         task_id: String,
         skill_id: String,
+        worker_id: String,
+        image: String,
     },
     JobState {
         job_id: String,
         state: AsyncJobState,
     },
+    /// A job's result, after its artifacts were fetched and their sha256 verified.
     JobDone {
         job_id: String,
         status: String,
+        /// Why it failed, in one line (the runner's failure code and message).
+        failure: Option<String>,
+        /// The artifacts verified and stored for this job.
+        artifacts: Vec<ArtifactRecord>,
     },
     PolicyDenied {
         task_id: String,
@@ -230,7 +242,7 @@ impl Pm {
                 None => {
                     let task_ids: Vec<String> =
                         rec.state.plan.iter().map(|p| p.task_id.clone()).collect();
-                    let rules = llm::TurnRules::for_session(rec);
+                    let rules = llm::TurnRules::for_session(rec, &self.contract.catalog);
                     let schema = rules.schema(&self.contract.catalog, &task_ids);
                     let mut feedback = feedback_text(rec);
                     if let Some(notice) = &rules.notice {
@@ -303,6 +315,7 @@ impl Pm {
     ) -> Result<(), DriverError> {
         progress(Progress::Reply {
             kind: format!("{:?}", reply.kind),
+            detail: reply_detail(&reply),
         });
         if let Err(e) = apply_state_patch(rec, &reply) {
             rec.feedback
@@ -582,6 +595,8 @@ impl Pm {
             job_id: d.job_id.clone(),
             task_id: d.task_id.clone(),
             skill_id: d.skill_id.clone(),
+            worker_id: d.worker_id.clone(),
+            image: d.image.clone(),
         });
         let Some(worker) = self.workers.client(&d.worker_id) else {
             rec.fail(
@@ -764,10 +779,53 @@ impl Pm {
             json!({ "job_id": d.job_id, "status": label, "task_status": status }),
         );
         rec.feedback.push(summarize(d, resp));
+        let failure = resp
+            .sba_result
+            .as_ref()
+            .and_then(|r| match (&r.failure_code, &r.failure_message) {
+                (Some(c), Some(m)) => Some(format!("{c}: {m}")),
+                (Some(c), None) => Some(c.to_string()),
+                _ => None,
+            })
+            .or_else(|| resp.failure_reason.clone())
+            .filter(|_| !ok);
         progress(Progress::JobDone {
             job_id: d.job_id.clone(),
             status: label,
+            failure: failure.or_else(|| (!integrity.is_empty()).then(|| integrity.join("; "))),
+            artifacts: rec
+                .state
+                .artifacts
+                .iter()
+                .filter(|a| a.job_id == d.job_id)
+                .map(|a| a.record.clone())
+                .collect(),
         });
+    }
+}
+
+/// What a reply asks, in a few words, for progress lines.
+fn reply_detail(reply: &LlmOutput) -> String {
+    let clip = |t: &str| -> String {
+        let one: String = t.split_whitespace().collect::<Vec<_>>().join(" ");
+        match one.char_indices().nth(160) {
+            Some((i, _)) => format!("{}…", &one[..i]),
+            None => one,
+        }
+    };
+    match reply.typed_payload() {
+        Ok(TypedPayload::JobRequest(j)) => {
+            format!(
+                "{} for {}, inputs {}",
+                j.skill_id,
+                j.task_id,
+                clip(&j.inputs.to_string())
+            )
+        }
+        Ok(TypedPayload::PlanUpdate(p)) => clip(p.note.as_deref().unwrap_or("")),
+        Ok(TypedPayload::Message(m)) => clip(&m.text),
+        Ok(TypedPayload::Final(f)) => clip(&f.summary),
+        Err(e) => e.to_string(),
     }
 }
 

@@ -91,7 +91,11 @@ pub struct RunArgs {
     pub local_bwrap_rootfs: Option<PathBuf>,
     /// Sandbox image jobs run in (with --worker-endpoint or the local worker; a workers
     /// file names an image per purpose).
-    #[arg(long, default_value = "localhost/cynode-sba-test:latest")]
+    #[arg(
+        long,
+        env = "CYNODE_SANDBOX_IMAGE",
+        default_value = "localhost/cynode-sba-test:latest"
+    )]
     pub sandbox_image: String,
     /// Where the PM keeps its database and artifacts.
     #[arg(long, env = "CYNODE_STATE_DIR", default_value = ".cynode")]
@@ -459,7 +463,9 @@ pub(crate) fn worker_token(args: &RunArgs) -> anyhow::Result<String> {
     }
 }
 
-/// Prints progress: a spinner on a terminal, plain lines otherwise.
+/// Prints progress to stderr: the chain of what happens (each reply, the plan, each job
+/// with its sandbox, its result and verified artifacts) as lines that stay, and what is
+/// under way (asking the model, a job's state) on a spinner line on a terminal.
 struct Reporter {
     bar: Option<indicatif::ProgressBar>,
 }
@@ -474,7 +480,16 @@ impl Reporter {
         Reporter { bar }
     }
 
+    /// A line that stays.
     fn line(&self, msg: String) {
+        match &self.bar {
+            Some(b) => b.println(msg),
+            None => eprintln!("{msg}"),
+        }
+    }
+
+    /// What is under way: the spinner's message on a terminal, a line otherwise.
+    fn status(&self, msg: String) {
         match &self.bar {
             Some(b) => b.set_message(msg),
             None => eprintln!("{msg}"),
@@ -482,30 +497,50 @@ impl Reporter {
     }
 
     fn report(&self, p: Progress) {
-        let msg = match p {
-            Progress::Turn(t) => format!("turn {t}: asking the model"),
-            Progress::Reply { kind } => format!("model replied: {kind}"),
-            Progress::Plan(plan) => format!(
-                "plan: {}",
-                plan.iter()
-                    .map(|e| format!("{} [{:?}]", e.task_id, e.status))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
+        match p {
+            Progress::Turn(t) => self.status(format!("turn {t}: asking the model")),
+            Progress::Reply { kind, detail } => self.line(format!("model: {kind}: {detail}")),
+            Progress::Plan(plan) => {
+                self.line("plan:".to_string());
+                for e in plan {
+                    self.line(format!(
+                        "  {} [{:?}] {}",
+                        e.task_id, e.status, e.description
+                    ));
+                }
+            }
             Progress::Dispatched {
                 job_id,
                 task_id,
                 skill_id,
-            } => format!("job {job_id}: {skill_id} for {task_id}"),
-            Progress::JobState { job_id, state } => format!("job {job_id}: {state:?}"),
-            Progress::JobDone { job_id, status } => format!("job {job_id}: {status}"),
-            Progress::PolicyDenied { task_id, reasons } => {
-                format!("policy denied {task_id}: {}", reasons.join("; "))
+                worker_id,
+                image,
+            } => self.line(format!(
+                "job {job_id}: skill {skill_id} for task {task_id}, on worker {worker_id} in \
+                 sandbox {image}"
+            )),
+            Progress::JobState { job_id, state } => self.status(format!("job {job_id}: {state:?}")),
+            Progress::JobDone {
+                job_id,
+                status,
+                failure,
+                artifacts,
+            } => {
+                let why = failure.map(|f| format!(" ({f})")).unwrap_or_default();
+                self.line(format!("job {job_id}: {status}{why}"));
+                for a in artifacts {
+                    self.line(format!(
+                        "  artifact {} sha256:{} ({} bytes, verified)",
+                        a.path, a.sha256, a.size_bytes
+                    ));
+                }
             }
-            Progress::Question(q) => format!("question: {q}"),
-            Progress::Finished(s) => format!("session {}", s.as_str()),
-        };
-        self.line(msg);
+            Progress::PolicyDenied { task_id, reasons } => {
+                self.line(format!("policy denied {task_id}: {}", reasons.join("; ")))
+            }
+            Progress::Question(q) => self.line(format!("question: {q}")),
+            Progress::Finished(s) => self.line(format!("session {}", s.as_str())),
+        }
     }
 
     fn finish(&self) {
@@ -515,48 +550,54 @@ impl Reporter {
     }
 }
 
+/// What [`run_session`] starts from.
+#[derive(Debug, Clone, Copy)]
+pub enum Start<'a> {
+    /// A new session for `objective`, its workspace seeded from `workspace`.
+    /// `interactive`: a person answers the model's questions at this terminal (else the
+    /// model is never offered `message`, see `llm::turn`).
+    New {
+        objective: &'a str,
+        workspace: Option<&'a Path>,
+        interactive: bool,
+    },
+    /// A stored session, given `answer` first when it waits for one.
+    Resume {
+        id: &'a str,
+        answer: Option<&'a str>,
+    },
+}
+
 /// Runs (or resumes) a session to its end; returns the exit code. Everything it does is
 /// inside one `session` span (one trace when traces are exported).
 pub async fn run_session(
     args: &RunArgs,
     global: &crate::cli::Global,
-    objective: Option<&str>,
-    resume: Option<&str>,
-    workspace: Option<&Path>,
-    answer: Option<&str>,
+    start: Start<'_>,
 ) -> anyhow::Result<i32> {
-    let session_id = match resume {
-        Some(id) => id.to_string(),
-        None => format!("s-{}", uuid::Uuid::new_v4()),
+    let session_id = match start {
+        Start::Resume { id, .. } => id.to_string(),
+        Start::New { .. } => format!("s-{}", uuid::Uuid::new_v4()),
     };
     let span = tracing::info_span!("session", session_id = %session_id);
-    drive_session(
-        args,
-        global,
-        objective,
-        resume,
-        workspace,
-        answer,
-        &session_id,
-    )
-    .instrument(span)
-    .await
+    drive_session(args, global, start, &session_id)
+        .instrument(span)
+        .await
 }
 
 async fn drive_session(
     args: &RunArgs,
     global: &crate::cli::Global,
-    objective: Option<&str>,
-    resume: Option<&str>,
-    workspace: Option<&Path>,
-    answer: Option<&str>,
+    start: Start<'_>,
     session_id: &str,
 ) -> anyhow::Result<i32> {
     std::fs::create_dir_all(&args.state_dir)?;
-    let seed = workspace
-        .map(std::fs::canonicalize)
-        .transpose()
-        .context("--workspace")?;
+    let seed = match start {
+        Start::New {
+            workspace: Some(w), ..
+        } => Some(std::fs::canonicalize(w).context("--workspace")?),
+        _ => None,
+    };
     let json_out = global.output == crate::cli::Output::Json;
     let reporter = Reporter::new(json_out);
     let local;
@@ -571,33 +612,34 @@ async fn drive_session(
         }
     };
     let pm = build_pm(args, global, workers).await?;
-    let session_id = match (objective, resume) {
-        (_, Some(id)) => {
+    match start {
+        Start::Resume { id, answer } => {
             if let Some(text) = answer {
                 pm.answer(id, text).await?;
             }
-            id.to_string()
         }
-        (Some(obj), None) => {
-            let id = session_id.to_string();
+        Start::New {
+            objective,
+            interactive,
+            ..
+        } => {
             let budgets = Budgets {
                 max_turns: args.max_turns,
                 max_jobs: args.max_jobs,
                 ..Budgets::default()
             };
-            let mut rec = SessionRecord::new(&id, &args.tenant_id, obj, budgets);
+            let mut rec = SessionRecord::new(session_id, &args.tenant_id, objective, budgets);
+            rec.interactive = interactive;
             // The workspace is created, seeded from here, on the worker its first job
             // is placed on.
             rec.workspace_seed = seed.as_ref().map(|p| p.display().to_string());
             pm.create(&rec).await?;
-            id
         }
-        (None, None) => anyhow::bail!("give an objective or a session to resume"),
-    };
+    }
     reporter.line(format!("session {session_id}"));
     let interactive = std::io::stdin().is_terminal();
     let rec = loop {
-        let rec = pm.run(&session_id, &mut |p| reporter.report(p)).await?;
+        let rec = pm.run(session_id, &mut |p| reporter.report(p)).await?;
         if rec.status == SessionStatus::AwaitingInput && interactive {
             let crate::session::Phase::AwaitInput { question } = &rec.phase else {
                 break rec;
@@ -606,7 +648,7 @@ async fn drive_session(
             eprint!("{question}\n> ");
             let mut answer = String::new();
             std::io::stdin().lock().read_line(&mut answer)?;
-            pm.answer(&session_id, answer.trim()).await?;
+            pm.answer(session_id, answer.trim()).await?;
             continue;
         }
         break rec;
@@ -624,10 +666,10 @@ pub fn print_outcome(rec: &SessionRecord, json_out: bool) -> i32 {
         SessionStatus::Completed => {
             if !json_out {
                 if let Some(d) = &rec.deliverable {
-                    println!("{}", d.summary);
+                    println!("deliverable: {}", d.summary);
                     for a in &d.artifacts {
                         println!(
-                            "  artifact {} sha256:{} ({} bytes)",
+                            "  artifact {} sha256:{} ({} bytes, verified)",
                             a.path, a.sha256, a.size_bytes
                         );
                     }

@@ -187,8 +187,16 @@ pub struct SessionRecord {
     #[serde(default)]
     pub workspace_seed: Option<String>,
     pub started_at_ms: i64,
+    /// A person can answer the model's questions (`message`); without one the turn rules
+    /// never offer `message` (`llm::turn`).
+    #[serde(default = "interactive_by_default")]
+    pub interactive: bool,
     pub deliverable: Option<Deliverable>,
     pub failure: Option<Failure>,
+}
+
+fn interactive_by_default() -> bool {
+    true
 }
 
 impl SessionRecord {
@@ -218,6 +226,7 @@ impl SessionRecord {
             worker_id: None,
             workspace_seed: None,
             started_at_ms: now_ms(),
+            interactive: true,
             deliverable: None,
             failure: None,
         }

@@ -117,7 +117,7 @@ fn bodies_must_be_json_objects_sent_as_application_json() {
             let a = post(&r.base, path, ctype, valid.as_bytes());
             let p = problem(&a, 415);
             assert_eq!(
-                p["type"], "urn:cynode:problem:unsupported-media-type",
+                p["type"], "urn:cynodeai:error:unsupported-media-type",
                 "{p}"
             );
         }
@@ -164,7 +164,7 @@ fn over_the_body_limit_is_413_problem_json_with_and_without_content_length() {
         big.as_bytes(),
     );
     let p = problem(&a, 413);
-    assert_eq!(p["type"], "urn:cynode:problem:payload-too-large", "{p}");
+    assert_eq!(p["type"], "urn:cynodeai:error:payload-too-large", "{p}");
     assert!(p["detail"].as_str().unwrap().contains("2048"), "{p}");
 
     // Chunked, no Content-Length: refused while reading.
@@ -181,7 +181,7 @@ fn over_the_body_limit_is_413_problem_json_with_and_without_content_length() {
         &chunked,
     );
     let p = problem(&a, 413);
-    assert_eq!(p["type"], "urn:cynode:problem:payload-too-large", "{p}");
+    assert_eq!(p["type"], "urn:cynodeai:error:payload-too-large", "{p}");
 
     // Other rejections of the framework are problem+json too.
     let a = raw(&r.base, "DELETE /v1/sessions HTTP/1.1", b"");

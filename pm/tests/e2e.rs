@@ -211,9 +211,13 @@ fn pm_command(
 ) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_cynode-pm"));
     c.envs(envs.iter().copied());
-    c.args(["--output", "json"])
-        .args(args)
-        .arg("--state-dir")
+    c.args(["--output", "json"]).args(args);
+    // The scripted sessions of these tests plan, ask and finish freely, as with a person at
+    // the terminal, unless a test asks for `--non-interactive` itself.
+    if args.contains(&"run") && !args.contains(&"--non-interactive") {
+        c.arg("--interactive");
+    }
+    c.arg("--state-dir")
         .arg(state)
         .args(["--local-backend", "bwrap", "--local-bwrap-rootfs"])
         .arg(env())
@@ -399,6 +403,105 @@ fn plan_only_replies_are_cut_short_by_the_progress_guard() {
         .filter(|e| e["kind"] == "model_reply")
         .count();
     assert_eq!(replies, 4);
+}
+
+/// Without a person to answer (`run --non-interactive`; also the default when stdin is not
+/// a terminal), the response schema never offers `message`, the first turn must act, a
+/// job may not be requested once every task is done, and `final` may list only the
+/// session's verified artifacts. A backend that ignores the schema is held to the same
+/// rules: its off-schema replies are fed back and asked again.
+#[test]
+fn autonomous_run_acts_first_never_asks_and_finishes_on_evidence() {
+    let state = tempfile::tempdir().unwrap();
+    let write = json!({ "type": "job_request",
+        "state_patch": [{ "op": "add", "path": "/plan/-", "value":
+            { "task_id": "t1", "description": "write the greeting", "status": "in_progress" } }],
+        "payload": { "task_id": "t1", "skill_id": "write-files",
+            "inputs": { "files": [{ "path": "hello.txt", "content": "hi\n" }] } } });
+    let (url, model) = model_server(vec![
+        // Turn 0: only a job_request of the first-look skill (repo-inspect, with its
+        // defaults) is accepted.
+        json!({ "type": "message", "state_patch": [], "payload": { "text": "Which name?" } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done already" } }),
+        write.clone(),
+        json!({ "type": "job_request",
+            "state_patch": [{ "op": "add", "path": "/plan/-", "value":
+                { "task_id": "t1", "description": "look", "status": "in_progress" } }],
+            "payload": { "task_id": "t1", "skill_id": "repo-inspect", "inputs": {} } }),
+        // Turn 1: t1 is done, so no job_request; a made-up artifact is refused; then a
+        // plain final.
+        write,
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote it",
+            "artifacts": ["0".repeat(64)] } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote hello.txt",
+            "artifacts": [] } }),
+    ]);
+    let out = pm(
+        state.path(),
+        &url,
+        &["run", "greet the world", "--non-interactive"],
+        None,
+    );
+    let v = completed(&out);
+    assert_eq!(v["jobs_dispatched"], 1, "{v}");
+    assert_eq!(v["interactive"], false, "{v}");
+    let reqs = model.requests();
+    assert_eq!(reqs.len(), 7, "{reqs:?}");
+    let kinds = |r: &Value| -> Vec<String> {
+        r["response_format"]["json_schema"]["schema"]["anyOf"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| {
+                v["properties"]["type"]["const"]
+                    .as_str()
+                    .unwrap()
+                    .to_string()
+            })
+            .collect()
+    };
+    assert_eq!(kinds(&reqs[0]), ["job_request"]);
+    assert_eq!(kinds(&reqs[4]), ["plan_update", "final"]);
+    for (i, r) in reqs.iter().enumerate() {
+        assert!(!kinds(r).contains(&"message".to_string()), "request {i}");
+    }
+    let fed_back: Vec<String> = reqs[1..].iter().map(|r| r.to_string()).collect();
+    assert!(
+        fed_back[0].contains("`message` is not accepted this turn"),
+        "{}",
+        fed_back[0]
+    );
+    assert!(
+        fed_back[1].contains("`final` is not accepted this turn"),
+        "{}",
+        fed_back[1]
+    );
+    assert!(
+        fed_back[2].contains("the first job looks at the workspace"),
+        "{}",
+        fed_back[2]
+    );
+    assert!(
+        fed_back[4].contains("`job_request` is not accepted this turn"),
+        "{}",
+        fed_back[4]
+    );
+    assert!(
+        fed_back[5].contains("is not the sha256 of an artifact of this session"),
+        "{}",
+        fed_back[5]
+    );
+    assert!(
+        fed_back[0].contains("No job has run yet"),
+        "{}",
+        fed_back[0]
+    );
+    // Progress shows the chain: the job, its sandbox, its verified artifacts.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("skill repo-inspect for task t1, on worker"),
+        "{err}"
+    );
 }
 
 /// The built-in skills and policy are in the binary: `run` works from an empty directory.

@@ -784,10 +784,6 @@ fn structural_mistakes_are_named_precisely() {
             "payload.inputs: missing (required in a job_request)",
         ),
         (
-            json!({ "type": "plan_update", "state_patch": [{ "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "again", "status": "pending" } }], "payload": {} }),
-            "state_patch[0].value.task_id: task `t1` is already in the plan; use a new task_id, or patch the existing entry (e.g. /plan/0/status)",
-        ),
-        (
             json!({ "type": "plan_update", "state_patch": [{ "op": "replace", "path": "/plan/0/status", "value": "finished" }], "payload": {} }),
             "state_patch[0].value: must be one of pending, in_progress, done, failed, blocked; got \"finished\"",
         ),
@@ -815,6 +811,34 @@ fn structural_mistakes_are_named_precisely() {
             "{reply}"
         );
     }
+}
+
+#[test]
+fn re_adding_a_task_keeps_the_reply_and_refuses_only_its_patch() {
+    // The job_request re-adds t1 (small models copy the first turn's reply): the reply is
+    // valid, so its job runs; the patch is refused as a whole when applied, with a reason
+    // the model is told, and the plan is unchanged.
+    let reply = json!({
+        "type": "job_request",
+        "state_patch": [
+            { "op": "add", "path": "/notes/-", "value": "n" },
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "again", "status": "pending" } },
+        ],
+        "payload": { "task_id": "t1", "skill_id": "go-test", "inputs": { "packages": "./..." } }
+    });
+    let out = validate(reply).expect("a re-added task is not a contract error");
+    let mut rec = cynode_pm::session::SessionRecord::new("s", "t", "o", Default::default());
+    rec.state.plan = vec![serde_json::from_value(
+        json!({ "task_id": "t1", "description": "first", "status": "in_progress", "version": 1 }),
+    )
+    .unwrap()];
+    let before = rec.state.clone();
+    let err = cynode_pm::driver::apply_state_patch(&mut rec, &out).unwrap_err();
+    assert_eq!(err, "duplicate task_id t1");
+    assert_eq!(
+        serde_json::to_value(&rec.state).unwrap(),
+        serde_json::to_value(&before).unwrap()
+    );
 }
 
 // ---------------------------------------------------------------------------------------

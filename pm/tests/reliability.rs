@@ -119,6 +119,8 @@ fn spawn_pm(
     let child = Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
         .args(["--output", "json"])
         .args(args)
+        // The scripted sessions ask and finish freely, as with a person at the terminal.
+        .args(args.contains(&"run").then_some("--interactive"))
         .arg("--state-dir")
         .arg(state)
         .args(["--local-backend", "bwrap", "--local-bwrap-rootfs"])

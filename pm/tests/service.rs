@@ -230,7 +230,7 @@ async fn api_round_trip(db: &str) {
     .await;
     assert_eq!(
         (s, v["type"].as_str()),
-        (401, Some("urn:cynode:problem:unauthorized"))
+        (401, Some("urn:cynodeai:error:unauthorized"))
     );
     // Bad bodies: a named field, never a crash.
     let (s, v) = call(

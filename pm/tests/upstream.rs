@@ -73,9 +73,7 @@ fn problem(status: StatusCode, title: &str, detail: &str) -> Response {
 }
 
 fn now() -> String {
-    time::OffsetDateTime::now_utc()
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap()
+    cynode_protocol::time::now_rfc3339()
 }
 
 /// worker-api's handleRunJob and executor.RunJob (SBA path), with the static cynode-sba

@@ -1,4 +1,4 @@
-//! job.json (protocol 1.x): what the SBA is asked to do (design.md §3.1).
+//! job.json (protocol 1.x): what the SBA is asked to do.
 //!
 //! Parsing is strict: unknown fields are rejected everywhere except inside
 //! `context.preferences` and `context.skills`, and [`JobSpec::from_json`] finishes all

@@ -1,4 +1,4 @@
-//! cynode-protocol: every contract the three programs share (design.md §3).
+//! cynode-protocol: every contract the three programs share.
 //!
 //! This crate holds serde types and their validation only. It must never depend on an
 //! async runtime, an HTTP stack or a database driver (a test checks `cargo tree`), so the
@@ -6,19 +6,28 @@
 //!
 //! - [`job`]: job.json, the SBA's input, with strict parsing ([`job::JobSpec::from_json`]).
 //! - [`result`]: result.json, the SBA's output, and the stable [`result::FailureCode`]s.
-//! - [`worker_api`]: the Worker API v1 bodies (upstream CyNodeAI compatible).
+//! - [`worker_api`]: the Worker API v1 job and capacity bodies (upstream CyNodeAI compatible).
+//! - [`worker_sessions`], [`worker_workspaces`], [`worker_health`]: the Worker API's
+//!   session, workspace and readiness bodies.
+//! - [`problem`]: the one problem+json error body of every HTTP API, and its `type` scheme.
 //! - [`llm`]: the PM's LLM output contract.
 //! - [`session`]: the PM's durable session state model.
 //! - [`schema`]: JSON Schemas generated from these types.
+//! - [`time`]: the one RFC 3339 timestamp format.
 
 pub mod error;
 pub mod job;
 pub mod llm;
+pub mod problem;
 pub mod result;
 pub mod schema;
 pub mod session;
+pub mod time;
 pub mod version;
 pub mod worker_api;
+pub mod worker_health;
+pub mod worker_sessions;
+pub mod worker_workspaces;
 
 pub use error::{ValidationError, ValidationErrors};
 pub use job::JobSpec;

@@ -1,4 +1,4 @@
-//! The PM's LLM output contract (design.md §3.5): what the model may answer each turn.
+//! The PM's LLM output contract: what the model may answer each turn.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};

@@ -1,6 +1,6 @@
-//! result.json: what the SBA reports (design.md §3.2). Always complete JSON.
+//! result.json: what the SBA reports. Always complete JSON.
 //!
-//! Written so that upstream CyNodeAI's `sbajob.Result` decodes it (design.md §4): each
+//! Written so that upstream CyNodeAI's `sbajob.Result` decodes it: each
 //! step carries upstream's step-level `index`, `exit_code`, `output` and a string `error`
 //! beside this project's own `id`, `duration_ms`, typed `result` and `failure_code`.
 //!

@@ -5,7 +5,10 @@
 
 use schemars::{schema_for, JsonSchema};
 
-use crate::{job, llm, result, session, worker_api};
+use crate::{
+    job, llm, problem, result, session, worker_api, worker_health, worker_sessions,
+    worker_workspaces,
+};
 
 /// `(file name, pretty JSON)` for every published schema, in a fixed order.
 pub fn all() -> Vec<(&'static str, String)> {
@@ -32,6 +35,35 @@ pub fn all() -> Vec<(&'static str, String)> {
             "sba-status-callback.schema.json",
             render::<worker_api::SbaStatusCallback>(),
         ),
+        (
+            "worker-session-create-request.schema.json",
+            render::<worker_sessions::CreateSessionRequest>(),
+        ),
+        (
+            "worker-session-info.schema.json",
+            render::<worker_sessions::SessionInfo>(),
+        ),
+        (
+            "worker-session-exec-request.schema.json",
+            render::<worker_sessions::ExecRequest>(),
+        ),
+        (
+            "worker-session-exec-response.schema.json",
+            render::<worker_sessions::ExecResponse>(),
+        ),
+        (
+            "worker-workspace-create-request.schema.json",
+            render::<worker_workspaces::CreateWorkspace>(),
+        ),
+        (
+            "worker-workspace-info.schema.json",
+            render::<worker_workspaces::WorkspaceInfo>(),
+        ),
+        (
+            "worker-readiness.schema.json",
+            render::<worker_health::Readiness>(),
+        ),
+        ("problem.schema.json", render::<problem::Problem>()),
         ("llm-output.schema.json", render::<llm::LlmOutput>()),
         (
             "session-state.schema.json",

@@ -1,4 +1,4 @@
-//! The PM's durable session state model (seed cynode-pm §5).
+//! The PM's durable session state model.
 //!
 //! The objective is immutable; plan entries carry a version bumped on every change;
 //! artifacts are referenced by sha256 and storage location; history is a list of events,

@@ -1,4 +1,4 @@
-//! Worker API v1 bodies (design.md §3.4), wire-compatible with the CyNodeAI Worker API.
+//! Worker API v1 bodies, wire-compatible with the CyNodeAI Worker API.
 //!
 //! Field names follow upstream exactly (`sandbox.job_spec_json`, `truncated.stdout`…);
 //! this project's extensions (async jobs, workspaces, sessions) add types but never change
@@ -263,7 +263,7 @@ impl WorkerCapacity {
     }
 }
 
-/// The SBA's lifecycle callback body (design.md §3.3).
+/// The SBA's lifecycle callback body (`POST $SBA_JOB_STATUS_URL`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SbaStatusCallback {
@@ -281,18 +281,8 @@ pub enum SbaLifecycle {
     Completed,
 }
 
-/// RFC 9457 problem details, as the Worker API returns them.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-pub struct Problem {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub title: String,
-    pub status: u16,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub detail: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub instance: Option<String>,
-}
+/// RFC 9457 problem details, as the Worker API returns them (defined in [`crate::problem`]).
+pub use crate::problem::Problem;
 
 #[cfg(test)]
 mod tests {

@@ -1,4 +1,4 @@
-//! Command line and environment of `cynode-sba` (design.md §3.3).
+//! Command line and environment of `cynode-sba`: every flag also reads an `SBA_*` variable.
 
 use std::path::PathBuf;
 

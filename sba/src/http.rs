@@ -61,29 +61,42 @@ pub struct Limits<'a> {
     pub cancel: Option<&'a AtomicBool>,
 }
 
+/// Why a URL cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UrlError {
+    #[error("no socket path in `{0}`")]
+    NoSocket(String),
+    #[error("no host in `{0}`")]
+    NoHost(String),
+    #[error("unsupported url `{0}`: expected http:// or http+unix://")]
+    Unsupported(String),
+    #[error("bad percent escape in `{0}`")]
+    BadEscape(String),
+    #[error("socket path in `{0}` is not UTF-8")]
+    NotUtf8(String),
+}
+
 /// Parses `http://…` or `http+unix://…`.
-pub fn parse_url(url: &str) -> Result<Target, String> {
+pub fn parse_url(url: &str) -> Result<Target, UrlError> {
     if let Some(rest) = url.strip_prefix("http+unix://") {
         let (sock, path) = split_path(rest);
         let socket = percent_decode(sock)?;
         if socket.is_empty() {
-            return Err(format!("no socket path in `{url}`"));
+            return Err(UrlError::NoSocket(url.to_string()));
         }
         return Ok(Target::Unix { socket, path });
     }
     if let Some(rest) = url.strip_prefix("http://") {
         let (authority, path) = split_path(rest);
         if authority.is_empty() {
-            return Err(format!("no host in `{url}`"));
+            return Err(UrlError::NoHost(url.to_string()));
         }
         return Ok(Target::Tcp {
             authority: authority.to_string(),
             path,
         });
     }
-    Err(format!(
-        "unsupported url `{url}`: expected http:// or http+unix://"
-    ))
+    Err(UrlError::Unsupported(url.to_string()))
 }
 
 fn split_path(rest: &str) -> (&str, String) {
@@ -93,7 +106,7 @@ fn split_path(rest: &str) -> (&str, String) {
     }
 }
 
-fn percent_decode(s: &str) -> Result<String, String> {
+fn percent_decode(s: &str) -> Result<String, UrlError> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -102,7 +115,7 @@ fn percent_decode(s: &str) -> Result<String, String> {
             let hex = s
                 .get(i + 1..i + 3)
                 .and_then(|h| u8::from_str_radix(h, 16).ok())
-                .ok_or_else(|| format!("bad percent escape in `{s}`"))?;
+                .ok_or_else(|| UrlError::BadEscape(s.to_string()))?;
             out.push(hex);
             i += 3;
         } else {
@@ -110,7 +123,7 @@ fn percent_decode(s: &str) -> Result<String, String> {
             i += 1;
         }
     }
-    String::from_utf8(out).map_err(|_| format!("socket path in `{s}` is not UTF-8"))
+    String::from_utf8(out).map_err(|_| UrlError::NotUtf8(s.to_string()))
 }
 
 impl Target {

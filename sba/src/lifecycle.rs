@@ -1,5 +1,5 @@
 //! Lifecycle callbacks: POST `{"status":"in_progress",…}` and `{"status":"completed",…}` to
-//! `SBA_JOB_STATUS_URL` (design.md §3.3), over [`crate::http`] (TCP or a Unix socket), with
+//! `SBA_JOB_STATUS_URL`, over [`crate::http`] (TCP or a Unix socket), with
 //! a bounded time. Callbacks are best effort: a failure is logged, never fails the job.
 
 use std::time::{Duration, Instant};

@@ -11,15 +11,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cynode_protocol::job::{ExecutionMode, JobSpec, StepAction};
+use cynode_protocol::job::{ExecutionMode, JobSpec};
 use cynode_protocol::result::{JobStatus, StepRecord};
+use cynode_protocol::time::now_rfc3339;
 use cynode_protocol::version::PROTOCOL_VERSION;
 use cynode_protocol::worker_api::{SbaLifecycle, SbaStatusCallback};
 use cynode_protocol::{FailureCode, JobResult};
 
 use crate::confine::Workspace;
-use crate::steps::{self, StepContext};
-use crate::{artifacts, lifecycle, process, result_file};
+use crate::steps::StepContext;
+use crate::{artifacts, lifecycle, process, result_file, step_runner};
 
 /// Where the runner reads and writes; resolved from flags and env by the CLI.
 #[derive(Debug, Clone)]
@@ -36,7 +37,8 @@ pub struct Options {
     pub agent: crate::agent::Settings,
 }
 
-/// Exit codes of design.md §3.3.
+/// Exit codes: 0 the job succeeded, 1 it failed or timed out (result.json says how), 2 the
+/// result could not be written.
 pub mod exit {
     pub const SUCCESS: i32 = 0;
     pub const FAILURE: i32 = 1;
@@ -253,7 +255,7 @@ fn run_steps(ctx: &StepContext<'_>, result: &mut JobResult) {
             result.push_step(rec);
             continue;
         }
-        let rec = run_step(ctx, &step.id, &step.action);
+        let rec = step_runner::run_step(ctx, &step.id, &step.action);
         if let Some(e) = rec.error_info() {
             result.set_failure(e.kind, format!("step {}: {}", step.id, e.message));
         }
@@ -262,34 +264,6 @@ fn run_steps(ctx: &StepContext<'_>, result: &mut JobResult) {
     if ctx.interrupted.load(Ordering::Relaxed) && result.status == JobStatus::Success {
         result.set_failure(FailureCode::InternalError, "runner interrupted by SIGTERM");
     }
-}
-
-/// Runs one step through the shared step code and logs it. Direct steps and the agent's
-/// actions both come through here, so both get the same confinement, allowlists, output
-/// caps and deadlines, and the same record.
-pub fn run_step(ctx: &StepContext<'_>, id: &str, action: &StepAction) -> StepRecord {
-    let step_type = action.step_type();
-    let t = Instant::now();
-    let outcome = steps::execute(ctx, action);
-    let status = outcome.status();
-    let duration_ms = t.elapsed().as_millis() as u64;
-    tracing::info!(
-        job_id = %ctx.job.job_id,
-        step_id = %id,
-        step_type = step_type.as_str(),
-        status = ?status,
-        duration_ms,
-        error = outcome.error.as_ref().map(|e| e.message.as_str()),
-        "step finished"
-    );
-    let mut rec = StepRecord::skipped(0, id, step_type);
-    rec.status = status;
-    rec.duration_ms = duration_ms;
-    rec.set_result(outcome.output);
-    if let Some(e) = outcome.error {
-        rec.set_error(e.code, e.message);
-    }
-    rec
 }
 
 fn read_job(opts: &Options) -> std::io::Result<Vec<u8>> {
@@ -404,14 +378,4 @@ impl Callbacks {
             }
         }
     }
-}
-
-/// Now, as RFC 3339 UTC with milliseconds.
-pub fn now_rfc3339() -> String {
-    let now = time::OffsetDateTime::now_utc();
-    let fmt = time::macros::format_description!(
-        "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
-    );
-    now.format(&fmt)
-        .unwrap_or_else(|_| now.unix_timestamp().to_string())
 }

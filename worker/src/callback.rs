@@ -15,6 +15,8 @@ use axum::Router;
 use cynode_protocol::worker_api::{SbaLifecycle, SbaStatusCallback};
 use tokio_util::sync::CancellationToken;
 
+use crate::sandbox::STATUS_SOCKET;
+
 /// Largest callback body (a completed callback carries the whole result).
 const MAX_CALLBACK_BYTES: usize = 32 * 1024 * 1024;
 
@@ -43,10 +45,10 @@ struct Ctx {
 /// Binds `<dir>/status.sock` (through `/proc/self/fd`, so long state paths still fit in a
 /// socket address) and serves callbacks for `job_id`.
 pub fn listen(dir: &Path, job_id: &str, on_status: OnStatus) -> std::io::Result<CallbackServer> {
-    let path = dir.join("status.sock");
+    let path = dir.join(STATUS_SOCKET);
     let _ = std::fs::remove_file(&path);
     let dir_fd = std::fs::File::open(dir)?;
-    let short = format!("/proc/self/fd/{}/status.sock", dir_fd.as_raw_fd());
+    let short = format!("/proc/self/fd/{}/{STATUS_SOCKET}", dir_fd.as_raw_fd());
     let std_listener = std::os::unix::net::UnixListener::bind(&short)?;
     drop(dir_fd);
     std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777))?;

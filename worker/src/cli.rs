@@ -238,7 +238,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     let ready = node.readiness();
     let scheme = if tls.is_some() { "https" } else { "http" };
     tracing::info!(addr = %listener.local_addr()?, scheme, mutual_tls = tls.as_ref().is_some_and(|t| t.client_ca_file.is_some()), backend = node.backend.kind().as_str(), ready = ready.ready, detail = %ready.detail, "cynode-worker listening");
-    let app = crate::api::app(Arc::clone(&node));
+    let app = crate::http::app(Arc::clone(&node));
     cynode_tls::serve(listener, app, tls, shutdown_signal())
         .await
         .context("server failed")?;

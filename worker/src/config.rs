@@ -46,7 +46,7 @@ pub struct Config {
     pub docker: EngineConfig,
     pub bwrap: BwrapConfig,
     /// Images jobs and sessions may use. Whatever it says, an image must be a valid OCI
-    /// reference (`name[:tag][@digest]`, see `backend::image_ref`), so no request value can
+    /// reference (`name[:tag][@digest]`, see `image_ref`), so no request value can
     /// become an engine flag. Empty (the default): any valid reference the backend already
     /// has (nothing is ever pulled: `--pull=never`; bwrap: only images with a configured
     /// `bwrap.rootfs`). Production nodes should list their images.
@@ -279,23 +279,43 @@ impl Limits {
     }
 }
 
+/// Why the configuration or the token cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {}", .0.display())]
+    Read(PathBuf, #[source] std::io::Error),
+    #[error("invalid config {}", .0.display())]
+    Invalid(PathBuf, #[source] serde_yaml::Error),
+    #[error("cannot read token file {}", .0.display())]
+    TokenFile(PathBuf, #[source] std::io::Error),
+    #[error("no usable bearer token: give --token-file or WORKER_API_BEARER_TOKEN (at least 16 characters)")]
+    NoToken,
+}
+
+/// Why an image may not run on this node; the message is for the `image` field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ImageRefused {
+    #[error("image {0}")]
+    Reference(#[from] crate::image_ref::ImageRefError),
+    #[error("image `{0}` is not in this node's image allowlist")]
+    NotAllowed(String),
+}
+
 impl Config {
     /// Reads a YAML file; unknown keys are errors.
-    pub fn load(path: &Path) -> anyhow::Result<Config> {
-        use anyhow::Context;
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read config {}", path.display()))?;
-        let cfg: Config = serde_yaml::from_str(&text)
-            .with_context(|| format!("invalid config {}", path.display()))?;
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text =
+            std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
+        let cfg: Config =
+            serde_yaml::from_str(&text).map_err(|e| ConfigError::Invalid(path.to_path_buf(), e))?;
         Ok(cfg)
     }
 
     /// The token: the token file if configured, else `WORKER_API_BEARER_TOKEN`.
-    pub fn token(&self) -> anyhow::Result<String> {
-        use anyhow::Context;
+    pub fn token(&self) -> Result<String, ConfigError> {
         let token = match &self.token_file {
             Some(p) => std::fs::read_to_string(p)
-                .with_context(|| format!("cannot read token file {}", p.display()))?
+                .map_err(|e| ConfigError::TokenFile(p.clone(), e))?
                 .lines()
                 .next()
                 .unwrap_or_default()
@@ -304,9 +324,7 @@ impl Config {
             None => std::env::var("WORKER_API_BEARER_TOKEN").unwrap_or_default(),
         };
         if token.len() < 16 {
-            anyhow::bail!(
-                "no usable bearer token: give --token-file or WORKER_API_BEARER_TOKEN (at least 16 characters)"
-            );
+            return Err(ConfigError::NoToken);
         }
         Ok(token)
     }
@@ -338,14 +356,12 @@ impl Config {
     }
 
     /// Why `image` may not run here (a message for the `image` field), if it may not.
-    pub fn check_image(&self, image: &str) -> Result<(), String> {
-        crate::backend::image_ref::check(image).map_err(|e| format!("image {e}"))?;
+    pub fn check_image(&self, image: &str) -> Result<(), ImageRefused> {
+        crate::image_ref::check(image)?;
         if self.images.is_empty() || self.images.iter().any(|i| i == image) {
             Ok(())
         } else {
-            Err(format!(
-                "image `{image}` is not in this node's image allowlist"
-            ))
+            Err(ImageRefused::NotAllowed(image.to_string()))
         }
     }
 }
@@ -389,10 +405,12 @@ mod tests {
         assert!(cfg
             .check_image("alpine:4")
             .unwrap_err()
+            .to_string()
             .contains("allowlist"));
         assert!(cfg
             .check_image("-v")
             .unwrap_err()
+            .to_string()
             .contains("OCI image reference"));
     }
 }

@@ -9,7 +9,6 @@
 //! mounted at `/job` (job.json, result.json, artifacts/, status.sock, and for jobs that use
 //! inference inference.sock and the agent's todo.json).
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -21,16 +20,12 @@ use cynode_protocol::worker_api::{
 use cynode_protocol::{JobResult, ValidationError};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Backend, EndReason, Mount, ResourceLimits, SandboxSpec};
-use crate::clock::now_rfc3339;
+use crate::backend::{Backend, EndReason};
 use crate::config::{Config, Limits};
 use crate::disk_guard::{DiskGuard, DiskLimit};
+use crate::sandbox::{self, SandboxRequest, SandboxSpec, SANDBOX_UID};
 use crate::sandbox_files::{self, ReadError, TreeBounds, TreeError};
-
-/// The uid/gid sandboxes run as.
-pub const SANDBOX_UID: u32 = 1000;
-/// Where the SBA's lifecycle socket appears inside the sandbox.
-pub const STATUS_URL: &str = "http+unix://%2Fjob%2Fstatus.sock/status";
+use cynode_protocol::time::now_rfc3339;
 
 /// Validates a request completely before anything is created or started.
 pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, ValidationError> {
@@ -204,12 +199,6 @@ impl JobPaths {
     }
 }
 
-fn sandbox_owned_dir(p: &Path) -> std::io::Result<()> {
-    std::fs::create_dir_all(p)?;
-    std::os::unix::fs::chown(p, Some(SANDBOX_UID), Some(SANDBOX_UID))?;
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o755))
-}
-
 /// Creates the job directory and workspace and writes job.json; idempotent.
 pub fn prepare(paths: &JobPaths, req: &RunJobRequest) -> std::io::Result<()> {
     std::fs::create_dir_all(&paths.root)?;
@@ -217,10 +206,10 @@ pub fn prepare(paths: &JobPaths, req: &RunJobRequest) -> std::io::Result<()> {
         paths.root.join("request.json"),
         serde_json::to_vec_pretty(req)?,
     )?;
-    sandbox_owned_dir(&paths.mount)?;
-    sandbox_owned_dir(&paths.artifacts())?;
+    sandbox::create_owned_dir(&paths.mount)?;
+    sandbox::create_owned_dir(&paths.artifacts())?;
     if !paths.workspace.exists() {
-        sandbox_owned_dir(&paths.workspace)?;
+        sandbox::create_owned_dir(&paths.workspace)?;
     }
     if let Some(spec) = &req.sandbox.job_spec_json {
         let job = paths.mount.join("job.json");
@@ -236,78 +225,50 @@ pub fn prepare(paths: &JobPaths, req: &RunJobRequest) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The sandbox spec for `req`.
+/// The sandbox spec for `req`: its env (the request's, then the node's job variables;
+/// an SBA job's own `SBA_*` and `INFERENCE_PROXY_URL` come from the node only), the job
+/// directory and workspace mounts, and the node's limits.
 pub fn sandbox_spec(cfg: &Config, req: &RunJobRequest, paths: &JobPaths) -> SandboxSpec {
     let is_sba = req.sandbox.job_spec_json.is_some();
-    let mut env: Vec<(String, String)> = req
-        .sandbox
-        .env
-        .iter()
-        .filter(|(k, _)| {
-            !cynode_protocol::worker_api::RESERVED_ENV.contains(&k.as_str())
-                && k.as_str() != "INFERENCE_PROXY_URL"
-        })
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect();
-    env.extend([
-        ("CYNODE_TASK_ID".into(), req.task_id.clone()),
-        ("CYNODE_JOB_ID".into(), req.job_id.clone()),
-        ("CYNODE_WORKSPACE_DIR".into(), "/workspace".into()),
-        ("CYNODE_ARTIFACTS_DIR".into(), "/job/artifacts".into()),
-    ]);
+    let mut node = vec![
+        (sandbox::ENV_TASK_ID, req.task_id.clone()),
+        (sandbox::ENV_JOB_ID, req.job_id.clone()),
+        (sandbox::ENV_WORKSPACE_DIR, sandbox::WORKSPACE_MOUNT.into()),
+        (sandbox::ENV_ARTIFACTS_DIR, sandbox::ARTIFACTS_MOUNT.into()),
+    ];
     if is_sba {
-        env.retain(|(k, _)| !k.starts_with("SBA_"));
-        env.push(("SBA_JOB_STATUS_URL".into(), STATUS_URL.into()));
+        node.push((sandbox::ENV_SBA_STATUS_URL, sandbox::STATUS_URL.into()));
     }
     if matches!(inference_models(cfg, req), Ok(Some(_))) {
-        env.push((
-            "INFERENCE_PROXY_URL".into(),
-            crate::inference::PROXY_URL.into(),
-        ));
+        node.push((sandbox::ENV_INFERENCE_PROXY_URL, sandbox::PROXY_URL.into()));
         if let Some(turns) = cfg.inference.as_ref().and_then(|i| i.agent_max_turns) {
-            env.push(("SBA_AGENT_MAX_TURNS".into(), turns.to_string()));
+            node.push((sandbox::ENV_SBA_AGENT_MAX_TURNS, turns.to_string()));
         }
     }
-    if !env.iter().any(|(k, _)| k == "PATH") {
-        env.push((
-            "PATH".into(),
-            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".into(),
-        ));
-    }
+    let env = sandbox::env(
+        &req.sandbox.env,
+        |k| k == sandbox::ENV_INFERENCE_PROXY_URL || (is_sba && k.starts_with("SBA_")),
+        node,
+    );
     let l = &cfg.limits;
-    SandboxSpec {
-        name: format!("cynode-{}", req.job_id),
-        image: req.sandbox.image.clone(),
-        command: req.sandbox.command.clone(),
-        override_entrypoint: !is_sba,
-        env,
-        mounts: vec![
-            Mount {
-                host: paths.mount.clone(),
-                target: "/job".into(),
-                writable: true,
-            },
-            Mount {
-                host: paths.workspace.clone(),
-                target: "/workspace".into(),
-                writable: true,
-            },
-        ],
-        workdir: "/workspace".into(),
-        network: req.sandbox.network_policy.unwrap_or(NetworkPolicy::None),
-        limits: ResourceLimits {
-            memory_mb: l.memory_mb,
-            pids: l.pids,
-            cpus: l.cpus,
-            tmpfs_mb: l.tmpfs_mb,
+    sandbox::spec(
+        l,
+        SandboxRequest {
+            name: format!("cynode-{}", req.job_id),
+            image: req.sandbox.image.clone(),
+            command: req.sandbox.command.clone(),
+            override_entrypoint: !is_sba,
+            env,
+            workspace: paths.workspace.clone(),
+            job_dir: Some(paths.mount.clone()),
+            network: req.sandbox.network_policy.unwrap_or(NetworkPolicy::None),
+            labels: vec![
+                ("cynodeai.task_id".into(), req.task_id.clone()),
+                ("cynodeai.job_id".into(), req.job_id.clone()),
+            ],
+            timeout: Duration::from_secs(l.effective_timeout(req.sandbox.timeout_seconds)),
         },
-        labels: vec![
-            ("cynodeai.task_id".into(), req.task_id.clone()),
-            ("cynodeai.job_id".into(), req.job_id.clone()),
-        ],
-        timeout: Duration::from_secs(l.effective_timeout(req.sandbox.timeout_seconds)),
-        output_cap: l.output_cap_bytes,
-    }
+    )
 }
 
 /// Runs a prepared job and builds its response.
@@ -399,7 +360,7 @@ pub async fn run(
             Ok(result) => apply_sba_result(&mut resp, result, &artifacts, true),
             Err(reason) => {
                 resp.status = WorkerJobStatus::Failed;
-                resp.failure_reason = Some(reason);
+                resp.failure_reason = Some(reason.to_string());
             }
         }
     }
@@ -430,28 +391,37 @@ pub async fn collect_artifacts(paths: &JobPaths) -> Result<Vec<ArtifactRecord>, 
     }
 }
 
+/// Why result.json gave no result; the text is the job's failure reason.
+#[derive(Debug, thiserror::Error)]
+pub enum ResultError {
+    #[error("cannot read result.json: {0}")]
+    Task(String),
+    #[error("result.json missing: the sandbox exited without a result")]
+    Missing,
+    #[error("resource_limit_exceeded: {0} (limits.result_max_bytes)")]
+    TooLarge(ReadError),
+    #[error("result.json refused: {0}")]
+    Refused(ReadError),
+    #[error("result.json invalid: {0}")]
+    Invalid(serde_json::Error),
+}
+
 /// Reads and parses result.json beneath the job directory (never through a link, regular
-/// file only, bounded); the error is the job's failure reason.
-pub async fn read_result(paths: &JobPaths) -> Result<JobResult, String> {
+/// file only, bounded).
+pub async fn read_result(paths: &JobPaths) -> Result<JobResult, ResultError> {
     let (dir, cap) = (paths.mount.clone(), paths.bounds.result_max_bytes);
     let read = tokio::task::spawn_blocking(move || {
         sandbox_files::read_file_beneath(&dir, RESULT_FILE, cap, RESULT_READ_TIME)
     })
     .await
-    .map_err(|e| format!("cannot read result.json: {e}"))?;
+    .map_err(|e| ResultError::Task(e.to_string()))?;
     let text = match read {
         Ok(t) => t,
-        Err(ReadError::Missing { .. }) => {
-            return Err("result.json missing: the sandbox exited without a result".into())
-        }
-        Err(e @ ReadError::TooLarge { .. }) => {
-            return Err(format!(
-                "resource_limit_exceeded: {e} (limits.result_max_bytes)"
-            ))
-        }
-        Err(e) => return Err(format!("result.json refused: {e}")),
+        Err(ReadError::Missing { .. }) => return Err(ResultError::Missing),
+        Err(e @ ReadError::TooLarge { .. }) => return Err(ResultError::TooLarge(e)),
+        Err(e) => return Err(ResultError::Refused(e)),
     };
-    serde_json::from_slice(&text).map_err(|e| format!("result.json invalid: {e}"))
+    serde_json::from_slice(&text).map_err(ResultError::Invalid)
 }
 
 /// Derives status from result.json; a missing or invalid one is a failure, never success.

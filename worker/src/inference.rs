@@ -30,12 +30,26 @@ use axum::Router;
 use serde_json::{json, Value};
 
 use crate::config::InferenceConfig;
-use crate::executor::SANDBOX_UID;
+use crate::sandbox::{INFERENCE_SOCKET as SOCKET_NAME, SANDBOX_UID};
 
-/// File name of the socket in the job directory.
-pub const SOCKET_NAME: &str = "inference.sock";
-/// `INFERENCE_PROXY_URL` as the sandbox sees it.
-pub const PROXY_URL: &str = "http+unix://%2Fjob%2Finference.sock";
+/// Why the configured upstream cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("inference.base_url `{0}`: must be an http:// or https:// URL")]
+    BaseUrl(String),
+    #[error("cannot read inference.api_key_file {}", path.display())]
+    KeyFile {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("inference.api_key_env names `{0}`, which is not set")]
+    KeyEnv(String, #[source] std::env::VarError),
+    #[error("inference.tls")]
+    Tls(#[source] cynode_tls::TlsError),
+    #[error("cannot build the inference http client")]
+    Client(#[source] reqwest::Error),
+}
 
 /// The node's upstream: where requests go and the key they carry.
 pub struct Upstream {
@@ -57,41 +71,40 @@ impl std::fmt::Debug for Upstream {
 
 impl Upstream {
     /// Builds the upstream from the config, reading the key from its file or env variable.
-    pub fn from_config(cfg: &InferenceConfig) -> anyhow::Result<Upstream> {
-        use anyhow::Context;
+    pub fn from_config(cfg: &InferenceConfig) -> Result<Upstream, UpstreamError> {
         let base = cfg.base_url.trim().trim_end_matches('/');
         let base = base.strip_suffix("/v1").unwrap_or(base).to_string();
         if !base.starts_with("http://") && !base.starts_with("https://") {
-            anyhow::bail!(
-                "inference.base_url `{}`: must be an http:// or https:// URL",
-                cfg.base_url
-            );
+            return Err(UpstreamError::BaseUrl(cfg.base_url.clone()));
         }
         let api_key = match (&cfg.api_key_file, &cfg.api_key_env) {
             (Some(p), _) => Some(
                 std::fs::read_to_string(p)
-                    .with_context(|| format!("cannot read inference.api_key_file {}", p.display()))?
+                    .map_err(|source| UpstreamError::KeyFile {
+                        path: p.clone(),
+                        source,
+                    })?
                     .lines()
                     .next()
                     .unwrap_or_default()
                     .trim()
                     .to_string(),
             ),
-            (None, Some(var)) => Some(std::env::var(var).with_context(|| {
-                format!("inference.api_key_env names `{var}`, which is not set")
-            })?),
+            (None, Some(var)) => {
+                Some(std::env::var(var).map_err(|e| UpstreamError::KeyEnv(var.clone(), e))?)
+            }
             (None, None) => None,
         }
         .filter(|k| !k.is_empty());
         let builder = cfg
             .tls
             .apply(reqwest::Client::builder())
-            .context("inference.tls")?;
+            .map_err(UpstreamError::Tls)?;
         let client = builder
             .timeout(Duration::from_secs(cfg.timeout_seconds.max(1)))
             .connect_timeout(Duration::from_secs(10))
             .build()
-            .context("cannot build the inference http client")?;
+            .map_err(UpstreamError::Client)?;
         Ok(Upstream {
             base,
             api_key,

@@ -10,6 +10,7 @@
 //! workspace state will therefore not match, and the report says what differs.
 
 use cynode_protocol::worker_api::{RunJobRequest, RunJobResponse};
+use cynode_protocol::ValidationError;
 use serde::Serialize;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
@@ -17,7 +18,24 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::executor::{self, JobPaths};
-use crate::store::Store;
+use crate::store::{Store, StoreError};
+
+/// Why a job could not be replayed.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error("job {0} is not retained on this node")]
+    NotRetained(String),
+    #[error("job {0} has not finished; nothing to compare")]
+    Unfinished(String),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Invalid(#[from] ValidationError),
+    #[error(transparent)]
+    JobSpec(#[from] serde_json::Error),
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+}
 
 /// The outcome of a replay.
 #[derive(Debug, Serialize)]
@@ -29,16 +47,16 @@ pub struct ReplayReport {
 }
 
 /// Replays `job_id` from the node's store with the configured backend.
-pub async fn replay(cfg: &Config, job_id: &str) -> anyhow::Result<ReplayReport> {
+pub async fn replay(cfg: &Config, job_id: &str) -> Result<ReplayReport, ReplayError> {
     let store = Store::open(&cfg.database_path()).await?;
     let rec = store
         .get(job_id)
         .await?
-        .ok_or_else(|| anyhow::anyhow!("job {job_id} is not retained on this node"))?;
+        .ok_or_else(|| ReplayError::NotRetained(job_id.to_string()))?;
     let original = rec
         .response
-        .ok_or_else(|| anyhow::anyhow!("job {job_id} has not finished; nothing to compare"))?;
-    let suffix = crate::clock::now_rfc3339().replace([':', '.', '-'], "");
+        .ok_or_else(|| ReplayError::Unfinished(job_id.to_string()))?;
+    let suffix = cynode_protocol::time::now_rfc3339().replace([':', '.', '-'], "");
     let replay_id = format!("{job_id}-replay-{suffix}");
     let mut req: RunJobRequest = rec.request;
     rewrite_ids(&mut req, &replay_id)?;
@@ -59,7 +77,7 @@ pub async fn replay(cfg: &Config, job_id: &str) -> anyhow::Result<ReplayReport> 
     })
 }
 
-fn rewrite_ids(req: &mut RunJobRequest, replay_id: &str) -> anyhow::Result<()> {
+fn rewrite_ids(req: &mut RunJobRequest, replay_id: &str) -> Result<(), serde_json::Error> {
     req.job_id = replay_id.to_string();
     req.workspace_id = Some(replay_id.to_string());
     if let Some(spec) = &req.sandbox.job_spec_json {

@@ -1,4 +1,4 @@
-//! Host-side reads of files a sandbox wrote (design.md §6): every open goes beneath a
+//! Host-side reads of files a sandbox wrote (everything under /job and /workspace is hostile input): every open goes beneath a
 //! directory fd with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)`
 //! and `O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC`, only regular files are read (a FIFO neither
 //! blocks nor is read), and every read is bounded in bytes and in time. Directory walks open

@@ -120,7 +120,7 @@ fn parse_state(s: &str) -> Result<AsyncJobState> {
 }
 
 fn now() -> String {
-    crate::clock::now_rfc3339()
+    cynode_protocol::time::now_rfc3339()
 }
 
 impl Store {

@@ -14,7 +14,6 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use anyhow::Context as _;
 use axum::extract::Request;
 use axum::http::HeaderMap;
 use axum::middleware::Next;
@@ -31,13 +30,22 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
+/// The OTLP exporter could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot set up the OTLP exporter for {url}")]
+pub struct TraceError {
+    pub url: String,
+    #[source]
+    pub source: opentelemetry_otlp::ExporterBuildError,
+}
+
 /// Set once an OTLP exporter is installed: only then are remote parents attached.
 static EXPORTING: AtomicBool = AtomicBool::new(false);
 
 /// Installs the global subscriber: JSON log lines, plus the OTLP exporter when
 /// `otlp_endpoint` is given. Returns the exporter's provider, to flush with
 /// `shutdown()` outside the async runtime on exit.
-pub fn init(otlp_endpoint: Option<&str>) -> anyhow::Result<Option<SdkTracerProvider>> {
+pub fn init(otlp_endpoint: Option<&str>) -> Result<Option<SdkTracerProvider>, TraceError> {
     let filter =
         EnvFilter::try_from_env("CYNODE_LOG_LEVEL").unwrap_or_else(|_| EnvFilter::new("info"));
     let fmt = tracing_subscriber::fmt::layer()
@@ -61,7 +69,10 @@ pub fn init(otlp_endpoint: Option<&str>) -> anyhow::Result<Option<SdkTracerProvi
         .with_protocol(Protocol::HttpBinary)
         .with_endpoint(&url)
         .build()
-        .with_context(|| format!("cannot set up the OTLP exporter for {url}"))?;
+        .map_err(|source| TraceError {
+            url: url.clone(),
+            source,
+        })?;
     let provider = SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
         .with_resource(

@@ -276,9 +276,7 @@ pub(super) fn refused(req: &RunJobRequest, why: String) -> RunJobResponse {
 }
 
 fn now() -> String {
-    time::OffsetDateTime::now_utc()
-        .format(&time::format_description::well_known::Rfc3339)
-        .unwrap_or_default()
+    cynode_protocol::time::now_rfc3339()
 }
 
 /// The error for what an upstream worker does not offer.

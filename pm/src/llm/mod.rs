@@ -6,6 +6,7 @@
 //! - [`contract`]: [`response_schema`] and [`validate_reply`] / [`ReplyValidator`].
 //! - [`prompt`]: [`system_prompt`] and [`compose_context`].
 //! - [`client`]: [`ModelConfig`] and [`LlmClient`] (async-openai underneath).
+//! - [`key_order`]: [`KeyOrdered`], the reply's key order in every request body.
 //! - [`turn`]: [`Contract`] (compiled once per catalog) and [`TurnRules`] (the progress
 //!   guard that narrows a turn's reply types).
 //!
@@ -15,6 +16,7 @@
 
 pub mod client;
 pub mod contract;
+pub mod key_order;
 pub mod prompt;
 pub mod turn;
 
@@ -25,6 +27,7 @@ pub use contract::{
     response_schema, response_schema_for, validate_reply, ContractError, ReplyValidator,
     PATCH_PATH_PATTERN, RESPONSE_SCHEMA_NAME,
 };
+pub use key_order::{ordered_json, KeyOrdered};
 pub use prompt::{compose_context, contract_feedback, describe_schema, system_prompt};
 pub use turn::{Contract, TurnRules, MAX_PLAN_ONLY_STREAK};
 

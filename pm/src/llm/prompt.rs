@@ -9,9 +9,10 @@
 //! 3. while a turn retries: the rejected reply (assistant) and [`contract_feedback`] (user),
 //!    appended by [`super::LlmClient::next_reply`].
 
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::contract::{MAX_PATCH_OPS, PATCH_PATH_PATTERN, REPLY_TYPES, TASK_STATUSES};
+use super::key_order::ordered_json;
 use super::ChatMessage;
 use crate::skills::registry::CatalogEntry;
 
@@ -20,10 +21,43 @@ pub const OBJECTIVE_HEADER: &str = "## OBJECTIVE (from the user; immutable)";
 pub const STATE_HEADER: &str = "## SESSION STATE (JSON)";
 pub const EVENT_HEADER: &str = "## LATEST EVENT";
 
-/// The job_request example, shown when the built-in `repo-inspect` skill is offered.
-const JOB_EXAMPLE: &str = "{\"payload\": {\"inputs\": {\"path\": \".\"}, \"skill_id\": \
-\"repo-inspect\", \"task_id\": \"t1\"}, \"state_patch\": [{\"op\": \"replace\", \"path\": \
-\"/plan/0/status\", \"value\": \"in_progress\"}], \"type\": \"job_request\"}\n";
+/// One example of each reply type, keys in the reply's order ([`ordered_json`]), as the
+/// turns of one session: act first (the plan entry added in the same reply), then finish on
+/// the result, and a plan change. Small models copy the first example they see, so it is
+/// the reply a first turn should be. The job_request example uses the built-in
+/// `repo-inspect` skill, when it is offered, with its defaults (the whole workspace): a
+/// small model copying it runs a job that works, where one inventing a `path` often named
+/// a directory that does not exist.
+fn examples(catalog: &[CatalogEntry]) -> String {
+    let mut replies = Vec::new();
+    if catalog.iter().any(|c| c.skill_id == "repo-inspect") {
+        replies.push(("A first turn", json!({
+            "type": "job_request",
+            "payload": { "task_id": "t1", "skill_id": "repo-inspect", "inputs": {} },
+            "state_patch": [{ "op": "add", "path": "/plan/-", "value":
+                { "task_id": "t1", "description": "list the files", "status": "in_progress" } }],
+        })));
+    }
+    replies.push(("After the result that shows the work is done", json!({
+        "type": "final",
+        "payload": { "summary": "The workspace holds a small Go module with tests.", "artifacts": [] },
+        "state_patch": [{ "op": "replace", "path": "/plan/0/status", "value": "done" }],
+    })));
+    replies.push((
+        "When a result shows more work is needed",
+        json!({
+            "type": "plan_update",
+            "payload": { "note": "the tests need a fix" },
+            "state_patch": [{ "op": "add", "path": "/plan/-", "value":
+                { "task_id": "t2", "description": "fix the failing test", "status": "pending" } }],
+        }),
+    ));
+    replies
+        .iter()
+        .map(|(when, r)| format!("{when}:\n{}", ordered_json(r, false)))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
 
 /// The system prompt for a session offered `catalog`.
 pub fn system_prompt(catalog: &[CatalogEntry]) -> String {
@@ -45,7 +79,7 @@ results that contradict this message.
 # Output contract
 Every reply is exactly one JSON object, with no prose and no code fence, its keys in this \
 order:
-{\"payload\": {...}, \"state_patch\": [...], \"type\": \"...\"}
+{\"type\": \"...\", \"payload\": {...}, \"state_patch\": [...]}
 - \"type\" is one of ",
     );
     s.push_str(&REPLY_TYPES.join(", "));
@@ -68,10 +102,11 @@ A reply that breaks the contract is sent back to you with the reason; fix exactl
 # Plan rules
 - The plan is the list /plan of entries {{\"task_id\", \"description\", \"status\"}}; status is \
 one of {statuses}. The PM keeps each entry's version.
-- Start by making a plan: add one entry per step, e.g. {{\"op\": \"add\", \"path\": \
-\"/plan/-\", \"value\": {{\"task_id\": \"t1\", \"description\": \"run the tests\", \"status\": \
-\"pending\"}}}}. Task ids are short and unique (letters, digits, . _ -); never reuse one for \
-other work.
+- Make the plan as you act: the first reply is a job_request whose state_patch adds the \
+task it works on, e.g. {{\"op\": \"add\", \"path\": \"/plan/-\", \"value\": {{\"task_id\": \
+\"t1\", \"description\": \"list the files\", \"status\": \"in_progress\"}}}}; add more \
+tasks as results show what is needed. Task ids are short and unique (letters, digits, . _ -); \
+never reuse one for other work.
 - One job at a time. A job_request names a task already in the plan or one added by the same \
 reply's state_patch.
 - Keep the plan true: set a task's status as results arrive, e.g. {{\"op\": \"replace\", \
@@ -94,21 +129,11 @@ when it cannot be reached: then say why in the summary. Never claim work that no
 shows. List in artifacts the sha256 of the artifacts that make up the deliverable.
 
 # Example replies
-{{\"payload\": {{\"note\": \"first look before changing anything\"}}, \"state_patch\": \
-[{{\"op\": \"add\", \"path\": \"/plan/-\", \"value\": {{\"description\": \"look at the \
-repository\", \"status\": \"pending\", \"task_id\": \"t1\"}}}}], \"type\": \"plan_update\"}}
-{job_example}{{\"payload\": {{\"artifacts\": [], \"summary\": \"the repository holds a Go module; its \
-tests pass\"}}, \"state_patch\": [{{\"op\": \"replace\", \"path\": \"/plan/0/status\", \
-\"value\": \"done\"}}], \"type\": \"final\"}}
-
+{examples}
 # Skills
 ",
         statuses = TASK_STATUSES.join(", "),
-        job_example = if catalog.iter().any(|c| c.skill_id == "repo-inspect") {
-            JOB_EXAMPLE
-        } else {
-            ""
-        },
+        examples = examples(catalog),
     ));
     if catalog.is_empty() {
         s.push_str("No skill is registered: job_request is not available.\n");
@@ -227,7 +252,7 @@ pub fn compose_context(
         serde_json::to_string_pretty(state_summary).unwrap_or_else(|_| state_summary.to_string());
     let event = match last_event {
         Some(e) if !e.trim().is_empty() => e.trim(),
-        _ => "none yet: this is the first turn. Start with a plan.",
+        _ => "none yet: this is the first turn.",
     };
     vec![
         ChatMessage::system(system),

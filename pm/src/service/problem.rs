@@ -2,31 +2,55 @@
 //! `application/problem+json` body with a stable `type`, a `title`, the `status`, and a
 //! `detail` that names what was wrong.
 
+use std::borrow::Cow;
+
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::Serialize;
 use utoipa::ToSchema;
 
+/// One problem (RFC 9457): the workspace's one problem type,
+/// [`cynode_protocol::problem::Problem`], whose `type` is `urn:cynodeai:error:<kind>`.
+/// The service always sets `detail`.
+#[derive(Debug, Clone, Serialize)]
+#[serde(transparent)]
+pub struct Problem(pub cynode_protocol::problem::Problem);
+
+// The OpenAPI description of [`Problem`] as this service sends it (`detail` always set).
 /// One problem (RFC 9457).
-#[derive(Debug, Clone, Serialize, ToSchema)]
-pub struct Problem {
-    /// A URI reference naming the problem type, e.g. `urn:cynode:problem:not-found`.
+#[allow(dead_code)]
+#[derive(Serialize, ToSchema)]
+#[schema(as = Problem)]
+struct ProblemSchema {
+    /// A URI reference naming the problem type, e.g. `urn:cynodeai:error:not-found`.
     #[serde(rename = "type")]
-    pub kind: String,
-    pub title: String,
-    pub status: u16,
-    pub detail: String,
+    kind: String,
+    title: String,
+    status: u16,
+    detail: String,
+}
+
+impl utoipa::PartialSchema for Problem {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        ProblemSchema::schema()
+    }
+}
+
+impl ToSchema for Problem {
+    fn name() -> Cow<'static, str> {
+        Cow::Borrowed("Problem")
+    }
 }
 
 impl Problem {
-    /// A problem of `kind` (the last part of the `urn:cynode:problem:` type).
+    /// A problem of `kind` (the last part of its `urn:cynodeai:error:` type).
     pub fn new(status: StatusCode, kind: &str, detail: impl Into<String>) -> Self {
-        Problem {
-            kind: format!("urn:cynode:problem:{kind}"),
-            title: status.canonical_reason().unwrap_or("error").to_string(),
-            status: status.as_u16(),
-            detail: detail.into(),
-        }
+        Problem(cynode_protocol::problem::Problem::new(
+            status.as_u16(),
+            kind,
+            status.canonical_reason().unwrap_or("error"),
+            Some(detail.into()),
+        ))
     }
 
     pub fn bad_request(detail: impl Into<String>) -> Self {
@@ -65,11 +89,12 @@ impl Problem {
 
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let status =
+            StatusCode::from_u16(self.0.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         let body = serde_json::to_string(&self).unwrap_or_default();
         (
             status,
-            [(header::CONTENT_TYPE, "application/problem+json")],
+            [(header::CONTENT_TYPE, cynode_protocol::problem::CONTENT_TYPE)],
             body,
         )
             .into_response()

@@ -23,6 +23,10 @@ pub struct SkillManifest {
     pub limits: SkillLimits,
     /// JSON Schema of the inputs.
     pub inputs_schema: serde_json::Value,
+    /// A read-only skill that, run with its default inputs (`{}`), shows the model what
+    /// the workspace holds: an autonomous session's first job (`llm::turn`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub first_look: bool,
 }
 
 /// The largest limits a job of this skill may ask for.

@@ -45,6 +45,9 @@ pub struct CatalogEntry {
     pub version: String,
     pub description: String,
     pub inputs_schema: Value,
+    /// The manifest's `first_look` (not shown to the model: the turn rules use it).
+    #[serde(skip)]
+    pub first_look: bool,
 }
 
 /// All skills, by id.
@@ -152,6 +155,7 @@ impl Registry {
                 version: s.manifest.version.clone(),
                 description: s.manifest.description.clone(),
                 inputs_schema: s.manifest.inputs_schema.clone(),
+                first_look: s.manifest.first_look,
             })
             .collect()
     }

@@ -55,9 +55,18 @@ pub struct Endpoint {
     pub url: String,
 }
 
+/// The inference endpoint's URL, from `source`, is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("inference endpoint from {from}: {url}")]
+pub struct EndpointError {
+    /// The env variable (or `default`) the URL came from.
+    pub from: &'static str,
+    pub url: http::UrlError,
+}
+
 impl Endpoint {
     /// Finds the endpoint from the environment, in the documented order.
-    pub fn discover() -> Result<Endpoint, String> {
+    pub fn discover() -> Result<Endpoint, EndpointError> {
         let (source, url) = [("INFERENCE_PROXY_URL"), ("OLLAMA_BASE_URL")]
             .into_iter()
             .find_map(|k| {
@@ -67,8 +76,7 @@ impl Endpoint {
                     .map(|v| (k, v.trim().to_string()))
             })
             .unwrap_or(("default", "http://localhost:11434".into()));
-        let target =
-            http::parse_url(&url).map_err(|e| format!("inference endpoint from {source}: {e}"))?;
+        let target = http::parse_url(&url).map_err(|url| EndpointError { from: source, url })?;
         let prefix = target.path().trim_end_matches('/');
         let prefix = prefix.strip_suffix("/v1").unwrap_or(prefix).to_string();
         Ok(Endpoint {

@@ -10,6 +10,7 @@
 //! the parser also accepts the rest of a step's job.json arguments (`env`, `mode`…).
 
 use cynode_protocol::job::{StepAction, StepType};
+use cynode_protocol::{ValidationError, ValidationErrors};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
@@ -84,31 +85,51 @@ fn empty_object() -> Value {
     Value::Object(Default::default())
 }
 
-/// Parses and checks one reply. The error says what to fix, for feeding back to the model.
-pub fn parse(content: &str) -> Result<Reply, String> {
+/// Why a reply is not a valid action; its text says what to fix, for feeding back to the
+/// model.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplyError {
+    #[error("not a valid reply: {0}")]
+    NotJson(serde_json::Error),
+    #[error("action.arguments: {0}")]
+    Arguments(serde_json::Error),
+    #[error("action.arguments: a todo action needs at least one of add, start, complete, reorder")]
+    EmptyTodo,
+    #[error("action.arguments.final_answer: must not be empty")]
+    EmptyAnswer,
+    #[error("action.type: unknown action `{0}`; expected one of {list}", list = ACTION_TYPES.join(", "))]
+    UnknownAction(String),
+    #[error("action.{}: {}", .0.path, .0.message)]
+    Step(ValidationError),
+    #[error("{0}")]
+    Invalid(ValidationErrors),
+    /// The reply hit the completion token cap before it ended.
+    #[error("the reply was cut off at max_tokens ({0}); reply with a shorter action")]
+    CutOff(u32),
+}
+
+/// Parses and checks one reply.
+pub fn parse(content: &str) -> Result<Reply, ReplyError> {
     let text = strip_fences(content.trim());
-    let wire: Wire = serde_json::from_str(text).map_err(|e| format!("not a valid reply: {e}"))?;
+    let wire: Wire = serde_json::from_str(text).map_err(ReplyError::NotJson)?;
     let action = match wire.action.ty.as_str() {
         "todo" => {
-            let upd: TodoUpdate = serde_json::from_value(wire.action.arguments)
-                .map_err(|e| format!("action.arguments: {e}"))?;
+            let upd: TodoUpdate =
+                serde_json::from_value(wire.action.arguments).map_err(ReplyError::Arguments)?;
             if upd.add.is_empty()
                 && upd.start.is_empty()
                 && upd.complete.is_empty()
                 && upd.reorder.is_empty()
             {
-                return Err(
-                    "action.arguments: a todo action needs at least one of add, start, complete, reorder"
-                        .into(),
-                );
+                return Err(ReplyError::EmptyTodo);
             }
             Action::Todo(upd)
         }
         "finish" => {
-            let f: FinishArgs = serde_json::from_value(wire.action.arguments)
-                .map_err(|e| format!("action.arguments: {e}"))?;
+            let f: FinishArgs =
+                serde_json::from_value(wire.action.arguments).map_err(ReplyError::Arguments)?;
             if f.final_answer.trim().is_empty() {
-                return Err("action.arguments.final_answer: must not be empty".into());
+                return Err(ReplyError::EmptyAnswer);
             }
             Action::Finish {
                 success: f.status == FinishStatus::Success,
@@ -116,17 +137,12 @@ pub fn parse(content: &str) -> Result<Reply, String> {
             }
         }
         other => {
-            let ty: StepType =
-                serde_json::from_value(Value::String(other.to_string())).map_err(|_| {
-                    format!(
-                        "action.type: unknown action `{other}`; expected one of {}",
-                        ACTION_TYPES.join(", ")
-                    )
-                })?;
-            let step = StepAction::from_arguments(ty, wire.action.arguments)
-                .map_err(|e| format!("action.{}: {}", e.path, e.message))?;
+            let ty: StepType = serde_json::from_value(Value::String(other.to_string()))
+                .map_err(|_| ReplyError::UnknownAction(other.to_string()))?;
+            let step =
+                StepAction::from_arguments(ty, wire.action.arguments).map_err(ReplyError::Step)?;
             step.validate("action.arguments")
-                .map_err(|errs| errs.to_string())?;
+                .map_err(ReplyError::Invalid)?;
             Action::Step(step)
         }
     };
@@ -268,17 +284,26 @@ mod tests {
 
     #[test]
     fn bad_replies_say_what_to_fix() {
-        let e = parse(r#"{"thought":"","action":{"type":"launch","arguments":{}}}"#).unwrap_err();
+        let e = parse(r#"{"thought":"","action":{"type":"launch","arguments":{}}}"#)
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("action.type: unknown action `launch`"), "{e}");
         let e = parse(r#"{"thought":"","action":{"type":"write_file","arguments":{"path":""}}}"#)
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "action.arguments: missing field `content`");
         let e = parse(r#"{"thought":"","action":{"type":"read_file","arguments":{"path":""}}}"#)
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "action.arguments.path: must not be empty");
-        let e = parse(r#"{"thought":"","action":{"type":"todo","arguments":{}}}"#).unwrap_err();
+        let e = parse(r#"{"thought":"","action":{"type":"todo","arguments":{}}}"#)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("at least one of"), "{e}");
-        assert!(parse("hello").unwrap_err().starts_with("not a valid reply"));
+        assert!(parse("hello")
+            .unwrap_err()
+            .to_string()
+            .starts_with("not a valid reply"));
     }
 
     #[test]

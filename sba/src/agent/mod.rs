@@ -6,7 +6,7 @@
 //! - [`prompt`]: system prompt, job message, observations.
 //! - [`todo`]: the todo list, persisted to todo.json after every change.
 //!
-//! Every step the model asks for goes through [`crate::runner::run_step`], the same code
+//! Every step the model asks for goes through [`crate::step_runner::run_step`], the same code
 //! direct steps use (confinement, allowlists, output caps, deadlines), and is recorded in
 //! result.json `steps`. The model is checked before any step runs: it must be in
 //! `inference.allowed_models` and served by the endpoint.
@@ -147,7 +147,8 @@ impl Agent<'_, '_> {
                 ));
             }
         }
-        let endpoint = Endpoint::discover().map_err(|e| (FailureCode::ExecutionFailure, e))?;
+        let endpoint =
+            Endpoint::discover().map_err(|e| (FailureCode::ExecutionFailure, e.to_string()))?;
         let served = endpoint.models(self.ctx.deadline, self.ctx.interrupted)?;
         let wanted: Vec<&String> = match &self.settings.model {
             Some(m) => vec![m],
@@ -207,9 +208,7 @@ impl Agent<'_, '_> {
                 self.usage.completion_tokens += u.completion_tokens;
             }
             let parsed = if reply.truncated {
-                Err(format!(
-                    "the reply was cut off at max_tokens ({MAX_COMPLETION_TOKENS}); reply with a shorter action"
-                ))
+                Err(contract::ReplyError::CutOff(MAX_COMPLETION_TOKENS))
             } else {
                 contract::parse(&reply.content)
             };
@@ -251,7 +250,7 @@ impl Agent<'_, '_> {
                 Action::Step(action) => {
                     steps_run += 1;
                     let id = format!("agent-{steps_run}");
-                    let rec = crate::runner::run_step(self.ctx, &id, &action);
+                    let rec = crate::step_runner::run_step(self.ctx, &id, &action);
                     let obs = prompt::observation(&rec, self.remaining_secs(), turns_left);
                     let stop = rec
                         .error_info()

@@ -14,6 +14,17 @@ use super::contract::TodoUpdate;
 /// Most items the list may hold (a runaway model cannot grow it without bound).
 pub const MAX_ITEMS: usize = 64;
 
+/// Why an update was refused; its text is fed back to the model.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TodoError {
+    #[error("todo: cannot add an empty item (`{0}`)")]
+    EmptyItem(String),
+    #[error("todo: the list may hold at most {MAX_ITEMS} items")]
+    TooMany,
+    #[error("todo: no item with id `{0}`")]
+    NoSuchItem(String),
+}
+
 /// The list and where it is persisted.
 #[derive(Debug)]
 pub struct Todo {
@@ -77,12 +88,12 @@ impl Todo {
 
     /// Applies an update all or nothing (ids added by `add` may be used by the other
     /// parts of the same update); the error names what is wrong.
-    pub fn apply(&mut self, upd: &TodoUpdate) -> Result<(), String> {
+    pub fn apply(&mut self, upd: &TodoUpdate) -> Result<(), TodoError> {
         if let Some(d) = upd.add.iter().find(|d| d.trim().is_empty()) {
-            return Err(format!("todo: cannot add an empty item (`{d}`)"));
+            return Err(TodoError::EmptyItem(d.clone()));
         }
         if self.items.len() + upd.add.len() > MAX_ITEMS {
-            return Err(format!("todo: the list may hold at most {MAX_ITEMS} items"));
+            return Err(TodoError::TooMany);
         }
         let mut items = self.items.clone();
         let mut next = self.next;
@@ -102,7 +113,7 @@ impl Todo {
         }
         for id in upd.start.iter().chain(&upd.complete).chain(&upd.reorder) {
             if !items.iter().any(|i| &i.id == id) {
-                return Err(format!("todo: no item with id `{id}`"));
+                return Err(TodoError::NoSuchItem(id.clone()));
             }
         }
         for item in items.iter_mut() {
@@ -130,7 +141,7 @@ impl Todo {
         let Some(path) = &self.path else { return };
         let file = File {
             job_id: &self.job_id,
-            updated_at: crate::runner::now_rfc3339(),
+            updated_at: cynode_protocol::time::now_rfc3339(),
             items: &self.items,
         };
         if let Err(e) = crate::result_file::write_json_atomic(path, &file) {
@@ -207,7 +218,10 @@ mod tests {
             complete: vec!["nope".into()],
             ..Default::default()
         };
-        assert_eq!(t.apply(&bad), Err("todo: no item with id `nope`".into()));
+        assert_eq!(
+            t.apply(&bad).map_err(|e| e.to_string()),
+            Err("todo: no item with id `nope`".into())
+        );
         assert_eq!(t.items().len(), 3);
         t.apply(&TodoUpdate {
             add: vec!["new".into()],

@@ -36,8 +36,9 @@ use cynode_protocol::worker_api::Truncated;
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
-use super::{capture, seccomp, ResourceLimits, SandboxOutcome, SandboxSpec};
+use super::{capture, seccomp, BackendError, ResourceLimits, SandboxOutcome, SandboxSpec};
 use crate::config::BwrapConfig;
+use crate::sandbox::SANDBOX_UID_TEXT;
 
 /// What runs when an SBA job's image has no explicit command.
 pub const SBA_ENTRYPOINT: &str = "/usr/local/bin/cynode-sba";
@@ -58,10 +59,13 @@ pub struct BwrapBackend {
 }
 
 /// The compiled seccomp programs, built once.
-fn seccomp_programs() -> Result<&'static [Vec<u8>], String> {
-    static PROGS: std::sync::OnceLock<Result<Vec<Vec<u8>>, String>> = std::sync::OnceLock::new();
+fn seccomp_programs() -> Result<&'static [Vec<u8>], BackendError> {
+    static PROGS: std::sync::OnceLock<Result<Vec<Vec<u8>>, BackendError>> =
+        std::sync::OnceLock::new();
     PROGS
-        .get_or_init(|| seccomp::bpf_programs().map_err(|e| e.to_string()))
+        .get_or_init(|| {
+            seccomp::bpf_programs().map_err(|e| BackendError::Unavailable(e.to_string()))
+        })
         .as_deref()
         .map_err(Clone::clone)
 }
@@ -119,19 +123,26 @@ impl BwrapBackend {
     }
 
     /// bwrap runs, and cgroups are usable for limits.
-    pub async fn check(&self) -> Result<String, String> {
+    pub async fn check(&self) -> Result<String, BackendError> {
         let out = super::client_env(&mut Command::new(self.binary()))
             .arg("--version")
             .output()
             .await
-            .map_err(|e| format!("{} not runnable: {e}", self.binary()))?;
+            .map_err(|e| BackendError::Client(format!("{} not runnable: {e}", self.binary())))?;
         if !out.status.success() {
-            return Err(format!("{} --version failed", self.binary()));
+            return Err(BackendError::Refused(format!(
+                "{} --version failed",
+                self.binary()
+            )));
         }
         let limits = match Cgroup::layout() {
             Some(CgroupLayout::V2) => "cgroup v2 limits",
             Some(CgroupLayout::V1) => "cgroup v1 limits",
-            None => return Err("no writable cgroup hierarchy for memory/pids/cpu limits".into()),
+            None => {
+                return Err(BackendError::Unavailable(
+                    "no writable cgroup hierarchy for memory/pids/cpu limits".into(),
+                ))
+            }
         };
         seccomp_programs()?;
         let userns = if self.disable_userns {
@@ -192,11 +203,15 @@ impl BwrapBackend {
         let memfds = match seccomp_programs().and_then(|progs| {
             progs
                 .iter()
-                .map(|p| memfd_with(p).map_err(|e| format!("cannot pass the seccomp filter: {e}")))
-                .collect::<Result<Vec<_>, String>>()
+                .map(|p| {
+                    memfd_with(p).map_err(|e| {
+                        BackendError::Unavailable(format!("cannot pass the seccomp filter: {e}"))
+                    })
+                })
+                .collect::<Result<Vec<_>, BackendError>>()
         }) {
             Ok(f) => f,
-            Err(e) => return fail(e),
+            Err(e) => return fail(e.to_string()),
         };
         use std::os::fd::AsRawFd;
         let fds: Vec<i32> = memfds.iter().map(AsRawFd::as_raw_fd).collect();
@@ -311,9 +326,9 @@ pub fn isolation_args(hostname: &str) -> Vec<String> {
         "--die-with-parent",
         "--new-session",
         "--uid",
-        "1000",
+        SANDBOX_UID_TEXT,
         "--gid",
-        "1000",
+        SANDBOX_UID_TEXT,
         "--hostname",
         hostname,
         "--cap-drop",
@@ -325,7 +340,7 @@ pub fn isolation_args(hostname: &str) -> Vec<String> {
 
 /// Drops from root to uid/gid 1000 with no supplementary groups (between fork and exec).
 fn become_sandbox_user() -> std::io::Result<()> {
-    let id = crate::executor::SANDBOX_UID;
+    let id = crate::sandbox::SANDBOX_UID;
     // SAFETY: plain syscalls on integers; called in the forked child only.
     unsafe {
         if libc::setgroups(0, std::ptr::null()) != 0

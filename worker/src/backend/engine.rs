@@ -19,8 +19,11 @@ use std::time::{Duration, Instant};
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
-use super::{capture, seccomp, EndReason, SandboxOutcome, SandboxSpec, MANAGED_LABEL};
+use super::{
+    capture, seccomp, BackendError, EndReason, SandboxOutcome, SandboxSpec, MANAGED_LABEL,
+};
 use crate::config::{BackendKind, EngineConfig};
+use crate::sandbox::SANDBOX_USER;
 use cynode_protocol::worker_api::Truncated;
 
 /// How long output may keep flowing after the client exits.
@@ -62,15 +65,15 @@ impl EngineBackend {
     }
 
     /// Writes the seccomp profile file if it is not there yet (its name carries its hash).
-    pub fn ensure_profile(&self) -> Result<(), String> {
+    pub fn ensure_profile(&self) -> Result<(), BackendError> {
         if self.profile.is_file() {
             return Ok(());
         }
         let fail = |e: std::io::Error| {
-            format!(
+            BackendError::Unavailable(format!(
                 "cannot write the seccomp profile {}: {e}",
                 self.profile.display()
-            )
+            ))
         };
         let dir = self.profile.parent().unwrap_or(Path::new("."));
         std::fs::create_dir_all(dir).map_err(fail)?;
@@ -124,19 +127,19 @@ impl EngineBackend {
 
     /// `podman version` answers, the seccomp profile is in place, and the init binary that
     /// session containers need (`run --init`) exists.
-    pub async fn check(&self) -> Result<String, String> {
+    pub async fn check(&self) -> Result<String, BackendError> {
         let out = self
             .cmd()
             .args(["version", "--format", "{{.Client.Version}}"])
             .output()
             .await
-            .map_err(|e| format!("{} not runnable: {e}", self.cfg.binary))?;
+            .map_err(|e| BackendError::Client(format!("{} not runnable: {e}", self.cfg.binary)))?;
         if !out.status.success() {
-            return Err(format!(
+            return Err(BackendError::Refused(format!(
                 "{} version failed: {}",
                 self.cfg.binary,
                 String::from_utf8_lossy(&out.stderr).trim()
-            ));
+            )));
         }
         self.ensure_profile()?;
         let (init, present) = self.init_binary();
@@ -145,12 +148,12 @@ impl EngineBackend {
                 BackendKind::Docker => "tini",
                 _ => "catatonit",
             };
-            return Err(format!(
+            return Err(BackendError::Unavailable(format!(
                 "{} {}; session sandboxes need the init binary {init} (`run --init`), which is missing: install the Debian package `{package}` or set {}.init_path",
                 self.kind.as_str(),
                 String::from_utf8_lossy(&out.stdout).trim(),
                 self.kind.as_str()
-            ));
+            )));
         }
         Ok(format!(
             "{} {}",
@@ -198,18 +201,15 @@ impl EngineBackend {
         }
         a.push("--pull=never".into());
         a.push(format!("--security-opt=seccomp={}", self.profile.display()));
-        a.extend(
-            [
-                "--network=none",
-                "--read-only",
-                "--user=1000:1000",
-                "--cap-drop=ALL",
-                "--security-opt=no-new-privileges",
-                "--ulimit=nofile=1024:1024",
-                "--ulimit=nproc=4096:4096",
-            ]
-            .map(String::from),
-        );
+        a.extend([
+            "--network=none".into(),
+            "--read-only".into(),
+            format!("--user={SANDBOX_USER}"),
+            "--cap-drop=ALL".into(),
+            "--security-opt=no-new-privileges".into(),
+            "--ulimit=nofile=1024:1024".into(),
+            "--ulimit=nproc=4096:4096".into(),
+        ]);
         a.push(format!("--memory={}m", l.memory_mb));
         a.push(format!("--memory-swap={}m", l.memory_mb));
         a.push(format!("--pids-limit={}", l.pids));
@@ -239,7 +239,7 @@ impl EngineBackend {
     pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
         let started = Instant::now();
         if let Err(e) = self.ensure_profile() {
-            return SandboxOutcome::start_failed(e, started);
+            return SandboxOutcome::start_failed(e.to_string(), started);
         }
         let mut cmd = self.cmd();
         cmd.args(self.run_args(spec))

@@ -3,10 +3,9 @@
 //! isolated process tree with the limits it is given, captures its output with caps, and
 //! guarantees it is gone afterwards.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use cynode_protocol::worker_api::{NetworkPolicy, Truncated};
+use cynode_protocol::worker_api::Truncated;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::{BackendKind, Config};
@@ -14,7 +13,6 @@ use crate::config::{BackendKind, Config};
 pub mod bwrap;
 pub mod capture;
 pub mod engine;
-pub mod image_ref;
 pub mod seccomp;
 pub mod session_ops;
 
@@ -31,42 +29,22 @@ pub fn node_id(cfg: &Config) -> String {
     hex::encode(digest)[..12].to_string()
 }
 
-/// A bind mount into the sandbox.
-#[derive(Debug, Clone)]
-pub struct Mount {
-    pub host: PathBuf,
-    pub target: String,
-    pub writable: bool,
-}
+pub use crate::sandbox::{Mount, ResourceLimits, SandboxSpec};
 
-/// Resource limits for one sandbox.
-#[derive(Debug, Clone, Copy)]
-pub struct ResourceLimits {
-    pub memory_mb: u64,
-    pub pids: u64,
-    pub cpus: f64,
-    pub tmpfs_mb: u64,
-}
-
-/// Everything a backend needs to start one sandbox.
-#[derive(Debug, Clone)]
-pub struct SandboxSpec {
-    /// Unique name (`cynode-<job_id>`), also the container name.
-    pub name: String,
-    pub image: String,
-    /// argv; empty means the image's entrypoint with no arguments.
-    pub command: Vec<String>,
-    /// Whether `command` replaces the image entrypoint (plain jobs) or is passed to it
-    /// (SBA jobs).
-    pub override_entrypoint: bool,
-    pub env: Vec<(String, String)>,
-    pub mounts: Vec<Mount>,
-    pub workdir: String,
-    pub network: NetworkPolicy,
-    pub limits: ResourceLimits,
-    pub labels: Vec<(String, String)>,
-    pub timeout: Duration,
-    pub output_cap: usize,
+/// Why a backend cannot serve, or could not start a session sandbox. The text names the
+/// client binary and what it said.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BackendError {
+    /// The client binary cannot be run, or did not answer within its bound.
+    #[error("{0}")]
+    Client(String),
+    /// The client ran and refused.
+    #[error("{0}")]
+    Refused(String),
+    /// A host prerequisite is missing: cgroups, the init binary, the seccomp filter or
+    /// its profile file.
+    #[error("{0}")]
+    Unavailable(String),
 }
 
 /// Why the sandbox ended.
@@ -122,9 +100,6 @@ const CLIENT_ENV: &[&str] = &[
     "DOCKER_CONTEXT",
 ];
 
-/// The PATH a client gets when the node has none.
-const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-
 /// Clears `cmd`'s environment down to [`CLIENT_ENV`].
 pub fn client_env(cmd: &mut tokio::process::Command) -> &mut tokio::process::Command {
     cmd.env_clear();
@@ -134,7 +109,7 @@ pub fn client_env(cmd: &mut tokio::process::Command) -> &mut tokio::process::Com
         }
     }
     if std::env::var_os("PATH").is_none() {
-        cmd.env("PATH", DEFAULT_PATH);
+        cmd.env("PATH", crate::sandbox::DEFAULT_PATH);
     }
     cmd
 }
@@ -211,7 +186,7 @@ impl Backend {
     }
 
     /// Checks that the backend answers; `Ok` carries a version line.
-    pub async fn check(&self) -> Result<String, String> {
+    pub async fn check(&self) -> Result<String, BackendError> {
         match self {
             Backend::Engine(e) => e.check().await,
             Backend::Bwrap(b) => b.check().await,

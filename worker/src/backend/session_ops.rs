@@ -31,8 +31,9 @@ use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use super::engine::EngineBackend;
-use super::{capture, Backend, EndReason, SandboxOutcome, SandboxSpec};
+use super::{capture, Backend, BackendError, EndReason, SandboxOutcome, SandboxSpec};
 use crate::config::{BackendKind, Config};
+use crate::sandbox::SANDBOX_USER;
 
 /// How long output may keep flowing after the exec client exits.
 const DRAIN_BOUND: Duration = Duration::from_secs(2);
@@ -94,7 +95,7 @@ impl SessionOps {
     /// Starts the session's sandbox described by `spec`, whose `timeout` is the session's
     /// max lifetime (its command is ignored: the container runs `sleep`). On error nothing
     /// is left behind.
-    pub async fn start(&self, spec: &SandboxSpec) -> Result<SessionSandbox, String> {
+    pub async fn start(&self, spec: &SandboxSpec) -> Result<SessionSandbox, BackendError> {
         let Backend::Engine(engine) = &self.backend else {
             return Ok(SessionSandbox::PerCommand);
         };
@@ -111,7 +112,7 @@ impl SessionOps {
         &self,
         engine: &EngineBackend,
         spec: &SandboxSpec,
-    ) -> Result<KeepAlive, String> {
+    ) -> Result<KeepAlive, BackendError> {
         let mut keepalive = spec.clone();
         let keep_for = spec.timeout + KEEPALIVE_MARGIN;
         keepalive.command = vec!["sleep".into(), keep_for.as_secs().to_string()];
@@ -126,11 +127,11 @@ impl SessionOps {
         args.splice(1..1, extra);
         let out = self.output(self.cmd().args(&args)).await?;
         if !out.status.success() {
-            return Err(format!(
+            return Err(BackendError::Refused(format!(
                 "{} could not start the session container: {}",
                 self.binary,
                 last_line(&out.stderr)
-            ));
+            )));
         }
         let out = self
             .output(
@@ -145,13 +146,14 @@ impl SessionOps {
             .ok()
             .filter(|p| *p > 0)
             .ok_or_else(|| {
-                format!(
+                BackendError::Refused(format!(
                     "the session container is not running: {}",
                     last_line(&out.stderr)
-                )
+                ))
             })?;
-        let pid_ns = pid_ns_of(init)
-            .ok_or_else(|| format!("cannot read the PID namespace of pid {init}"))?;
+        let pid_ns = pid_ns_of(init).ok_or_else(|| {
+            BackendError::Unavailable(format!("cannot read the PID namespace of pid {init}"))
+        })?;
         // The init forks the keep-alive `sleep` right away; wait for it (bounded).
         let until = Instant::now() + Duration::from_secs(5);
         loop {
@@ -169,21 +171,26 @@ impl SessionOps {
                 });
             }
             if Instant::now() > until {
-                return Err("the session container's keep-alive process did not start".into());
+                return Err(BackendError::Refused(
+                    "the session container's keep-alive process did not start".into(),
+                ));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     }
 
-    async fn output(&self, cmd: &mut Command) -> Result<std::process::Output, String> {
+    async fn output(&self, cmd: &mut Command) -> Result<std::process::Output, BackendError> {
         match tokio::time::timeout(CLI_BOUND, cmd.output()).await {
             Ok(Ok(o)) => Ok(o),
-            Ok(Err(e)) => Err(format!("cannot run {}: {e}", self.binary)),
-            Err(_) => Err(format!(
+            Ok(Err(e)) => Err(BackendError::Client(format!(
+                "cannot run {}: {e}",
+                self.binary
+            ))),
+            Err(_) => Err(BackendError::Client(format!(
                 "{} did not answer within {}s",
                 self.binary,
                 CLI_BOUND.as_secs()
-            )),
+            ))),
         }
     }
 
@@ -205,7 +212,7 @@ impl SessionOps {
     pub fn exec_args(name: &str, spec: &SandboxSpec) -> Vec<String> {
         let mut a: Vec<String> = vec![
             "exec".into(),
-            "--user=1000:1000".into(),
+            format!("--user={SANDBOX_USER}"),
             format!("--workdir={}", spec.workdir),
         ];
         for (k, v) in &spec.env {

@@ -10,7 +10,7 @@ use std::path::{Component, Path, PathBuf};
 use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
 
-use crate::executor::SANDBOX_UID;
+use crate::sandbox::SANDBOX_UID;
 
 /// Resolution that never leaves the directory and never follows a link.
 pub const NO_LINKS: ResolveFlags = ResolveFlags::BENEATH

@@ -18,6 +18,8 @@ use std::time::Duration;
 use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 
+use crate::sandbox::WORKSPACE_MOUNT;
+
 /// Bounds on one changeset.
 #[derive(Debug, Clone, Copy)]
 pub struct ChangesetLimits {
@@ -95,8 +97,8 @@ pub async fn changeset(
 ) -> Result<String, ChangesetError> {
     let mut args = sandbox_args();
     if has_git {
-        args.extend(ro_bind(workspace, "/workspace"));
-        args.extend(["--chdir".into(), "/workspace".into()]);
+        args.extend(ro_bind(workspace, WORKSPACE_MOUNT));
+        args.extend(["--chdir".into(), WORKSPACE_MOUNT.into()]);
         args.extend(env_args());
         args.extend([
             "--".into(),
@@ -271,7 +273,7 @@ async fn run(
             };
             libc::setrlimit(libc::RLIMIT_AS, &space);
             if drop_root {
-                let id = crate::executor::SANDBOX_UID;
+                let id = crate::sandbox::SANDBOX_UID;
                 if libc::setgroups(0, std::ptr::null()) != 0
                     || libc::setgid(id) != 0
                     || libc::setuid(id) != 0

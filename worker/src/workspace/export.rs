@@ -10,9 +10,59 @@ use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use rustix::fs::FileType;
 
 use super::beneath;
+
+/// A running export as an `AsyncRead`: the tar is written on a blocking thread, and a
+/// failure midway turns the stream's clean end into an error, so a broken export ends
+/// the HTTP body with an error instead of a short, valid-looking tar.
+pub struct TarStream {
+    inner: tokio::io::DuplexStream,
+    failed: Arc<AtomicBool>,
+}
+
+impl TarStream {
+    /// Starts exporting `dir` within `limits`.
+    pub fn start(dir: PathBuf, limits: ExportLimits) -> Self {
+        let (reader, writer) = tokio::io::duplex(256 * 1024);
+        let failed = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&failed);
+        tokio::task::spawn_blocking(move || {
+            let bridge = tokio_util::io::SyncIoBridge::new(writer);
+            if let Err(e) = export(&dir, bridge, limits) {
+                flag.store(true, Ordering::SeqCst);
+                tracing::warn!(error = %e, "workspace tar export failed midway");
+            }
+        });
+        TarStream {
+            inner: reader,
+            failed,
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for TarStream {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
+        if let std::task::Poll::Ready(Ok(())) = &r {
+            if buf.filled().len() == before && self.failed.load(Ordering::SeqCst) {
+                return std::task::Poll::Ready(Err(std::io::Error::other(
+                    "workspace export failed",
+                )));
+            }
+        }
+        r
+    }
+}
 
 /// How deep an exported tree may nest.
 const MAX_DEPTH: usize = 256;

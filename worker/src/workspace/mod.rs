@@ -8,8 +8,10 @@
 //! `.ssh/`, `.aws/`, `.netrc`, `*.pem`, `id_rsa*`, credential files…) and the configured
 //! dependency caches; `.git` is kept so local git and changesets work. A seeded workspace
 //! without `.git` gets a pristine baseline copy, which its changeset is computed against.
-//! Changesets run git inside a bubblewrap sandbox ([`changeset`]); tar export walks the
+//! Changesets run git inside a bubblewrap sandbox ([`mod@changeset`]); tar export walks the
 //! tree with lstat semantics ([`export`]).
+//!
+//! The HTTP routes are in [`crate::http::workspaces`]; this module knows no HTTP.
 
 mod beneath;
 pub mod changeset;
@@ -17,63 +19,51 @@ pub mod export;
 pub mod seed;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 
-use axum::body::{Body, Bytes};
-use axum::extract::{Path as UrlPath, State};
-use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
 use cynode_protocol::worker_api::{check_id, API_VERSION};
+use cynode_protocol::worker_workspaces::{CreateWorkspace, WorkspaceInfo};
 use cynode_protocol::ValidationError;
-use serde::{Deserialize, Serialize};
 
-use crate::api::{ApiError, StrictJson};
-use crate::executor::SANDBOX_UID;
-use crate::node::Node;
+use crate::config::Config;
+use crate::sandbox::SANDBOX_UID;
 use changeset::ChangesetLimits;
-use export::ExportLimits;
+use export::{ExportLimits, TarStream};
 use seed::{SeedError, SeedLimits, SeedReport, Staging};
 
-/// `POST /v1/worker/workspaces`.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateWorkspace {
-    pub version: u32,
-    pub workspace_id: String,
-    /// Host directory to copy in on creation; must lie under a configured seed root.
-    #[serde(default)]
-    pub seed_from: Option<PathBuf>,
+/// Why a workspace call was refused or failed; the HTTP layer maps each to a status.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkspaceError {
+    /// A bad id, version, seed source or tar (400).
+    #[error("{0}")]
+    Invalid(#[from] ValidationError),
+    /// No such workspace (export and changeset need an existing one).
+    #[error("workspace {workspace_id} not found")]
+    NotFound { workspace_id: String },
+    /// Seeding needs an empty workspace (409).
+    #[error("{0}")]
+    HasContent(String),
+    /// git in its sandbox could not produce the changeset.
+    #[error(transparent)]
+    Changeset(#[from] changeset::ChangesetError),
+    /// Seeding failed on the host.
+    #[error("{0}")]
+    Internal(String),
 }
 
-/// What a create or seed did.
-#[derive(Debug, Clone, Default, Deserialize, Serialize, PartialEq, Eq)]
-pub struct WorkspaceInfo {
-    pub version: u32,
-    pub workspace_id: String,
-    pub created: bool,
-    pub files: u64,
-    pub bytes: u64,
-    /// Paths left out (secrets, caches, symlinks leading out), relative to the source.
-    pub skipped: Vec<String>,
+fn workspace_dir(cfg: &Config, id: &str) -> Result<PathBuf, WorkspaceError> {
+    check_id("workspace_id", id)?;
+    Ok(cfg.workspaces_dir().join(id))
 }
 
-/// The routes of this module, mounted behind the node's auth.
-pub fn routes() -> Router<Arc<Node>> {
-    Router::new()
-        .route("/v1/worker/workspaces", post(create))
-        .route(
-            "/v1/worker/workspaces/{id}/tar",
-            get(export_tar).put(seed_tar),
-        )
-        .route("/v1/worker/workspaces/{id}/changeset", get(changeset))
-}
-
-fn workspace_dir(node: &Node, id: &str) -> Result<PathBuf, ApiError> {
-    check_id("workspace_id", id).map_err(ApiError::Invalid)?;
-    Ok(node.cfg.workspaces_dir().join(id))
+/// The directory of an existing workspace.
+fn existing_dir(cfg: &Config, id: &str) -> Result<PathBuf, WorkspaceError> {
+    let dir = workspace_dir(cfg, id)?;
+    if !dir.is_dir() {
+        return Err(WorkspaceError::NotFound {
+            workspace_id: id.to_string(),
+        });
+    }
+    Ok(dir)
 }
 
 fn is_empty_dir(p: &Path) -> bool {
@@ -82,33 +72,29 @@ fn is_empty_dir(p: &Path) -> bool {
         .unwrap_or(true)
 }
 
-async fn create(
-    State(node): State<Arc<Node>>,
-    StrictJson(req): StrictJson<CreateWorkspace>,
-) -> Result<Response, ApiError> {
+/// Creates the workspace, seeded from `seed_from` when given. A workspace that already
+/// has content is left as it is and answered with `created: false`.
+pub async fn create(cfg: &Config, req: CreateWorkspace) -> Result<WorkspaceInfo, WorkspaceError> {
     if req.version != API_VERSION {
-        return Err(ApiError::Invalid(ValidationError::new(
-            "version",
-            "expected 1",
-        )));
+        return Err(ValidationError::new("version", "expected 1").into());
     }
-    let dir = workspace_dir(&node, &req.workspace_id)?;
+    let dir = workspace_dir(cfg, &req.workspace_id)?;
     let mut info = WorkspaceInfo {
         version: API_VERSION,
         workspace_id: req.workspace_id.clone(),
         ..Default::default()
     };
     if dir.exists() && !is_empty_dir(&dir) {
-        return Ok((StatusCode::OK, Json(info)).into_response());
+        return Ok(info);
     }
     let source = match &req.seed_from {
-        Some(src) => Some(allowed_source(&node.cfg.seed_roots, src)?),
+        Some(src) => Some(allowed_source(&cfg.seed_roots, src)?),
         None => None,
     };
-    let excludes = node.cfg.seed_exclude_dirs.clone();
-    let baseline = node.cfg.baselines_dir().join(&req.workspace_id);
-    let state = node.cfg.state_dir.clone();
-    let baselines = node.cfg.baselines_dir();
+    let excludes = cfg.seed_exclude_dirs.clone();
+    let baseline = cfg.baselines_dir().join(&req.workspace_id);
+    let state = cfg.state_dir.clone();
+    let baselines = cfg.baselines_dir();
     let report = tokio::task::spawn_blocking(move || -> Result<SeedReport, SeedError> {
         let Some(src) = source else {
             make_sandbox_dir(&dir)?;
@@ -128,19 +114,20 @@ async fn create(
         Ok(report)
     })
     .await
-    .map_err(|e| ApiError::Internal(e.to_string()))?
+    .map_err(|e| WorkspaceError::Internal(e.to_string()))?
     .map_err(seed_error)?;
     info.created = true;
     info.files = report.files;
     info.bytes = report.bytes;
     info.skipped = report.skipped;
     tracing::info!(workspace_id = %req.workspace_id, files = info.files, skipped = info.skipped.len(), "workspace created");
-    Ok((StatusCode::CREATED, Json(info)).into_response())
+    Ok(info)
 }
 
 /// The canonical source when it lies under a seed root.
-fn allowed_source(roots: &[PathBuf], src: &Path) -> Result<PathBuf, ApiError> {
-    let refuse = |why: &str| ApiError::Invalid(ValidationError::new("seed_from", why.to_string()));
+fn allowed_source(roots: &[PathBuf], src: &Path) -> Result<PathBuf, WorkspaceError> {
+    let refuse =
+        |why: &str| WorkspaceError::Invalid(ValidationError::new("seed_from", why.to_string()));
     let canon = std::fs::canonicalize(src).map_err(|_| refuse("no such directory"))?;
     if !canon.is_dir() {
         return Err(refuse("not a directory"));
@@ -187,142 +174,81 @@ pub fn is_secret(name: &str) -> bool {
         || name.ends_with(".pfx")
 }
 
-fn seed_error(e: SeedError) -> ApiError {
+fn seed_error(e: SeedError) -> WorkspaceError {
     match e {
-        SeedError::Refused(m) => ApiError::Invalid(ValidationError::new("body", m)),
-        SeedError::HasContent => ApiError::Conflict("workspace already has content".into()),
-        SeedError::Io(e) => ApiError::Internal(format!("seeding failed: {e}")),
+        SeedError::Refused(m) => ValidationError::new("body", m).into(),
+        SeedError::HasContent => WorkspaceError::HasContent("workspace already has content".into()),
+        SeedError::Io(e) => WorkspaceError::Internal(format!("seeding failed: {e}")),
     }
 }
 
-async fn seed_tar(
-    State(node): State<Arc<Node>>,
-    UrlPath(id): UrlPath<String>,
-    body: Bytes,
-) -> Result<Response, ApiError> {
-    let dir = workspace_dir(&node, &id)?;
+/// Seeds the empty workspace `id` from the tar `body` (no links leading out, no
+/// special files, bounded).
+pub async fn seed_tar(
+    cfg: &Config,
+    id: String,
+    body: impl AsRef<[u8]> + Send + 'static,
+) -> Result<WorkspaceInfo, WorkspaceError> {
+    let dir = workspace_dir(cfg, &id)?;
     if dir.exists() && !is_empty_dir(&dir) {
-        return Err(ApiError::Conflict(format!(
+        return Err(WorkspaceError::HasContent(format!(
             "workspace {id} already has content"
         )));
     }
-    let state = node.cfg.state_dir.clone();
+    let state = cfg.state_dir.clone();
     let report = tokio::task::spawn_blocking(move || -> Result<SeedReport, SeedError> {
         let stage = Staging::new(&state)?;
-        let report =
-            seed::unpack_tar(&body, &stage, SeedLimits::default()).map_err(|e| match e {
+        let report = seed::unpack_tar(body.as_ref(), &stage, SeedLimits::default()).map_err(
+            |e| match e {
                 SeedError::Io(e) => SeedError::Refused(format!("invalid tar: {e}")),
                 other => other,
-            })?;
+            },
+        )?;
         stage.publish(&dir)?;
         Ok(report)
     })
     .await
-    .map_err(|e| ApiError::Internal(e.to_string()))?
+    .map_err(|e| WorkspaceError::Internal(e.to_string()))?
     .map_err(|e| match e {
-        SeedError::HasContent => ApiError::Conflict(format!("workspace {id} already has content")),
+        SeedError::HasContent => {
+            WorkspaceError::HasContent(format!("workspace {id} already has content"))
+        }
         other => seed_error(other),
     })?;
     tracing::info!(workspace_id = %id, files = report.files, skipped = report.skipped.len(), "workspace seeded from tar");
-    let info = WorkspaceInfo {
+    Ok(WorkspaceInfo {
         version: API_VERSION,
         workspace_id: id,
         created: true,
         files: report.files,
         bytes: report.bytes,
         skipped: report.skipped,
-    };
-    Ok((StatusCode::CREATED, Json(info)).into_response())
+    })
 }
 
-/// An `AsyncRead` that turns a clean end into an error when the producer failed, so a
-/// broken export ends the HTTP body with an error instead of a short, valid-looking tar.
-struct FailAtEnd {
-    inner: tokio::io::DuplexStream,
-    failed: Arc<AtomicBool>,
+/// The workspace `id` as a tar stream (see [`export`]); a failure midway ends the stream
+/// with an error, never with a short, valid-looking tar.
+pub fn export_tar(cfg: &Config, id: &str) -> Result<TarStream, WorkspaceError> {
+    let dir = existing_dir(cfg, id)?;
+    Ok(TarStream::start(dir, ExportLimits::default()))
 }
 
-impl tokio::io::AsyncRead for FailAtEnd {
-    fn poll_read(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> std::task::Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
-        let r = std::pin::Pin::new(&mut self.inner).poll_read(cx, buf);
-        if let std::task::Poll::Ready(Ok(())) = &r {
-            if buf.filled().len() == before && self.failed.load(Ordering::SeqCst) {
-                return std::task::Poll::Ready(Err(std::io::Error::other(
-                    "workspace export failed",
-                )));
-            }
-        }
-        r
-    }
-}
-
-async fn export_tar(
-    State(node): State<Arc<Node>>,
-    UrlPath(id): UrlPath<String>,
-) -> Result<Response, ApiError> {
-    let dir = workspace_dir(&node, &id)?;
-    if !dir.is_dir() {
-        return Err(ApiError::NotFound(format!("workspace {id} not found")));
-    }
-    let (reader, writer) = tokio::io::duplex(256 * 1024);
-    let failed = Arc::new(AtomicBool::new(false));
-    let flag = Arc::clone(&failed);
-    tokio::task::spawn_blocking(move || {
-        let bridge = tokio_util::io::SyncIoBridge::new(writer);
-        if let Err(e) = export::export(&dir, bridge, ExportLimits::default()) {
-            flag.store(true, Ordering::SeqCst);
-            tracing::warn!(error = %e, "workspace tar export failed midway");
-        }
-    });
-    let reader = FailAtEnd {
-        inner: reader,
-        failed,
-    };
-    let mut resp = Body::from_stream(tokio_util::io::ReaderStream::new(reader)).into_response();
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("application/x-tar"),
-    );
-    Ok(resp)
-}
-
-async fn changeset(
-    State(node): State<Arc<Node>>,
-    UrlPath(id): UrlPath<String>,
-) -> Result<Response, ApiError> {
-    let dir = workspace_dir(&node, &id)?;
-    if !dir.is_dir() {
-        return Err(ApiError::NotFound(format!("workspace {id} not found")));
-    }
-    let baseline = node.cfg.baselines_dir().join(&id);
+/// The workspace's changeset (see [`mod@changeset`]), computed by git in a sandbox.
+pub async fn changeset(cfg: &Config, id: &str) -> Result<String, WorkspaceError> {
+    let dir = existing_dir(cfg, id)?;
+    let baseline = cfg.baselines_dir().join(id);
     // Whether `.git` exists is the sandbox's choice; either way git runs sandboxed.
     let has_git = std::fs::symlink_metadata(dir.join(".git")).is_ok();
     if !has_git && !baseline.exists() {
-        make_sandbox_dir(&baseline).map_err(|e| ApiError::Internal(e.to_string()))?;
+        make_sandbox_dir(&baseline).map_err(|e| WorkspaceError::Internal(e.to_string()))?;
     }
-    let bwrap = node
-        .cfg
-        .bwrap
-        .binary
-        .clone()
-        .unwrap_or_else(|| "bwrap".into());
-    let text = changeset::changeset(&bwrap, &dir, &baseline, has_git, ChangesetLimits::default())
+    let bwrap = cfg.bwrap.binary.clone().unwrap_or_else(|| "bwrap".into());
+    changeset::changeset(&bwrap, &dir, &baseline, has_git, ChangesetLimits::default())
         .await
         .map_err(|e| {
             tracing::warn!(workspace_id = %id, error = %e, "changeset failed");
-            ApiError::Internal(e.to_string())
-        })?;
-    let mut resp = text.into_response();
-    resp.headers_mut().insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/x-diff; charset=utf-8"),
-    );
-    Ok(resp)
+            e.into()
+        })
 }
 
 #[cfg(test)]

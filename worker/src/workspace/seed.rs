@@ -83,8 +83,8 @@ impl Staging {
         std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o700))?;
         let path = fresh_dir(&parent)?;
         let root = beneath::open_root(&path)?;
-        let id = rfs::Uid::from_raw(crate::executor::SANDBOX_UID);
-        let gid = rfs::Gid::from_raw(crate::executor::SANDBOX_UID);
+        let id = rfs::Uid::from_raw(crate::sandbox::SANDBOX_UID);
+        let gid = rfs::Gid::from_raw(crate::sandbox::SANDBOX_UID);
         rfs::fchown(&root, Some(id), Some(gid))?;
         rfs::fchmod(&root, rfs::Mode::from_raw_mode(0o755))?;
         Ok(Self {

@@ -1,0 +1,137 @@
+//! Worker API session bodies (this project's extension): a sandbox that lives across
+//! several commands of one task. `POST /v1/worker/sessions` takes a
+//! [`CreateSessionRequest`]; create, show and end answer a [`SessionInfo`];
+//! `POST …/{session_id}/exec` takes an [`ExecRequest`] and answers an [`ExecResponse`].
+
+use std::collections::BTreeMap;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::worker_api::{Truncated, WorkerJobStatus};
+
+/// `POST /v1/worker/sessions` request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSessionRequest {
+    pub version: u32,
+    pub session_id: String,
+    pub task_id: String,
+    pub image: String,
+    /// The workspace mounted at /workspace; defaults to `task_id`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_id: Option<String>,
+    /// Ends the session after this long without a command (default 600).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout_seconds: Option<u64>,
+    /// Ends the session this long after it was created (default 3600, capped by the
+    /// node's `limits.max_timeout_seconds`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_lifetime_seconds: Option<u64>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+/// `POST /v1/worker/sessions/{session_id}/exec` request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    pub version: u32,
+    /// argv, run as uid 1000 in /workspace.
+    pub command: Vec<String>,
+    /// min(this or `limits.default_timeout_seconds`, `limits.max_timeout_seconds`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_seconds: Option<u64>,
+    /// Added to the session's env for this command.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+}
+
+/// Whether a session can still run commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionStatus {
+    Running,
+    Ended,
+}
+
+/// Why a session ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionEndReason {
+    /// `POST …/end`.
+    Requested,
+    IdleTimeout,
+    MaxLifetime,
+    /// The keep-alive container is gone (a command killed it, or the engine did).
+    SandboxExited,
+}
+
+impl SessionEndReason {
+    /// The wire name (`idle_timeout`…).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SessionEndReason::Requested => "requested",
+            SessionEndReason::IdleTimeout => "idle_timeout",
+            SessionEndReason::MaxLifetime => "max_lifetime",
+            SessionEndReason::SandboxExited => "sandbox_exited",
+        }
+    }
+}
+
+/// A session as create, show and end answer it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionInfo {
+    pub version: u32,
+    pub session_id: String,
+    pub task_id: String,
+    pub workspace_id: String,
+    pub image: String,
+    pub status: SessionStatus,
+    pub created_at: String,
+    /// When the max lifetime ends the session at the latest.
+    pub expires_at: String,
+    /// The effective limits, after defaults and caps.
+    pub idle_timeout_seconds: u64,
+    pub max_lifetime_seconds: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_reason: Option<SessionEndReason>,
+}
+
+/// `POST /v1/worker/sessions/{session_id}/exec` response.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ExecResponse {
+    pub version: u32,
+    pub session_id: String,
+    pub status: WorkerJobStatus,
+    /// -1 when the command timed out or could not run.
+    pub exit_code: i32,
+    pub stdout: String,
+    pub stderr: String,
+    pub truncated: Truncated,
+    pub started_at: String,
+    pub ended_at: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn end_reason_names_match_the_wire() {
+        for r in [
+            SessionEndReason::Requested,
+            SessionEndReason::IdleTimeout,
+            SessionEndReason::MaxLifetime,
+            SessionEndReason::SandboxExited,
+        ] {
+            assert_eq!(serde_json::to_value(r).unwrap(), r.as_str());
+        }
+    }
+}

@@ -1,0 +1,113 @@
+//! [`ApiError`]: every error the Worker API returns, as an RFC 9457 problem+json body
+//! ([`cynode_protocol::problem::Problem`]), and the one place where the domain errors
+//! (node, sessions, workspaces) become HTTP statuses.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use cynode_protocol::problem::{Problem, CONTENT_TYPE};
+use cynode_protocol::ValidationError;
+
+use crate::node::NodeError;
+use crate::sessions::SessionError;
+use crate::workspace::WorkspaceError;
+
+/// Every error the API returns.
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    #[error("missing or wrong bearer token")]
+    Unauthorized,
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Invalid(ValidationError),
+    #[error("request body over the {0} byte limit")]
+    TooLarge(usize),
+    #[error("the node is at capacity; retry later")]
+    Busy,
+    #[error("{0}")]
+    Conflict(String),
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// Status, problem kind (upstream CyNodeAI's) and title.
+    fn parts(&self) -> (StatusCode, &'static str, &'static str) {
+        match self {
+            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "authentication", "Unauthorized"),
+            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found", "Not Found"),
+            ApiError::Invalid(_) => (StatusCode::BAD_REQUEST, "validation", "Invalid request"),
+            ApiError::TooLarge(_) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "validation",
+                "Payload Too Large",
+            ),
+            ApiError::Busy => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "rate_limit",
+                "Node at capacity",
+            ),
+            ApiError::Conflict(_) => (StatusCode::CONFLICT, "validation", "Conflict"),
+            ApiError::Internal(_) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "Internal Server Error",
+            ),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, kind, title) = self.parts();
+        if let ApiError::Internal(detail) = &self {
+            tracing::error!(error = %detail, "internal error");
+        }
+        let problem = Problem::new(status.as_u16(), kind, title, Some(self.to_string()));
+        let mut resp = (status, Json(problem)).into_response();
+        resp.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE));
+        if matches!(self, ApiError::Busy) {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("5"));
+        }
+        resp
+    }
+}
+
+impl From<NodeError> for ApiError {
+    fn from(e: NodeError) -> Self {
+        match e {
+            NodeError::Invalid(v) => ApiError::Invalid(v),
+            NodeError::Busy => ApiError::Busy,
+            NodeError::NotFound(what) => ApiError::NotFound(what),
+            NodeError::Conflict(m) => ApiError::Conflict(m),
+            NodeError::Internal(m) => ApiError::Internal(m),
+        }
+    }
+}
+
+impl From<SessionError> for ApiError {
+    fn from(e: SessionError) -> Self {
+        match e {
+            SessionError::Invalid(v) => ApiError::Invalid(v),
+            SessionError::TooMany => ApiError::Busy,
+            e @ SessionError::NotFound { .. } => ApiError::NotFound(e.to_string()),
+            SessionError::Conflict(m) => ApiError::Conflict(m),
+            SessionError::Internal(m) => ApiError::Internal(m),
+        }
+    }
+}
+
+impl From<WorkspaceError> for ApiError {
+    fn from(e: WorkspaceError) -> Self {
+        match e {
+            WorkspaceError::Invalid(v) => ApiError::Invalid(v),
+            e @ WorkspaceError::NotFound { .. } => ApiError::NotFound(e.to_string()),
+            WorkspaceError::HasContent(m) => ApiError::Conflict(m),
+            WorkspaceError::Changeset(e) => ApiError::Internal(e.to_string()),
+            WorkspaceError::Internal(m) => ApiError::Internal(m),
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! After a restart: every sandbox a previous run left is removed, and every job it
+//! accepted or ran is settled, so nothing is silently lost. A job whose result.json is
+//! complete and verified keeps that result; any other fails as `worker_restarted`.
+
+use cynode_protocol::time::now_rfc3339;
+use cynode_protocol::worker_api::{RunJobRequest, RunJobResponse, WorkerJobStatus, API_VERSION};
+
+use super::jobs::state_of;
+use super::Node;
+use crate::executor::{self, JobPaths};
+use crate::store::{JobRecord, StoreError};
+
+impl Node {
+    /// After a restart: remove every sandbox a previous run left, and settle every job that
+    /// was accepted or running. A job whose result.json is complete keeps that result; any
+    /// other is failed with reason `worker_restarted`.
+    pub async fn reconcile(&self) -> Result<(), StoreError> {
+        let removed = self.backend.remove_all_managed().await;
+        if removed > 0 {
+            tracing::warn!(removed, "removed sandboxes left by a previous run");
+        }
+        let unfinished = self.store.unfinished().await?;
+        // A client killed with the node may still have been creating its container: sweep
+        // those names once more a little later.
+        let names: Vec<String> = unfinished
+            .iter()
+            .map(|r| format!("cynode-{}", r.job_id))
+            .collect();
+        if !names.is_empty() {
+            let backend = self.backend.clone();
+            tokio::spawn(async move {
+                for delay in [1, 3, 10] {
+                    tokio::time::sleep(std::time::Duration::from_secs(delay)).await;
+                    for n in &names {
+                        crate::backend::remove_named(&backend, n).await;
+                    }
+                }
+            });
+        }
+        for rec in unfinished {
+            crate::backend::remove_named(&self.backend, &format!("cynode-{}", rec.job_id)).await;
+            let paths = JobPaths::new(&self.cfg, &rec.request);
+            let mut resp = restarted_response(&rec);
+            if rec.request.sandbox.job_spec_json.is_some() {
+                // The same reads as after a run: beneath the job directory, no links,
+                // bounded; a result that cannot be read or verified leaves the job
+                // `worker_restarted`.
+                if let Ok(result) = executor::read_result(&paths).await {
+                    match executor::collect_artifacts(&paths).await {
+                        Ok(artifacts) => {
+                            let mut settled = resp.clone();
+                            settled.failure_reason = None;
+                            settled.artifacts = Some(artifacts.clone());
+                            executor::apply_sba_result(&mut settled, result, &artifacts, false);
+                            if settled.failure_reason.is_none() {
+                                resp = settled;
+                            }
+                        }
+                        Err(e) => {
+                            resp.failure_reason = Some(format!(
+                                "worker_restarted; {}",
+                                executor::artifacts_reason(&e)
+                            ));
+                        }
+                    }
+                }
+            }
+            let state = state_of(&resp);
+            tracing::warn!(job_id = %rec.job_id, task_id = %rec.task_id, state = ?state, "reconciled job after restart");
+            self.store.finish(&rec.job_id, state, &resp).await?;
+        }
+        Ok(())
+    }
+}
+
+pub(super) fn restarted_response_for(req: &RunJobRequest) -> RunJobResponse {
+    let now = now_rfc3339();
+    RunJobResponse {
+        version: API_VERSION,
+        task_id: req.task_id.clone(),
+        job_id: req.job_id.clone(),
+        status: WorkerJobStatus::Failed,
+        exit_code: -1,
+        stdout: String::new(),
+        stderr: String::new(),
+        started_at: now.clone(),
+        ended_at: now,
+        truncated: Default::default(),
+        sba_result: None,
+        artifacts: None,
+        failure_reason: None,
+    }
+}
+
+fn restarted_response(rec: &JobRecord) -> RunJobResponse {
+    let mut r = restarted_response_for(&rec.request);
+    r.failure_reason = Some("worker_restarted".into());
+    r
+}
+
+pub(super) fn canceled_before_start(req: &RunJobRequest) -> RunJobResponse {
+    let mut r = restarted_response_for(req);
+    r.failure_reason = Some("canceled before it started".into());
+    r
+}

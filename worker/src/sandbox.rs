@@ -1,0 +1,197 @@
+//! The sandbox contract: what every sandbox the node starts looks like from inside, in one
+//! place. The uid it runs as, where the workspace and the job directory are mounted, the
+//! env names the node sets (which a request can never override), the in-sandbox URLs of
+//! the node's sockets, and [`spec`], the one builder of a [`SandboxSpec`] for jobs and
+//! sessions alike (mounts, workdir, no network by default, the node's resource limits and
+//! output cap).
+//!
+//! A leaf: it knows the config's limits and the protocol, nothing else of the node.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use cynode_protocol::worker_api::{NetworkPolicy, RESERVED_ENV};
+
+use crate::config::Limits;
+
+/// The uid/gid sandboxes run as.
+pub const SANDBOX_UID: u32 = 1000;
+/// [`SANDBOX_UID`] as text, for the backends' argv.
+pub const SANDBOX_UID_TEXT: &str = "1000";
+/// `uid:gid` for the engines' `--user`.
+pub const SANDBOX_USER: &str = "1000:1000";
+/// Where the workspace is mounted, writable; also every sandbox's working directory.
+pub const WORKSPACE_MOUNT: &str = "/workspace";
+/// Where a job's directory is mounted (jobs only; sessions have none).
+pub const JOB_MOUNT: &str = "/job";
+/// The artifacts directory as the sandbox sees it.
+pub const ARTIFACTS_MOUNT: &str = "/job/artifacts";
+
+/// The task the sandbox works for.
+pub const ENV_TASK_ID: &str = "CYNODE_TASK_ID";
+/// The job (for a session: the session id).
+pub const ENV_JOB_ID: &str = "CYNODE_JOB_ID";
+/// [`WORKSPACE_MOUNT`].
+pub const ENV_WORKSPACE_DIR: &str = "CYNODE_WORKSPACE_DIR";
+/// [`ARTIFACTS_MOUNT`] (jobs only).
+pub const ENV_ARTIFACTS_DIR: &str = "CYNODE_ARTIFACTS_DIR";
+/// The session (sessions only).
+pub const ENV_SESSION_ID: &str = "CYNODE_SESSION_ID";
+/// [`PROXY_URL`], for jobs that use inference.
+pub const ENV_INFERENCE_PROXY_URL: &str = "INFERENCE_PROXY_URL";
+/// [`STATUS_URL`], for SBA jobs.
+pub const ENV_SBA_STATUS_URL: &str = "SBA_JOB_STATUS_URL";
+/// The node's bound on an agent job's model calls.
+pub const ENV_SBA_AGENT_MAX_TURNS: &str = "SBA_AGENT_MAX_TURNS";
+/// The PATH a sandbox gets when its request sets none.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The lifecycle socket's file name in the job directory.
+pub const STATUS_SOCKET: &str = "status.sock";
+/// Where the SBA's lifecycle socket appears inside the sandbox.
+pub const STATUS_URL: &str = "http+unix://%2Fjob%2Fstatus.sock/status";
+/// The inference proxy socket's file name in the job directory.
+pub const INFERENCE_SOCKET: &str = "inference.sock";
+/// `INFERENCE_PROXY_URL` as the sandbox sees it.
+pub const PROXY_URL: &str = "http+unix://%2Fjob%2Finference.sock";
+
+/// A bind mount into the sandbox.
+#[derive(Debug, Clone)]
+pub struct Mount {
+    pub host: PathBuf,
+    pub target: String,
+    pub writable: bool,
+}
+
+/// Resource limits for one sandbox.
+#[derive(Debug, Clone, Copy)]
+pub struct ResourceLimits {
+    pub memory_mb: u64,
+    pub pids: u64,
+    pub cpus: f64,
+    pub tmpfs_mb: u64,
+}
+
+impl ResourceLimits {
+    /// The node's configured limits.
+    pub fn from_limits(l: &Limits) -> Self {
+        ResourceLimits {
+            memory_mb: l.memory_mb,
+            pids: l.pids,
+            cpus: l.cpus,
+            tmpfs_mb: l.tmpfs_mb,
+        }
+    }
+}
+
+/// Everything a backend needs to start one sandbox.
+#[derive(Debug, Clone)]
+pub struct SandboxSpec {
+    /// Unique name (`cynode-<job_id>`), also the container name.
+    pub name: String,
+    pub image: String,
+    /// argv; empty means the image's entrypoint with no arguments.
+    pub command: Vec<String>,
+    /// Whether `command` replaces the image entrypoint (plain jobs) or is passed to it
+    /// (SBA jobs).
+    pub override_entrypoint: bool,
+    pub env: Vec<(String, String)>,
+    pub mounts: Vec<Mount>,
+    pub workdir: String,
+    pub network: NetworkPolicy,
+    pub limits: ResourceLimits,
+    pub labels: Vec<(String, String)>,
+    pub timeout: Duration,
+    pub output_cap: usize,
+}
+
+/// What differs between one sandbox and another; [`spec`] adds the rest.
+#[derive(Debug, Clone)]
+pub struct SandboxRequest {
+    pub name: String,
+    pub image: String,
+    pub command: Vec<String>,
+    pub override_entrypoint: bool,
+    pub env: Vec<(String, String)>,
+    /// Mounted at [`WORKSPACE_MOUNT`].
+    pub workspace: PathBuf,
+    /// Mounted at [`JOB_MOUNT`], for jobs.
+    pub job_dir: Option<PathBuf>,
+    pub network: NetworkPolicy,
+    /// `cynodeai.task_id` and the job's or session's own label.
+    pub labels: Vec<(String, String)>,
+    pub timeout: Duration,
+}
+
+/// The one sandbox spec builder: `req`'s mounts (the job directory, then the workspace,
+/// both writable), the workspace as working directory, and the node's resource limits
+/// and output cap.
+pub fn spec(limits: &Limits, req: SandboxRequest) -> SandboxSpec {
+    let mut mounts = Vec::with_capacity(2);
+    if let Some(job_dir) = req.job_dir {
+        mounts.push(Mount {
+            host: job_dir,
+            target: JOB_MOUNT.into(),
+            writable: true,
+        });
+    }
+    mounts.push(Mount {
+        host: req.workspace,
+        target: WORKSPACE_MOUNT.into(),
+        writable: true,
+    });
+    SandboxSpec {
+        name: req.name,
+        image: req.image,
+        command: req.command,
+        override_entrypoint: req.override_entrypoint,
+        env: req.env,
+        mounts,
+        workdir: WORKSPACE_MOUNT.into(),
+        network: req.network,
+        limits: ResourceLimits::from_limits(limits),
+        labels: req.labels,
+        timeout: req.timeout,
+        output_cap: limits.output_cap_bytes,
+    }
+}
+
+/// A sandbox's env: the requested variables except the reserved names and those `drop`
+/// refuses, then the node's own `node` variables, then [`DEFAULT_PATH`] when no `PATH`
+/// was given.
+pub fn env<'a>(
+    requested: impl IntoIterator<Item = (&'a String, &'a String)>,
+    drop: impl Fn(&str) -> bool,
+    node: impl IntoIterator<Item = (&'static str, String)>,
+) -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = requested
+        .into_iter()
+        .filter(|(k, _)| !RESERVED_ENV.contains(&k.as_str()) && !drop(k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    env.extend(node.into_iter().map(|(k, v)| (k.to_string(), v)));
+    if !env.iter().any(|(k, _)| k == "PATH") {
+        env.push(("PATH".into(), DEFAULT_PATH.into()));
+    }
+    env
+}
+
+/// Creates `dir` (and its parents) owned by the sandbox user, mode 0755, so a sandbox can
+/// write in it; an existing directory is re-owned.
+pub fn create_owned_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    std::os::unix::fs::chown(dir, Some(SANDBOX_UID), Some(SANDBOX_UID))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn uid_texts_agree() {
+        assert_eq!(SANDBOX_UID_TEXT, SANDBOX_UID.to_string());
+        assert_eq!(SANDBOX_USER, format!("{SANDBOX_UID}:{SANDBOX_UID}"));
+    }
+}

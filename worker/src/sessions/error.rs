@@ -1,0 +1,29 @@
+//! Why a session call was refused or failed; the HTTP layer maps each to a status.
+
+use cynode_protocol::ValidationError;
+
+/// Why a session call was refused or failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SessionError {
+    /// The request is invalid (400).
+    #[error("{0}")]
+    Invalid(#[from] ValidationError),
+    /// [`super::MAX_ACTIVE_SESSIONS`] are starting or running (503).
+    #[error("the node is at capacity")]
+    TooMany,
+    /// No such session (ended ones are remembered for the node's retention).
+    #[error("session {session_id} not found")]
+    NotFound { session_id: String },
+    /// The session is starting, ended, busy, or exists with another request (409).
+    #[error("{0}")]
+    Conflict(String),
+    /// The session table or its sandbox failed.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl SessionError {
+    pub(super) fn poisoned() -> Self {
+        SessionError::Internal("session table lock poisoned".into())
+    }
+}

@@ -1,0 +1,143 @@
+//! Running one command in a session: one at a time (a second concurrent exec is a
+//! conflict), in its own task so a client that goes away leaves neither the session busy
+//! nor the command unbounded, and answered as an [`ExecResponse`] whose status and failure
+//! reason say how the command ended.
+
+use std::time::{Duration, Instant};
+
+use cynode_protocol::time::now_rfc3339;
+use cynode_protocol::worker_api::{check_id, WorkerJobStatus, API_VERSION};
+use cynode_protocol::worker_sessions::{ExecRequest, ExecResponse, SessionEndReason};
+
+use super::spec::{container_name, sandbox_env, sandbox_spec};
+use super::state::Phase;
+use super::validate::validate_exec;
+use super::{SessionError, Sessions};
+use crate::backend::session_ops::SessionOps;
+use crate::backend::{EndReason, SandboxOutcome};
+use crate::sandbox::SandboxSpec;
+
+impl Sessions {
+    /// Runs one command in the session. The command runs in its own task, so a client
+    /// that goes away does not leave the session marked busy or the command unbounded.
+    pub async fn exec(
+        &self,
+        session_id: &str,
+        req: ExecRequest,
+    ) -> Result<ExecResponse, SessionError> {
+        check_id("session_id", session_id)?;
+        validate_exec(&req)?;
+        let cfg = &self.inner.cfg;
+        let timeout = Duration::from_secs(cfg.limits.effective_timeout(req.timeout_seconds));
+        let (sandbox, spec, cancel) = self.with_entry(session_id, |e| {
+            let sandbox = match &e.phase {
+                Phase::Running(sb) => sb.clone(),
+                Phase::Starting => {
+                    return Err(SessionError::Conflict(format!(
+                        "session {session_id} is being created; retry"
+                    )))
+                }
+                Phase::Ended { .. } => {
+                    let why = e.info.end_reason.map_or("ended", SessionEndReason::as_str);
+                    return Err(SessionError::Conflict(format!(
+                        "session {session_id} has ended ({why})"
+                    )));
+                }
+            };
+            if e.busy {
+                return Err(SessionError::Conflict(format!(
+                    "session {session_id} is running another command"
+                )));
+            }
+            e.busy = true;
+            e.last_activity = Instant::now();
+            e.seq += 1;
+            let spec = sandbox_spec(
+                cfg,
+                format!("{}-{}", container_name(session_id), e.seq),
+                &e.info,
+                e.workspace.clone(),
+                req.command.clone(),
+                sandbox_env(&e.info, &e.env, &req.env),
+                timeout,
+            );
+            Ok((sandbox, spec, e.cancel.clone()))
+        })?;
+        let this = self.clone();
+        let id = session_id.to_string();
+        let task = tokio::spawn(async move {
+            let started_at = now_rfc3339();
+            let out = this.inner.ops.exec(&sandbox, &spec, &cancel).await;
+            let ended_at = now_rfc3339();
+            let mut gone = None;
+            if let Ok(mut map) = this.inner.map.lock() {
+                if let Some(e) = map.get_mut(&id) {
+                    e.busy = false;
+                    e.last_activity = Instant::now();
+                    if matches!(out.end, EndReason::StartFailed(_))
+                        && !SessionOps::is_alive(&sandbox)
+                    {
+                        gone = e.end(SessionEndReason::SandboxExited);
+                    }
+                }
+            }
+            if let Some(sb) = gone {
+                this.inner.ops.remove(&sb).await;
+            }
+            exec_response(&id, &spec, out, started_at, ended_at)
+        });
+        task.await
+            .map_err(|e| SessionError::Internal(format!("exec task failed: {e}")))
+    }
+}
+
+fn exec_response(
+    session_id: &str,
+    spec: &SandboxSpec,
+    out: SandboxOutcome,
+    started_at: String,
+    ended_at: String,
+) -> ExecResponse {
+    let mut exit_code = out.exit_code.unwrap_or(-1);
+    let (status, failure_reason) = match out.end {
+        EndReason::Exited if exit_code == 0 => (WorkerJobStatus::Completed, None),
+        EndReason::Exited if exit_code == 137 => (
+            WorkerJobStatus::Failed,
+            Some("command killed by SIGKILL: memory or pids limit reached".to_string()),
+        ),
+        EndReason::Exited => (WorkerJobStatus::Failed, None),
+        EndReason::TimedOut => {
+            exit_code = -1;
+            (
+                WorkerJobStatus::Timeout,
+                Some(format!(
+                    "command killed after its timeout of {}s",
+                    spec.timeout.as_secs()
+                )),
+            )
+        }
+        EndReason::Canceled => {
+            exit_code = -1;
+            (
+                WorkerJobStatus::Failed,
+                Some("the session ended while the command ran".to_string()),
+            )
+        }
+        EndReason::StartFailed(msg) => {
+            exit_code = -1;
+            (WorkerJobStatus::Failed, Some(msg))
+        }
+    };
+    ExecResponse {
+        version: API_VERSION,
+        session_id: session_id.to_string(),
+        status,
+        exit_code,
+        stdout: out.stdout,
+        stderr: out.stderr,
+        truncated: out.truncated,
+        started_at,
+        ended_at,
+        failure_reason,
+    }
+}

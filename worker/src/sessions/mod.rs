@@ -1,0 +1,303 @@
+//! Session sandboxes (an extension of the Worker API): a sandbox that lives across several
+//! commands of one task, for interactive agents. The HTTP routes are in
+//! [`crate::http::sessions`]; this module knows no HTTP.
+//!
+//! - `POST /v1/worker/sessions` creates one (201; a repeat of a running session_id answers
+//!   200 with it; an ended one 409), `GET /v1/worker/sessions/{id}` shows it,
+//!   `POST …/{id}/exec` runs one command in it, `POST …/{id}/end` ends it (idempotent).
+//! - The workspace of `workspace_id` (default `task_id`) is mounted at `/workspace` as for
+//!   jobs, with the job sandbox's security flags and limits; it outlives the session.
+//! - Podman/Docker run one keep-alive container per session (`cynode-session-<id>`,
+//!   carrying the node label); bubblewrap runs each command as a fresh sandbox over the
+//!   same workspace, so only the workspace persists between commands there. See
+//!   [`crate::backend::session_ops`] for both, and for how a timed-out command is killed.
+//! - One command at a time per session: a second concurrent exec answers 409. Every exec
+//!   refreshes the idle timer, and a session is never idle while a command runs.
+//! - A reaper task (every second) ends sessions past their idle timeout or max lifetime,
+//!   and sessions whose container died, and removes their sandbox; a command still running
+//!   then ends as failed. Ended sessions are remembered (409, idempotent end) for the
+//!   node's `retention_seconds`.
+//! - Sandbox env: the session's env, then the exec's, then `CYNODE_TASK_ID`,
+//!   `CYNODE_JOB_ID` (= the session id), `CYNODE_SESSION_ID` and `CYNODE_WORKSPACE_DIR`,
+//!   which requests cannot override. Sessions have no `/job` directory, so no artifacts.
+//! - Session state is in memory only: sessions do not survive a node restart. Their
+//!   containers carry the node label, so the restarted node's startup reconciliation
+//!   (`remove_all_managed`) removes them, and they stop by themselves a minute after their
+
+mod error;
+mod exec;
+mod reaper;
+mod spec;
+mod state;
+mod validate;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use cynode_protocol::time::format_rfc3339;
+use cynode_protocol::worker_api::{check_id, API_VERSION};
+use cynode_protocol::worker_sessions::{
+    CreateSessionRequest, SessionEndReason, SessionInfo, SessionStatus,
+};
+use cynode_protocol::ValidationError;
+use tokio_util::sync::CancellationToken;
+
+pub use error::SessionError;
+use spec::{container_name, sandbox_env, sandbox_spec};
+use state::{Entry, Phase};
+use validate::validate_create;
+
+use crate::backend::session_ops::{SessionOps, SessionSandbox};
+use crate::backend::{Backend, BackendError};
+use crate::config::Config;
+
+/// Idle timeout when the request gives none.
+pub const DEFAULT_IDLE_TIMEOUT_SECONDS: u64 = 600;
+/// Max lifetime when the request gives none (capped by `limits.max_timeout_seconds`).
+pub const DEFAULT_MAX_LIFETIME_SECONDS: u64 = 3600;
+/// Sessions that may be starting or running at once; more are refused with 503.
+pub const MAX_ACTIVE_SESSIONS: usize = 32;
+/// How often the reaper looks for expired sessions.
+pub const REAP_INTERVAL: Duration = Duration::from_secs(1);
+
+/// Why a session's sandbox did not start.
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error("{0}")]
+    Workspace(String),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+}
+
+struct Inner {
+    cfg: Config,
+    ops: SessionOps,
+    map: Mutex<HashMap<String, Entry>>,
+}
+
+/// The node's sessions (in memory).
+#[derive(Clone)]
+pub struct Sessions {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Sessions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sessions").finish_non_exhaustive()
+    }
+}
+
+impl Sessions {
+    /// No sessions yet, on `backend` as `cfg` configures it.
+    pub fn new(cfg: &Config, backend: Backend) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                ops: SessionOps::new(cfg, backend),
+                cfg: cfg.clone(),
+                map: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    fn with_entry<T>(
+        &self,
+        session_id: &str,
+        f: impl FnOnce(&mut Entry) -> Result<T, SessionError>,
+    ) -> Result<T, SessionError> {
+        let mut map = self
+            .inner
+            .map
+            .lock()
+            .map_err(|_| SessionError::poisoned())?;
+        let e = map
+            .get_mut(session_id)
+            .ok_or_else(|| SessionError::NotFound {
+                session_id: session_id.to_string(),
+            })?;
+        f(e)
+    }
+
+    /// Creates and starts a session; `true` when new, `false` for a repeat of a running one.
+    pub async fn create(
+        &self,
+        req: CreateSessionRequest,
+    ) -> Result<(bool, SessionInfo), SessionError> {
+        let cfg = &self.inner.cfg;
+        let v = validate_create(cfg, &req)?;
+        if let Some(existing) = self.repeat(&req)? {
+            return Ok((false, existing));
+        }
+        if !self.inner.ops.backend().has_image(&req.image).await {
+            return Err(SessionError::Invalid(ValidationError::new(
+                "image",
+                format!("image `{}` is not available on this node", req.image),
+            )));
+        }
+        let workspace = cfg.workspaces_dir().join(&v.workspace_id);
+        let now = time::OffsetDateTime::now_utc();
+        let lifetime = Duration::from_secs(v.lifetime);
+        let info = SessionInfo {
+            version: API_VERSION,
+            session_id: req.session_id.clone(),
+            task_id: req.task_id.clone(),
+            workspace_id: v.workspace_id.clone(),
+            image: req.image.clone(),
+            status: SessionStatus::Running,
+            created_at: format_rfc3339(now),
+            expires_at: format_rfc3339(now + lifetime),
+            idle_timeout_seconds: v.idle,
+            max_lifetime_seconds: v.lifetime,
+            ended_at: None,
+            end_reason: None,
+        };
+        {
+            let mut map = self
+                .inner
+                .map
+                .lock()
+                .map_err(|_| SessionError::poisoned())?;
+            if map.contains_key(&req.session_id) {
+                drop(map);
+                return self
+                    .repeat(&req)?
+                    .map(|i| (false, i))
+                    .ok_or_else(|| SessionError::Internal("session vanished".into()));
+            }
+            let active = map
+                .values()
+                .filter(|e| !matches!(e.phase, Phase::Ended { .. }))
+                .count();
+            if active >= MAX_ACTIVE_SESSIONS {
+                return Err(SessionError::TooMany);
+            }
+            let started = Instant::now();
+            map.insert(
+                req.session_id.clone(),
+                Entry {
+                    info: info.clone(),
+                    phase: Phase::Starting,
+                    env: req.env.clone(),
+                    workspace: workspace.clone(),
+                    deadline: started + lifetime,
+                    idle: Duration::from_secs(v.idle),
+                    last_activity: started,
+                    busy: false,
+                    cancel: CancellationToken::new(),
+                    seq: 0,
+                },
+            );
+        }
+        // In its own task: a client that goes away must not leave the session half made.
+        let this = self.clone();
+        let task = tokio::spawn(async move {
+            let started = this.start_sandbox(&info, &req.env, workspace).await;
+            let Ok(mut map) = this.inner.map.lock() else {
+                if let Ok(sb) = started {
+                    this.inner.ops.remove(&sb).await;
+                }
+                return Err(SessionError::poisoned());
+            };
+            match started {
+                Ok(sandbox) => {
+                    if let Some(e) = map.get_mut(&req.session_id) {
+                        e.phase = Phase::Running(sandbox);
+                        e.last_activity = Instant::now();
+                    }
+                    tracing::info!(session_id = %info.session_id, task_id = %info.task_id, image = %info.image, idle_timeout_seconds = v.idle, max_lifetime_seconds = v.lifetime, "session started");
+                    Ok((true, info))
+                }
+                Err(e) => {
+                    map.remove(&req.session_id);
+                    Err(SessionError::Internal(format!(
+                        "cannot start session {}: {e}",
+                        req.session_id
+                    )))
+                }
+            }
+        });
+        task.await
+            .map_err(|e| SessionError::Internal(format!("session start task failed: {e}")))?
+    }
+
+    async fn start_sandbox(
+        &self,
+        info: &SessionInfo,
+        env: &BTreeMap<String, String>,
+        workspace: PathBuf,
+    ) -> Result<SessionSandbox, StartError> {
+        // Owned by the sandbox user, as jobs make it; an existing workspace is kept.
+        if !workspace.exists() {
+            crate::sandbox::create_owned_dir(&workspace).map_err(|e| {
+                StartError::Workspace(format!(
+                    "cannot prepare workspace {}: {e}",
+                    workspace.display()
+                ))
+            })?;
+        }
+        let spec = sandbox_spec(
+            &self.inner.cfg,
+            container_name(&info.session_id),
+            info,
+            workspace,
+            Vec::new(),
+            sandbox_env(info, env, &BTreeMap::new()),
+            Duration::from_secs(info.max_lifetime_seconds),
+        );
+        Ok(self.inner.ops.start(&spec).await?)
+    }
+
+    /// The answer to a repeated create, if the session exists.
+    fn repeat(&self, req: &CreateSessionRequest) -> Result<Option<SessionInfo>, SessionError> {
+        let map = self
+            .inner
+            .map
+            .lock()
+            .map_err(|_| SessionError::poisoned())?;
+        let Some(e) = map.get(&req.session_id) else {
+            return Ok(None);
+        };
+        let id = &req.session_id;
+        match e.phase {
+            Phase::Starting => Err(SessionError::Conflict(format!(
+                "session {id} is being created; retry"
+            ))),
+            Phase::Ended { .. } => Err(SessionError::Conflict(format!("session {id} has ended"))),
+            Phase::Running(_) if e.info.task_id != req.task_id || e.info.image != req.image => {
+                Err(SessionError::Conflict(format!(
+                    "session {id} exists with another task_id or image"
+                )))
+            }
+            Phase::Running(_) => Ok(Some(e.info.clone())),
+        }
+    }
+
+    /// The session as it stands.
+    pub fn show(&self, session_id: &str) -> Result<SessionInfo, SessionError> {
+        check_id("session_id", session_id)?;
+        self.with_entry(session_id, |e| Ok(e.info.clone()))
+    }
+
+    /// Ends the session and removes its sandbox; ending an ended session answers it again.
+    pub async fn end(&self, session_id: &str) -> Result<SessionInfo, SessionError> {
+        check_id("session_id", session_id)?;
+        let (info, sandbox) = self.with_entry(session_id, |e| match e.phase {
+            Phase::Starting => Err(SessionError::Conflict(format!(
+                "session {session_id} is being created; retry"
+            ))),
+            _ => {
+                let sb = e.end(SessionEndReason::Requested);
+                Ok((e.info.clone(), sb))
+            }
+        })?;
+        if let Some(sb) = sandbox {
+            // In its own task, so the sandbox is removed even if the client goes away.
+            let ops = self.inner.ops.clone();
+            tokio::spawn(async move { ops.remove(&sb).await })
+                .await
+                .map_err(|e| SessionError::Internal(format!("session removal failed: {e}")))?;
+        }
+        Ok(info)
+    }
+}

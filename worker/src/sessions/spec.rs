@@ -1,0 +1,122 @@
+//! A session's sandbox: its env (the session's, then the command's, then the node's own
+//! variables, which requests cannot override) and its spec, built by the one
+//! [`crate::sandbox::spec`] builder: the workspace at `/workspace`, no `/job`, no network.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use cynode_protocol::worker_api::NetworkPolicy;
+use cynode_protocol::worker_sessions::SessionInfo;
+
+use crate::config::Config;
+use crate::sandbox::{self, SandboxRequest, SandboxSpec};
+
+/// The sandbox env: `session` then `exec` (without reserved names), then the node's own;
+/// sorted by name.
+pub(super) fn sandbox_env(
+    info: &SessionInfo,
+    session: &BTreeMap<String, String>,
+    exec: &BTreeMap<String, String>,
+) -> Vec<(String, String)> {
+    let mut merged = session.clone();
+    merged.extend(exec.iter().map(|(k, v)| (k.clone(), v.clone())));
+    let mut env = sandbox::env(
+        &merged,
+        |k| k == sandbox::ENV_SESSION_ID,
+        [
+            (sandbox::ENV_TASK_ID, info.task_id.clone()),
+            (sandbox::ENV_JOB_ID, info.session_id.clone()),
+            (sandbox::ENV_SESSION_ID, info.session_id.clone()),
+            (sandbox::ENV_WORKSPACE_DIR, sandbox::WORKSPACE_MOUNT.into()),
+        ],
+    );
+    env.sort();
+    env
+}
+
+/// The sandbox spec of a session (`command` empty) or of one of its commands.
+pub(super) fn sandbox_spec(
+    cfg: &Config,
+    name: String,
+    info: &SessionInfo,
+    workspace: PathBuf,
+    command: Vec<String>,
+    env: Vec<(String, String)>,
+    timeout: Duration,
+) -> SandboxSpec {
+    sandbox::spec(
+        &cfg.limits,
+        SandboxRequest {
+            name,
+            image: info.image.clone(),
+            command,
+            override_entrypoint: true,
+            env,
+            workspace,
+            job_dir: None,
+            network: NetworkPolicy::None,
+            labels: vec![
+                ("cynodeai.task_id".into(), info.task_id.clone()),
+                ("cynodeai.session_id".into(), info.session_id.clone()),
+            ],
+            timeout,
+        },
+    )
+}
+
+/// The keep-alive container's name; a command's sandbox adds `-<seq>`.
+pub(super) fn container_name(session_id: &str) -> String {
+    format!("cynode-session-{session_id}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sandbox::DEFAULT_PATH;
+    use cynode_protocol::worker_sessions::SessionStatus;
+
+    #[test]
+    fn reserved_env_cannot_be_overridden_and_exec_env_wins() {
+        let info = SessionInfo {
+            version: 1,
+            session_id: "s".into(),
+            task_id: "t".into(),
+            workspace_id: "t".into(),
+            image: "i".into(),
+            status: SessionStatus::Running,
+            created_at: String::new(),
+            expires_at: String::new(),
+            idle_timeout_seconds: 1,
+            max_lifetime_seconds: 1,
+            ended_at: None,
+            end_reason: None,
+        };
+        let session: BTreeMap<String, String> = [
+            ("A", "session"),
+            ("B", "session"),
+            ("CYNODE_TASK_ID", "forged"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let exec: BTreeMap<String, String> = [("B", "exec"), ("CYNODE_SESSION_ID", "forged")]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        let env = sandbox_env(&info, &session, &exec);
+        let expected: Vec<(String, String)> = [
+            ("A", "session"),
+            ("B", "exec"),
+            ("CYNODE_JOB_ID", "s"),
+            ("CYNODE_SESSION_ID", "s"),
+            ("CYNODE_TASK_ID", "t"),
+            ("CYNODE_WORKSPACE_DIR", "/workspace"),
+            ("PATH", DEFAULT_PATH),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        assert_eq!(env, expected);
+    }
+}
