@@ -12,10 +12,19 @@
 //! id or path component, so job ids, workspace ids and artifact paths with spaces, `#`,
 //! `?`, `%` or non-ASCII characters are percent-encoded and never read as a query or
 //! fragment.
+//!
+//! A worker that speaks only upstream CyNodeAI's API (its capacity endpoint answers 404)
+//! is remembered as such and driven through synchronous `jobs:run` behind the same calls
+//! ([`upstream`] says what that fallback cannot give).
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use cynode_protocol::worker_api::{AsyncJobStatus, RunJobRequest, WorkerCapacity};
+pub mod upstream;
+
+pub use upstream::Flavor;
+
+use cynode_protocol::worker_api::{AsyncJobStatus, RunJobRequest, RunJobResponse, WorkerCapacity};
 use cynode_tls::ClientTls;
 use tracing::Instrument;
 
@@ -66,6 +75,8 @@ pub struct WorkerClient {
     pub retries: u32,
     /// Polling interval bounds.
     pub poll: (Duration, Duration),
+    /// What this worker speaks, and its synchronous jobs when it is upstream's.
+    upstream: upstream::Shared,
 }
 
 impl std::fmt::Debug for WorkerClient {
@@ -120,6 +131,7 @@ impl WorkerClient {
             http,
             retries: 6,
             poll: (Duration::from_millis(50), Duration::from_secs(1)),
+            upstream: Arc::default(),
         }
     }
 
@@ -278,18 +290,189 @@ impl WorkerClient {
     }
 
     /// `GET /v1/worker/capacity`, asked once (placement skips a worker that does not
-    /// answer rather than wait for it).
+    /// answer rather than wait for it). A 404 marks the worker as upstream's, whose
+    /// capacity is then synthesised (see [`upstream`]).
     pub async fn capacity(&self) -> Result<WorkerCapacity, DispatchError> {
+        if self.upstream.flavor() == Some(Flavor::Upstream) {
+            return Ok(self.upstream_capacity().await);
+        }
         let url = self.url(&["v1", "worker", "capacity"])?;
-        Self::json(
-            self.call_with_retries(reqwest::Method::GET, &url, None, 0)
-                .await?,
-        )
+        let answer = match self
+            .call_with_retries(reqwest::Method::GET, &url, None, 0)
+            .await
+        {
+            Err(DispatchError::NotFound(_)) => {
+                self.upstream.set_flavor(Flavor::Upstream);
+                return Ok(self.upstream_capacity().await);
+            }
+            other => other?,
+        };
+        let c: WorkerCapacity = Self::json(answer).await?;
+        self.upstream.set_flavor(Flavor::Native);
+        Ok(c)
+    }
+
+    /// The API this worker speaks, asking it (through its capacity endpoint) until it
+    /// answers. A worker that does not answer yet counts as this project's, so the call
+    /// that follows gets its usual retries.
+    pub async fn flavor(&self) -> Flavor {
+        if let Some(f) = self.upstream.flavor() {
+            return f;
+        }
+        if let Err(e) = self.capacity().await {
+            tracing::debug!(error = %e, "cannot tell which Worker API the worker speaks yet");
+        }
+        self.upstream.flavor().unwrap_or(Flavor::Native)
+    }
+
+    fn is_upstream(&self) -> bool {
+        self.upstream.flavor() == Some(Flavor::Upstream)
+    }
+
+    async fn upstream_capacity(&self) -> WorkerCapacity {
+        WorkerCapacity {
+            version: cynode_protocol::worker_api::API_VERSION,
+            backend: "upstream".into(),
+            max_running: u64::from(u32::MAX),
+            max_queued: 0,
+            running: self.upstream.running(),
+            queued: 0,
+            ready: self.ready().await,
+        }
+    }
+
+    /// An upstream worker's job: one synchronous `jobs:run` in a task of its own.
+    fn upstream_submit(&self, req: &RunJobRequest) -> Result<AsyncJobStatus, DispatchError> {
+        if let Some(known) = self.upstream.status(&req.task_id, &req.job_id) {
+            return known;
+        }
+        let prepared = upstream::prepare(req);
+        let this = self.clone();
+        let req2 = req.clone();
+        let job_id = req.job_id.clone();
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(
+            async move {
+                // Runs only once the slot is recorded, so its outcome always lands in it.
+                if rx.await.is_err() {
+                    return;
+                }
+                let outcome = match prepared {
+                    Err(why) => {
+                        tracing::warn!(job_id = %req2.job_id, why, "job refused for an upstream worker");
+                        Ok(upstream::refused(&req2, why))
+                    }
+                    Ok(p) => this
+                        .run_sync(&p.body, p.wait)
+                        .await
+                        .map(|r| upstream::adopt(r, &req2, &p.step_ids)),
+                };
+                this.upstream.finish(&req2.job_id, outcome);
+            }
+            .instrument(tracing::Span::current()),
+        );
+        if self.upstream.start(&job_id, task.abort_handle()) {
+            let _ = tx.send(());
+        }
+        self.upstream
+            .status(&req.task_id, &req.job_id)
+            .unwrap_or_else(|| Err(DispatchError::Unavailable("job state lost".into())))
+    }
+
+    /// `POST /v1/worker/jobs:run`, waiting up to `wait`. Only a request that never
+    /// reached the worker is sent again (anything else might run the job twice).
+    async fn run_sync(
+        &self,
+        body: &serde_json::Value,
+        wait: Duration,
+    ) -> Result<RunJobResponse, DispatchError> {
+        let url = self.url(&["v1", "worker", "jobs:run"])?;
+        let path = url.path().to_string();
+        let span = tracing::info_span!(
+            "worker_call",
+            otel.kind = "client",
+            http.request.method = "POST",
+            url.path = %path,
+            http.response.status_code = tracing::field::Empty,
+        );
+        async {
+            let traceparent = crate::telemetry::traceparent();
+            let mut delay = Duration::from_millis(100);
+            let mut attempt = 0;
+            let r = loop {
+                let mut req = self
+                    .http
+                    .post(url.clone())
+                    .bearer_auth(&self.token)
+                    .timeout(wait)
+                    .json(body);
+                if let Some(tp) = &traceparent {
+                    req = req.header("traceparent", tp);
+                }
+                match req.send().await {
+                    Ok(r) => break r,
+                    Err(e) => {
+                        if let Some(detail) = tls_failure(&e) {
+                            return Err(DispatchError::Tls {
+                                worker: self.base.clone(),
+                                detail,
+                            });
+                        }
+                        if !e.is_connect() || attempt >= self.retries {
+                            return Err(DispatchError::Unavailable(format!("{}: {e}", self.base)));
+                        }
+                        tracing::warn!(path, attempt, error = %e, "worker unreachable; retrying");
+                        attempt += 1;
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(5));
+                    }
+                }
+            };
+            let status = r.status().as_u16();
+            tracing::Span::current().record("http.response.status_code", status);
+            match status {
+                200..=299 => Self::json(r).await,
+                401 | 403 => Err(DispatchError::Auth {
+                    worker: self.base.clone(),
+                    status,
+                }),
+                404 => Err(DispatchError::NotFound(path.clone())),
+                400..=499 => {
+                    let detail = r
+                        .json::<serde_json::Value>()
+                        .await
+                        .ok()
+                        .and_then(|v| v["detail"].as_str().map(str::to_string))
+                        .unwrap_or_default();
+                    Err(DispatchError::Rejected { status, detail })
+                }
+                _ => Err(DispatchError::Unavailable(format!(
+                    "{} answered {status} to jobs:run",
+                    self.base
+                ))),
+            }
+        }
+        .instrument(span)
         .await
     }
 
     /// `POST /v1/worker/jobs`: idempotent on job_id.
     pub async fn submit(&self, req: &RunJobRequest) -> Result<AsyncJobStatus, DispatchError> {
+        if self.flavor().await == Flavor::Upstream {
+            return self.upstream_submit(req);
+        }
+        match self.submit_async(req).await {
+            // A worker that was down when first asked may be upstream's after all.
+            Err(DispatchError::NotFound(_))
+                if self.upstream.flavor().is_none() && self.flavor().await == Flavor::Upstream =>
+            {
+                self.upstream_submit(req)
+            }
+            other => other,
+        }
+    }
+
+    async fn submit_async(&self, req: &RunJobRequest) -> Result<AsyncJobStatus, DispatchError> {
         let body =
             serde_json::to_value(req).map_err(|e| DispatchError::Unavailable(e.to_string()))?;
         Self::json(
@@ -305,6 +488,13 @@ impl WorkerClient {
 
     /// `GET /v1/worker/jobs/{id}`.
     pub async fn status(&self, job_id: &str) -> Result<AsyncJobStatus, DispatchError> {
+        if self.is_upstream() {
+            return self.upstream.status("", job_id).unwrap_or_else(|| {
+                Err(upstream::not_offered(&format!(
+                    "job {job_id} is not known to this PM process"
+                )))
+            });
+        }
         Self::json(
             self.call(
                 reqwest::Method::GET,
@@ -318,6 +508,14 @@ impl WorkerClient {
 
     /// `POST /v1/worker/jobs/{id}:stop`: stops a queued or running job (idempotent).
     pub async fn stop(&self, job_id: &str) -> Result<AsyncJobStatus, DispatchError> {
+        if self.is_upstream() {
+            self.upstream.cancel(job_id);
+            return self.upstream.status("", job_id).unwrap_or_else(|| {
+                Err(upstream::not_offered(&format!(
+                    "job {job_id} is not known to this PM process"
+                )))
+            });
+        }
         Self::json(
             self.call(
                 reqwest::Method::POST,
@@ -331,6 +529,11 @@ impl WorkerClient {
 
     /// The bytes of one artifact.
     pub async fn artifact(&self, job_id: &str, path: &str) -> Result<Vec<u8>, DispatchError> {
+        if self.is_upstream() {
+            return Err(upstream::not_offered(&format!(
+                "artifact download of {path}"
+            )));
+        }
         let url = self.url_with_path(&["v1", "worker", "jobs", job_id, "artifacts"], path)?;
         let r = self.call_url(reqwest::Method::GET, url, None).await?;
         r.bytes()
@@ -341,6 +544,10 @@ impl WorkerClient {
 
     /// Tells the worker it may delete the job's result.
     pub async fn ack(&self, job_id: &str) -> Result<(), DispatchError> {
+        if self.is_upstream() {
+            self.upstream.forget(job_id);
+            return Ok(());
+        }
         self.call(
             reqwest::Method::POST,
             &["v1", "worker", "jobs", &format!("{job_id}:ack")],
@@ -365,6 +572,9 @@ impl WorkerClient {
 
     /// The workspace's changes as a git diff (empty when nothing changed).
     pub async fn changeset(&self, workspace_id: &str) -> Result<String, DispatchError> {
+        if self.is_upstream() {
+            return Err(upstream::not_offered("workspace changesets"));
+        }
         let r = self
             .call(
                 reqwest::Method::GET,
@@ -383,6 +593,20 @@ impl WorkerClient {
         workspace_id: &str,
         seed_from: Option<&std::path::Path>,
     ) -> Result<(), DispatchError> {
+        if self.flavor().await == Flavor::Upstream {
+            // Upstream gives every job a fresh workspace of its own: nothing to create,
+            // and nothing a seed could go into.
+            return match seed_from {
+                None => Ok(()),
+                Some(dir) => Err(DispatchError::Rejected {
+                    status: 501,
+                    detail: format!(
+                        "the worker speaks only upstream CyNodeAI's Worker API, which has no workspaces: cannot seed from {}",
+                        dir.display()
+                    ),
+                }),
+            };
+        }
         let mut body = serde_json::json!({ "version": 1, "workspace_id": workspace_id });
         if let Some(dir) = seed_from {
             body["seed_from"] = serde_json::json!(dir);

@@ -909,6 +909,10 @@ pub fn summarize(d: &Dispatch, resp: &RunJobResponse) -> String {
                 .iter()
                 .map(|s| {
                     let mut o = json!({ "id": s.id, "type": s.step_type, "status": s.status });
+                    // An upstream worker's result has no typed `result`: its text output.
+                    if s.result.is_none() && !s.output.is_empty() {
+                        o["output_tail"] = json!(tail(&s.output, 1500));
+                    }
                     if let Some(out) = &s.result {
                         let full = serde_json::to_value(out).unwrap_or(Value::Null);
                         for k in [

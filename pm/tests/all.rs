@@ -12,5 +12,6 @@ mod skills;
 mod store;
 mod tls;
 mod tls_services;
+mod upstream;
 mod worker_tls;
 mod workers;

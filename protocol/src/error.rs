@@ -47,6 +47,13 @@ impl ValidationError {
     pub fn nested_message(rel_path: &str, message: &str) -> String {
         format!("@{rel_path}@{message}")
     }
+
+    /// This error as a nested message (see [`ValidationError::nested_message`]), its path
+    /// relative to where the nested parse began (`.` is the place itself).
+    pub fn relative(&self) -> String {
+        let path = if self.path == "." { "" } else { &self.path };
+        Self::nested_message(path, &self.message)
+    }
 }
 
 fn split_nested(raw: &str) -> Option<(&str, &str)> {

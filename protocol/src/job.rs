@@ -3,6 +3,12 @@
 //! Parsing is strict: unknown fields are rejected everywhere except inside
 //! `context.preferences` and `context.skills`, and [`JobSpec::from_json`] finishes all
 //! validation before a caller can run anything. Every error names its field path.
+//!
+//! Steps come in two documented forms, one per job: this project's `{"id", "type",
+//! "arguments"}` and upstream CyNodeAI's `{"type", "args"}` ([`upstream_form`]), each
+//! strict about its own fields. A step with `id` or `arguments` is read in this project's
+//! form, any other in upstream's; a job that mixes them is refused at the first step of
+//! the other form.
 
 use std::collections::{BTreeMap, HashSet};
 
@@ -11,6 +17,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{parse_strict, ValidationError, ValidationErrors};
 use crate::version;
+
+mod to_upstream;
+pub mod upstream_form;
+
+/// Where the sandbox mounts the workspace; absolute step paths must lie under it.
+pub const WORKSPACE_ROOT: &str = "/workspace";
 
 /// A complete job specification.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -35,7 +47,8 @@ pub struct JobSpec {
     /// Workspace globs collected as artifacts after the steps (protocol 1.1).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub artifacts: Vec<String>,
-    #[serde(default)]
+    /// In this project's form or in upstream's (see the module doc).
+    #[serde(default, deserialize_with = "either_form::deserialize")]
     pub steps: Vec<Step>,
 }
 
@@ -319,6 +332,97 @@ impl<'de> Deserialize<'de> for Step {
     }
 }
 
+/// Reads `steps` in either form (see the module doc), numbering upstream-form steps.
+mod either_form {
+    use std::fmt;
+
+    use serde::de::{DeserializeSeed, SeqAccess, Visitor};
+    use serde::Deserialize;
+
+    use super::upstream_form::{self, UpstreamStep};
+    use super::Step;
+    use crate::error::ValidationError;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Form {
+        Ours,
+        Upstream,
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Step>, D::Error> {
+        d.deserialize_seq(Steps)
+    }
+
+    struct Steps;
+
+    impl<'de> Visitor<'de> for Steps {
+        type Value = Vec<Step>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a list of steps")
+        }
+
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<Step>, A::Error> {
+            let mut out = Vec::new();
+            let mut form = None;
+            while let Some((step, f)) = seq.next_element_seed(One {
+                index: out.len(),
+                form,
+            })? {
+                form = Some(f);
+                out.push(step);
+            }
+            Ok(out)
+        }
+    }
+
+    struct One {
+        index: usize,
+        form: Option<Form>,
+    }
+
+    impl<'de> DeserializeSeed<'de> for One {
+        type Value = (Step, Form);
+
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(Step, Form), D::Error> {
+            use serde::de::Error;
+            let map = serde_json::Map::<String, serde_json::Value>::deserialize(d)?;
+            let form = if map.contains_key("id") || map.contains_key("arguments") {
+                Form::Ours
+            } else {
+                Form::Upstream
+            };
+            if let Some(first) = self.form.filter(|f| *f != form) {
+                let (this, that) = match first {
+                    Form::Ours => ("{id, type, arguments}", "upstream's {type, args}"),
+                    Form::Upstream => ("upstream's {type, args}", "{id, type, arguments}"),
+                };
+                return Err(D::Error::custom(ValidationError::nested_message(
+                    "",
+                    &format!("this step is in {that} form but the job's first step is in {this} form: use one form per job"),
+                )));
+            }
+            let value = serde_json::Value::Object(map);
+            let step = match form {
+                Form::Ours => serde_path_to_error::deserialize::<_, Step>(value)
+                    .map_err(|e| D::Error::custom(ValidationError::from_serde(e).relative()))?,
+                Form::Upstream => {
+                    let up: UpstreamStep = serde_path_to_error::deserialize(value)
+                        .map_err(|e| D::Error::custom(ValidationError::from_serde(e).relative()))?;
+                    let action = up
+                        .into_action()
+                        .map_err(|e| D::Error::custom(e.relative()))?;
+                    Step {
+                        id: upstream_form::step_id(self.index),
+                        action,
+                    }
+                }
+            };
+            Ok((step, form))
+        }
+    }
+}
+
 impl JsonSchema for Step {
     fn schema_name() -> std::borrow::Cow<'static, str> {
         "Step".into()
@@ -336,7 +440,7 @@ impl JsonSchema for Step {
             (StepType::ListTree, g.subschema_for::<ListTreeArgs>()),
             (StepType::SearchFiles, g.subschema_for::<SearchFilesArgs>()),
         ];
-        let one_of: Vec<serde_json::Value> = variants
+        let mut one_of: Vec<serde_json::Value> = variants
             .into_iter()
             .map(|(ty, args)| {
                 serde_json::json!({
@@ -351,7 +455,26 @@ impl JsonSchema for Step {
                 })
             })
             .collect();
-        json_schema!({ "description": "One step of a job", "oneOf": one_of })
+        // Upstream CyNodeAI's form (one form per job; ids are assigned by position).
+        one_of.extend(
+            upstream_form::args_schemas(g)
+                .into_iter()
+                .map(|(ty, args)| {
+                    serde_json::json!({
+                        "type": "object",
+                        "additionalProperties": false,
+                        "required": ["type"],
+                        "properties": {
+                            "type": { "const": ty.as_str() },
+                            "args": args,
+                        }
+                    })
+                }),
+        );
+        json_schema!({
+            "description": "One step of a job: {id, type, arguments}, or upstream CyNodeAI's {type, args} (one form per job)",
+            "oneOf": one_of
+        })
     }
 }
 
@@ -761,5 +884,73 @@ mod tests {
         );
         v["execution_mode"] = "direct_steps".into();
         assert_eq!(first_error(&v).path, "steps");
+    }
+
+    #[test]
+    fn upstream_form_steps_get_ids_by_position() {
+        let mut v = base();
+        v["steps"] = serde_json::json!([
+            { "type": "run_command", "args": { "argv": ["echo", "ok"] } },
+            { "type": "write_file", "args": { "path": "/out.txt", "content": "x" } },
+            { "type": "list_tree" }
+        ]);
+        let job = parse(&v).unwrap();
+        let ids: Vec<&str> = job.steps.iter().map(|s| s.id.as_str()).collect();
+        assert_eq!(ids, ["step-1", "step-2", "step-3"]);
+        assert_eq!(
+            job.steps[1].action,
+            StepAction::WriteFile(WriteFileArgs {
+                path: "out.txt".into(),
+                content: "x".into(),
+                ..Default::default()
+            })
+        );
+    }
+
+    #[test]
+    fn upstream_form_is_strict_and_not_mixed() {
+        let mut v = base();
+        v["steps"] =
+            serde_json::json!([{ "type": "run_command", "args": { "argv": ["x"], "env": {} } }]);
+        let e = first_error(&v);
+        assert_eq!(e.path, "steps[0].args.env");
+        assert!(e.message.starts_with("unknown field `env`"), "{e}");
+        v["steps"] = serde_json::json!([{ "type": "run_command", "args": { "argv": [] } }]);
+        assert_eq!(
+            first_error(&v),
+            ValidationError::new("steps[0].args.argv", "must not be empty")
+        );
+        v["steps"] =
+            serde_json::json!([{ "type": "read_file", "args": { "path": "a" }, "extra": 1 }]);
+        assert_eq!(first_error(&v).path, "steps[0].extra");
+        v["steps"] = serde_json::json!([
+            { "id": "a", "type": "read_file", "arguments": { "path": "a" } },
+            { "type": "read_file", "args": { "path": "b" } }
+        ]);
+        let e = first_error(&v);
+        assert_eq!(e.path, "steps[1]");
+        assert!(e.message.contains("use one form per job"), "{e}");
+    }
+
+    #[test]
+    fn a_job_goes_to_upstream_with_only_upstreams_fields() {
+        let mut v = base();
+        v["skill_id"] = "go-test".into();
+        v["artifacts"] = serde_json::json!(["out/**"]);
+        v["constraints"]["allowed_commands"] = serde_json::json!(["true"]);
+        v["context"] = serde_json::json!({ "task_context": "t", "preferences": { "n": 3 } });
+        let up = parse(&v).unwrap().to_upstream().unwrap();
+        assert_eq!(
+            up,
+            serde_json::json!({
+                "protocol_version": "1.0", "job_id": "j1", "task_id": "t1",
+                "constraints": { "max_runtime_seconds": 30, "max_output_bytes": 1024 },
+                "steps": [ { "type": "run_command", "args": { "argv": ["true"] } } ],
+                "context": { "task_context": "t", "preferences": { "n": "3" } }
+            })
+        );
+        // And it reads back as the same steps (ids by position).
+        let again = JobSpec::from_json(&serde_json::to_vec(&up).unwrap()).unwrap();
+        assert_eq!(again.steps[0].action, parse(&v).unwrap().steps[0].action);
     }
 }

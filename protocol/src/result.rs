@@ -1,9 +1,20 @@
 //! result.json: what the SBA reports. Always complete JSON.
+//!
+//! Written so that upstream CyNodeAI's `sbajob.Result` decodes it: each
+//! step carries upstream's step-level `index`, `exit_code`, `output` and a string `error`
+//! beside this project's own `id`, `duration_ms`, typed `result` and `failure_code`.
+//!
+//! Read tolerantly (it comes back from a peer, possibly an upstream worker that kept only
+//! the fields of its own type): unknown fields are ignored, and what upstream does not
+//! write (`task_id`, timestamps, `resource_usage`, step ids…) defaults. Upstream's Go
+//! writes empty slices as `null`; `steps` and `artifacts` read `null` as empty.
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 use crate::job::StepType;
+
+mod output_text;
 
 /// Final status of a job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -86,46 +97,161 @@ impl std::fmt::Display for FailureCode {
 
 /// `{ "type": <failure code>, "message": ... }` (the rough spec's error shape).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct ErrorInfo {
     #[serde(rename = "type")]
     pub kind: FailureCode,
     pub message: String,
 }
 
+/// `null` or a value, read as the value or its default (Go writes nil slices as `null`).
+fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
+
 /// A complete result.json.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct JobResult {
     pub protocol_version: String,
     pub job_id: String,
+    /// Absent from upstream CyNodeAI's result (read as empty).
+    #[serde(default)]
     pub task_id: String,
     pub status: JobStatus,
-    /// RFC 3339.
+    /// RFC 3339; absent from upstream's result (read as empty).
+    #[serde(default)]
     pub started_at: String,
-    /// RFC 3339.
+    /// RFC 3339; absent from upstream's result (read as empty).
+    #[serde(default)]
     pub finished_at: String,
+    #[serde(default, deserialize_with = "null_as_default")]
     pub steps: Vec<StepRecord>,
+    #[serde(default, deserialize_with = "null_as_default")]
     pub artifacts: Vec<ArtifactRecord>,
+    #[serde(default)]
     pub resource_usage: ResourceUsage,
+    #[serde(default)]
     pub failure_code: Option<FailureCode>,
+    #[serde(default)]
     pub failure_message: Option<String>,
+    #[serde(default)]
     pub error: Option<ErrorInfo>,
+    #[serde(default)]
     pub final_answer: Option<String>,
+    #[serde(default)]
     pub todo: Option<Vec<TodoItem>>,
 }
 
 /// One step as it ran (or was skipped).
+///
+/// `index`, `exit_code`, `output` and `error` (a string) are upstream CyNodeAI's
+/// `sbajob.StepResult` fields, with the values it reads there; the rest is this project's.
+/// The structured error is `failure_code` + `error` (the message): together they are the
+/// step's [`ErrorInfo`] ([`StepRecord::error_info`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct StepRecord {
+    /// Position in `steps`, from 0 (upstream's `index`).
+    #[serde(default)]
+    pub index: u64,
+    /// The job's step id (assigned `step-N` for upstream-form steps); absent upstream.
+    #[serde(default)]
     pub id: String,
     #[serde(rename = "type")]
     pub step_type: StepType,
     pub status: StepStatus,
+    #[serde(default)]
     pub duration_ms: u64,
+    /// run_command's exit code (null when killed by a signal or not a command).
+    #[serde(default)]
+    pub exit_code: Option<i32>,
+    /// What upstream reads as the step's output: run_command's stdout then stderr,
+    /// read_file's content, list_tree's paths one a line (directories end in `/`),
+    /// search_files' `path:line:text` lines, apply_unified_diff's `patching file P`
+    /// lines; empty for write_file. Bounded like the typed result.
+    #[serde(default)]
+    pub output: String,
+    /// The typed result; absent in upstream's results.
+    #[serde(default)]
     pub result: Option<StepOutput>,
-    pub error: Option<ErrorInfo>,
+    /// Why the step failed, in words (upstream's string `error`).
+    #[serde(default, deserialize_with = "step_error::deserialize")]
+    pub error: Option<String>,
+    /// The failure code of a failed step (null otherwise).
+    #[serde(default)]
+    pub failure_code: Option<FailureCode>,
+}
+
+/// A step's `error`: a message. Results written before the upstream alignment carried
+/// `{type, message}` here; that shape is still read, as `"<type>: <message>"`.
+mod step_error {
+    use serde::Deserialize;
+
+    use super::ErrorInfo;
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Either {
+        Message(String),
+        Legacy(ErrorInfo),
+    }
+
+    pub fn deserialize<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+        Ok(Option::<Either>::deserialize(d)?.map(|e| match e {
+            Either::Message(m) => m,
+            Either::Legacy(info) => format!("{}: {}", info.kind, info.message),
+        }))
+    }
+}
+
+impl StepRecord {
+    /// A record of the step at `index` with nothing run yet (status `skipped`).
+    pub fn skipped(index: usize, id: &str, step_type: StepType) -> StepRecord {
+        StepRecord {
+            index: index as u64,
+            id: id.to_string(),
+            step_type,
+            status: StepStatus::Skipped,
+            duration_ms: 0,
+            exit_code: None,
+            output: String::new(),
+            result: None,
+            error: None,
+            failure_code: None,
+        }
+    }
+
+    /// Sets the typed result and what upstream reads of it (`exit_code`, `output`).
+    pub fn set_result(&mut self, out: Option<StepOutput>) {
+        self.exit_code = match &out {
+            Some(StepOutput::RunCommand(r)) => r.exit_code,
+            _ => None,
+        };
+        self.output = out
+            .as_ref()
+            .map(StepOutput::upstream_output)
+            .unwrap_or_default();
+        self.result = out;
+    }
+
+    /// Sets the failure: its code and message.
+    pub fn set_error(&mut self, code: FailureCode, message: impl Into<String>) {
+        self.failure_code = Some(code);
+        self.error = Some(message.into());
+    }
+
+    /// The structured error, when the step failed with a known code.
+    pub fn error_info(&self) -> Option<ErrorInfo> {
+        match (&self.failure_code, &self.error) {
+            (Some(code), Some(message)) => Some(ErrorInfo {
+                kind: *code,
+                message: message.clone(),
+            }),
+            _ => None,
+        }
+    }
 }
 
 /// The typed result of a step; which variant is given by the step's `type`.
@@ -234,20 +360,25 @@ pub struct SearchFilesOutput {
     pub truncated: bool,
 }
 
-/// A collected artifact, relative to the artifacts directory.
+/// A collected artifact, relative to the artifacts directory. Upstream CyNodeAI's
+/// `ArtifactRef` has `path` (and `ref`) only: its `sha256` reads as empty, which no
+/// artifact download verifies against.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct ArtifactRecord {
+    #[serde(default)]
     pub path: String,
+    #[serde(default)]
     pub sha256: String,
+    #[serde(default)]
     pub size_bytes: u64,
 }
 
 /// What the job's processes used, from wait4/getrusage of the runner's children.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct ResourceUsage {
+    #[serde(default)]
     pub cpu_time_ms: u64,
+    #[serde(default)]
     pub max_rss_bytes: u64,
 }
 
@@ -270,6 +401,12 @@ pub struct TodoItem {
 }
 
 impl JobResult {
+    /// Appends a step record, numbering it (`index`) by its position.
+    pub fn push_step(&mut self, mut rec: StepRecord) {
+        rec.index = self.steps.len() as u64;
+        self.steps.push(rec);
+    }
+
     /// Sets both failure shapes (`failure_code`/`failure_message` and `error`) at once,
     /// so they can never disagree.
     pub fn set_failure(&mut self, code: FailureCode, message: impl Into<String>) {

@@ -3,6 +3,12 @@
 //! Field names follow upstream exactly (`sandbox.job_spec_json`, `truncated.stdout`…);
 //! this project's extensions (async jobs, workspaces, sessions) add types but never change
 //! an upstream field.
+//!
+//! Requests are read strictly (unknown fields refused). What a PM reads back from a peer
+//! of the same major version ([`RunJobResponse`], [`AsyncJobStatus`],
+//! [`WorkerCapacity`]) is read tolerantly: unknown fields (upstream's `run_diagnostics`,
+//! `step_executor_result`) are ignored and fields a peer may leave out default
+//! (upstream omits `exit_code` when it is 0).
 
 use std::collections::BTreeMap;
 
@@ -155,26 +161,33 @@ pub enum WorkerJobStatus {
 
 /// Which streams were cut.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct Truncated {
+    #[serde(default)]
     pub stdout: bool,
+    #[serde(default)]
     pub stderr: bool,
 }
 
-/// `POST /v1/worker/jobs:run` response.
+/// `POST /v1/worker/jobs:run` response (read tolerantly, see the module doc).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct RunJobResponse {
     pub version: u32,
     pub task_id: String,
     pub job_id: String,
     pub status: WorkerJobStatus,
-    /// -1 when the process never produced an exit code (timeout, runtime error).
+    /// -1 when the process never produced an exit code (timeout, runtime error). Always
+    /// written here; upstream omits it when 0, so absent reads as 0.
+    #[serde(default)]
     pub exit_code: i32,
+    #[serde(default)]
     pub stdout: String,
+    #[serde(default)]
     pub stderr: String,
+    #[serde(default)]
     pub started_at: String,
+    #[serde(default)]
     pub ended_at: String,
+    #[serde(default)]
     pub truncated: Truncated,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sba_result: Option<JobResult>,
@@ -213,7 +226,6 @@ impl AsyncJobState {
 
 /// `GET /v1/worker/jobs/{job_id}` response and `POST /v1/worker/jobs` 202 body (extension).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct AsyncJobStatus {
     pub version: u32,
     pub task_id: String,
@@ -228,7 +240,6 @@ pub struct AsyncJobStatus {
 /// with several workers can send each job where there is room. Counts are the node's own,
 /// so they include the jobs of every PM replica.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
 pub struct WorkerCapacity {
     pub version: u32,
     /// `podman`, `docker` or `bwrap`.

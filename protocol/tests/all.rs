@@ -1,4 +1,8 @@
-//! Integration tests of cynode-protocol: schema drift and dependency hygiene.
+//! Integration tests of cynode-protocol: schema drift and dependency hygiene, and
+//! upstream CyNodeAI's shapes ([`upstream`]).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod upstream;
 
 use std::path::PathBuf;
 use std::process::Command;

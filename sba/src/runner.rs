@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cynode_protocol::job::{ExecutionMode, JobSpec};
-use cynode_protocol::result::{JobStatus, StepRecord, StepStatus};
+use cynode_protocol::result::{JobStatus, StepRecord};
 use cynode_protocol::time::now_rfc3339;
 use cynode_protocol::version::PROTOCOL_VERSION;
 use cynode_protocol::worker_api::{SbaLifecycle, SbaStatusCallback};
@@ -250,23 +250,16 @@ fn execute(
 
 fn run_steps(ctx: &StepContext<'_>, result: &mut JobResult) {
     for step in &ctx.job.steps {
-        let step_type = step.action.step_type();
         if result.status != JobStatus::Success {
-            result.steps.push(StepRecord {
-                id: step.id.clone(),
-                step_type,
-                status: StepStatus::Skipped,
-                duration_ms: 0,
-                result: None,
-                error: None,
-            });
+            let rec = StepRecord::skipped(result.steps.len(), &step.id, step.action.step_type());
+            result.push_step(rec);
             continue;
         }
         let rec = step_runner::run_step(ctx, &step.id, &step.action);
-        if let Some(e) = &rec.error {
+        if let Some(e) = rec.error_info() {
             result.set_failure(e.kind, format!("step {}: {}", step.id, e.message));
         }
-        result.steps.push(rec);
+        result.push_step(rec);
     }
     if ctx.interrupted.load(Ordering::Relaxed) && result.status == JobStatus::Success {
         result.set_failure(FailureCode::InternalError, "runner interrupted by SIGTERM");

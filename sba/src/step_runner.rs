@@ -5,11 +5,12 @@
 use std::time::Instant;
 
 use cynode_protocol::job::StepAction;
-use cynode_protocol::result::{ErrorInfo, StepRecord};
+use cynode_protocol::result::StepRecord;
 
 use crate::steps::{self, StepContext};
 
-/// Runs one step and logs it; the record is what result.json reports for it.
+/// Runs one step and logs it; the record is what result.json reports for it (its
+/// `index` is set when it is added to the result, [`cynode_protocol::JobResult::push_step`]).
 pub fn run_step(ctx: &StepContext<'_>, id: &str, action: &StepAction) -> StepRecord {
     let step_type = action.step_type();
     let t = Instant::now();
@@ -25,15 +26,12 @@ pub fn run_step(ctx: &StepContext<'_>, id: &str, action: &StepAction) -> StepRec
         error = outcome.error.as_ref().map(|e| e.message.as_str()),
         "step finished"
     );
-    StepRecord {
-        id: id.to_string(),
-        step_type,
-        status,
-        duration_ms,
-        result: outcome.output,
-        error: outcome.error.map(|e| ErrorInfo {
-            kind: e.code,
-            message: e.message,
-        }),
+    let mut rec = StepRecord::skipped(0, id, step_type);
+    rec.status = status;
+    rec.duration_ms = duration_ms;
+    rec.set_result(outcome.output);
+    if let Some(e) = outcome.error {
+        rec.set_error(e.code, e.message);
     }
+    rec
 }

@@ -354,8 +354,14 @@ fn a_failed_step_is_recorded_and_fed_back() {
     );
     assert_eq!(run.result.steps[0].status, StepStatus::Failure);
     assert_eq!(
-        run.step(0)["error"],
-        json!({ "type": "step_failed", "message": "command `ls` exited with status 2" })
+        (
+            run.step(0)["failure_code"].clone(),
+            run.step(0)["error"].clone()
+        ),
+        (
+            json!("step_failed"),
+            json!("command `ls` exited with status 2")
+        )
     );
     let obs = model.last_message(1);
     assert!(

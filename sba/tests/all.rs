@@ -12,3 +12,4 @@ mod failures;
 mod limits;
 mod modes;
 mod steps;
+mod upstream;

@@ -111,8 +111,8 @@ fn assert_refused(run: &Run, index: usize, needle: &str) {
         assert_eq!(s["status"], want, "step {i}: {raw:#}");
     }
     let refused = run.step(index);
-    assert_eq!(refused["error"]["type"], "policy_violation", "{raw:#}");
-    let Some(step_message) = refused["error"]["message"].as_str() else {
+    assert_eq!(refused["failure_code"], "policy_violation", "{raw:#}");
+    let Some(step_message) = refused["error"].as_str() else {
         panic!("step {index} has no error message: {raw:#}")
     };
     assert!(

@@ -121,7 +121,7 @@ fn exit_2_when_no_result_can_be_written() {
 }
 
 /// Reads one HTTP request from `stream`, answers 200, returns the JSON body.
-fn serve_one<S: Read + Write>(stream: S) -> (String, Value) {
+pub(crate) fn serve_one<S: Read + Write>(stream: S) -> (String, Value) {
     let mut reader = BufReader::new(stream);
     let mut request_line = String::new();
     reader.read_line(&mut request_line).unwrap();

@@ -8,7 +8,8 @@
 //! the runner's time-out to end it.
 //!
 //! [`LocalModel`] is the local model server as a test-owned resource, and [`TestCa`]
-//! makes the certificates of the TLS tests.
+//! makes the certificates of the TLS tests. [`upstream`] mirrors upstream CyNodeAI's
+//! contract types with Go's JSON semantics, for the interoperability tests.
 //!
 //! The `cynode-reap` binary is the last line of defence in CI: it runs the test command as
 //! a child subreaper and fails when anything the run started is still alive afterwards.
@@ -16,6 +17,7 @@
 pub mod certs;
 pub mod model;
 pub mod proc;
+pub mod upstream;
 
 pub use certs::{CertFiles, TestCa};
 pub use model::LocalModel;

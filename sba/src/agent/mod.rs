@@ -253,11 +253,10 @@ impl Agent<'_, '_> {
                     let rec = crate::step_runner::run_step(self.ctx, &id, &action);
                     let obs = prompt::observation(&rec, self.remaining_secs(), turns_left);
                     let stop = rec
-                        .error
-                        .as_ref()
+                        .error_info()
                         .filter(|e| ends_job(e.kind))
                         .map(|e| (e.kind, format!("step {id}: {}", e.message)));
-                    result.steps.push(rec);
+                    result.push_step(rec);
                     if let Some(f) = stop {
                         return Err(f);
                     }

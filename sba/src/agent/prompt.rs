@@ -124,7 +124,7 @@ pub fn observation(rec: &StepRecord, remaining_secs: u64, turns_left: u32) -> St
         rec.id,
         rec.step_type.as_str()
     );
-    if let Some(e) = &rec.error {
+    if let Some(e) = rec.error_info() {
         s.push_str(&format!("\nerror ({}): {}", e.kind.as_str(), e.message));
     }
     let out = match &rec.result {
