@@ -25,6 +25,7 @@ pub mod upstream;
 pub use upstream::Flavor;
 
 use cynode_protocol::worker_api::{AsyncJobStatus, RunJobRequest, RunJobResponse, WorkerCapacity};
+use cynode_protocol::worker_workspaces::CreateWorkspace;
 use cynode_tls::ClientTls;
 use tracing::Instrument;
 
@@ -251,12 +252,7 @@ impl WorkerClient {
                 }
                 Ok(r) if r.status().is_client_error() => {
                     let status = r.status().as_u16();
-                    let detail = r
-                        .json::<serde_json::Value>()
-                        .await
-                        .ok()
-                        .and_then(|v| v["detail"].as_str().map(str::to_string))
-                        .unwrap_or_default();
+                    let detail = problem_detail(r).await;
                     return Err(DispatchError::Rejected { status, detail });
                 }
                 Ok(r) => return Ok(r),
@@ -438,12 +434,7 @@ impl WorkerClient {
                 }),
                 404 => Err(DispatchError::NotFound(path.clone())),
                 400..=499 => {
-                    let detail = r
-                        .json::<serde_json::Value>()
-                        .await
-                        .ok()
-                        .and_then(|v| v["detail"].as_str().map(str::to_string))
-                        .unwrap_or_default();
+                    let detail = problem_detail(r).await;
                     Err(DispatchError::Rejected { status, detail })
                 }
                 _ => Err(DispatchError::Unavailable(format!(
@@ -607,10 +598,12 @@ impl WorkerClient {
                 }),
             };
         }
-        let mut body = serde_json::json!({ "version": 1, "workspace_id": workspace_id });
-        if let Some(dir) = seed_from {
-            body["seed_from"] = serde_json::json!(dir);
-        }
+        let body = serde_json::to_value(CreateWorkspace {
+            version: 1,
+            workspace_id: workspace_id.to_string(),
+            seed_from: seed_from.map(std::path::Path::to_path_buf),
+        })
+        .unwrap_or_default();
         self.call(
             reqwest::Method::POST,
             &["v1", "worker", "workspaces"],
@@ -619,6 +612,20 @@ impl WorkerClient {
         .await?;
         Ok(())
     }
+}
+
+/// The `detail` of a worker's problem+json answer (`protocol::problem::Problem`), or ""
+/// when the body is not one (a peer's error bodies are read tolerantly: only `detail`).
+async fn problem_detail(r: reqwest::Response) -> String {
+    #[derive(serde::Deserialize)]
+    struct Detail {
+        detail: Option<String>,
+    }
+    r.json::<Detail>()
+        .await
+        .ok()
+        .and_then(|d| d.detail)
+        .unwrap_or_default()
 }
 
 /// The TLS problem behind a failed request, in words, or `None` when it failed otherwise

@@ -254,8 +254,13 @@ async fn the_proxy_reaches_an_https_only_upstream_it_trusts() {
     }
 }
 
+/// Upstream's worker_inference_proxy scenarios "Inference proxy rejects request body
+/// exceeding size limit" and "Inference proxy listens on Unix domain socket": every call
+/// here goes over the job's Unix socket, and the proxy also refuses other models and paths.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn proxy_allows_only_the_jobs_models_paths_and_sizes() {
+#[allow(non_snake_case)]
+async fn worker_inference_proxy__listens_on_a_unix_socket_and_rejects_oversized_bodies_foreign_models_and_paths(
+) {
     env();
     let (url, up) = upstream(vec![]).await;
     let sv = worker(
