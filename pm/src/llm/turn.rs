@@ -174,14 +174,18 @@ impl TurnRules {
         if f.plan_limit > 0 && f.plan_streak >= f.plan_limit {
             kinds.retain(|k| *k != "plan_update");
             notices.push(format!(
-                "You replied plan_update {} times in a row. This turn you must act: reply \
-                 job_request to run a skill for a task{}.",
+                "You replied plan_update {} times in a row. This turn you must act: reply {}.",
                 f.plan_streak,
-                if f.interactive {
-                    ", message to ask the user, or final when the objective is met"
-                } else {
-                    ", or final when the objective is met"
-                }
+                kinds
+                    .iter()
+                    .map(|k| match *k {
+                        "job_request" => "job_request to run a skill for a task",
+                        "message" => "message to ask the user",
+                        "final" => "final when the objective is met",
+                        other => other,
+                    })
+                    .collect::<Vec<_>>()
+                    .join(", or ")
             ));
         }
         TurnRules {
