@@ -84,7 +84,9 @@ fn canonical_bytes_have_sorted_keys() {
     let b = build_job(reg.get("repo-inspect").unwrap(), &json!({}), &r()).unwrap();
     let text = String::from_utf8(b.canonical).unwrap();
     assert!(
-        text.starts_with("{\"constraints\":{\"allowed_commands\":[],\"allowed_paths\":"),
+        text.starts_with(
+            "{\"artifacts\":[\"README*\"],\"constraints\":{\"allowed_commands\":[],\"allowed_paths\":"
+        ),
         "{text}"
     );
 }
