@@ -91,10 +91,12 @@ pub struct RunArgs {
     pub local_bwrap_rootfs: Option<PathBuf>,
     /// Sandbox image jobs run in (with --worker-endpoint or the local worker; a workers
     /// file names an image per purpose).
+    /// An empty value (e.g. `CYNODE_SANDBOX_IMAGE=`) is refused here, not by the worker.
     #[arg(
         long,
         env = "CYNODE_SANDBOX_IMAGE",
-        default_value = "localhost/cynode-sba-test:latest"
+        default_value = "localhost/cynode-sba-test:latest",
+        value_parser = clap::builder::NonEmptyStringValueParser::new()
     )]
     pub sandbox_image: String,
     /// Where the PM keeps its database and artifacts.
@@ -704,5 +706,20 @@ pub fn print_outcome(rec: &SessionRecord, json_out: bool) -> i32 {
             }
             1
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[test]
+    fn an_empty_sandbox_image_is_refused_at_the_command_line() {
+        let parse = |image: &str| {
+            crate::cli::Cli::try_parse_from(["cynode-pm", "run", "o", "--sandbox-image", image])
+        };
+        let err = parse("").unwrap_err().to_string();
+        assert!(err.contains("--sandbox-image"), "{err}");
+        assert!(parse("localhost/x:1").is_ok());
     }
 }
