@@ -222,13 +222,23 @@ impl Drop for Server {
     /// label, before the state directory goes.
     fn drop(&mut self) {
         self.child.kill();
-        if self.backend != "podman" {
-            return;
+        if self.backend == "podman" {
+            remove_node_containers(&self.state_dir());
         }
-        let Ok(state) = std::fs::canonicalize(self.state_dir()) else {
-            return;
-        };
-        let node = &sha256_hex(state.display().to_string().as_bytes())[..12];
+    }
+}
+
+/// Removes the Podman containers of the worker whose state directory is `state` (by its
+/// node label), after that worker was killed. A container the killed worker was still
+/// creating can appear a moment later, so this looks again until two looks in a row, half
+/// a second apart, find none (at most ~10 s).
+pub fn remove_node_containers(state: &Path) {
+    let Ok(state) = std::fs::canonicalize(state) else {
+        return;
+    };
+    let node = &sha256_hex(state.display().to_string().as_bytes())[..12];
+    let mut empty_looks = 0;
+    for _ in 0..20 {
         let mut ps = Command::new("podman");
         ps.args(["ps", "--all", "--quiet", "--filter"])
             .arg(format!("label=io.cynode.node={node}"));
@@ -237,11 +247,18 @@ impl Drop for Server {
             .split_whitespace()
             .map(str::to_string)
             .collect();
-        if !ids.is_empty() {
+        if ids.is_empty() {
+            empty_looks += 1;
+            if empty_looks == 2 {
+                return;
+            }
+        } else {
+            empty_looks = 0;
             let mut rm = Command::new("podman");
             rm.args(["rm", "--force", "--time", "0"]).args(&ids);
             let _ = output_bounded(rm, Duration::from_secs(120));
         }
+        std::thread::sleep(Duration::from_millis(500));
     }
 }
 

@@ -147,9 +147,11 @@ impl SecretNode {
 }
 
 impl Drop for SecretNode {
+    /// Like the harness's `Server`: the worker ends, then the containers it left.
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        crate::harness::remove_node_containers(&self._dir.path().join("state"));
     }
 }
 
