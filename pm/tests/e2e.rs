@@ -466,36 +466,16 @@ fn autonomous_run_acts_first_never_asks_and_finishes_on_evidence() {
         assert!(!kinds(r).contains(&"message".to_string()), "request {i}");
     }
     let fed_back: Vec<String> = reqs[1..].iter().map(|r| r.to_string()).collect();
-    assert!(
-        fed_back[0].contains("`message` is not accepted this turn"),
-        "{}",
-        fed_back[0]
-    );
-    assert!(
-        fed_back[1].contains("`final` is not accepted this turn"),
-        "{}",
-        fed_back[1]
-    );
-    assert!(
-        fed_back[2].contains("the first job looks at the workspace"),
-        "{}",
-        fed_back[2]
-    );
-    assert!(
-        fed_back[4].contains("`job_request` is not accepted this turn"),
-        "{}",
-        fed_back[4]
-    );
-    assert!(
-        fed_back[5].contains("is not the sha256 of an artifact of this session"),
-        "{}",
-        fed_back[5]
-    );
-    assert!(
-        fed_back[0].contains("No job has run yet"),
-        "{}",
-        fed_back[0]
-    );
+    for (i, told) in [
+        (0, "`message` is not accepted this turn"),
+        (1, "`final` is not accepted this turn"),
+        (2, "the first job looks at the workspace"),
+        (4, "`job_request` is not accepted this turn"),
+        (5, "is not the sha256 of an artifact of this session"),
+        (0, "No job has run yet"),
+    ] {
+        assert!(fed_back[i].contains(told), "{}", fed_back[i]);
+    }
     // Progress shows the chain: the job, its sandbox, its verified artifacts.
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(

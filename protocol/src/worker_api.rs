@@ -199,6 +199,29 @@ pub struct RunJobResponse {
     pub failure_reason: Option<String>,
 }
 
+impl RunJobResponse {
+    /// The failed answer for `req` when its job never ran (or its run was lost): exit code
+    /// -1, no output, both times now, and `failure_reason`.
+    pub fn not_run(req: &RunJobRequest, failure_reason: Option<String>) -> Self {
+        let now = crate::time::now_rfc3339();
+        RunJobResponse {
+            version: API_VERSION,
+            task_id: req.task_id.clone(),
+            job_id: req.job_id.clone(),
+            status: WorkerJobStatus::Failed,
+            exit_code: -1,
+            stdout: String::new(),
+            stderr: String::new(),
+            started_at: now.clone(),
+            ended_at: now,
+            truncated: Truncated::default(),
+            sba_result: None,
+            artifacts: None,
+            failure_reason,
+        }
+    }
+}
+
 /// Lifecycle state of an async job (extension).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]

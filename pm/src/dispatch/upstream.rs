@@ -29,8 +29,8 @@ use std::time::Duration;
 
 use cynode_protocol::job::JobSpec;
 use cynode_protocol::worker_api::{
-    AsyncJobState, AsyncJobStatus, RunJobRequest, RunJobResponse, Truncated, WorkerJobStatus,
-    API_VERSION, MAX_TIMEOUT_SECONDS,
+    AsyncJobState, AsyncJobStatus, RunJobRequest, RunJobResponse, WorkerJobStatus, API_VERSION,
+    MAX_TIMEOUT_SECONDS,
 };
 use serde_json::{json, Value};
 
@@ -257,26 +257,7 @@ pub(super) fn adopt(
 
 /// The failed answer of a job upstream cannot run, saying why.
 pub(super) fn refused(req: &RunJobRequest, why: String) -> RunJobResponse {
-    let now = now();
-    RunJobResponse {
-        version: API_VERSION,
-        task_id: req.task_id.clone(),
-        job_id: req.job_id.clone(),
-        status: WorkerJobStatus::Failed,
-        exit_code: -1,
-        stdout: String::new(),
-        stderr: String::new(),
-        started_at: now.clone(),
-        ended_at: now,
-        truncated: Truncated::default(),
-        sba_result: None,
-        artifacts: None,
-        failure_reason: Some(why),
-    }
-}
-
-fn now() -> String {
-    cynode_protocol::time::now_rfc3339()
+    RunJobResponse::not_run(req, Some(why))
 }
 
 /// The error for what an upstream worker does not offer.

@@ -2,8 +2,7 @@
 //! accepted or ran is settled, so nothing is silently lost. A job whose result.json is
 //! complete and verified keeps that result; any other fails as `worker_restarted`.
 
-use cynode_protocol::time::now_rfc3339;
-use cynode_protocol::worker_api::{RunJobRequest, RunJobResponse, WorkerJobStatus, API_VERSION};
+use cynode_protocol::worker_api::{RunJobRequest, RunJobResponse};
 
 use super::jobs::state_of;
 use super::Node;
@@ -74,22 +73,7 @@ impl Node {
 }
 
 pub(super) fn restarted_response_for(req: &RunJobRequest) -> RunJobResponse {
-    let now = now_rfc3339();
-    RunJobResponse {
-        version: API_VERSION,
-        task_id: req.task_id.clone(),
-        job_id: req.job_id.clone(),
-        status: WorkerJobStatus::Failed,
-        exit_code: -1,
-        stdout: String::new(),
-        stderr: String::new(),
-        started_at: now.clone(),
-        ended_at: now,
-        truncated: Default::default(),
-        sba_result: None,
-        artifacts: None,
-        failure_reason: None,
-    }
+    RunJobResponse::not_run(req, None)
 }
 
 fn restarted_response(rec: &JobRecord) -> RunJobResponse {
