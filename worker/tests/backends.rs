@@ -43,6 +43,15 @@ all_backends!(
     graceful_shutdown_finishes_running_jobs,
 );
 
+/// Engine-only behaviour.
+mod engine {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn stop_while_the_container_is_created_leaves_nothing() {
+        crate::cases::setup();
+        crate::cases::stop_while_the_container_is_created_leaves_nothing("podman").await;
+    }
+}
+
 /// Backend-independent node behaviour, once on bwrap.
 mod node {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

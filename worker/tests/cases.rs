@@ -461,6 +461,71 @@ pub async fn stop_cancels_and_removes(backend: &'static str) {
     assert_no_leaks(&sv, &id, Some(marker));
 }
 
+/// A job stopped while its container is still being created: the first remove finds
+/// nothing, and the client then starts the container. The node must keep removing until
+/// the client is gone, so no container (and no sandbox process) outlives the canceled job.
+/// The wrapper stands in for a slow engine: its `run` hands the creation to a process that
+/// outlives the client (as conmon does), which starts the container detached 16 s later,
+/// past the 10 s the node once waited before it gave up on the client; the client then
+/// waits for its container as an attached `podman run` does.
+pub async fn stop_while_the_container_is_created_leaves_nothing(backend: &'static str) {
+    assert_eq!(backend, "podman", "only an engine creates containers");
+    let bin = tempfile::tempdir().unwrap();
+    let wrapper = bin.path().join("slow-podman");
+    std::fs::write(
+        &wrapper,
+        r#"#!/bin/sh
+[ "$1" = run ] || exec /usr/bin/podman "$@"
+shift
+name=$(echo "$@" | sed 's/.*--name \([^ ]*\).*/\1/')
+(/bin/sleep 16; /usr/bin/podman run --detach "$@" >/dev/null; : > "$(dirname "$0")/created") & wait $!
+exec /usr/bin/podman wait "$name"
+"#,
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&wrapper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::set_permissions(bin.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut sv = Server::start(
+        backend,
+        &format!("podman:\n  binary: {}\n", wrapper.display()),
+    );
+    let id = unique("j");
+    let marker = &crate::harness::marker();
+    let (code, body) = sv
+        .post(
+            "/v1/worker/jobs",
+            &command_job(&id, "t", &["sh", "-c", &format!("sleep {marker}")]),
+        )
+        .await;
+    assert_eq!(code, 202, "{body}");
+    sv.wait_for(&id, Duration::from_secs(30), |v| {
+        v["status"] == "in_progress"
+    })
+    .await;
+    let (code, _) = sv
+        .post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
+        .await;
+    assert_eq!(code, 200);
+    let done = sv
+        .wait_for(&id, Duration::from_secs(90), |v| v["status"] == "canceled")
+        .await;
+    assert_eq!(done["status"], "canceled", "{done}");
+    // The late creation has happened (now or after the job ended), and had time to show.
+    let created = bin.path().join("created");
+    let until = Instant::now() + Duration::from_secs(60);
+    while !created.exists() {
+        assert!(
+            Instant::now() < until,
+            "the slow client never created its container"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_no_leaks(&sv, &id, Some(marker));
+    sv.owned.push(bin);
+}
+
 pub async fn full_queue_answers_503(backend: &'static str) {
     let sv = Server::start(backend, "queue:\n  max_running: 1\n  max_queued: 1\n");
     let ids: Vec<String> = (0..3).map(|_| unique("j")).collect();

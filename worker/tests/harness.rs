@@ -247,7 +247,10 @@ pub fn remove_node_containers(state: &Path) {
             .split_whitespace()
             .map(str::to_string)
             .collect();
-        if ids.is_empty() {
+        // A look that failed (a storage lock held too long…) proves nothing.
+        if !out.status.success() {
+            empty_looks = 0;
+        } else if ids.is_empty() {
             empty_looks += 1;
             if empty_looks == 2 {
                 return;

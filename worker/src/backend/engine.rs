@@ -6,7 +6,8 @@
 //! tmpfs /tmp, and labels carrying task_id and job_id; nothing is pulled. The image comes
 //! after `--`, so even a value that slipped past validation cannot be read as a flag. The
 //! client runs with a cleared environment ([`super::client_env`]). On timeout or cancel the
-//! container itself is killed and removed (not just the client process).
+//! container itself is killed and removed (not just the client process), again and again
+//! until the client has exited, so a container still being created cannot outlive its job.
 //!
 //! Residual: as with bwrap, `/proc/self/mountinfo` inside names the host paths of the
 //! `/job` and `/workspace` volumes (relative to the filesystem holding the state
@@ -28,6 +29,8 @@ use cynode_protocol::worker_api::Truncated;
 
 /// How long output may keep flowing after the client exits.
 const DRAIN_BOUND: Duration = Duration::from_secs(2);
+/// How long a stopped container's client may take to exit before it is killed.
+const STOP_BOUND: Duration = Duration::from_secs(60);
 
 /// Podman's default `init_path` (containers.conf), from the Debian package `catatonit`.
 pub const PODMAN_DEFAULT_INIT: &str = "/usr/libexec/podman/catatonit";
@@ -263,20 +266,10 @@ impl EngineBackend {
         let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;
         let status = match status {
             Some(s) => Some(s),
-            None => {
-                self.force_remove(&spec.name).await;
-                tokio::time::timeout(Duration::from_secs(10), child.wait())
-                    .await
-                    .ok()
-                    .and_then(Result::ok)
-            }
+            None => self.stop_and_remove(&spec.name, &mut child).await,
         };
         let stdout = capture::collect(out, DRAIN_BOUND).await;
         let stderr = capture::collect(err, DRAIN_BOUND).await;
-        if end != EndReason::Exited {
-            // The client may have exited before --rm finished; make sure.
-            self.force_remove(&spec.name).await;
-        }
         let exit_code = status.and_then(|s| s.code());
         // Exit 125 is the engine's own "could not run the container" code.
         let end = match (end, exit_code) {
@@ -298,6 +291,32 @@ impl EngineBackend {
             end,
             duration: started.elapsed(),
         }
+    }
+
+    /// Ends a container whose client is still running (timeout or cancel). A client that
+    /// is still creating the container would start it after a single remove found nothing,
+    /// so the container is removed again every second until the client has exited (it
+    /// exits once its container is gone), then once more, when nothing can create it any
+    /// longer. A client that outlives [`STOP_BOUND`] is killed first.
+    async fn stop_and_remove(
+        &self,
+        name: &str,
+        child: &mut tokio::process::Child,
+    ) -> Option<std::process::ExitStatus> {
+        let until = Instant::now() + STOP_BOUND;
+        let status = loop {
+            self.force_remove(name).await;
+            match tokio::time::timeout(Duration::from_secs(1), child.wait()).await {
+                Ok(s) => break s.ok(),
+                Err(_) if Instant::now() < until => continue,
+                Err(_) => {
+                    let _ = child.start_kill();
+                    break child.wait().await.ok();
+                }
+            }
+        };
+        self.force_remove(name).await;
+        status
     }
 
     /// Kills and removes a container by name; absent is fine.
