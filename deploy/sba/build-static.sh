@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-/var/cache/cynode/target}"
-RUSTFLAGS="-C target-feature=+crt-static" \
+# Paths are remapped so the binary (and so the test image built from its sha256) is the
+# same whichever checkout built it.
+RUSTFLAGS="-C target-feature=+crt-static --remap-path-prefix=$PWD=/cynode" \
   cargo build --release -p cynode-sba --target x86_64-unknown-linux-gnu >&2
 bin="$CARGO_TARGET_DIR/x86_64-unknown-linux-gnu/release/cynode-sba"
 size=$(stat -c %s "$bin")
