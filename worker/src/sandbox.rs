@@ -185,6 +185,34 @@ pub fn create_owned_dir(dir: &Path) -> std::io::Result<()> {
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
 }
 
+/// A small spec for unit tests of the backends' argv builders.
+#[cfg(test)]
+pub fn example_spec(image: &str, command: &[&str]) -> SandboxSpec {
+    SandboxSpec {
+        name: "cynode-j".into(),
+        image: image.into(),
+        command: command.iter().map(|s| s.to_string()).collect(),
+        override_entrypoint: true,
+        env: vec![("A".into(), "b".into())],
+        mounts: vec![Mount {
+            host: "/h".into(),
+            target: WORKSPACE_MOUNT.into(),
+            writable: true,
+        }],
+        workdir: WORKSPACE_MOUNT.into(),
+        network: cynode_protocol::worker_api::NetworkPolicy::None,
+        limits: ResourceLimits {
+            memory_mb: 64,
+            pids: 16,
+            cpus: 0.5,
+            tmpfs_mb: 8,
+        },
+        labels: Vec::new(),
+        timeout: std::time::Duration::from_secs(1),
+        output_cap: 1,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -27,6 +27,25 @@ fn assert_no_leaks(sv: &Server, job_id: &str, marker: Option<&str>) {
     );
 }
 
+/// Submits a job that sleeps until stopped (tagged by a unique marker) and waits until it
+/// runs; returns its id and the marker.
+async fn start_long_job(sv: &Server) -> (String, String) {
+    let id = unique("j");
+    let marker = crate::harness::marker();
+    let (code, body) = sv
+        .post(
+            "/v1/worker/jobs",
+            &command_job(&id, "t", &["sh", "-c", &format!("sleep {marker}")]),
+        )
+        .await;
+    assert_eq!(code, 202, "{body}");
+    sv.wait_for(&id, Duration::from_secs(30), |v| {
+        v["status"] == "in_progress"
+    })
+    .await;
+    (id, marker)
+}
+
 pub async fn auth_is_required(backend: &'static str) {
     let sv = Server::start(backend, "");
     let body = command_job(&unique("j"), "t", &["true"]);
@@ -441,24 +460,14 @@ pub async fn workspace_persists_across_a_tasks_jobs(backend: &'static str) {
 
 pub async fn stop_cancels_and_removes(backend: &'static str) {
     let sv = Server::start(backend, "");
-    let id = unique("j");
-    let marker = &crate::harness::marker();
-    sv.post(
-        "/v1/worker/jobs",
-        &command_job(&id, "t", &["sh", "-c", &format!("sleep {marker}")]),
-    )
-    .await;
-    sv.wait_for(&id, Duration::from_secs(30), |v| {
-        v["status"] == "in_progress"
-    })
-    .await;
+    let (id, marker) = start_long_job(&sv).await;
     let (code, _) = sv
         .post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
         .await;
     assert_eq!(code, 200);
     let done = sv.wait_terminal(&id).await;
     assert_eq!(done["status"], "canceled", "{done}");
-    assert_no_leaks(&sv, &id, Some(marker));
+    assert_no_leaks(&sv, &id, Some(&marker));
 }
 
 /// A job stopped while its container is still being created: the first remove finds
@@ -490,19 +499,7 @@ exec /usr/bin/podman wait "$name"
         backend,
         &format!("podman:\n  binary: {}\n", wrapper.display()),
     );
-    let id = unique("j");
-    let marker = &crate::harness::marker();
-    let (code, body) = sv
-        .post(
-            "/v1/worker/jobs",
-            &command_job(&id, "t", &["sh", "-c", &format!("sleep {marker}")]),
-        )
-        .await;
-    assert_eq!(code, 202, "{body}");
-    sv.wait_for(&id, Duration::from_secs(30), |v| {
-        v["status"] == "in_progress"
-    })
-    .await;
+    let (id, marker) = start_long_job(&sv).await;
     let (code, _) = sv
         .post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
         .await;
@@ -522,7 +519,7 @@ exec /usr/bin/podman wait "$name"
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_no_leaks(&sv, &id, Some(marker));
+    assert_no_leaks(&sv, &id, Some(&marker));
     sv.owned.push(bin);
 }
 
@@ -642,17 +639,7 @@ pub async fn kill9_restart_keeps_results_and_fails_the_interrupted(backend: &'st
     .await;
     let before = sv.wait_terminal(&done_id).await;
     assert_eq!(before["status"], "completed");
-    let long_id = unique("j");
-    let marker = &crate::harness::marker();
-    sv.post(
-        "/v1/worker/jobs",
-        &command_job(&long_id, "t", &["sh", "-c", &format!("sleep {marker}")]),
-    )
-    .await;
-    sv.wait_for(&long_id, Duration::from_secs(30), |v| {
-        v["status"] == "in_progress"
-    })
-    .await;
+    let (long_id, marker) = start_long_job(&sv).await;
     sv.kill9_and_restart();
     let (_, after) = sv.get(&format!("/v1/worker/jobs/{done_id}")).await;
     assert_eq!(after, before);
@@ -664,11 +651,11 @@ pub async fn kill9_restart_keeps_results_and_fails_the_interrupted(backend: &'st
     }
     // bwrap sandboxes die with the node (--die-with-parent).
     let until = std::time::Instant::now() + Duration::from_secs(10);
-    while process_with_arg(marker) && std::time::Instant::now() < until {
+    while process_with_arg(&marker) && std::time::Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(
-        !process_with_arg(marker),
+        !process_with_arg(&marker),
         "sandbox process survived the restart"
     );
 }

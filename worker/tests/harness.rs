@@ -84,6 +84,8 @@ pub struct Server {
     pub dir: tempfile::TempDir,
     pub addr: String,
     pub extra_config: String,
+    /// Variables the worker is started with (kept for restarts).
+    env: Vec<(&'static str, &'static str)>,
     child: OwnedChild,
     pub log: Arc<Mutex<Vec<String>>>,
     pub client: reqwest::Client,
@@ -94,17 +96,29 @@ pub struct Server {
 impl Server {
     /// Starts a worker with `backend` and extra YAML config lines.
     pub fn start(backend: &'static str, extra_config: &str) -> Server {
+        Server::start_with_env(backend, extra_config, &[])
+    }
+
+    /// Starts a worker with these variables in its environment as well. With
+    /// `WORKER_API_BEARER_TOKEN` among them, the config names no token file, so the node
+    /// takes its token from the environment.
+    pub fn start_with_env(
+        backend: &'static str,
+        extra_config: &str,
+        env: &[(&'static str, &'static str)],
+    ) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
         // Sandboxes run as uid 1000 and must traverse to the state directory.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
             .expect("chmod");
-        let (child, addr, log) = launch(backend, dir.path(), extra_config);
+        let (child, addr, log) = launch(backend, dir.path(), extra_config, env);
         Server {
             backend,
             dir,
             addr,
             extra_config: extra_config.to_string(),
+            env: env.to_vec(),
             child,
             log,
             // Every request bounded: a hung worker fails the test, not the runner.
@@ -120,7 +134,7 @@ impl Server {
     pub fn kill9_and_restart(&mut self) {
         self.child.signal(libc::SIGKILL);
         let _ = self.child.wait_timeout(Duration::from_secs(30));
-        let (child, addr, log) = launch(self.backend, self.dir.path(), &self.extra_config);
+        let (child, addr, log) = self.relaunch();
         self.child = child;
         self.addr = addr;
         self.log = log;
@@ -135,11 +149,15 @@ impl Server {
             "worker did not exit within 60 s of SIGTERM"
         );
         let took = t.elapsed();
-        let (child, addr, log) = launch(self.backend, self.dir.path(), &self.extra_config);
+        let (child, addr, log) = self.relaunch();
         self.child = child;
         self.addr = addr;
         self.log = log;
         took
+    }
+
+    fn relaunch(&self) -> (OwnedChild, String, Arc<Mutex<Vec<String>>>) {
+        launch(self.backend, self.dir.path(), &self.extra_config, &self.env)
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -155,12 +173,20 @@ impl Server {
             .send()
             .await
             .expect("post");
-        let status = r.status().as_u16();
-        let text = r.text().await.expect("body");
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
+        answer(r).await
+    }
+
+    /// `PUT /v1/worker/workspaces/{ws}/tar` with `body`.
+    pub async fn put_tar(&self, ws: &str, body: Vec<u8>) -> (u16, Value) {
+        let r = self
+            .client
+            .put(self.url(&format!("/v1/worker/workspaces/{ws}/tar")))
+            .bearer_auth(TOKEN)
+            .body(body)
+            .send()
+            .await
+            .expect("put");
+        answer(r).await
     }
 
     pub async fn get(&self, path: &str) -> (u16, Value) {
@@ -171,12 +197,7 @@ impl Server {
             .send()
             .await
             .expect("get");
-        let status = r.status().as_u16();
-        let text = r.text().await.expect("body");
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
+        answer(r).await
     }
 
     /// Polls an async job until `pred` holds on its status (bounded).
@@ -265,17 +286,56 @@ pub fn remove_node_containers(state: &Path) {
     }
 }
 
-fn launch(backend: &str, dir: &Path, extra: &str) -> (OwnedChild, String, Arc<Mutex<Vec<String>>>) {
+/// A response's status and its body as JSON (or as a string when it is not JSON).
+pub async fn answer(r: reqwest::Response) -> (u16, Value) {
+    let status = r.status().as_u16();
+    let text = r.text().await.expect("body");
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+/// Removes a podman container when the test ends, also by a panic: the harness SIGKILLs
+/// the node, which cannot remove it then.
+pub struct RemoveOnDrop(Option<String>);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        if let Some(name) = &self.0 {
+            let _ = Command::new("podman")
+                .args(["rm", "--force", "--ignore", "--time", "0", name])
+                .output();
+        }
+    }
+}
+
+/// The guard that removes session `session_id`'s container (podman only).
+pub fn session_guard(backend: &str, session_id: &str) -> RemoveOnDrop {
+    RemoveOnDrop((backend == "podman").then(|| format!("cynode-session-{session_id}")))
+}
+
+fn launch(
+    backend: &str,
+    dir: &Path,
+    extra: &str,
+    vars: &[(&str, &str)],
+) -> (OwnedChild, String, Arc<Mutex<Vec<String>>>) {
     let e = env();
-    let token = dir.join("token");
-    std::fs::write(&token, TOKEN).expect("token");
+    let token_in_env = vars.iter().any(|(k, _)| *k == "WORKER_API_BEARER_TOKEN");
+    let token_line = if token_in_env {
+        String::new()
+    } else {
+        let token = dir.join("token");
+        std::fs::write(&token, TOKEN).expect("token");
+        format!("token_file: {}\n", token.display())
+    };
     let config = dir.join("worker.yaml");
     std::fs::write(
         &config,
         format!(
-            "listen: 127.0.0.1:0\nbackend: {backend}\nstate_dir: {}\ntoken_file: {}\nbwrap:\n  rootfs:\n    \"{}\": {}\n{extra}\n",
+            "listen: 127.0.0.1:0\nbackend: {backend}\nstate_dir: {}\n{token_line}bwrap:\n  rootfs:\n    \"{}\": {}\n{extra}\n",
             dir.join("state").display(),
-            token.display(),
             e.image,
             e.rootfs.display()
         ),
@@ -285,6 +345,7 @@ fn launch(backend: &str, dir: &Path, extra: &str) -> (OwnedChild, String, Arc<Mu
     cmd.args(["serve", "--config"])
         .arg(&config)
         .env_remove("WORKER_API_BEARER_TOKEN")
+        .envs(vars.iter().copied())
         .stdout(Stdio::null())
         .stderr(Stdio::piped());
     let mut child = OwnedChild::spawn(cmd);
@@ -343,9 +404,13 @@ pub fn sba_job(job_id: &str, task_id: &str, steps: Value, artifacts: Value) -> V
 
 /// Containers of this node's jobs still known to podman.
 pub fn podman_containers(job_id: &str) -> Vec<String> {
+    podman_names(&format!("label=cynodeai.job_id={job_id}"))
+}
+
+/// Names of the containers podman knows that match `filter` (`podman ps --filter`).
+pub fn podman_names(filter: &str) -> Vec<String> {
     let out = Command::new("podman")
-        .args(["ps", "--all", "--format", "{{.Names}}", "--filter"])
-        .arg(format!("label=cynodeai.job_id={job_id}"))
+        .args(["ps", "--all", "--format", "{{.Names}}", "--filter", filter])
         .output()
         .expect("podman ps");
     String::from_utf8_lossy(&out.stdout)

@@ -4,15 +4,13 @@
 //! runner. Each asserts that nothing reached the host. Plus the init-binary check of the
 //! Podman backend.
 
-use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Command;
 use std::time::Duration;
 
-use serde_json::{json, Value};
+use serde_json::json;
 
-use crate::harness::{command_job, env, sba_job, unique, Server, TOKEN};
+use crate::harness::{command_job, env, sba_job, session_guard, unique, Server, TOKEN};
 
 macro_rules! escape_cases {
     ($backend:ident: $($case:ident),* $(,)?) => {
@@ -56,120 +54,19 @@ mod podman_init {
 const FAKE_API_KEY: &str = "sk-fake-cynode-model-key-5b0e1c9d";
 const FAKE_UPSTREAM_KEY: &str = "fake-upstream-inference-key-77aa10";
 
-/// A worker started with secrets in its environment (the harness removes them): the
-/// bearer token from `WORKER_API_BEARER_TOKEN`, not from a file, and API keys.
-struct SecretNode {
-    child: Child,
-    _dir: tempfile::TempDir,
-    addr: String,
-    client: reqwest::Client,
-    log: Arc<Mutex<Vec<String>>>,
-}
-
-impl SecretNode {
-    fn start(backend: &str) -> SecretNode {
-        let e = env();
-        let dir = tempfile::tempdir().unwrap();
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-        let config = dir.path().join("worker.yaml");
-        std::fs::write(
-            &config,
-            format!(
-                "listen: 127.0.0.1:0\nbackend: {backend}\nstate_dir: {}\nbwrap:\n  rootfs:\n    \"{}\": {}\n",
-                dir.path().join("state").display(),
-                e.image,
-                e.rootfs.display()
-            ),
-        )
-        .unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_cynode-worker"))
-            .args(["serve", "--config"])
-            .arg(&config)
-            .env("WORKER_API_BEARER_TOKEN", TOKEN)
-            .env("CYNODE_MODEL_API_KEY", FAKE_API_KEY)
-            .env("OPENAI_API_KEY", FAKE_API_KEY)
-            .env("INFERENCE_UPSTREAM_KEY", FAKE_UPSTREAM_KEY)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = child.stderr.take().unwrap();
-        let log = Arc::new(Mutex::new(Vec::new()));
-        let sink = Arc::clone(&log);
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut tx = Some(tx);
-            for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                    if v["fields"]["message"] == "cynode-worker listening" {
-                        if let Some(tx) = tx.take() {
-                            let addr = v["fields"]["addr"].as_str().unwrap_or_default();
-                            let _ = tx.send(addr.to_string());
-                        }
-                    }
-                }
-                sink.lock().unwrap().push(line);
-            }
-        });
-        let addr = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("worker did not start; log: {:?}", log.lock().unwrap())
-            });
-        SecretNode {
-            child,
-            _dir: dir,
-            addr,
-            client: reqwest::Client::new(),
-            log,
-        }
-    }
-
-    async fn post(&self, path: &str, body: &Value) -> (u16, Value) {
-        let r = self
-            .client
-            .post(format!("http://{}{path}", self.addr))
-            .bearer_auth(TOKEN)
-            .json(body)
-            .send()
-            .await
-            .unwrap();
-        let status = r.status().as_u16();
-        let text = r.text().await.unwrap();
-        (
-            status,
-            serde_json::from_str(&text).unwrap_or(Value::String(text)),
-        )
-    }
-}
-
-impl Drop for SecretNode {
-    /// Like the harness's `Server`: the worker ends, then the containers it left.
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        crate::harness::remove_node_containers(&self._dir.path().join("state"));
-    }
-}
-
-/// Removes a podman session container when the test ends, also by a panic.
-struct RemoveContainer(Option<String>);
-
-impl Drop for RemoveContainer {
-    fn drop(&mut self) {
-        if let Some(name) = &self.0 {
-            let _ = Command::new("podman")
-                .args(["rm", "--force", "--ignore", "--time", "0", name])
-                .output();
-        }
-    }
-}
-
-fn session_guard(backend: &str, session_id: &str) -> RemoveContainer {
-    RemoveContainer((backend == "podman").then(|| format!("cynode-session-{session_id}")))
+/// A worker holding every kind of secret a node may have in its environment: its bearer
+/// token from `WORKER_API_BEARER_TOKEN`, not from a file, and API keys.
+fn secret_node(backend: &'static str) -> Server {
+    Server::start_with_env(
+        backend,
+        "",
+        &[
+            ("WORKER_API_BEARER_TOKEN", TOKEN),
+            ("CYNODE_MODEL_API_KEY", FAKE_API_KEY),
+            ("OPENAI_API_KEY", FAKE_API_KEY),
+            ("INFERENCE_UPSTREAM_KEY", FAKE_UPSTREAM_KEY),
+        ],
+    )
 }
 
 /// A host path that a successful escape would create; under a directory of this test.
@@ -259,7 +156,7 @@ fn assert_no_secret(what: &str, out: &str) {
 /// Item 3: the node's environment (bearer token, API keys) is invisible in every environ
 /// a job or a session command can read.
 pub async fn escape_no_node_secret_in_any_environ(backend: &'static str) {
-    let node = SecretNode::start(backend);
+    let node = secret_node(backend);
     let id = unique("j");
     let (code, v) = node
         .post(

@@ -1,13 +1,14 @@
 //! Session sandboxes on the real server, once per backend: lifecycle with a persisted
 //! workspace, idle timeout enforced by the reaper, exec timeout, auth, strict bodies.
 
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::harness::{env, marker, process_with_arg, unique, Server, TOKEN};
+use crate::harness::{
+    env, marker, process_with_arg, session_guard, unique, RemoveOnDrop, Server, TOKEN,
+};
 
 macro_rules! session_cases {
     ($backend:ident: $($case:ident),* $(,)?) => {
@@ -51,33 +52,35 @@ fn exec_body(command: &[&str]) -> Value {
 
 /// Containers named for the session, running or not.
 fn session_containers(session_id: &str) -> Vec<String> {
-    let out = Command::new("podman")
-        .args(["ps", "--all", "--format", "{{.Names}}", "--filter"])
-        .arg(format!("name=^cynode-session-{session_id}$"))
-        .output()
-        .expect("podman ps");
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .map(str::to_string)
-        .collect()
+    crate::harness::podman_names(&format!("name=^cynode-session-{session_id}$"))
 }
 
-/// Removes the session's container when the test ends, also by a panic: the harness
-/// SIGKILLs the node, which cannot remove it then.
-struct RemoveOnDrop(Option<String>);
+/// A session a test created.
+struct Created {
+    id: String,
+    /// Its exec path.
+    exec: String,
+    /// The create response.
+    info: Value,
+    /// Removes its container however the test ends: bind it for the whole test.
+    _cleanup: RemoveOnDrop,
+}
 
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        if let Some(name) = &self.0 {
-            let _ = Command::new("podman")
-                .args(["rm", "--force", "--ignore", "--time", "0", name])
-                .output();
-        }
+/// Creates a session (its create body changed by `tweak`) and asserts 201.
+async fn create_session(sv: &Server, tweak: impl FnOnce(&mut Value)) -> Created {
+    let id = unique("s");
+    let cleanup = session_guard(sv.backend, &id);
+    let mut body = create_body(&id, &unique("t"));
+    tweak(&mut body);
+    let (code, info) = sv.post("/v1/worker/sessions", &body).await;
+    assert_eq!(code, 201, "{info}");
+    let exec = format!("/v1/worker/sessions/{id}/exec");
+    Created {
+        id,
+        exec,
+        info,
+        _cleanup: cleanup,
     }
-}
-
-fn remove_on_drop(sv: &Server, session_id: &str) -> RemoveOnDrop {
-    RemoveOnDrop((sv.backend == "podman").then(|| format!("cynode-session-{session_id}")))
 }
 
 fn assert_no_container(sv: &Server, session_id: &str) {
@@ -117,7 +120,7 @@ fn without_times(v: &Value) -> Value {
 pub async fn lifecycle_keeps_the_workspace_and_removes_the_sandbox(backend: &'static str) {
     let sv = Server::start(backend, "");
     let id = unique("s");
-    let _cleanup = remove_on_drop(&sv, &id);
+    let _cleanup = session_guard(sv.backend, &id);
     let task = unique("t");
     let mut body = create_body(&id, &task);
     body["env"] = json!({ "FROM_SESSION": "s1", "CYNODE_TASK_ID": "forged" });
@@ -233,12 +236,8 @@ async fn wait_ended(sv: &Server, id: &str, limit: Duration) -> Value {
 
 pub async fn idle_timeout_ends_the_session(backend: &'static str) {
     let sv = Server::start(backend, "");
-    let id = unique("s");
-    let _cleanup = remove_on_drop(&sv, &id);
-    let mut body = create_body(&id, &unique("t"));
-    body["idle_timeout_seconds"] = json!(2);
-    let (code, v) = sv.post("/v1/worker/sessions", &body).await;
-    assert_eq!(code, 201, "{v}");
+    let Created { id, _cleanup, .. } =
+        create_session(&sv, |b| b["idle_timeout_seconds"] = json!(2)).await;
     // A command longer than the idle timeout: the session is not idle while it runs.
     let (_, v) = sv
         .post(
@@ -276,13 +275,9 @@ pub async fn idle_timeout_ends_the_session(backend: &'static str) {
 
 pub async fn exec_timeout_kills_the_command_and_the_session_lives_on(backend: &'static str) {
     let sv = Server::start(backend, "");
-    let id = unique("s");
-    let _cleanup = remove_on_drop(&sv, &id);
-    let (code, v) = sv
-        .post("/v1/worker/sessions", &create_body(&id, &unique("t")))
-        .await;
-    assert_eq!(code, 201, "{v}");
-    let exec = format!("/v1/worker/sessions/{id}/exec");
+    let Created {
+        id, exec, _cleanup, ..
+    } = create_session(&sv, |_| {}).await;
     // A foreground sleep, plus a detached one that clears its environment: both die.
     let (fg, bg) = (marker(), marker());
     let mut body = exec_body(&[
@@ -327,12 +322,12 @@ pub async fn exec_timeout_kills_the_command_and_the_session_lives_on(backend: &'
 
 pub async fn max_lifetime_ends_a_running_command(backend: &'static str) {
     let sv = Server::start(backend, "");
-    let id = unique("s");
-    let _cleanup = remove_on_drop(&sv, &id);
-    let mut body = create_body(&id, &unique("t"));
-    body["max_lifetime_seconds"] = json!(2);
-    let (code, v) = sv.post("/v1/worker/sessions", &body).await;
-    assert_eq!(code, 201, "{v}");
+    let Created {
+        id,
+        info: v,
+        _cleanup,
+        ..
+    } = create_session(&sv, |b| b["max_lifetime_seconds"] = json!(2)).await;
     // The idle timeout is capped by the lifetime.
     assert_eq!(
         (
@@ -392,13 +387,9 @@ pub async fn max_lifetime_ends_a_running_command(backend: &'static str) {
 
 pub async fn one_command_at_a_time(backend: &'static str) {
     let sv = Arc::new(Server::start(backend, ""));
-    let id = unique("s");
-    let _cleanup = remove_on_drop(&sv, &id);
-    let (code, v) = sv
-        .post("/v1/worker/sessions", &create_body(&id, &unique("t")))
-        .await;
-    assert_eq!(code, 201, "{v}");
-    let exec = format!("/v1/worker/sessions/{id}/exec");
+    let Created {
+        id, exec, _cleanup, ..
+    } = create_session(&sv, |_| {}).await;
     let m = marker();
     let long = {
         let (sv, exec) = (Arc::clone(&sv), exec.clone());
@@ -434,13 +425,9 @@ pub async fn one_command_at_a_time(backend: &'static str) {
 /// only reaches its own sandbox, so the session goes on.
 pub async fn killing_the_keepalive_ends_the_session(backend: &'static str) {
     let sv = Server::start(backend, "");
-    let id = unique("s");
-    let _cleanup = remove_on_drop(&sv, &id);
-    let (code, v) = sv
-        .post("/v1/worker/sessions", &create_body(&id, &unique("t")))
-        .await;
-    assert_eq!(code, 201, "{v}");
-    let exec = format!("/v1/worker/sessions/{id}/exec");
+    let Created {
+        id, exec, _cleanup, ..
+    } = create_session(&sv, |_| {}).await;
     let (code, v) = sv
         .post(&exec, &exec_body(&["sh", "-c", "kill -9 -1; true"]))
         .await;
@@ -499,7 +486,7 @@ pub async fn auth_is_required(backend: &'static str) {
 pub async fn invalid_requests_name_the_field(backend: &'static str) {
     let sv = Server::start(backend, "images: [\"localhost/cynode-sba-test:latest\"]\n");
     let id = unique("s");
-    let _cleanup = remove_on_drop(&sv, &id);
+    let _cleanup = session_guard(sv.backend, &id);
     let mut body = create_body(&id, "t");
     body["surprise"] = json!(1);
     let (code, v) = sv.post("/v1/worker/sessions", &body).await;

@@ -52,23 +52,6 @@ fn tar_of_dir(dir: &Path) -> Vec<u8> {
     b.into_inner().unwrap()
 }
 
-async fn put_tar(sv: &Server, ws: &str, body: Vec<u8>) -> (u16, Value) {
-    let r = sv
-        .client
-        .put(sv.url(&format!("/v1/worker/workspaces/{ws}/tar")))
-        .bearer_auth(TOKEN)
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    let code = r.status().as_u16();
-    let text = r.text().await.unwrap();
-    (
-        code,
-        serde_json::from_str(&text).unwrap_or(Value::String(text)),
-    )
-}
-
 async fn changeset(sv: &Server, ws: &str) -> (u16, String) {
     let r = sv
         .client
@@ -99,7 +82,7 @@ async fn changeset_ignores_a_jobs_fsmonitor() {
         let m = marks.path().join("fsmonitor");
         let sv = Server::start(backend, "");
         let ws = unique("ws");
-        assert_eq!(put_tar(&sv, &ws, body.clone()).await.0, 201);
+        assert_eq!(sv.put_tar(&ws, body.clone()).await.0, 201);
         // The job makes its repository run `id` through core.fsmonitor (and friends).
         let script = format!(
             "printf '[core]\\n\\tfsmonitor = \"id > {m}\"\\n\\thooksPath = /nonexistent\\n[diff]\\n\\texternal = \"id >> {m}\"\\n' >> .git/config; echo two > a.txt",
@@ -158,7 +141,7 @@ async fn changeset_ignores_textconv_and_filter_drivers() {
         let m = marks.path().display().to_string();
         let sv = Server::start(backend, "");
         let ws = unique("ws");
-        assert_eq!(put_tar(&sv, &ws, body.clone()).await.0, 201);
+        assert_eq!(sv.put_tar(&ws, body.clone()).await.0, 201);
         let script = format!(
             "echo '* diff=evil filter=evil' > .gitattributes; mkdir -p .git/info; echo '* diff=evil filter=evil' > .git/info/attributes; \
              printf '[diff \"evil\"]\\n\\ttextconv = \"id > {m}/textconv; cat\"\\n[filter \"evil\"]\\n\\tclean = \"id > {m}/clean; cat\"\\n\\tsmudge = \"id > {m}/smudge; cat\"\\n' >> .git/config; \
@@ -303,7 +286,7 @@ async fn hostile_tars_never_reach_outside_the_workspace() {
     ];
     for (what, body) in refused {
         let ws = unique("ws");
-        let (code, v) = put_tar(&sv, &ws, body).await;
+        let (code, v) = sv.put_tar(&ws, body).await;
         assert_eq!(code, 400, "{what}: {v}");
         assert!(
             !sv.state_dir().join("workspaces").join(&ws).exists(),
@@ -313,25 +296,25 @@ async fn hostile_tars_never_reach_outside_the_workspace() {
     // Neutralised: links that only really (not lexically) lead out, absolute links,
     // hard links, devices and FIFOs are left out; the rest is seeded.
     let ws = unique("ws");
-    let (code, v) = put_tar(
-        &sv,
-        &ws,
-        tar(&[
-            ("d", Symlink, ".", b""),
-            ("x", Directory, "", b""),
-            ("x/l", Symlink, "../d/d/../../../../outside", b""),
-            ("x/m", Symlink, "../d/d/../..", b""),
-            ("abs", Symlink, "/etc", b""),
-            ("abs/", Directory, "", b""),
-            (&format!("abs/{etc_probe}"), Regular, "", b"evil"),
-            ("hard", Link, "../../../outside/secret", b""),
-            ("hard2", Link, "/etc/shadow", b""),
-            ("null", Char, "", b""),
-            ("fifo", Fifo, "", b""),
-            ("ok.txt", Regular, "", b"fine"),
-        ]),
-    )
-    .await;
+    let (code, v) = sv
+        .put_tar(
+            &ws,
+            tar(&[
+                ("d", Symlink, ".", b""),
+                ("x", Directory, "", b""),
+                ("x/l", Symlink, "../d/d/../../../../outside", b""),
+                ("x/m", Symlink, "../d/d/../..", b""),
+                ("abs", Symlink, "/etc", b""),
+                ("abs/", Directory, "", b""),
+                (&format!("abs/{etc_probe}"), Regular, "", b"evil"),
+                ("hard", Link, "../../../outside/secret", b""),
+                ("hard2", Link, "/etc/shadow", b""),
+                ("null", Char, "", b""),
+                ("fifo", Fifo, "", b""),
+                ("ok.txt", Regular, "", b"fine"),
+            ]),
+        )
+        .await;
     assert_eq!(code, 201, "{v}");
     assert_eq!(
         v["skipped"],
@@ -384,7 +367,7 @@ async fn seeding_while_a_sandbox_runs_in_the_workspace_writes_nothing_outside() 
         ]);
         let mut seeded = false;
         for _ in 0..50 {
-            let (code, v) = put_tar(&sv, &ws, body.clone()).await;
+            let (code, v) = sv.put_tar(&ws, body.clone()).await;
             assert!(code == 201 || code == 409, "{backend}: {v}");
             if code == 201 {
                 seeded = true;

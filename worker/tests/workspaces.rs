@@ -168,15 +168,8 @@ async fn tar_seed_and_export_round_trip() {
     let sv = Server::start("bwrap", "");
     let ws = unique("ws");
     let body = tar_of(&[("app/hello.txt", b"hello tar\n")]);
-    let r = sv
-        .client
-        .put(sv.url(&format!("/v1/worker/workspaces/{ws}/tar")))
-        .bearer_auth(TOKEN)
-        .body(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 201);
+    let (code, v) = sv.put_tar(&ws, body).await;
+    assert_eq!(code, 201, "{v}");
     let mut job = command_job(
         &unique("j"),
         "t",

@@ -32,7 +32,6 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use cynode_protocol::worker_api::Truncated;
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
@@ -42,7 +41,6 @@ use crate::sandbox::SANDBOX_UID_TEXT;
 
 /// What runs when an SBA job's image has no explicit command.
 pub const SBA_ENTRYPOINT: &str = "/usr/local/bin/cynode-sba";
-const DRAIN_BOUND: Duration = Duration::from_secs(2);
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 const CGROUP_PARENT: &str = "cynode";
 
@@ -276,22 +274,11 @@ impl BwrapBackend {
             }
         };
         cgroup.kill_all();
-        let stdout = capture::collect(out, DRAIN_BOUND).await;
-        let stderr = capture::collect(err, DRAIN_BOUND).await;
-        cgroup.destroy();
         use std::os::unix::process::ExitStatusExt;
         let exit_code = status.and_then(|s| s.code().or_else(|| s.signal().map(|sig| 128 + sig)));
-        SandboxOutcome {
-            exit_code,
-            truncated: Truncated {
-                stdout: stdout.truncated,
-                stderr: stderr.truncated,
-            },
-            stdout: stdout.text,
-            stderr: stderr.text,
-            end,
-            duration: started.elapsed(),
-        }
+        let outcome = SandboxOutcome::collected(exit_code, out, err, end, started).await;
+        cgroup.destroy();
+        outcome
     }
 
     /// Removes leftover cgroups of sandboxes (their processes died with the node).

@@ -7,6 +7,12 @@ use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::task::JoinHandle;
 
+/// How long output may keep flowing after a client exits.
+pub const DRAIN_BOUND: Duration = Duration::from_secs(2);
+
+/// A stream still being drained.
+pub type Pending = JoinHandle<Captured>;
+
 /// The kept head of one stream.
 #[derive(Debug, Default)]
 pub struct Captured {
@@ -15,10 +21,7 @@ pub struct Captured {
 }
 
 /// Starts draining `stream` in the background.
-pub fn spawn<R: AsyncRead + Unpin + Send + 'static>(
-    stream: Option<R>,
-    cap: usize,
-) -> JoinHandle<Captured> {
+pub fn spawn<R: AsyncRead + Unpin + Send + 'static>(stream: Option<R>, cap: usize) -> Pending {
     tokio::spawn(async move {
         let Some(mut stream) = stream else {
             return Captured::default();
@@ -44,7 +47,7 @@ pub fn spawn<R: AsyncRead + Unpin + Send + 'static>(
 
 /// Waits for a capture task, giving up (and reporting truncation) after `bound`: a
 /// descendant that holds the pipe open must not hang the node.
-pub async fn collect(handle: JoinHandle<Captured>, bound: Duration) -> Captured {
+pub async fn collect(handle: Pending, bound: Duration) -> Captured {
     let abort = handle.abort_handle();
     match tokio::time::timeout(bound, handle).await {
         Ok(Ok(c)) => c,

@@ -25,10 +25,7 @@ use super::{
 };
 use crate::config::{BackendKind, EngineConfig};
 use crate::sandbox::SANDBOX_USER;
-use cynode_protocol::worker_api::Truncated;
 
-/// How long output may keep flowing after the client exits.
-const DRAIN_BOUND: Duration = Duration::from_secs(2);
 /// How long a stopped container's client may take to exit before it is killed.
 const STOP_BOUND: Duration = Duration::from_secs(60);
 
@@ -245,52 +242,19 @@ impl EngineBackend {
             return SandboxOutcome::start_failed(e.to_string(), started);
         }
         let mut cmd = self.cmd();
-        cmd.args(self.run_args(spec))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        // SAFETY: the closure only calls prctl between fork and exec.
-        unsafe {
-            cmd.pre_exec(super::die_with_node);
-        }
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                return SandboxOutcome::start_failed(
-                    format!("cannot start {}: {e}", self.cfg.binary),
-                    started,
-                );
-            }
+        cmd.args(self.run_args(spec));
+        let (mut child, out, err) = match spawn_client(cmd, &self.cfg.binary, spec.output_cap) {
+            Ok(spawned) => spawned,
+            Err(e) => return SandboxOutcome::start_failed(e, started),
         };
-        let out = capture::spawn(child.stdout.take(), spec.output_cap);
-        let err = capture::spawn(child.stderr.take(), spec.output_cap);
         let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;
         let status = match status {
             Some(s) => Some(s),
             None => self.stop_and_remove(&spec.name, &mut child).await,
         };
-        let stdout = capture::collect(out, DRAIN_BOUND).await;
-        let stderr = capture::collect(err, DRAIN_BOUND).await;
         let exit_code = status.and_then(|s| s.code());
-        // Exit 125 is the engine's own "could not run the container" code.
-        let end = match (end, exit_code) {
-            (EndReason::Exited, Some(125)) => EndReason::StartFailed(format!(
-                "{} could not start the container: {}",
-                self.cfg.binary,
-                stderr.text.lines().last().unwrap_or("").trim()
-            )),
-            (e, _) => e,
-        };
-        SandboxOutcome {
-            exit_code,
-            truncated: Truncated {
-                stdout: stdout.truncated,
-                stderr: stderr.truncated,
-            },
-            stdout: stdout.text,
-            stderr: stderr.text,
-            end,
-            duration: started.elapsed(),
-        }
+        let outcome = SandboxOutcome::collected(exit_code, out, err, end, started).await;
+        engine_refused(outcome, &self.cfg.binary, "start the container")
     }
 
     /// Ends a container whose client is still running (timeout or cancel). A client that
@@ -363,36 +327,44 @@ impl EngineBackend {
     }
 }
 
+/// Starts an engine client with piped output, drained from the start, that dies with the
+/// node; `Err` says why it could not start.
+pub(super) fn spawn_client(
+    mut cmd: Command,
+    binary: &str,
+    output_cap: usize,
+) -> Result<(tokio::process::Child, capture::Pending, capture::Pending), String> {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    // SAFETY: the closure only calls prctl between fork and exec.
+    unsafe {
+        cmd.pre_exec(super::die_with_node);
+    }
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| format!("cannot start {binary}: {e}"))?;
+    let out = capture::spawn(child.stdout.take(), output_cap);
+    let err = capture::spawn(child.stderr.take(), output_cap);
+    Ok((child, out, err))
+}
+
+/// Exit 125 is the engine's own "could not run" code: the sandbox never ran, and the
+/// engine's last stderr line says why.
+pub(super) fn engine_refused(mut o: SandboxOutcome, binary: &str, what: &str) -> SandboxOutcome {
+    if o.end == EndReason::Exited && o.exit_code == Some(125) {
+        o.end = EndReason::StartFailed(format!(
+            "{binary} could not {what}: {}",
+            o.stderr.lines().last().unwrap_or("").trim()
+        ));
+    }
+    o
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Mount, ResourceLimits};
-    use cynode_protocol::worker_api::NetworkPolicy;
 
     fn spec(image: &str, command: &[&str]) -> SandboxSpec {
-        SandboxSpec {
-            name: "cynode-j".into(),
-            image: image.into(),
-            command: command.iter().map(|s| s.to_string()).collect(),
-            override_entrypoint: true,
-            env: vec![("A".into(), "b".into())],
-            mounts: vec![Mount {
-                host: "/h".into(),
-                target: "/workspace".into(),
-                writable: true,
-            }],
-            workdir: "/workspace".into(),
-            network: NetworkPolicy::None,
-            limits: ResourceLimits {
-                memory_mb: 64,
-                pids: 16,
-                cpus: 0.5,
-                tmpfs_mb: 8,
-            },
-            labels: Vec::new(),
-            timeout: Duration::from_secs(1),
-            output_cap: 1,
-        }
+        crate::sandbox::example_spec(image, command)
     }
 
     /// The image is the first argument after `--`, so nothing from the request that

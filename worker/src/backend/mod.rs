@@ -122,6 +122,30 @@ pub async fn remove_named(backend: &Backend, name: &str) {
 }
 
 impl SandboxOutcome {
+    /// The outcome of a client that ran: its exit code and what it wrote (collected within
+    /// [`capture::DRAIN_BOUND`] of its exit).
+    pub async fn collected(
+        exit_code: Option<i32>,
+        out: capture::Pending,
+        err: capture::Pending,
+        end: EndReason,
+        started: std::time::Instant,
+    ) -> Self {
+        let stdout = capture::collect(out, capture::DRAIN_BOUND).await;
+        let stderr = capture::collect(err, capture::DRAIN_BOUND).await;
+        SandboxOutcome {
+            exit_code,
+            truncated: Truncated {
+                stdout: stdout.truncated,
+                stderr: stderr.truncated,
+            },
+            stdout: stdout.text,
+            stderr: stderr.text,
+            end,
+            duration: started.elapsed(),
+        }
+    }
+
     /// A sandbox that never started.
     pub fn start_failed(message: String, started: std::time::Instant) -> Self {
         SandboxOutcome {

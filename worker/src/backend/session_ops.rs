@@ -26,17 +26,14 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use cynode_protocol::worker_api::Truncated;
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use super::engine::EngineBackend;
-use super::{capture, Backend, BackendError, EndReason, SandboxOutcome, SandboxSpec};
+use super::{Backend, BackendError, EndReason, SandboxOutcome, SandboxSpec};
 use crate::config::{BackendKind, Config};
 use crate::sandbox::SANDBOX_USER;
 
-/// How long output may keep flowing after the exec client exits.
-const DRAIN_BOUND: Duration = Duration::from_secs(2);
 /// How long a keep-alive container outlives its session's max lifetime by itself; the
 /// reaper removes it at the max lifetime.
 const KEEPALIVE_MARGIN: Duration = Duration::from_secs(60);
@@ -231,24 +228,12 @@ impl SessionOps {
     ) -> SandboxOutcome {
         let started = Instant::now();
         let mut cmd = self.cmd();
-        cmd.args(Self::exec_args(&k.name, spec))
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        // SAFETY: the closure only calls prctl between fork and exec.
-        unsafe {
-            cmd.pre_exec(super::die_with_node);
-        }
-        let mut child = match cmd.spawn() {
-            Ok(c) => c,
-            Err(e) => {
-                return SandboxOutcome::start_failed(
-                    format!("cannot start {}: {e}", self.binary),
-                    started,
-                );
-            }
-        };
-        let out = capture::spawn(child.stdout.take(), spec.output_cap);
-        let err = capture::spawn(child.stderr.take(), spec.output_cap);
+        cmd.args(Self::exec_args(&k.name, spec));
+        let (mut child, out, err) =
+            match super::engine::spawn_client(cmd, &self.binary, spec.output_cap) {
+                Ok(spawned) => spawned,
+                Err(e) => return SandboxOutcome::start_failed(e, started),
+            };
         let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;
         let status = match status {
             Some(s) => Some(s),
@@ -265,29 +250,14 @@ impl SessionOps {
                 waited.ok().and_then(Result::ok)
             }
         };
-        let stdout = capture::collect(out, DRAIN_BOUND).await;
-        let stderr = capture::collect(err, DRAIN_BOUND).await;
         let exit_code = status.and_then(|s| s.code());
-        // Exit 125 is the engine's own "could not exec" (e.g. the container is gone).
-        let end = match (end, exit_code) {
-            (EndReason::Exited, Some(125)) => EndReason::StartFailed(format!(
-                "{} could not run the command in the session container: {}",
-                self.binary,
-                stderr.text.lines().last().unwrap_or("").trim()
-            )),
-            (e, _) => e,
-        };
-        SandboxOutcome {
-            exit_code,
-            truncated: Truncated {
-                stdout: stdout.truncated,
-                stderr: stderr.truncated,
-            },
-            stdout: stdout.text,
-            stderr: stderr.text,
-            end,
-            duration: started.elapsed(),
-        }
+        let outcome = SandboxOutcome::collected(exit_code, out, err, end, started).await;
+        // e.g. the container is gone
+        super::engine::engine_refused(
+            outcome,
+            &self.binary,
+            "run the command in the session container",
+        )
     }
 
     /// Whether the sandbox still lives: a keep-alive container whose init is gone (a
@@ -380,34 +350,11 @@ fn last_line(bytes: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::{Mount, ResourceLimits};
-    use cynode_protocol::worker_api::NetworkPolicy;
 
     #[test]
     fn exec_args_carry_user_workdir_and_env() {
-        let spec = SandboxSpec {
-            name: "x".into(),
-            image: "img".into(),
-            command: vec!["sh".into(), "-c".into(), "echo hi".into()],
-            override_entrypoint: true,
-            env: vec![("A".into(), "b c".into())],
-            mounts: vec![Mount {
-                host: "/h".into(),
-                target: "/workspace".into(),
-                writable: true,
-            }],
-            workdir: "/workspace".into(),
-            network: NetworkPolicy::None,
-            limits: ResourceLimits {
-                memory_mb: 1,
-                pids: 1,
-                cpus: 1.0,
-                tmpfs_mb: 1,
-            },
-            labels: Vec::new(),
-            timeout: Duration::from_secs(1),
-            output_cap: 1,
-        };
+        let mut spec = crate::sandbox::example_spec("img", &["sh", "-c", "echo hi"]);
+        spec.env = vec![("A".into(), "b c".into())];
         assert_eq!(
             SessionOps::exec_args("cynode-session-s", &spec),
             [
