@@ -25,6 +25,16 @@ fn fixture(name: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// The field path of the first error our strict parser reports for `v`.
+fn first_error_path(v: &Value) -> String {
+    JobSpec::from_json(v.to_string().as_bytes())
+        .unwrap_err()
+        .first()
+        .unwrap()
+        .path
+        .clone()
+}
+
 #[test]
 fn fixtures_name_their_upstream_commit() {
     assert!(fixture("README.md").contains(upstream::UPSTREAM_COMMIT));
@@ -113,32 +123,17 @@ fn sba_contract__valid_sba_job_spec_with_supported_protocol_version_passes_valid
 fn sba_contract__sba_job_spec_with_unknown_field_fails_validation() {
     let mut v: Value = serde_json::from_str(&fixture("job_direct_steps.json")).unwrap();
     v["steps"][0]["args"]["timeout"] = 5.into();
-    let e = JobSpec::from_json(v.to_string().as_bytes()).unwrap_err();
-    assert_eq!(e.first().unwrap().path, "steps[0].args.timeout");
+    assert_eq!(first_error_path(&v), "steps[0].args.timeout");
     let mut v: Value = serde_json::from_str(&fixture("job_direct_steps.json")).unwrap();
     v["surprise"] = true.into();
-    assert_eq!(
-        JobSpec::from_json(v.to_string().as_bytes())
-            .unwrap_err()
-            .first()
-            .unwrap()
-            .path,
-        "surprise"
-    );
+    assert_eq!(first_error_path(&v), "surprise");
 }
 
 #[test]
 fn sba_contract__sba_job_spec_with_unknown_major_protocol_version_fails_validation() {
     let mut v: Value = serde_json::from_str(&fixture("job_direct_steps.json")).unwrap();
     v["protocol_version"] = "99.0".into();
-    assert_eq!(
-        JobSpec::from_json(v.to_string().as_bytes())
-            .unwrap_err()
-            .first()
-            .unwrap()
-            .path,
-        "protocol_version"
-    );
+    assert_eq!(first_error_path(&v), "protocol_version");
     assert!(upstream::parse_and_validate_job_spec(v.to_string().as_bytes()).is_err());
 }
 
@@ -146,14 +141,7 @@ fn sba_contract__sba_job_spec_with_unknown_major_protocol_version_fails_validati
 fn sba_contract__sba_job_spec_with_missing_required_job_id_fails_validation() {
     let mut v: Value = serde_json::from_str(&fixture("job_direct_steps.json")).unwrap();
     v["job_id"] = "".into();
-    assert_eq!(
-        JobSpec::from_json(v.to_string().as_bytes())
-            .unwrap_err()
-            .first()
-            .unwrap()
-            .path,
-        "job_id"
-    );
+    assert_eq!(first_error_path(&v), "job_id");
 }
 
 /// Item 12: `exit_code` omitted when 0, `run_diagnostics` and `inference_used` unknown

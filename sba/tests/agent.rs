@@ -30,6 +30,17 @@ fn run_with(sb: &Sandbox, job: &Value, env: &[(&str, &str)]) -> Run {
     sb.finish(c.output().expect("spawn cynode-sba"))
 }
 
+/// Runs the default agent job against a TCP model scripted with `replies`.
+fn run_scripted(sb: &Sandbox, replies: Vec<Reply>) -> (Model, Run) {
+    let model = Model::tcp(&["m1"], replies, None);
+    let run = run_with(
+        sb,
+        &agent_job(json!({ "task_context": "x" })),
+        &[("OLLAMA_BASE_URL", &model.url)],
+    );
+    (model, run)
+}
+
 fn todo(id: &str, description: &str, status: TodoStatus) -> TodoItem {
     TodoItem {
         id: id.into(),
@@ -247,8 +258,8 @@ fn a_job_without_allowed_models_does_not_validate() {
 #[test]
 fn invalid_replies_are_fed_back_and_retried() {
     let sb = Sandbox::new();
-    let model = Model::tcp(
-        &["m1"],
+    let (model, run) = run_scripted(
+        &sb,
         vec![
             Reply::Raw("sure! here is the file".into()),
             Reply::Action(
@@ -256,12 +267,6 @@ fn invalid_replies_are_fed_back_and_retried() {
             ),
             finish("success", "nothing to do"),
         ],
-        None,
-    );
-    let run = run_with(
-        &sb,
-        &agent_job(json!({ "task_context": "x" })),
-        &[("OLLAMA_BASE_URL", &model.url)],
     );
     assert_eq!(run.result.status, JobStatus::Success, "{}", run.message());
     assert_eq!(run.result.final_answer.as_deref(), Some("nothing to do"));
@@ -331,8 +336,8 @@ fn a_slow_model_times_out_at_the_job_deadline() {
 #[test]
 fn a_failed_step_is_recorded_and_fed_back() {
     let sb = Sandbox::new();
-    let model = Model::tcp(
-        &["m1"],
+    let (model, run) = run_scripted(
+        &sb,
         vec![
             act(
                 "run_command",
@@ -340,12 +345,6 @@ fn a_failed_step_is_recorded_and_fed_back() {
             ),
             finish("failure", "the directory does not exist"),
         ],
-        None,
-    );
-    let run = run_with(
-        &sb,
-        &agent_job(json!({ "task_context": "x" })),
-        &[("OLLAMA_BASE_URL", &model.url)],
     );
     assert_eq!(run.failure(), "step_failed");
     assert_eq!(
@@ -407,18 +406,12 @@ fn the_output_cap_holds_for_a_command_the_model_runs() {
 #[test]
 fn a_path_escape_by_the_model_is_refused() {
     let sb = Sandbox::new();
-    let model = Model::tcp(
-        &["m1"],
+    let (model, run) = run_scripted(
+        &sb,
         vec![
             act("read_file", json!({ "path": "../outside/secret.txt" })),
             finish("success", "unreachable"),
         ],
-        None,
-    );
-    let run = run_with(
-        &sb,
-        &agent_job(json!({ "task_context": "x" })),
-        &[("OLLAMA_BASE_URL", &model.url)],
     );
     assert_eq!(run.failure(), "policy_violation");
     assert_eq!(
