@@ -3,6 +3,27 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+/// `on_both_backends!(module: case, …)`: one test per case and backend, named
+/// `podman::case` and `bwrap::case`, that runs `crate::module::case("podman" | "bwrap")`
+/// after the environment setup. Defined before the modules, so each can use it.
+macro_rules! on_both_backends {
+    ($module:ident: $($case:ident),* $(,)?) => {
+        on_both_backends!(@one $module podman: $($case),*);
+        on_both_backends!(@one $module bwrap: $($case),*);
+    };
+    (@one $module:ident $backend:ident: $($case:ident),*) => {
+        mod $backend {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    crate::cases::setup();
+                    crate::$module::$case(stringify!($backend)).await;
+                }
+            )*
+        }
+    };
+}
+
 mod backends;
 mod cases;
 mod harness;

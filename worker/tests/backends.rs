@@ -1,27 +1,7 @@
 //! Every case of `cases.rs`, once per backend.
 
-macro_rules! backend_cases {
-    ($backend:ident: $($case:ident),* $(,)?) => {
-        mod $backend {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    crate::cases::setup();
-                    crate::cases::$case(stringify!($backend)).await;
-                }
-            )*
-        }
-    };
-}
-
-macro_rules! all_backends {
-    ($($case:ident),* $(,)?) => {
-        backend_cases!(podman: $($case),*);
-        backend_cases!(bwrap: $($case),*);
-    };
-}
-
-all_backends!(
+on_both_backends!(
+    cases:
     auth_is_required,
     readyz_names_the_backend,
     echo_hello,

@@ -12,28 +12,8 @@ use serde_json::json;
 
 use crate::harness::{command_job, env, sba_job, session_guard, unique, Server, TOKEN};
 
-macro_rules! escape_cases {
-    ($backend:ident: $($case:ident),* $(,)?) => {
-        mod $backend {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    crate::cases::setup();
-                    crate::sandbox_escapes::$case(stringify!($backend)).await;
-                }
-            )*
-        }
-    };
-}
-
-macro_rules! all_backends {
-    ($($case:ident),* $(,)?) => {
-        escape_cases!(podman: $($case),*);
-        escape_cases!(bwrap: $($case),*);
-    };
-}
-
-all_backends!(
+on_both_backends!(
+    sandbox_escapes:
     escape_image_flags_are_refused,
     escape_no_node_secret_in_any_environ,
     escape_cpu_limit_holds,

@@ -10,28 +10,8 @@ use crate::harness::{
     env, marker, process_with_arg, session_guard, unique, RemoveOnDrop, Server, TOKEN,
 };
 
-macro_rules! session_cases {
-    ($backend:ident: $($case:ident),* $(,)?) => {
-        mod $backend {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    crate::cases::setup();
-                    crate::sessions::$case(stringify!($backend)).await;
-                }
-            )*
-        }
-    };
-}
-
-macro_rules! all_backends {
-    ($($case:ident),* $(,)?) => {
-        session_cases!(podman: $($case),*);
-        session_cases!(bwrap: $($case),*);
-    };
-}
-
-all_backends!(
+on_both_backends!(
+    sessions:
     lifecycle_keeps_the_workspace_and_removes_the_sandbox,
     idle_timeout_ends_the_session,
     exec_timeout_kills_the_command_and_the_session_lives_on,
