@@ -176,15 +176,16 @@ fn internal_error_when_the_runner_is_terminated() {
         "run_command",
         json!({ "command": "sh", "args": ["-c", "touch started; exec sleep 30"] }),
     ));
-    let mut child = sb.command().spawn().unwrap();
+    let mut child = cynode_testkit::OwnedChild::spawn(sb.command());
     assert!(crate::harness::wait_for_file(
         &started,
         std::time::Duration::from_secs(10)
     ));
     let t = std::time::Instant::now();
-    // SAFETY: signalling the child we spawned.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-    let status = child.wait().unwrap();
+    child.signal(libc::SIGTERM);
+    let status = child
+        .wait_timeout(std::time::Duration::from_secs(30))
+        .expect("the runner did not exit within 30 s of SIGTERM");
     assert!(
         t.elapsed() < std::time::Duration::from_secs(5),
         "{:?}",

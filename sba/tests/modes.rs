@@ -13,25 +13,19 @@ use crate::harness::{one, sba_bin, Sandbox};
 fn stdin_mode_prints_the_result_and_logs_on_stderr() {
     let sb = Sandbox::new();
     let job = one("run_command", json!({ "command": "echo", "args": ["hi"] }));
-    let mut child = std::process::Command::new(sba_bin())
-        .args(["--stdin", "--allow-root", "--workspace"])
+    let mut cmd = std::process::Command::new(sba_bin());
+    cmd.args(["--stdin", "--allow-root", "--workspace"])
         .arg(sb.ws())
         .arg("--artifacts")
         .arg(sb.artifacts())
         .env_clear()
         .env("PATH", "/usr/bin:/bin")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(&serde_json::to_vec(&job).unwrap())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
+        .stdin(Stdio::piped());
+    let out = cynode_testkit::output_bounded_with_input(
+        cmd,
+        &serde_json::to_vec(&job).unwrap(),
+        std::time::Duration::from_secs(60),
+    );
     assert_eq!(out.status.code(), Some(0));
     let result: cynode_protocol::JobResult = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(result.status, cynode_protocol::result::JobStatus::Success);

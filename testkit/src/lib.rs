@@ -21,4 +21,4 @@ pub mod upstream;
 
 pub use certs::{CertFiles, TestCa};
 pub use model::LocalModel;
-pub use proc::{output_bounded, output_within, OwnedChild, TimedOut};
+pub use proc::{output_bounded, output_bounded_with_input, output_within, OwnedChild, TimedOut};

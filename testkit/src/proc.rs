@@ -5,7 +5,7 @@
 //! every owned child is forked by one spawner thread that lives as long as the test
 //! process: the signal then fires exactly when the test process dies.
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
 use std::sync::mpsc;
@@ -213,36 +213,41 @@ impl std::fmt::Display for TimedOut {
 ///
 /// # Panics
 /// When the command cannot start.
-pub fn output_within(mut cmd: Command, limit: Duration) -> Result<Output, TimedOut> {
-    // As `Command::output`: no stdin, both outputs captured.
-    cmd.stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+pub fn output_within(cmd: Command, limit: Duration) -> Result<Output, TimedOut> {
+    run_within(cmd, None, limit)
+}
+
+/// [`output_bounded`] with `input` written to the command's stdin (then closed).
+///
+/// # Panics
+/// When the command cannot start or outlives `limit`.
+pub fn output_bounded_with_input(cmd: Command, input: &[u8], limit: Duration) -> Output {
+    run_within(cmd, Some(input.to_vec()), limit).unwrap_or_else(|t| panic!("{t}"))
+}
+
+fn run_within(
+    mut cmd: Command,
+    input: Option<Vec<u8>>,
+    limit: Duration,
+) -> Result<Output, TimedOut> {
+    // As `Command::output`: both outputs captured; stdin only when there is input.
+    cmd.stdin(if input.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
     let started = Instant::now();
     let mut owned = OwnedChild::spawn(cmd);
-    let drain = |r: Option<Box<dyn Read + Send>>| {
+    if let (Some(input), Some(mut stdin)) = (input, owned.child.stdin.take()) {
+        // A writer thread: a command that does not read cannot block the test.
         std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            if let Some(mut r) = r {
-                let _ = r.read_to_end(&mut buf);
-            }
-            buf
-        })
-    };
-    let out = drain(
-        owned
-            .child
-            .stdout
-            .take()
-            .map(|s| Box::new(s) as Box<dyn Read + Send>),
-    );
-    let err = drain(
-        owned
-            .child
-            .stderr
-            .take()
-            .map(|s| Box::new(s) as Box<dyn Read + Send>),
-    );
+            let _ = stdin.write_all(&input);
+        });
+    }
+    let out = drain(owned.child.stdout.take());
+    let err = drain(owned.child.stderr.take());
     let status = owned.wait_timeout(limit);
     owned.kill();
     let stdout = out.join().unwrap_or_default();
@@ -260,6 +265,17 @@ pub fn output_within(mut cmd: Command, limit: Duration) -> Result<Output, TimedO
             stderr,
         }),
     }
+}
+
+/// Reads a stream to its end on a thread of its own.
+fn drain<R: Read + Send + 'static>(r: Option<R>) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        if let Some(mut r) = r {
+            let _ = r.read_to_end(&mut buf);
+        }
+        buf
+    })
 }
 
 /// [`output_within`] for a command that must finish: a time-out fails the test with the
