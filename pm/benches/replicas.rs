@@ -2,7 +2,7 @@
 //! bwrap workers of a worker registry.
 //!
 //! ```text
-//! # once: the tools, the static runner and the sandbox image (what pm/tests/e2e.rs does)
+//! # once: the tools, the static runner and the sandbox image (what tests/tests/e2e.rs does)
 //! bash deploy/install-deps.sh
 //! bash deploy/sba/build-test-image.sh "$(bash deploy/sba/build-static.sh)"
 //! # the real binaries the test spawns, then the test itself

@@ -394,17 +394,20 @@ impl WorkerPool {
             });
         }
         let now = Instant::now();
-        let (mut up, down): (Vec<&Member>, Vec<&Member>) =
+        let (mut up, mut down): (Vec<&Member>, Vec<&Member>) =
             candidates.into_iter().partition(|m| !m.is_down(now));
+        if up.is_empty() {
+            // Every candidate is backing off: ask the one whose backoff ends first rather
+            // than refuse outright (the caller retries with its own backoff). Its answer,
+            // not its old mark, is what counts: a refusal then fails at once.
+            if let Some(first) = (0..down.len()).min_by_key(|&i| down[i].down_until()) {
+                up.push(down.remove(first));
+            }
+        }
         let mut tried: Vec<String> = down
             .iter()
             .map(|m| format!("{}: marked down, retried after its backoff", m.entry.id))
             .collect();
-        if up.is_empty() {
-            // Every candidate is backing off: ask the one whose backoff ends first rather
-            // than refuse outright (the caller retries with its own backoff).
-            up.extend(down.iter().copied().min_by_key(|m| m.down_until()));
-        }
         let probes = futures_util::future::join_all(up.iter().map(|m| m.probe())).await;
         let mut answered = Vec::new();
         let mut refused = Vec::new();

@@ -1,35 +1,10 @@
 //! The session store on a real SQLite file and a real PostgreSQL (started by
 //! deploy/postgres/start.sh): the same state tests on both.
 
-use std::process::Command;
-use std::sync::OnceLock;
-
 use cynode_pm::session::{Budgets, Phase, SessionRecord, SessionStatus};
 use cynode_pm::store::{Store, StoreError};
+use cynode_testkit::postgres_url;
 use serde_json::json;
-
-pub(crate) fn postgres_url() -> &'static str {
-    static URL: OnceLock<String> = OnceLock::new();
-    URL.get_or_init(|| {
-        let out = Command::new("bash")
-            .arg(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../deploy/postgres/start.sh"
-            ))
-            .output()
-            .expect("run deploy/postgres/start.sh");
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = String::from_utf8_lossy(&out.stdout);
-        text.lines()
-            .find_map(|l| l.strip_prefix("CYNODE_TEST_POSTGRES_URL="))
-            .expect("url line")
-            .to_string()
-    })
-}
 
 fn unique(prefix: &str) -> String {
     format!("{prefix}-{}", uuid::Uuid::new_v4())

@@ -8,7 +8,8 @@
 //! the runner's time-out to end it.
 //!
 //! [`LocalModel`] is the local model server as a test-owned resource, and [`TestCa`]
-//! makes the certificates of the TLS tests. [`upstream`] mirrors upstream CyNodeAI's
+//! makes the certificates of the TLS tests. [`postgres_url`] starts the test PostgreSQL.
+//! [`upstream`] mirrors upstream CyNodeAI's
 //! contract types with Go's JSON semantics, for the interoperability tests.
 //!
 //! The `cynode-reap` binary is the last line of defence in CI: it runs the test command as
@@ -16,9 +17,11 @@
 
 pub mod certs;
 pub mod model;
+pub mod postgres;
 pub mod proc;
 pub mod upstream;
 
 pub use certs::{CertFiles, TestCa};
 pub use model::LocalModel;
+pub use postgres::postgres_url;
 pub use proc::{output_bounded, output_bounded_with_input, output_within, OwnedChild, TimedOut};

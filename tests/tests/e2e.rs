@@ -40,27 +40,12 @@ fn script(args: &[&str]) -> String {
         .to_string()
 }
 
-/// The sandbox image's root filesystem for bwrap, and the worker binary beside cynode-pm.
+/// The sandbox image's root filesystem for bwrap. The host tools, the static runner, the
+/// test image and the binaries are prepared before the tests by `deploy/test-env.sh`
+/// (nextest's setup script); this only asks for the exported root filesystem's path.
 pub(crate) fn env() -> &'static PathBuf {
     static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
     ROOTFS.get_or_init(|| {
-        script(&["deploy/install-deps.sh"]);
-        let bin = script(&["deploy/sba/build-static.sh"]);
-        script(&["deploy/sba/build-test-image.sh", &bin]);
-        let worker = Path::new(env!("CARGO_BIN_EXE_cynode-pm")).with_file_name("cynode-worker");
-        if !worker.is_file() {
-            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-            let mut build = Command::new(cargo);
-            build
-                .args(["build", "-p", "cynode-worker", "--bin", "cynode-worker"])
-                .current_dir(repo());
-            let out = output_bounded(build, Duration::from_secs(240));
-            assert!(
-                out.status.success(),
-                "cannot build cynode-worker: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        }
         PathBuf::from(script(&[
             "deploy/sba/export-rootfs.sh",
             "localhost/cynode-sba-test:latest",
@@ -209,7 +194,7 @@ fn pm_command(
     failpoint: Option<&str>,
     envs: &[(&str, &str)],
 ) -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_cynode-pm"));
+    let mut c = Command::new(cynode_tests::bin("cynode-pm"));
     c.envs(envs.iter().copied());
     c.args(["--output", "json"]).args(args);
     // The scripted sessions of these tests plan, ask and finish freely, as with a person at
@@ -654,7 +639,7 @@ pub(crate) fn start_worker(port: u16) -> Worker {
 /// group the test owns, and returns it with the address it reports listening on.
 pub(crate) fn serve_worker(config: &Path) -> (OwnedChild, String) {
     use std::io::BufRead;
-    let bin = Path::new(env!("CARGO_BIN_EXE_cynode-pm")).with_file_name("cynode-worker");
+    let bin = cynode_tests::bin("cynode-worker");
     let mut cmd = Command::new(bin);
     cmd.args(["serve", "--config"])
         .arg(config)

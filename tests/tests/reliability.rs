@@ -116,7 +116,7 @@ fn spawn_pm(
 ) -> Pm {
     let out = logs.join(format!("{name}.out"));
     let err = logs.join(format!("{name}.err"));
-    let child = Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
+    let child = Command::new(cynode_tests::bin("cynode-pm"))
         .args(["--output", "json"])
         .args(args)
         // The scripted sessions ask and finish freely, as with a person at the terminal.
@@ -437,7 +437,7 @@ fn processes_opening_a_fresh_state_dir_at_once_all_succeed() {
         let dir = state.path().join("fresh");
         let mut procs: Vec<Child> = (0..4)
             .map(|_| {
-                Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
+                Command::new(cynode_tests::bin("cynode-pm"))
                     .args(["--output", "json", "sessions", "list", "--state-dir"])
                     .arg(&dir)
                     .current_dir(repo())
@@ -624,7 +624,7 @@ fn a_model_that_never_answers_fails_within_the_model_timeout() {
 /// `pg_advisory_lock`).
 #[test]
 fn processes_opening_a_fresh_postgres_database_at_once_all_succeed() {
-    let admin = crate::store::postgres_url();
+    let admin = cynode_testkit::postgres_url();
     let rt = tokio::runtime::Runtime::new().unwrap();
     for trial in 0..4 {
         let name = format!("cynode_fresh_{}", uuid::Uuid::new_v4().simple());
@@ -642,7 +642,7 @@ fn processes_opening_a_fresh_postgres_database_at_once_all_succeed() {
         url.set_path(&format!("/{name}"));
         let mut procs: Vec<Child> = (0..3)
             .map(|_| {
-                Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
+                Command::new(cynode_tests::bin("cynode-pm"))
                     .args([
                         "--output",
                         "json",

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::e2e::{model_server, repo, start_worker, Worker, TOKEN};
-use crate::store::postgres_url;
+use cynode_testkit::postgres_url;
 
 pub(crate) const TENANT_A: &str = "token-of-tenant-a-0123456789";
 const TENANT_B: &str = "token-of-tenant-b-0123456789";
@@ -70,7 +70,7 @@ pub(crate) fn start_replica_with(
     let port = free_port();
     let state = dir.join(name);
     let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-pm"));
+    let mut cmd = Command::new(cynode_tests::bin("cynode-pm"));
     cmd.arg("serve")
         .args(["--listen", &format!("127.0.0.1:{port}")])
         .arg("--api-tokens-file")
@@ -709,7 +709,7 @@ async fn a_terminated_replica_hands_its_session_over_at_once() {
 /// The checked-in OpenAPI document is what the handlers describe.
 #[test]
 fn openapi_document_has_not_drifted() {
-    let out = Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
+    let out = Command::new(cynode_tests::bin("cynode-pm"))
         .arg("openapi")
         .output()
         .unwrap();

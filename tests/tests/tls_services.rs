@@ -213,7 +213,7 @@ fn serve_refuses_to_start_with_a_key_that_is_not_pem() {
     std::fs::write(dir.path().join("tokens"), "t0123456789abcdef acme\n").unwrap();
     let bad_key = dir.path().join("bad-key.pem");
     std::fs::write(&bad_key, "not a key\n").unwrap();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_cynode-pm"));
+    let mut c = Command::new(cynode_tests::bin("cynode-pm"));
     c.args(["serve", "--listen", "127.0.0.1:0", "--api-tokens-file"])
         .arg(dir.path().join("tokens"))
         .args(["--worker-endpoint", "http://127.0.0.1:9"])
@@ -342,7 +342,7 @@ fn the_worker_exports_its_request_span_to_an_https_only_collector() {
         ),
     )
     .unwrap();
-    let bin = Path::new(env!("CARGO_BIN_EXE_cynode-pm")).with_file_name("cynode-worker");
+    let bin = cynode_tests::bin("cynode-worker");
     let mut cmd = Command::new(bin);
     cmd.args(["serve", "--config"])
         .arg(dir.path().join("w.yaml"))

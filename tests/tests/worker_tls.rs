@@ -257,7 +257,7 @@ fn plain_http_to_a_non_loopback_worker_is_a_start_up_error() {
         ),
     ];
     for (args, want) in cases {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-pm"));
+        let mut cmd = Command::new(cynode_tests::bin("cynode-pm"));
         cmd.args(["run", "hello", "--state-dir"])
             .arg(dir.path().join("state"))
             .args(&args)

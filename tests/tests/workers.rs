@@ -385,7 +385,7 @@ fn no_runnable_skill_is_a_startup_error() {
         dir.path(),
         &format!("- id: w1\n  endpoint: http://127.0.0.1:1\n  token_file: TOKEN_FILE\n  purposes: {{ cobol-tools: {IMAGE} }}\n"),
     );
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cynode-pm"))
+    let out = std::process::Command::new(cynode_tests::bin("cynode-pm"))
         .args(["serve", "--listen", "127.0.0.1:0", "--api-tokens-file"])
         .arg(dir.path().join("tokens"))
         .args(["--workers-file", &workers])

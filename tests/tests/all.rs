@@ -1,0 +1,18 @@
+//! Tests that span the workspace: the PM driving real workers, sandboxes and model
+//! servers through its binary and its HTTP service, the deployment manifests read with
+//! both programs' config types, and the architecture map. The shared support is the
+//! `cynode_tests` library (binaries, scripted model, processes).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod api_input;
+mod architecture;
+mod deploy;
+mod e2e;
+mod otel;
+mod reliability;
+mod service;
+mod tls;
+mod tls_services;
+mod upstream;
+mod worker_tls;
+mod workers;
