@@ -1,8 +1,29 @@
 //! cynode-tests: tests that span the workspace's binaries, and tests about the whole
-//! workspace (see ARCHITECTURE.md, "tests/"). The library holds what they share: where
-//! the workspace and the built binaries are.
+//! workspace (see ARCHITECTURE.md, "tests/"). The library is their one harness: where the
+//! workspace, the built binaries and the test image's root filesystem are ([`bin`],
+//! [`rootfs`]); the scripted model ([`model`]); running the PM ([`pm`]) and a worker
+//! ([`worker`]); serving a test's own app ([`serve`]). Every process it starts is owned by
+//! the test (killed on drop, pass or panic).
+
+// A harness: what cannot go on fails the test at once, with its message.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+pub mod model;
+pub mod pm;
+pub mod serve;
+pub mod worker;
+
+pub use model::{model_app, model_server, Model};
+pub use pm::{completed, final_state, happy_script, pm_with, session_id, write_then_search};
+pub use serve::{serve_https_in_background, serve_in_background};
+pub use worker::{serve_worker, start_worker, Worker, TOKEN};
 
 use std::path::PathBuf;
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use cynode_testkit::output_bounded;
 
 /// The workspace root (the directory holding ARCHITECTURE.md).
 pub fn workspace_root() -> PathBuf {
@@ -33,4 +54,37 @@ pub fn bin(name: &str) -> PathBuf {
         path.display()
     );
     path
+}
+
+fn script(args: &[&str]) -> String {
+    let mut cmd = Command::new("bash");
+    cmd.args(args)
+        .current_dir(workspace_root())
+        .env("CYNODE_SKIP_SMOKE", "1");
+    // Cached by deploy/test-env.sh before the tests run: seconds, not minutes.
+    let out = output_bounded(cmd, Duration::from_secs(240));
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .lines()
+        .last()
+        .unwrap_or("")
+        .to_string()
+}
+
+/// The test image's root filesystem for bwrap. The host tools, the static runner, the
+/// test image and the binaries are prepared before the tests by `deploy/test-env.sh`
+/// (nextest's setup script); this only asks for the exported root filesystem's path.
+pub fn rootfs() -> &'static PathBuf {
+    static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
+    ROOTFS.get_or_init(|| {
+        PathBuf::from(script(&[
+            "deploy/sba/export-rootfs.sh",
+            "localhost/cynode-sba-test:latest",
+        ]))
+    })
 }

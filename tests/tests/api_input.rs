@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::e2e::model_server;
 use crate::service::{start_replica_with, Replica, TENANT_A};
+use cynode_tests::model_server;
 
 /// A replica with a small body limit. Its worker endpoint answers nothing: these requests
 /// are refused before any session runs (the accepted ones fail later, unobserved).

@@ -3,267 +3,21 @@
 //! (real HTTP) whose replies drive the loop. Crash-resume uses the PM's failpoints.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
-use axum::routing::{get, post};
-use axum::{Json, Router};
-use cynode_testkit::{output_bounded, LocalModel, OwnedChild};
+use axum::Router;
+use cynode_testkit::{output_bounded, LocalModel};
+use cynode_tests::pm::{pm_command, PM_LIMIT};
+use cynode_tests::{
+    completed, final_state, happy_script, model_server, pm_with, session_id, start_worker,
+    workspace_root, write_then_search, TOKEN,
+};
 use serde_json::{json, Value};
-
-pub(crate) fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-/// How long one run of `cynode-pm` may take in these tests (scripted model, local worker).
-const PM_LIMIT: Duration = Duration::from_secs(180);
-
-fn script(args: &[&str]) -> String {
-    let mut cmd = Command::new("bash");
-    cmd.args(args)
-        .current_dir(repo())
-        .env("CYNODE_SKIP_SMOKE", "1");
-    // Cached by deploy/test-env.sh before the tests run: seconds, not minutes.
-    let out = output_bounded(cmd, Duration::from_secs(240));
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .lines()
-        .last()
-        .unwrap_or("")
-        .to_string()
-}
-
-/// The sandbox image's root filesystem for bwrap. The host tools, the static runner, the
-/// test image and the binaries are prepared before the tests by `deploy/test-env.sh`
-/// (nextest's setup script); this only asks for the exported root filesystem's path.
-pub(crate) fn env() -> &'static PathBuf {
-    static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
-    ROOTFS.get_or_init(|| {
-        PathBuf::from(script(&[
-            "deploy/sba/export-rootfs.sh",
-            "localhost/cynode-sba-test:latest",
-        ]))
-    })
-}
-
-/// A scripted model: answers each chat completion with the next scripted content.
-#[derive(Clone, Default)]
-pub(crate) struct Model {
-    script: Arc<Mutex<Vec<String>>>,
-    requests: Arc<Mutex<Vec<Value>>>,
-}
-
-impl Model {
-    pub(crate) fn requests(&self) -> Vec<Value> {
-        self.requests.lock().unwrap().clone()
-    }
-}
-
-async fn completions(State(m): State<Model>, Json(body): Json<Value>) -> Json<Value> {
-    m.requests.lock().unwrap().push(body);
-    let content = {
-        let mut s = m.script.lock().unwrap();
-        if s.is_empty() {
-            "{\"type\":\"final\",\"state_patch\":[],\"payload\":{\"summary\":\"script exhausted\"}}"
-                .to_string()
-        } else {
-            s.remove(0)
-        }
-    };
-    Json(json!({
-        "id": "chatcmpl-1", "object": "chat.completion", "created": 0, "model": "smollm2",
-        "choices": [{ "index": 0, "message": { "role": "assistant", "content": content }, "finish_reason": "stop" }],
-        "usage": { "prompt_tokens": 10, "completion_tokens": 10, "total_tokens": 20 }
-    }))
-}
-
-async fn models() -> Json<Value> {
-    Json(
-        json!({ "object": "list", "data": [{ "id": "smollm2", "object": "model", "owned_by": "test" }] }),
-    )
-}
-
-/// Starts the scripted model on 127.0.0.1 in a background thread; returns its base URL.
-pub(crate) fn model_server(script: Vec<Value>) -> (String, Model) {
-    let (app, m) = model_app(script);
-    let addr = serve_in_background(app);
-    (format!("http://{addr}/v1"), m)
-}
-
-/// The scripted model's routes, for a server of the caller's own (e.g. over TLS).
-pub(crate) fn model_app(script: Vec<Value>) -> (Router, Model) {
-    let m = Model {
-        script: Arc::new(Mutex::new(
-            script
-                .into_iter()
-                .map(|v| {
-                    if let Value::String(s) = v {
-                        s
-                    } else {
-                        v.to_string()
-                    }
-                })
-                .collect(),
-        )),
-        ..Default::default()
-    };
-    let app = Router::new()
-        .route("/v1/chat/completions", post(completions))
-        .route("/v1/models", get(models))
-        .with_state(m.clone());
-    (app, m)
-}
-
-/// Serves `app` over HTTPS only on 127.0.0.1 (any port) from a thread of its own, with a
-/// server certificate named `name` from `ca`; returns its address.
-pub(crate) fn serve_https_in_background(
-    app: Router,
-    ca: &cynode_testkit::TestCa,
-    dir: &Path,
-    name: &str,
-) -> std::net::SocketAddr {
-    let cert = ca.server(dir, name);
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap();
-    let tls = cynode_tls::ServerTls {
-        cert_file: cert.cert_file,
-        key_file: cert.key_file,
-        client_ca_file: None,
-    };
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(cynode_tls::serve(
-            listener,
-            app,
-            Some(tls),
-            std::future::pending(),
-        ))
-        .unwrap();
-    });
-    addr
-}
-
-/// Serves `app` on 127.0.0.1 (any port) from a thread of its own, so sync tests can use
-/// it; returns its address.
-pub(crate) fn serve_in_background(app: Router) -> std::net::SocketAddr {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(l.local_addr().unwrap()).unwrap();
-            axum::serve(l, app).await.unwrap();
-        });
-    });
-    rx.recv().unwrap()
-}
 
 fn pm(state: &Path, model: &str, args: &[&str], failpoint: Option<&str>) -> Output {
     pm_with(state, model, args, failpoint, &[])
-}
-
-pub(crate) fn pm_with(
-    state: &Path,
-    model: &str,
-    args: &[&str],
-    failpoint: Option<&str>,
-    envs: &[(&str, &str)],
-) -> Output {
-    output_bounded(pm_command(state, model, args, failpoint, envs), PM_LIMIT)
-}
-
-/// The `cynode-pm` command line of these tests: JSON output, the state directory, a local
-/// bwrap worker on the test image, the model at `model`.
-fn pm_command(
-    state: &Path,
-    model: &str,
-    args: &[&str],
-    failpoint: Option<&str>,
-    envs: &[(&str, &str)],
-) -> Command {
-    let mut c = Command::new(cynode_tests::bin("cynode-pm"));
-    c.envs(envs.iter().copied());
-    c.args(["--output", "json"]).args(args);
-    // The scripted sessions of these tests plan, ask and finish freely, as with a person at
-    // the terminal, unless a test asks for `--non-interactive` itself.
-    if args.contains(&"run") && !args.contains(&"--non-interactive") {
-        c.arg("--interactive");
-    }
-    c.arg("--state-dir")
-        .arg(state)
-        .args(["--local-backend", "bwrap", "--local-bwrap-rootfs"])
-        .arg(env())
-        .args(["--model-base-url", model])
-        .current_dir(repo())
-        .env_remove("CYNODE_PM_FAILPOINT");
-    if let Some(f) = failpoint {
-        c.env("CYNODE_PM_FAILPOINT", f);
-    }
-    c
-}
-
-pub(crate) fn session_id(out: &Output) -> String {
-    String::from_utf8_lossy(&out.stderr)
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("session s-")
-                .map(|r| format!("s-{}", r.split_whitespace().next().unwrap_or("")))
-        })
-        .unwrap_or_else(|| panic!("no session id in: {}", String::from_utf8_lossy(&out.stderr)))
-}
-
-pub(crate) fn final_state(out: &Output) -> Value {
-    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
-        panic!(
-            "{e}: stdout {} stderr {}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-    })
-}
-
-/// The final state of a run that must have completed (exit 0).
-pub(crate) fn completed(out: &Output) -> Value {
-    let v = final_state(out);
-    assert_eq!(
-        (out.status.code(), v["status"].clone()),
-        (Some(0), json!("completed")),
-        "{v}"
-    );
-    v
-}
-
-pub(crate) fn happy_script() -> Vec<Value> {
-    write_then_search("hello from the model\n", "hello")
-}
-
-/// Plans t1 and t2, writes hello.txt with `content` (t1), searches for `pattern` (t2),
-/// finishes.
-fn write_then_search(content: &str, pattern: &str) -> Vec<Value> {
-    vec![
-        json!({ "type": "plan_update", "state_patch": [
-            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write the greeting", "status": "pending" } },
-            { "op": "add", "path": "/plan/-", "value": { "task_id": "t2", "description": "find it again", "status": "pending" } }
-        ], "payload": { "note": "two tasks" } }),
-        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
-            "inputs": { "files": [{ "path": "hello.txt", "content": content }] } } }),
-        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t2", "skill_id": "search-code",
-            "inputs": { "pattern": pattern } } }),
-        json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote hello.txt and found it", "artifacts": [] } }),
-    ]
 }
 
 #[test]
@@ -605,69 +359,6 @@ fn clarification_round_trip() {
     assert!(second.contains("notes.md"), "{second}");
 }
 
-/// A worker started by the test (not by the PM), on `port` (0 = any).
-/// Dropping it kills the worker's process group; its directory goes after.
-pub(crate) struct Worker {
-    _child: OwnedChild,
-    pub(crate) addr: String,
-    _dir: tempfile::TempDir,
-}
-
-pub(crate) const TOKEN: &str = "e2e-worker-token-0123456789";
-
-pub(crate) fn start_worker(port: u16) -> Worker {
-    let dir = tempfile::tempdir().unwrap();
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
-    std::fs::write(dir.path().join("token"), TOKEN).unwrap();
-    let cfg = format!(
-        "listen: 127.0.0.1:{port}\nbackend: bwrap\nstate_dir: {}\ntoken_file: {}\nbwrap:\n  rootfs:\n    \"localhost/cynode-sba-test:latest\": {}\n",
-        dir.path().join("state").display(),
-        dir.path().join("token").display(),
-        env().display()
-    );
-    std::fs::write(dir.path().join("w.yaml"), cfg).unwrap();
-    let (child, addr) = serve_worker(&dir.path().join("w.yaml"));
-    Worker {
-        _child: child,
-        addr,
-        _dir: dir,
-    }
-}
-
-/// Starts `cynode-worker serve --config CONFIG` (the binary beside cynode-pm) in a process
-/// group the test owns, and returns it with the address it reports listening on.
-pub(crate) fn serve_worker(config: &Path) -> (OwnedChild, String) {
-    use std::io::BufRead;
-    let bin = cynode_tests::bin("cynode-worker");
-    let mut cmd = Command::new(bin);
-    cmd.args(["serve", "--config"])
-        .arg(config)
-        .stderr(std::process::Stdio::piped());
-    let mut child = OwnedChild::spawn(cmd);
-    let stderr = child.child_mut().stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut tx = Some(tx);
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if let Ok(v) = serde_json::from_str::<Value>(&line) {
-                if v["fields"]["message"] == "cynode-worker listening" {
-                    if let Some(t) = tx.take() {
-                        let _ = t.send(v["fields"]["addr"].as_str().unwrap().to_string());
-                    }
-                }
-            }
-        }
-    });
-    let addr = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the worker did not report its address within 60 s");
-    (child, addr)
-}
-
 /// A test-only skill whose job leaves an artifact.
 fn report_skill(dir: &Path) -> PathBuf {
     let pkg = dir.join("make-report");
@@ -869,7 +560,7 @@ fn real_pm(model: &LocalModel, state: &Path, args: &[&str], deadline: Instant) -
 #[test]
 fn real_llm_drives_the_loop() {
     let deadline = Instant::now() + REAL_LLM_BUDGET;
-    let model = LocalModel::start(&repo(), REAL_LLM_PORT, Duration::from_secs(120));
+    let model = LocalModel::start(&workspace_root(), REAL_LLM_PORT, Duration::from_secs(120));
     let state = tempfile::tempdir().unwrap();
     let common = [
         "--no-builtin-skills",

@@ -17,7 +17,7 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use prost::Message;
 use serde_json::{json, Value};
 
-use crate::e2e::{final_state, model_server, pm_with, serve_in_background, session_id};
+use cynode_tests::{final_state, model_server, pm_with, serve_in_background, session_id};
 
 type Bodies = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
 

@@ -12,7 +12,7 @@ use axum::routing::post;
 use axum::Router;
 use serde_json::{json, Value};
 
-use crate::e2e::{model_server, repo, serve_in_background, start_worker};
+use cynode_tests::{model_server, serve_in_background, start_worker, workspace_root};
 
 /// The bwrap root filesystem of the test image (built by the e2e harness on first use).
 fn rootfs() -> &'static PathBuf {
@@ -25,7 +25,7 @@ fn rootfs() -> &'static PathBuf {
                 "deploy/sba/export-rootfs.sh",
                 "localhost/cynode-sba-test:latest",
             ])
-            .current_dir(repo())
+            .current_dir(workspace_root())
             .output()
             .unwrap();
         assert!(
@@ -128,7 +128,7 @@ fn spawn_pm(
         .args(["--model-base-url", model])
         .envs(envs.iter().copied())
         .env_remove("CYNODE_PM_FAILPOINT")
-        .current_dir(repo())
+        .current_dir(workspace_root())
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&err).unwrap())
@@ -440,7 +440,7 @@ fn processes_opening_a_fresh_state_dir_at_once_all_succeed() {
                 Command::new(cynode_tests::bin("cynode-pm"))
                     .args(["--output", "json", "sessions", "list", "--state-dir"])
                     .arg(&dir)
-                    .current_dir(repo())
+                    .current_dir(workspace_root())
                     .stdout(Stdio::null())
                     .stderr(Stdio::piped())
                     .spawn()
@@ -651,7 +651,7 @@ fn processes_opening_a_fresh_postgres_database_at_once_all_succeed() {
                         "--datastore-endpoint",
                     ])
                     .arg(url.as_str())
-                    .current_dir(repo())
+                    .current_dir(workspace_root())
                     .stdout(Stdio::null())
                     .stderr(Stdio::piped())
                     .spawn()

@@ -12,8 +12,8 @@ use cynode_testkit::OwnedChild;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use crate::e2e::{model_server, repo, start_worker, Worker, TOKEN};
 use cynode_testkit::postgres_url;
+use cynode_tests::{model_server, start_worker, workspace_root, Worker, TOKEN};
 
 pub(crate) const TENANT_A: &str = "token-of-tenant-a-0123456789";
 const TENANT_B: &str = "token-of-tenant-b-0123456789";
@@ -82,7 +82,7 @@ pub(crate) fn start_replica_with(
         .arg(&state)
         .args(extra)
         .env("CYNODE_WORKER_TOKEN", TOKEN)
-        .current_dir(repo())
+        .current_dir(workspace_root())
         .stdout(Stdio::null())
         .stderr(log);
     let mut child = OwnedChild::spawn(cmd);
@@ -535,7 +535,7 @@ async fn cancel_stops_the_worker_job() {
 struct MidJob {
     dir: tempfile::TempDir,
     worker: Worker,
-    script: crate::e2e::Model,
+    script: cynode_tests::Model,
     db: String,
     replicas: [Replica; 2],
     id: String,
@@ -715,7 +715,7 @@ fn openapi_document_has_not_drifted() {
         .unwrap();
     assert!(out.status.success());
     let live = String::from_utf8(out.stdout).unwrap();
-    let path = repo().join("docs/openapi.json");
+    let path = workspace_root().join("docs/openapi.json");
     if std::env::var_os("CYNODE_REGENERATE_OPENAPI").is_some() {
         std::fs::write(&path, &live).unwrap();
     }

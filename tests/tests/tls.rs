@@ -5,12 +5,12 @@
 use cynode_testkit::TestCa;
 use serde_json::Value;
 
-use crate::e2e::{
+use cynode_tests::{
     completed, final_state, happy_script, model_app, pm_with, serve_https_in_background,
 };
 
 /// Serves the scripted model over HTTPS only, from a thread of its own.
-fn https_model(dir: &std::path::Path, ca: &TestCa) -> (String, crate::e2e::Model) {
+fn https_model(dir: &std::path::Path, ca: &TestCa) -> (String, cynode_tests::Model) {
     let (app, model) = model_app(happy_script());
     let addr = serve_https_in_background(app, ca, dir, "model");
     (format!("https://127.0.0.1:{}/v1", addr.port()), model)

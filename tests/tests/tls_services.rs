@@ -20,8 +20,8 @@ use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use prost::Message;
 
-use crate::e2e::{completed, happy_script, model_server, pm_with};
 use crate::service::start_replica_with;
+use cynode_tests::{completed, happy_script, model_server, pm_with};
 
 // ---------------------------------------------------------------------------------------
 // `cynode-pm serve` over HTTPS
@@ -226,8 +226,8 @@ fn serve_refuses_to_start_with_a_key_that_is_not_pem() {
         .arg(&cert.cert_file)
         .arg("--tls-key-file")
         .arg(&bad_key)
-        .env("CYNODE_WORKER_TOKEN", crate::e2e::TOKEN)
-        .current_dir(crate::e2e::repo());
+        .env("CYNODE_WORKER_TOKEN", cynode_tests::TOKEN)
+        .current_dir(cynode_tests::workspace_root());
     let out = output_bounded(c, Duration::from_secs(120));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -259,7 +259,7 @@ fn https_collector(dir: &Path, ca: &TestCa) -> (String, Bodies) {
     let app = Router::new()
         .route("/v1/traces", post(traces))
         .with_state(Arc::clone(&bodies));
-    let port = crate::e2e::serve_https_in_background(app, ca, dir, "collector").port();
+    let port = cynode_tests::serve_https_in_background(app, ca, dir, "collector").port();
     (format!("https://127.0.0.1:{port}"), bodies)
 }
 
@@ -332,7 +332,7 @@ fn the_worker_exports_its_request_span_to_an_https_only_collector() {
     let dir = tempfile::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "collector");
     let (collector, bodies) = https_collector(dir.path(), &ca);
-    std::fs::write(dir.path().join("token"), crate::e2e::TOKEN).unwrap();
+    std::fs::write(dir.path().join("token"), cynode_tests::TOKEN).unwrap();
     std::fs::write(
         dir.path().join("w.yaml"),
         format!(

@@ -22,7 +22,7 @@ use axum::Router;
 use cynode_testkit::upstream::{self, RunJobResponse, SbaResult};
 use serde_json::{json, Value};
 
-use crate::e2e::{completed, env, model_server, pm_with, serve_in_background};
+use cynode_tests::{completed, model_server, pm_with, rootfs, serve_in_background};
 
 const TOKEN: &str = "upstream-worker-token-0123456789";
 const IMAGE: &str = "localhost/cynode-sba-test:latest";
@@ -242,7 +242,7 @@ fn job(task: &str, skill: &str, inputs: Value) -> Value {
 
 #[test]
 fn pm_completes_a_session_on_a_worker_that_speaks_only_the_upstream_api() {
-    let sba = env().join("usr/local/bin/cynode-sba");
+    let sba = rootfs().join("usr/local/bin/cynode-sba");
     assert!(
         sba.is_file(),
         "no static cynode-sba in the test image at {}",

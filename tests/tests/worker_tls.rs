@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use cynode_testkit::{output_bounded, CertFiles, OwnedChild, TestCa};
 
-use crate::e2e::{completed, final_state, happy_script, model_server, pm_with, repo};
+use cynode_tests::{completed, final_state, happy_script, model_server, pm_with, workspace_root};
 
 const TOKEN: &str = "worker-tls-token-0123456789";
 
@@ -30,7 +30,7 @@ struct TlsWorker {
 
 fn start_tls_worker(server: &CertFiles, client_ca: &Path) -> TlsWorker {
     use std::os::unix::fs::PermissionsExt;
-    let rootfs = crate::e2e::env();
+    let rootfs = cynode_tests::rootfs();
     let dir = tempfile::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let token_file = dir.path().join("token");
@@ -45,7 +45,7 @@ fn start_tls_worker(server: &CertFiles, client_ca: &Path) -> TlsWorker {
         rootfs.display()
     );
     std::fs::write(dir.path().join("w.yaml"), cfg).unwrap();
-    let (child, addr) = crate::e2e::serve_worker(&dir.path().join("w.yaml"));
+    let (child, addr) = cynode_tests::serve_worker(&dir.path().join("w.yaml"));
     TlsWorker {
         _child: child,
         addr,
@@ -261,7 +261,7 @@ fn plain_http_to_a_non_loopback_worker_is_a_start_up_error() {
         cmd.args(["run", "hello", "--state-dir"])
             .arg(dir.path().join("state"))
             .args(&args)
-            .current_dir(repo());
+            .current_dir(workspace_root());
         let out = output_bounded(cmd, Duration::from_secs(60));
         let err = String::from_utf8_lossy(&out.stderr);
         assert_ne!(out.status.code(), Some(0), "{err}");

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::e2e::{model_server, start_worker, Worker, TOKEN};
 use crate::service::{call, start_replica_with, wait_status, Replica, TENANT_A};
+use cynode_tests::{model_server, start_worker, Worker, TOKEN};
 
 const IMAGE: &str = "localhost/cynode-sba-test:latest";
 
@@ -391,7 +391,7 @@ fn no_runnable_skill_is_a_startup_error() {
         .args(["--workers-file", &workers])
         .arg("--state-dir")
         .arg(dir.path().join("state"))
-        .current_dir(crate::e2e::repo())
+        .current_dir(cynode_tests::workspace_root())
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);

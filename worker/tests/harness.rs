@@ -254,6 +254,73 @@ impl Drop for Server {
 /// creating can appear a moment later, so this looks again until two looks in a row, half
 /// a second apart, find none (at most ~10 s).
 pub fn remove_node_containers(state: &Path) {
+    remove_listed_containers(state);
+    kill_orphan_conmons();
+}
+
+/// Podman's monitors (`conmon`) of this test process's containers that outlived them, and
+/// the container processes under them, are killed. A worker killed while its client was
+/// creating a container leaves the creation to conmon; a `podman rm` that lands before the
+/// container is recorded as created removes its record and leaves conmon running. The
+/// names of this process's sandboxes carry its pid (see [`unique`]).
+fn kill_orphan_conmons() {
+    let pid = std::process::id();
+    let mine = [
+        format!("cynode-j-{pid}-"),
+        format!("cynode-session-s-{pid}-"),
+    ];
+    for _ in 0..20 {
+        let orphans: Vec<i32> = processes()
+            .into_iter()
+            .filter(|(_, _, cmd)| {
+                let program = cmd.split_whitespace().next().unwrap_or("");
+                (program == "conmon" || program.ends_with("/conmon"))
+                    && mine.iter().any(|m| cmd.contains(m.as_str()))
+            })
+            .map(|(p, _, _)| p)
+            .collect();
+        if orphans.is_empty() {
+            return;
+        }
+        let all = processes();
+        for conmon in orphans {
+            for (child, _, _) in all.iter().filter(|(_, ppid, _)| *ppid == conmon) {
+                // SAFETY: kill(2) on a pid read from /proc just now.
+                unsafe { libc::kill(*child, libc::SIGKILL) };
+            }
+            // SAFETY: as above.
+            unsafe { libc::kill(conmon, libc::SIGKILL) };
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Every process as (pid, parent pid, command line).
+fn processes() -> Vec<(i32, i32, String)> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            let ppid = stat
+                .rsplit(')')
+                .next()?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            let cmd = String::from_utf8_lossy(&std::fs::read(e.path().join("cmdline")).ok()?)
+                .replace('\0', " ");
+            Some((pid, ppid, cmd))
+        })
+        .collect()
+}
+
+/// The removal loop of [`remove_node_containers`].
+fn remove_listed_containers(state: &Path) {
     let Ok(state) = std::fs::canonicalize(state) else {
         return;
     };
@@ -421,18 +488,7 @@ pub fn podman_names(filter: &str) -> Vec<String> {
 
 /// Whether any process has `needle` in its command line.
 pub fn process_with_arg(needle: &str) -> bool {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return false;
-    };
-    entries.flatten().any(|e| {
-        std::fs::read(e.path().join("cmdline"))
-            .map(|c| {
-                String::from_utf8_lossy(&c)
-                    .replace('\0', " ")
-                    .contains(needle)
-            })
-            .unwrap_or(false)
-    })
+    processes().iter().any(|(_, _, cmd)| cmd.contains(needle))
 }
 
 /// Mounts whose path mentions `needle`.

@@ -1,0 +1,106 @@
+//! Running `cynode-pm` as the tests do: the real binary, JSON output, a state directory
+//! of the test's own, a local bubblewrap worker on the test image, a scripted model; and
+//! reading what it printed.
+
+use std::path::Path;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use cynode_testkit::output_bounded;
+use serde_json::{json, Value};
+
+use crate::{bin, rootfs, workspace_root};
+
+/// How long one run of `cynode-pm` may take in these tests (scripted model, local worker).
+pub const PM_LIMIT: Duration = Duration::from_secs(180);
+
+pub fn pm_with(
+    state: &Path,
+    model: &str,
+    args: &[&str],
+    failpoint: Option<&str>,
+    envs: &[(&str, &str)],
+) -> Output {
+    output_bounded(pm_command(state, model, args, failpoint, envs), PM_LIMIT)
+}
+
+/// The `cynode-pm` command line of these tests: JSON output, the state directory, a local
+/// bwrap worker on the test image, the model at `model`.
+pub fn pm_command(
+    state: &Path,
+    model: &str,
+    args: &[&str],
+    failpoint: Option<&str>,
+    envs: &[(&str, &str)],
+) -> Command {
+    let mut c = Command::new(bin("cynode-pm"));
+    c.envs(envs.iter().copied());
+    c.args(["--output", "json"]).args(args);
+    // The scripted sessions of these tests plan, ask and finish freely, as with a person at
+    // the terminal, unless a test asks for `--non-interactive` itself.
+    if args.contains(&"run") && !args.contains(&"--non-interactive") {
+        c.arg("--interactive");
+    }
+    c.arg("--state-dir")
+        .arg(state)
+        .args(["--local-backend", "bwrap", "--local-bwrap-rootfs"])
+        .arg(rootfs())
+        .args(["--model-base-url", model])
+        .current_dir(workspace_root())
+        .env_remove("CYNODE_PM_FAILPOINT");
+    if let Some(f) = failpoint {
+        c.env("CYNODE_PM_FAILPOINT", f);
+    }
+    c
+}
+
+pub fn session_id(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr)
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("session s-")
+                .map(|r| format!("s-{}", r.split_whitespace().next().unwrap_or("")))
+        })
+        .unwrap_or_else(|| panic!("no session id in: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+pub fn final_state(out: &Output) -> Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|e| {
+        panic!(
+            "{e}: stdout {} stderr {}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// The final state of a run that must have completed (exit 0).
+pub fn completed(out: &Output) -> Value {
+    let v = final_state(out);
+    assert_eq!(
+        (out.status.code(), v["status"].clone()),
+        (Some(0), json!("completed")),
+        "{v}"
+    );
+    v
+}
+
+pub fn happy_script() -> Vec<Value> {
+    write_then_search("hello from the model\n", "hello")
+}
+
+/// Plans t1 and t2, writes hello.txt with `content` (t1), searches for `pattern` (t2),
+/// finishes.
+pub fn write_then_search(content: &str, pattern: &str) -> Vec<Value> {
+    vec![
+        json!({ "type": "plan_update", "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write the greeting", "status": "pending" } },
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t2", "description": "find it again", "status": "pending" } }
+        ], "payload": { "note": "two tasks" } }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
+            "inputs": { "files": [{ "path": "hello.txt", "content": content }] } } }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t2", "skill_id": "search-code",
+            "inputs": { "pattern": pattern } } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote hello.txt and found it", "artifacts": [] } }),
+    ]
+}

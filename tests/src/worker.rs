@@ -1,0 +1,74 @@
+//! Workers the tests start themselves (not through the PM): `cynode-worker serve` in a
+//! process group the test owns, on the bubblewrap backend and the test image.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use cynode_testkit::OwnedChild;
+use serde_json::Value;
+
+use crate::{bin, rootfs};
+
+/// A worker started by the test (not by the PM), on `port` (0 = any).
+/// Dropping it kills the worker's process group; its directory goes after.
+pub struct Worker {
+    _child: OwnedChild,
+    pub addr: String,
+    _dir: tempfile::TempDir,
+}
+
+pub const TOKEN: &str = "e2e-worker-token-0123456789";
+
+pub fn start_worker(port: u16) -> Worker {
+    let dir = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(dir.path().join("token"), TOKEN).unwrap();
+    let cfg = format!(
+        "listen: 127.0.0.1:{port}\nbackend: bwrap\nstate_dir: {}\ntoken_file: {}\nbwrap:\n  rootfs:\n    \"localhost/cynode-sba-test:latest\": {}\n",
+        dir.path().join("state").display(),
+        dir.path().join("token").display(),
+        rootfs().display()
+    );
+    std::fs::write(dir.path().join("w.yaml"), cfg).unwrap();
+    let (child, addr) = serve_worker(&dir.path().join("w.yaml"));
+    Worker {
+        _child: child,
+        addr,
+        _dir: dir,
+    }
+}
+
+/// Starts `cynode-worker serve --config CONFIG` (the binary beside cynode-pm) in a process
+/// group the test owns, and returns it with the address it reports listening on.
+pub fn serve_worker(config: &Path) -> (OwnedChild, String) {
+    use std::io::BufRead;
+    let bin = bin("cynode-worker");
+    let mut cmd = Command::new(bin);
+    cmd.args(["serve", "--config"])
+        .arg(config)
+        .stderr(std::process::Stdio::piped());
+    let mut child = OwnedChild::spawn(cmd);
+    let stderr = child.child_mut().stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut tx = Some(tx);
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Ok(v) = serde_json::from_str::<Value>(&line) {
+                if v["fields"]["message"] == "cynode-worker listening" {
+                    if let Some(t) = tx.take() {
+                        let _ = t.send(v["fields"]["addr"].as_str().unwrap().to_string());
+                    }
+                }
+            }
+        }
+    });
+    let addr = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("the worker did not report its address within 60 s"));
+    (child, addr)
+}
