@@ -16,6 +16,20 @@ pub struct IntegrityError {
     pub actual_size: u64,
 }
 
+/// Why an artifact was not stored.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    /// The bytes are not what the sandbox reported.
+    #[error(transparent)]
+    Integrity(#[from] IntegrityError),
+    /// The artifact could not be fetched from the worker.
+    #[error("could not be fetched: {0}")]
+    Fetch(String),
+    /// The artifact store could not be written.
+    #[error("cannot store it: {0}")]
+    Io(#[from] std::io::Error),
+}
+
 /// Verifies `bytes` and stores them; returns the storage location.
 pub fn verify_and_store(
     dir: &Path,
@@ -23,7 +37,7 @@ pub fn verify_and_store(
     expected_sha: &str,
     expected_size: u64,
     bytes: &[u8],
-) -> Result<PathBuf, anyhow::Error> {
+) -> Result<PathBuf, ArtifactError> {
     let actual = hex::encode(Sha256::digest(bytes));
     if actual != expected_sha || bytes.len() as u64 != expected_size {
         return Err(IntegrityError {
@@ -57,6 +71,6 @@ mod tests {
         let loc = verify_and_store(dir.path(), "a.txt", &sha, 3, b"abc").unwrap();
         assert_eq!(loc, dir.path().join(&sha[..2]).join(&sha));
         let e = verify_and_store(dir.path(), "a.txt", &sha, 3, b"abd").unwrap_err();
-        assert!(e.downcast_ref::<IntegrityError>().is_some());
+        assert!(matches!(e, ArtifactError::Integrity(_)), "{e}");
     }
 }

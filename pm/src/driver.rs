@@ -26,7 +26,7 @@ use serde_json::{json, Value};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::artifacts::{verify_and_store, IntegrityError};
+use crate::artifacts::{verify_and_store, ArtifactError};
 use crate::dispatch::{DispatchError, WorkerClient};
 use crate::llm::{self, LlmClient, LlmError};
 use crate::policy::{PolicyGate, PolicyInput, TenantPolicy};
@@ -722,15 +722,17 @@ impl Pm {
         let mut integrity = Vec::new();
         for a in &claimed {
             let fetched = worker.artifact(&d.job_id, &a.path).await;
-            let stored = fetched.map_err(anyhow::Error::from).and_then(|bytes| {
-                verify_and_store(
-                    &self.artifacts_dir,
-                    &a.path,
-                    &a.sha256,
-                    a.size_bytes,
-                    &bytes,
-                )
-            });
+            let stored = fetched
+                .map_err(|e| ArtifactError::Fetch(e.to_string()))
+                .and_then(|bytes| {
+                    verify_and_store(
+                        &self.artifacts_dir,
+                        &a.path,
+                        &a.sha256,
+                        a.size_bytes,
+                        &bytes,
+                    )
+                });
             match stored {
                 Ok(loc) => {
                     let location = loc.display().to_string();
@@ -744,11 +746,11 @@ impl Pm {
                         location,
                     });
                 }
-                Err(e) if e.downcast_ref::<IntegrityError>().is_some() => {
+                Err(ArtifactError::Integrity(e)) => {
                     crate::metrics::metrics().artifact_integrity_failures.inc();
                     integrity.push(e.to_string());
                 }
-                Err(e) => integrity.push(format!("artifact {} could not be fetched: {e}", a.path)),
+                Err(e) => integrity.push(format!("artifact {}: {e}", a.path)),
             }
         }
         if !integrity.is_empty() {

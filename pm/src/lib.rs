@@ -6,16 +6,23 @@
 //! - [`session`], [`store`]: the durable session record in SQLite or PostgreSQL.
 //! - [`driver`]: the loop; [`dispatch`]: the Worker API client; [`workers`]: the worker
 //!   registry and job placement; [`artifacts`]: verified, content-addressed artifact storage.
-//! - [`cli`]: `cynode-pm skills …`, `policy check`, `run`, `sessions …`.
+//! - [`config`]: the PM's settings as plain values; [`bootstrap`]: builds a PM from them;
+//!   [`local_worker`]: the worker `cynode-pm run` starts itself.
+//! - [`service`]: the HTTP API of `cynode-pm serve`; [`metrics`], [`telemetry`]: what it
+//!   exports.
+//!
+//! The command line is the binary's (`src/cli/`): it turns flags into [`config`] values
+//! and is the only place an error is an `anyhow::Error`.
 
 pub mod artifacts;
-pub mod cli;
+pub mod bootstrap;
+pub mod config;
 pub mod dispatch;
 pub mod driver;
 pub mod llm;
+pub mod local_worker;
 pub mod metrics;
 pub mod policy;
-pub mod run;
 pub mod service;
 pub mod session;
 pub mod skills;

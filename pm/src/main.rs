@@ -1,5 +1,7 @@
-//! Thin binary shim for cynode-pm; the logic lives in the library (`cli`).
+//! Thin binary shim for cynode-pm: the command line ([`cli`]) over the library.
+
+mod cli;
 
 fn main() {
-    std::process::exit(cynode_pm::cli::main());
+    std::process::exit(cli::main());
 }

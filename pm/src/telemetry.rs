@@ -17,7 +17,6 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use anyhow::Context;
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_otlp::{Protocol, WithExportConfig};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
@@ -99,10 +98,15 @@ impl<S> Filter<S> for PmSpans {
     }
 }
 
+/// The trace exporter could not be set up.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct TelemetryError(String);
+
 /// Installs the global subscriber: JSON lines on stderr at `CYNODE_LOG_LEVEL` (else
 /// `default_level`), plus the OTLP trace exporter when `otlp_endpoint` is given.
 /// A second call (tests) leaves the first subscriber in place.
-pub fn init(default_level: &str, otlp_endpoint: Option<&str>) -> anyhow::Result<Telemetry> {
+pub fn init(default_level: &str, otlp_endpoint: Option<&str>) -> Result<Telemetry, TelemetryError> {
     let filter = EnvFilter::try_from_env("CYNODE_LOG_LEVEL")
         .unwrap_or_else(|_| EnvFilter::new(default_level));
     let fmt = tracing_subscriber::fmt::layer()
@@ -119,7 +123,7 @@ pub fn init(default_level: &str, otlp_endpoint: Option<&str>) -> anyhow::Result<
         .with_protocol(Protocol::HttpBinary)
         .with_endpoint(&url)
         .build()
-        .with_context(|| format!("cannot set up the OTLP exporter for {url}"))?;
+        .map_err(|e| TelemetryError(format!("cannot set up the OTLP exporter for {url}: {e}")))?;
     let provider = SdkTracerProvider::builder()
         .with_batch_exporter(exporter)
         .with_resource(

@@ -29,7 +29,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
 use cynode_protocol::worker_api::WorkerCapacity;
 use serde::{Deserialize, Serialize};
 
@@ -138,19 +137,36 @@ impl WorkerEntry {
         }
     }
 
-    fn token(&self) -> anyhow::Result<String> {
-        let t = match (&self.token_file, &self.token_env) {
-            (Some(f), _) => std::fs::read_to_string(f)
-                .with_context(|| format!("worker {}: cannot read {}", self.id, f.display()))?,
-            (None, Some(v)) => {
-                std::env::var(v).with_context(|| format!("worker {}: ${v} is not set", self.id))?
-            }
-            (None, None) => anyhow::bail!("worker {}: no token", self.id),
-        };
-        let t = t.trim().to_string();
-        anyhow::ensure!(!t.is_empty(), "worker {}: the token is empty", self.id);
-        Ok(t)
+    fn token(&self) -> Result<String, WorkersError> {
+        read_token(
+            &format!("worker {}", self.id),
+            self.token_file.as_deref(),
+            self.token_env.as_deref(),
+        )
     }
+}
+
+/// The bearer token of `who`: the trimmed content of `file`, else of the environment
+/// variable `env`. A missing, unreadable or empty token is an error naming `who`.
+pub fn read_token(
+    who: &str,
+    file: Option<&Path>,
+    env: Option<&str>,
+) -> Result<String, WorkersError> {
+    let invalid = |what: String| WorkersError::Token(format!("{who}: {what}"));
+    let t = match (file, env) {
+        (Some(f), _) => std::fs::read_to_string(f)
+            .map_err(|e| invalid(format!("cannot read {}: {e}", f.display())))?,
+        (None, Some(v)) => {
+            std::env::var(v).map_err(|e| invalid(format!("${v} is not set: {e}")))?
+        }
+        (None, None) => return Err(invalid("no token".into())),
+    };
+    let t = t.trim().to_string();
+    if t.is_empty() {
+        return Err(invalid("the token is empty".into()));
+    }
+    Ok(t)
 }
 
 /// Whether `host` is loopback: 127.0.0.0/8, ::1 or `localhost`.
@@ -191,25 +207,61 @@ pub fn check_endpoint(
     }
 }
 
+/// What is wrong with a workers file, or with what one of its workers needs.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkersError {
+    #[error("cannot read the workers file {}: {cause}", path.display())]
+    Read {
+        path: PathBuf,
+        cause: std::io::Error,
+    },
+    #[error("in {}: {cause}", path.display())]
+    In {
+        path: PathBuf,
+        cause: Box<WorkersError>,
+    },
+    /// The file is not a workers file, or an entry breaks a rule (the message names it).
+    #[error("{0}")]
+    Invalid(String),
+    /// A worker's token cannot be read.
+    #[error("{0}")]
+    Token(String),
+    #[error("worker {id}: tls: {cause}")]
+    Tls {
+        id: String,
+        cause: cynode_tls::TlsError,
+    },
+}
+
 impl WorkersFile {
     /// Parses and checks a workers file (unknown fields, duplicate ids, bad endpoints and
     /// empty offers are errors that name the entry).
-    pub fn parse(text: &str) -> anyhow::Result<WorkersFile> {
-        let f: WorkersFile = serde_yaml::from_str(text).map_err(|e| anyhow::anyhow!("{e}"))?;
-        anyhow::ensure!(!f.workers.is_empty(), "workers: list at least one worker");
+    pub fn parse(text: &str) -> Result<WorkersFile, WorkersError> {
+        let invalid = WorkersError::Invalid;
+        let f: WorkersFile = serde_yaml::from_str(text).map_err(|e| invalid(e.to_string()))?;
+        if f.workers.is_empty() {
+            return Err(invalid("workers: list at least one worker".into()));
+        }
         let mut seen = std::collections::BTreeSet::new();
         for w in &f.workers {
-            w.check().map_err(|e| anyhow::anyhow!("workers: {e}"))?;
-            anyhow::ensure!(seen.insert(&w.id), "workers: id `{}` is used twice", w.id);
+            w.check().map_err(|e| invalid(format!("workers: {e}")))?;
+            if !seen.insert(&w.id) {
+                return Err(invalid(format!("workers: id `{}` is used twice", w.id)));
+            }
         }
         Ok(f)
     }
 
     /// Reads and checks `path`.
-    pub fn load(path: &Path) -> anyhow::Result<WorkersFile> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the workers file {}", path.display()))?;
-        Self::parse(&text).with_context(|| format!("in {}", path.display()))
+    pub fn load(path: &Path) -> Result<WorkersFile, WorkersError> {
+        let text = std::fs::read_to_string(path).map_err(|cause| WorkersError::Read {
+            path: path.to_path_buf(),
+            cause,
+        })?;
+        Self::parse(&text).map_err(|e| WorkersError::In {
+            path: path.to_path_buf(),
+            cause: Box::new(e),
+        })
     }
 }
 
@@ -296,17 +348,21 @@ impl std::fmt::Debug for WorkerPool {
 
 impl WorkerPool {
     /// A pool of the workers of `file`, reading their tokens now.
-    pub fn from_file(file: &WorkersFile) -> anyhow::Result<WorkerPool> {
-        let members = file
-            .workers
-            .iter()
-            .map(|e| {
-                let tls = e.tls.clone().unwrap_or_default();
-                let client = WorkerClient::with_tls(&e.endpoint, &e.token()?, &tls)
-                    .with_context(|| format!("worker {}: tls", e.id))?;
-                Ok(Member::new(e.clone(), client))
-            })
-            .collect::<anyhow::Result<_>>()?;
+    pub fn from_file(file: &WorkersFile) -> Result<WorkerPool, WorkersError> {
+        let members =
+            file.workers
+                .iter()
+                .map(|e| {
+                    let tls = e.tls.clone().unwrap_or_default();
+                    let client = WorkerClient::with_tls(&e.endpoint, &e.token()?, &tls).map_err(
+                        |cause| WorkersError::Tls {
+                            id: e.id.clone(),
+                            cause,
+                        },
+                    )?;
+                    Ok(Member::new(e.clone(), client))
+                })
+                .collect::<Result<_, WorkersError>>()?;
         Ok(WorkerPool { members })
     }
 

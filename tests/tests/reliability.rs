@@ -311,7 +311,7 @@ fn kill_9_of_run_takes_its_local_worker_along_and_resume_reports_the_real_outcom
     );
     for n in &names {
         assert!(
-            cynode_pm::run::LOCAL_WORKER_ENV.contains(&n.as_str()),
+            cynode_pm::local_worker::LOCAL_WORKER_ENV.contains(&n.as_str()),
             "the local worker got `{n}`, which is not in LOCAL_WORKER_ENV"
         );
     }

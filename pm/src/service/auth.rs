@@ -2,10 +2,9 @@
 //! (`TOKEN TENANT` per line, `#` comments), and every request carries one. Tokens are
 //! compared in constant time; a tenant sees only its own sessions and artifacts.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::Context;
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use subtle::ConstantTimeEq;
@@ -30,15 +29,41 @@ impl std::fmt::Debug for Tokens {
     }
 }
 
+/// What is wrong with an API tokens file.
+#[derive(Debug, thiserror::Error)]
+pub enum TokensError {
+    #[error("cannot read the API tokens file {}: {cause}", path.display())]
+    Read {
+        path: PathBuf,
+        cause: std::io::Error,
+    },
+    #[error("in {}: {cause}", path.display())]
+    In {
+        path: PathBuf,
+        cause: Box<TokensError>,
+    },
+    #[error("line {0}: expected `TOKEN TENANT`")]
+    Line(usize),
+    #[error("line {0}: the token is shorter than 16 characters")]
+    Short(usize),
+    #[error("no tokens")]
+    Empty,
+}
+
 impl Tokens {
     /// Reads `TOKEN TENANT` lines; a token shorter than 16 characters is refused.
-    pub fn load(path: &Path) -> anyhow::Result<Tokens> {
-        let text = std::fs::read_to_string(path)
-            .with_context(|| format!("cannot read the API tokens file {}", path.display()))?;
-        Self::parse(&text).with_context(|| format!("in {}", path.display()))
+    pub fn load(path: &Path) -> Result<Tokens, TokensError> {
+        let text = std::fs::read_to_string(path).map_err(|cause| TokensError::Read {
+            path: path.to_path_buf(),
+            cause,
+        })?;
+        Self::parse(&text).map_err(|e| TokensError::In {
+            path: path.to_path_buf(),
+            cause: Box::new(e),
+        })
     }
 
-    pub fn parse(text: &str) -> anyhow::Result<Tokens> {
+    pub fn parse(text: &str) -> Result<Tokens, TokensError> {
         let mut entries = Vec::new();
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
@@ -48,16 +73,16 @@ impl Tokens {
             let mut parts = line.split_whitespace();
             let (Some(token), Some(tenant), None) = (parts.next(), parts.next(), parts.next())
             else {
-                anyhow::bail!("line {}: expected `TOKEN TENANT`", n + 1);
+                return Err(TokensError::Line(n + 1));
             };
-            anyhow::ensure!(
-                token.len() >= 16,
-                "line {}: the token is shorter than 16 characters",
-                n + 1
-            );
+            if token.len() < 16 {
+                return Err(TokensError::Short(n + 1));
+            }
             entries.push((token.as_bytes().to_vec(), tenant.to_string()));
         }
-        anyhow::ensure!(!entries.is_empty(), "no tokens");
+        if entries.is_empty() {
+            return Err(TokensError::Empty);
+        }
         Ok(Tokens { entries })
     }
 

@@ -23,17 +23,14 @@ pub mod problem;
 pub mod scheduler;
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Context;
 use axum::extract::{DefaultBodyLimit, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use clap::Args;
 use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 use tower_http::limit::RequestBodyLimitLayer;
@@ -44,47 +41,41 @@ use crate::driver::Pm;
 use auth::Tokens;
 use problem::Problem;
 
-/// Flags of `cynode-pm serve` (plus the model, worker and datastore flags of `run`).
-#[derive(Debug, Clone, Args)]
-pub struct ServeArgs {
-    /// Address to listen on.
-    #[arg(long, env = "CYNODE_PM_LISTEN", default_value = "127.0.0.1:8080")]
+/// How the service runs: its address, limits, leases and HTTPS (the binary's `serve`
+/// command fills it from flags and environment).
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
     pub listen: SocketAddr,
-    /// `TOKEN TENANT` per line: who may call the API, and as which tenant.
-    #[arg(long, env = "CYNODE_PM_API_TOKENS_FILE")]
-    pub api_tokens_file: PathBuf,
-    /// Lease of a session on this replica; another replica takes over a session whose
-    /// lease expired (a replica died) within this time.
-    #[arg(long, default_value_t = 30)]
-    pub lease_seconds: u64,
+    /// Who may call the API, and as which tenant.
+    pub tokens: Tokens,
+    /// Lease of a session on this replica.
+    pub lease: Duration,
     /// Sessions this replica drives at once.
-    #[arg(long, default_value_t = 64)]
     pub max_active_sessions: usize,
     /// Largest request body accepted (413 above).
-    #[arg(long, default_value_t = 1 << 20)]
     pub max_body_bytes: usize,
     /// Requests (other than event streams) taking longer are answered 408.
-    #[arg(long, default_value_t = 30)]
-    pub request_timeout_seconds: u64,
-    /// On SIGTERM, how long sessions may take to finish their current step (a model call,
-    /// a job's result) before their leases are released anyway.
-    #[arg(long, default_value_t = 10)]
-    pub shutdown_grace_seconds: u64,
+    pub request_timeout: Duration,
+    /// On SIGTERM, how long sessions may take to finish their current step.
+    pub shutdown_grace: Duration,
     /// This replica's name in leases (default: host name and process id).
-    #[arg(long, env = "CYNODE_PM_REPLICA_ID")]
     pub replica_id: Option<String>,
-    /// PEM certificate (chain): serve HTTPS instead of plain HTTP. Reloaded when the file
-    /// changes or on SIGHUP.
-    #[arg(long, env = "CYNODE_PM_TLS_CERT_FILE", requires = "tls_key_file")]
-    pub tls_cert_file: Option<PathBuf>,
-    /// PEM private key of `--tls-cert-file`.
-    #[arg(long, env = "CYNODE_PM_TLS_KEY_FILE", requires = "tls_cert_file")]
-    pub tls_key_file: Option<PathBuf>,
-    /// PEM CA: every client must then present a certificate issued by it (mutual TLS).
-    #[arg(long, env = "CYNODE_PM_TLS_CLIENT_CA_FILE", requires = "tls_cert_file")]
-    pub tls_client_ca_file: Option<PathBuf>,
-    #[command(flatten)]
-    pub run: crate::run::RunArgs,
+    /// HTTPS instead of plain HTTP.
+    pub tls: Option<cynode_tls::ServerTls>,
+}
+
+/// Why the service stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("cannot set up HTTPS: {0}")]
+    Tls(cynode_tls::TlsError),
+    #[error("cannot listen on {addr}: {cause}")]
+    Listen {
+        addr: SocketAddr,
+        cause: std::io::Error,
+    },
+    #[error("server: {0}")]
+    Server(String),
 }
 
 /// What every handler shares.
@@ -214,20 +205,6 @@ async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .into_response()
 }
 
-impl ServeArgs {
-    /// The HTTPS settings, when `--tls-cert-file` and `--tls-key-file` are given.
-    pub fn server_tls(&self) -> Option<cynode_tls::ServerTls> {
-        match (&self.tls_cert_file, &self.tls_key_file) {
-            (Some(cert), Some(key)) => Some(cynode_tls::ServerTls {
-                cert_file: cert.clone(),
-                key_file: key.clone(),
-                client_ca_file: self.tls_client_ca_file.clone(),
-            }),
-            _ => None,
-        }
-    }
-}
-
 /// Resolves on SIGTERM or SIGINT, after cancelling `stop` (no new sessions are claimed).
 async fn shutdown_signal(stop: CancellationToken) {
     let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -245,23 +222,19 @@ async fn shutdown_signal(stop: CancellationToken) {
 /// Runs the service until SIGTERM / SIGINT, then shuts down in order: stop claiming,
 /// end event streams and finish in-flight requests, let sessions finish their step (up
 /// to the grace), release every lease, exit.
-pub async fn serve(args: &ServeArgs, global: &crate::cli::Global) -> anyhow::Result<i32> {
-    let tokens = Tokens::load(&args.api_tokens_file)?;
-    let workers = crate::run::configured_workers(&args.run)?.context(
-        "serve needs --workers-file (CYNODE_WORKERS_FILE) or --worker-endpoint (CYNODE_WORKER_ENDPOINT)",
-    )?;
-    let pm = Arc::new(crate::run::build_pm(&args.run, global, workers).await?);
+pub async fn serve(pm: Pm, cfg: ServeConfig) -> Result<(), ServeError> {
+    let pm = Arc::new(pm);
     let wake = Arc::new(Notify::new());
-    let owner = args.replica_id.clone().unwrap_or_else(|| {
+    let owner = cfg.replica_id.clone().unwrap_or_else(|| {
         let host = std::fs::read_to_string("/etc/hostname").unwrap_or_default();
         format!("{}-{}", host.trim(), std::process::id())
     });
     let schedule = scheduler::Schedule {
         owner: owner.clone(),
-        lease: Duration::from_secs(args.lease_seconds.max(1)),
-        capacity: args.max_active_sessions.max(1),
+        lease: cfg.lease.max(Duration::from_secs(1)),
+        capacity: cfg.max_active_sessions.max(1),
         tick: Duration::from_millis(500),
-        grace: Duration::from_secs(args.shutdown_grace_seconds),
+        grace: cfg.shutdown_grace,
     };
     let stop = CancellationToken::new();
     let scheduler = tokio::spawn(scheduler::run(
@@ -272,40 +245,44 @@ pub async fn serve(args: &ServeArgs, global: &crate::cli::Global) -> anyhow::Res
     ));
     let state = Arc::new(AppState {
         pm,
-        tokens,
+        tokens: cfg.tokens,
         wake,
         stop: stop.clone(),
     });
     let app = router(
         state,
-        args.max_body_bytes,
-        Duration::from_secs(args.request_timeout_seconds.max(1)),
+        cfg.max_body_bytes,
+        cfg.request_timeout.max(Duration::from_secs(1)),
     );
-    let tls = args.server_tls();
     // Checked before listening: a bad certificate or key fails the start, naming the file.
-    if let Some(t) = &tls {
-        cynode_tls::server_config(t).context("cannot set up HTTPS")?;
+    if let Some(t) = &cfg.tls {
+        cynode_tls::server_config(t).map_err(ServeError::Tls)?;
     }
-    let listener = std::net::TcpListener::bind(args.listen)
-        .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let addr = listener.local_addr()?;
-    let scheme = if tls.is_some() { "https" } else { "http" };
+    let listen_error = |cause| ServeError::Listen {
+        addr: cfg.listen,
+        cause,
+    };
+    let listener = std::net::TcpListener::bind(cfg.listen).map_err(listen_error)?;
+    let addr = listener.local_addr().map_err(listen_error)?;
+    let scheme = if cfg.tls.is_some() { "https" } else { "http" };
     tracing::info!(addr = %addr, scheme, replica = %owner, "cynode-pm listening");
-    match tls {
+    match cfg.tls {
         // HTTPS: the certificate, key and client CA are reloaded on change or SIGHUP.
         Some(t) => cynode_tls::serve(listener, app, Some(t), shutdown_signal(stop.clone()))
             .await
-            .context("https server")?,
+            .map_err(|e| ServeError::Server(format!("https: {e}")))?,
         None => {
-            listener.set_nonblocking(true)?;
-            axum::serve(tokio::net::TcpListener::from_std(listener)?, app)
+            listener.set_nonblocking(true).map_err(listen_error)?;
+            let listener = tokio::net::TcpListener::from_std(listener).map_err(listen_error)?;
+            axum::serve(listener, app)
                 .with_graceful_shutdown(shutdown_signal(stop.clone()))
-                .await?
+                .await
+                .map_err(|e| ServeError::Server(e.to_string()))?
         }
     }
     if let Err(e) = scheduler.await {
         tracing::warn!(error = %e, "the scheduler ended abnormally");
     }
     tracing::info!("cynode-pm stopped");
-    Ok(0)
+    Ok(())
 }

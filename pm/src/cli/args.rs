@@ -1,0 +1,233 @@
+//! The flag groups several commands share, each turned into plain settings of
+//! [`cynode_pm::config`]: the model, the workers, the state, the local worker and the
+//! session's budgets. A command flattens only the groups it uses, so `serve` refuses
+//! `--local-backend` and `sessions list` refuses model flags.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use cynode_pm::config::{
+    LocalWorkerConfig, PmConfig, PolicySource, RemoteWorker, SkillSources, WorkersConfig,
+};
+use cynode_pm::llm::ModelConfig;
+use cynode_pm::session::Budgets;
+
+use super::Global;
+
+/// The OpenAI-compatible model.
+#[derive(Debug, Clone, Args)]
+pub struct ModelArgs {
+    /// OpenAI-compatible endpoint, e.g. http://127.0.0.1:8089/v1.
+    #[arg(
+        long,
+        env = "CYNODE_MODEL_BASE_URL",
+        default_value = "http://127.0.0.1:8089/v1"
+    )]
+    pub model_base_url: String,
+    /// openai-compatible (the only provider protocol spoken).
+    #[arg(long, default_value = "openai-compatible")]
+    pub model_provider: String,
+    #[arg(long, env = "CYNODE_MODEL_NAME", default_value = "smollm2")]
+    pub model_name: String,
+    #[arg(long, default_value_t = 1024)]
+    pub max_tokens: u32,
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// How long one model request may take; a reply is asked at most 3 times on
+    /// timeouts and transport errors, so a model that never answers fails the session
+    /// after about 3 × this.
+    #[arg(long, env = "CYNODE_MODEL_TIMEOUT_SECONDS", default_value_t = 120,
+          value_parser = clap::value_parser!(u64).range(1..))]
+    pub model_timeout_seconds: u64,
+    /// PEM file of extra CA certificates to trust for an https:// model endpoint (the
+    /// system's roots, and SSL_CERT_FILE, are trusted too).
+    #[arg(long, env = "CYNODE_MODEL_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
+}
+
+/// The workers jobs go to.
+#[derive(Debug, Clone, Args)]
+pub struct WorkerArgs {
+    /// A running worker; without it (and without --workers-file) `run` starts and stops a
+    /// local cynode-worker.
+    #[arg(long, env = "CYNODE_WORKER_ENDPOINT", conflicts_with = "workers_file")]
+    pub worker_endpoint: Option<String>,
+    /// PEM file of extra CA certificates to trust for an https:// --worker-endpoint (the
+    /// system's roots are trusted too).
+    #[arg(long, requires = "worker_endpoint")]
+    pub worker_ca_file: Option<PathBuf>,
+    /// PEM client certificate presented to a --worker-endpoint that requires one (mutual
+    /// TLS); needs --worker-client-key.
+    #[arg(long, requires_all = ["worker_endpoint", "worker_client_key"])]
+    pub worker_client_cert: Option<PathBuf>,
+    /// PEM private key of --worker-client-cert.
+    #[arg(long, requires_all = ["worker_endpoint", "worker_client_cert"])]
+    pub worker_client_key: Option<PathBuf>,
+    /// Allows a plain http:// --worker-endpoint on a non-loopback host (the worker token
+    /// then crosses the network in clear); a workers file says `allow_plain_http: true`
+    /// per entry instead.
+    #[arg(long, requires = "worker_endpoint")]
+    pub allow_plain_http_worker: bool,
+    /// The worker registry: a YAML file listing several workers with their tokens,
+    /// purposes, images and capacity (see docs and `cynode_pm::workers`).
+    #[arg(long, env = "CYNODE_WORKERS_FILE")]
+    pub workers_file: Option<PathBuf>,
+    /// How long a session's first job waits for a worker offering its purpose to answer
+    /// before the session fails worker_unavailable.
+    #[arg(long, default_value_t = 60)]
+    pub worker_wait_seconds: u64,
+    /// File with the worker's bearer token (else CYNODE_WORKER_TOKEN).
+    #[arg(long)]
+    pub worker_token_file: Option<PathBuf>,
+    /// Sandbox image jobs run in (with --worker-endpoint or the local worker; a workers
+    /// file names an image per purpose).
+    /// An empty value (e.g. `CYNODE_SANDBOX_IMAGE=`) is refused here, not by the worker.
+    #[arg(
+        long,
+        env = "CYNODE_SANDBOX_IMAGE",
+        default_value = "localhost/cynode-sba-test:latest",
+        value_parser = clap::builder::NonEmptyStringValueParser::new()
+    )]
+    pub sandbox_image: String,
+}
+
+/// Where the PM keeps its state.
+#[derive(Debug, Clone, Args)]
+pub struct StoreArgs {
+    /// Where the PM keeps its database and artifacts.
+    #[arg(long, env = "CYNODE_STATE_DIR", default_value = ".cynode")]
+    pub state_dir: PathBuf,
+    /// sqlite://PATH (default: <state-dir>/pm.db) or postgres://…
+    #[arg(long, env = "CYNODE_DATASTORE_ENDPOINT")]
+    pub datastore_endpoint: Option<String>,
+}
+
+/// The worker `run` starts itself when none is given.
+#[derive(Debug, Clone, Args)]
+pub struct LocalWorkerArgs {
+    /// Backend of the local worker.
+    #[arg(long, default_value = "podman")]
+    pub local_backend: String,
+    /// bwrap root filesystem of the sandbox image (local worker with --local-backend bwrap).
+    #[arg(long)]
+    pub local_bwrap_rootfs: Option<PathBuf>,
+}
+
+/// The flags and environment of `run` and `sessions resume`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub workers: WorkerArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+    #[command(flatten)]
+    pub local: LocalWorkerArgs,
+    #[arg(long, env = "CYNODE_TENANT_ID", default_value = "default")]
+    pub tenant_id: String,
+    #[arg(long, default_value_t = 30)]
+    pub max_turns: u32,
+    #[arg(long, default_value_t = 20)]
+    pub max_jobs: u32,
+}
+
+impl RunArgs {
+    pub fn budgets(&self) -> Budgets {
+        Budgets {
+            max_turns: self.max_turns,
+            max_jobs: self.max_jobs,
+            ..Budgets::default()
+        }
+    }
+
+    /// The local worker of this run, its workspaces seeded from `seed`.
+    pub fn local_worker(
+        &self,
+        global: &Global,
+        seed: Option<PathBuf>,
+    ) -> anyhow::Result<LocalWorkerConfig> {
+        use anyhow::Context;
+        let exe = std::env::current_exe().context("cannot find the cynode-pm executable")?;
+        Ok(LocalWorkerConfig {
+            program: exe.with_file_name("cynode-worker"),
+            state_dir: self.store.state_dir.clone(),
+            backend: self.local.local_backend.clone(),
+            bwrap_rootfs: self.local.local_bwrap_rootfs.clone(),
+            image: self.workers.sandbox_image.clone(),
+            seed,
+            otlp_endpoint: global.otlp_endpoint.clone(),
+        })
+    }
+}
+
+/// The settings of the PM these flags describe.
+pub fn pm_config(
+    global: &Global,
+    model: &ModelArgs,
+    workers: &WorkerArgs,
+    store: &StoreArgs,
+) -> PmConfig {
+    let mut m = ModelConfig::new(&model.model_base_url, &model.model_name);
+    m.max_tokens = model.max_tokens;
+    m.temperature = model.temperature;
+    m.timeout = Duration::from_secs(model.model_timeout_seconds);
+    m.ca_file = model.ca_file.clone();
+    PmConfig {
+        model: m,
+        state_dir: store.state_dir.clone(),
+        datastore: store.datastore_endpoint.clone(),
+        skills: skill_sources(global),
+        policy: policy_source(global),
+        tenant_file: global.tenant.clone(),
+        worker_wait: Duration::from_secs(workers.worker_wait_seconds),
+    }
+}
+
+pub fn skill_sources(global: &Global) -> SkillSources {
+    SkillSources {
+        dirs: global.skill_dirs.clone(),
+        no_builtin: global.no_builtin_skills,
+    }
+}
+
+pub fn policy_source(global: &Global) -> PolicySource {
+    match (&global.policy_endpoint, &global.policy_dir) {
+        (Some(url), _) => PolicySource::Remote(url.clone()),
+        (None, Some(dir)) => PolicySource::Dir(dir.clone()),
+        (None, None) => PolicySource::Builtin,
+    }
+}
+
+impl WorkerArgs {
+    /// The workers these flags name; `None` when neither --workers-file nor
+    /// --worker-endpoint is given (`run` then starts a local worker).
+    pub fn config(&self) -> anyhow::Result<Option<WorkersConfig>> {
+        if let Some(path) = &self.workers_file {
+            return Ok(Some(WorkersConfig::File(path.clone())));
+        }
+        let Some(endpoint) = &self.worker_endpoint else {
+            return Ok(None);
+        };
+        let tls = cynode_tls::ClientTls {
+            ca_file: self.worker_ca_file.clone(),
+            cert_file: self.worker_client_cert.clone(),
+            key_file: self.worker_client_key.clone(),
+        };
+        cynode_pm::workers::check_endpoint(
+            endpoint,
+            !tls.is_default(),
+            self.allow_plain_http_worker,
+            "--allow-plain-http-worker",
+        )
+        .map_err(|e| anyhow::anyhow!("--worker-endpoint: {e}"))?;
+        Ok(Some(WorkersConfig::Endpoint(RemoteWorker {
+            endpoint: endpoint.clone(),
+            tls,
+            allow_plain_http: self.allow_plain_http_worker,
+            token_file: self.worker_token_file.clone(),
+            image: self.sandbox_image.clone(),
+        })))
+    }
+}

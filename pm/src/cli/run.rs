@@ -1,0 +1,225 @@
+//! `cynode-pm run "objective"` and `sessions resume`: one session end to end, on a
+//! configured worker or a local one started for it, with live progress and questions
+//! answered at the terminal.
+
+use std::io::{BufRead, IsTerminal};
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use clap::Args;
+use cynode_pm::bootstrap;
+use cynode_pm::dispatch::WorkerClient;
+use cynode_pm::local_worker::LocalWorker;
+use cynode_pm::session::{Phase, SessionRecord, SessionStatus};
+use cynode_pm::workers::WorkerPool;
+use tracing::Instrument;
+
+use super::args::{pm_config, RunArgs};
+use super::report::Reporter;
+use super::{Global, Output};
+
+/// Exit code when the session waits for an answer and no terminal can give it.
+pub const EXIT_AWAITING_INPUT: i32 = 3;
+
+/// `run "objective"`.
+#[derive(Debug, Args)]
+pub struct RunCmd {
+    /// What to achieve.
+    pub objective: String,
+    /// A directory the session's workspace is seeded from.
+    #[arg(long)]
+    pub workspace: Option<PathBuf>,
+    /// Nobody answers questions: the model is never offered `message`, so it must
+    /// plan, act or finish (the default when stdin is not a terminal).
+    #[arg(long, conflicts_with = "interactive")]
+    pub non_interactive: bool,
+    /// Offer the model `message` even when stdin is not a terminal: its question
+    /// then parks the session (exit 3) for `sessions resume --answer`.
+    #[arg(long)]
+    pub interactive: bool,
+    #[command(flatten)]
+    pub args: RunArgs,
+}
+
+/// `run`: a new session, autonomous unless a person is at the terminal (or
+/// `--interactive`).
+pub async fn run(cmd: &RunCmd, g: &Global) -> anyhow::Result<i32> {
+    let interactive = cmd.interactive || (!cmd.non_interactive && std::io::stdin().is_terminal());
+    let start = Start::New {
+        objective: &cmd.objective,
+        workspace: cmd.workspace.as_deref(),
+        interactive,
+    };
+    run_session(&cmd.args, g, start).await
+}
+
+/// What [`run_session`] starts from.
+#[derive(Debug, Clone, Copy)]
+pub enum Start<'a> {
+    /// A new session for `objective`, its workspace seeded from `workspace`.
+    /// `interactive`: a person answers the model's questions at this terminal (else the
+    /// model is never offered `message`, see `llm::turn`).
+    New {
+        objective: &'a str,
+        workspace: Option<&'a Path>,
+        interactive: bool,
+    },
+    /// A stored session, given `answer` first when it waits for one.
+    Resume {
+        id: &'a str,
+        answer: Option<&'a str>,
+    },
+}
+
+/// Runs (or resumes) a session to its end; returns the exit code. Everything it does is
+/// inside one `session` span (one trace when traces are exported).
+pub async fn run_session(args: &RunArgs, global: &Global, start: Start<'_>) -> anyhow::Result<i32> {
+    let session_id = match start {
+        Start::Resume { id, .. } => id.to_string(),
+        Start::New { .. } => format!("s-{}", uuid::Uuid::new_v4()),
+    };
+    let span = tracing::info_span!("session", session_id = %session_id);
+    drive_session(args, global, start, &session_id)
+        .instrument(span)
+        .await
+}
+
+async fn drive_session(
+    args: &RunArgs,
+    global: &Global,
+    start: Start<'_>,
+    session_id: &str,
+) -> anyhow::Result<i32> {
+    std::fs::create_dir_all(&args.store.state_dir)?;
+    let seed = match start {
+        Start::New {
+            workspace: Some(w), ..
+        } => Some(std::fs::canonicalize(w).context("--workspace")?),
+        _ => None,
+    };
+    let json_out = global.output == Output::Json;
+    let reporter = Reporter::new(json_out);
+    let local;
+    let workers = match args.workers.config()? {
+        Some(cfg) => bootstrap::workers(&cfg)?,
+        None => {
+            let cfg = args.local_worker(global, seed.clone())?;
+            local = LocalWorker::start(&cfg, &|holder, dir| {
+                reporter.line(format!(
+                    "another cynode-pm's worker (pid {holder}) uses {}; waiting for it to finish",
+                    dir.display()
+                ))
+            })?;
+            WorkerPool::single(
+                WorkerClient::new(&local.endpoint, &local.token),
+                &args.workers.sandbox_image,
+            )
+        }
+    };
+    let config = pm_config(global, &args.model, &args.workers, &args.store);
+    let pm = bootstrap::build_pm(&config, workers).await?;
+    match start {
+        Start::Resume { id, answer } => {
+            if let Some(text) = answer {
+                pm.answer(id, text).await?;
+            }
+        }
+        Start::New {
+            objective,
+            interactive,
+            ..
+        } => {
+            let mut rec =
+                SessionRecord::new(session_id, &args.tenant_id, objective, args.budgets());
+            rec.interactive = interactive;
+            // The workspace is created, seeded from here, on the worker its first job
+            // is placed on.
+            rec.workspace_seed = seed.as_ref().map(|p| p.display().to_string());
+            pm.create(&rec).await?;
+        }
+    }
+    reporter.line(format!("session {session_id}"));
+    let interactive = std::io::stdin().is_terminal();
+    let rec = loop {
+        let rec = pm.run(session_id, &mut |p| reporter.report(p)).await?;
+        if rec.status == SessionStatus::AwaitingInput && interactive {
+            let Phase::AwaitInput { question } = &rec.phase else {
+                break rec;
+            };
+            reporter.finish();
+            eprint!("{question}\n> ");
+            let mut answer = String::new();
+            std::io::stdin().lock().read_line(&mut answer)?;
+            pm.answer(session_id, answer.trim()).await?;
+            continue;
+        }
+        break rec;
+    };
+    reporter.finish();
+    Ok(print_outcome(&rec, json_out))
+}
+
+/// Prints the deliverable or the failure; returns the exit code.
+fn print_outcome(rec: &SessionRecord, json_out: bool) -> i32 {
+    if json_out {
+        println!("{}", serde_json::to_string_pretty(rec).unwrap_or_default());
+    }
+    match rec.status {
+        SessionStatus::Completed => {
+            if !json_out {
+                if let Some(d) = &rec.deliverable {
+                    println!("deliverable: {}", d.summary);
+                    for a in &d.artifacts {
+                        println!(
+                            "  artifact {} sha256:{} ({} bytes, verified)",
+                            a.path, a.sha256, a.size_bytes
+                        );
+                    }
+                    if let Some(c) = &d.changeset {
+                        println!("\n{c}");
+                    }
+                }
+            }
+            0
+        }
+        SessionStatus::AwaitingInput => {
+            if !json_out {
+                if let Phase::AwaitInput { question } = &rec.phase {
+                    println!("awaiting input: {question}");
+                    println!(
+                        "answer with: cynode-pm sessions resume {} --answer TEXT",
+                        rec.state.session_id
+                    );
+                }
+            }
+            EXIT_AWAITING_INPUT
+        }
+        _ => {
+            if !json_out {
+                let f = rec.failure.as_ref();
+                eprintln!(
+                    "session {} {}: {}",
+                    rec.state.session_id,
+                    f.map(|f| f.kind.as_str()).unwrap_or("failed"),
+                    f.map(|f| f.message.as_str()).unwrap_or("")
+                );
+            }
+            1
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    #[test]
+    fn an_empty_sandbox_image_is_refused_at_the_command_line() {
+        let parse = |image: &str| {
+            crate::cli::Cli::try_parse_from(["cynode-pm", "run", "o", "--sandbox-image", image])
+        };
+        let err = parse("").unwrap_err().to_string();
+        assert!(err.contains("--sandbox-image"), "{err}");
+        assert!(parse("localhost/x:1").is_ok());
+    }
+}

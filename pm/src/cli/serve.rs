@@ -1,0 +1,131 @@
+//! `cynode-pm serve`: the HTTP API for orchestrator backends, on the workers of a workers
+//! file or one `--worker-endpoint` (never a local worker: `serve` has no local-worker
+//! flags).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use cynode_pm::bootstrap;
+use cynode_pm::service::auth::Tokens;
+use cynode_pm::service::ServeConfig;
+
+use super::args::{pm_config, ModelArgs, StoreArgs, WorkerArgs};
+use super::Global;
+
+/// Flags of `cynode-pm serve` (plus the model, worker and state flags of `run`).
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "CYNODE_PM_LISTEN", default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// `TOKEN TENANT` per line: who may call the API, and as which tenant.
+    #[arg(long, env = "CYNODE_PM_API_TOKENS_FILE")]
+    pub api_tokens_file: PathBuf,
+    /// Lease of a session on this replica; another replica takes over a session whose
+    /// lease expired (a replica died) within this time.
+    #[arg(long, default_value_t = 30)]
+    pub lease_seconds: u64,
+    /// Sessions this replica drives at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_active_sessions: usize,
+    /// Largest request body accepted (413 above).
+    #[arg(long, default_value_t = 1 << 20)]
+    pub max_body_bytes: usize,
+    /// Requests (other than event streams) taking longer are answered 408.
+    #[arg(long, default_value_t = 30)]
+    pub request_timeout_seconds: u64,
+    /// On SIGTERM, how long sessions may take to finish their current step (a model call,
+    /// a job's result) before their leases are released anyway.
+    #[arg(long, default_value_t = 10)]
+    pub shutdown_grace_seconds: u64,
+    /// This replica's name in leases (default: host name and process id).
+    #[arg(long, env = "CYNODE_PM_REPLICA_ID")]
+    pub replica_id: Option<String>,
+    /// PEM certificate (chain): serve HTTPS instead of plain HTTP. Reloaded when the file
+    /// changes or on SIGHUP.
+    #[arg(long, env = "CYNODE_PM_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM private key of `--tls-cert-file`.
+    #[arg(long, env = "CYNODE_PM_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
+    /// PEM CA: every client must then present a certificate issued by it (mutual TLS).
+    #[arg(long, env = "CYNODE_PM_TLS_CLIENT_CA_FILE", requires = "tls_cert_file")]
+    pub tls_client_ca_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub workers: WorkerArgs,
+    #[command(flatten)]
+    pub store: StoreArgs,
+}
+
+impl ServeArgs {
+    /// The HTTPS settings, when `--tls-cert-file` and `--tls-key-file` are given.
+    fn server_tls(&self) -> Option<cynode_tls::ServerTls> {
+        match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => Some(cynode_tls::ServerTls {
+                cert_file: cert.clone(),
+                key_file: key.clone(),
+                client_ca_file: self.tls_client_ca_file.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// Runs the service until SIGTERM / SIGINT (see [`cynode_pm::service::serve`]).
+pub async fn serve(args: &ServeArgs, g: &Global) -> anyhow::Result<i32> {
+    let tokens = Tokens::load(&args.api_tokens_file)?;
+    let workers = args.workers.config()?.context(
+        "serve needs --workers-file (CYNODE_WORKERS_FILE) or --worker-endpoint (CYNODE_WORKER_ENDPOINT)",
+    )?;
+    let workers = bootstrap::workers(&workers)?;
+    let config = pm_config(g, &args.model, &args.workers, &args.store);
+    let pm = bootstrap::build_pm(&config, workers).await?;
+    let cfg = ServeConfig {
+        listen: args.listen,
+        tokens,
+        lease: Duration::from_secs(args.lease_seconds),
+        max_active_sessions: args.max_active_sessions,
+        max_body_bytes: args.max_body_bytes,
+        request_timeout: Duration::from_secs(args.request_timeout_seconds),
+        shutdown_grace: Duration::from_secs(args.shutdown_grace_seconds),
+        replica_id: args.replica_id.clone(),
+        tls: args.server_tls(),
+    };
+    cynode_pm::service::serve(pm, cfg).await?;
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    /// `serve` never starts a local worker, so it has no local-worker flags to ignore.
+    #[test]
+    fn serve_refuses_the_local_worker_flags() {
+        for flag in [["--local-backend", "bwrap"], ["--local-bwrap-rootfs", "/r"]] {
+            let mut argv = vec!["cynode-pm", "serve", "--api-tokens-file", "/t"];
+            argv.extend(flag);
+            let err = crate::cli::Cli::try_parse_from(argv).unwrap_err();
+            assert_eq!(err.kind(), clap::error::ErrorKind::UnknownArgument, "{err}");
+        }
+        let ok = ["cynode-pm", "serve", "--api-tokens-file", "/t"];
+        assert!(crate::cli::Cli::try_parse_from(ok).is_ok());
+    }
+
+    /// `sessions list` reads the datastore only: a model flag there is a mistake.
+    #[test]
+    fn sessions_list_takes_only_the_state_flags() {
+        let parse = |extra: &[&str]| {
+            let mut argv = vec!["cynode-pm", "sessions", "list"];
+            argv.extend(extra);
+            crate::cli::Cli::try_parse_from(argv)
+        };
+        assert!(parse(&["--state-dir", "/s"]).is_ok());
+        assert!(parse(&["--model-base-url", "http://m"]).is_err());
+    }
+}

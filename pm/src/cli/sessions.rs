@@ -1,0 +1,86 @@
+//! `cynode-pm sessions list | show ID | resume ID [--answer TEXT]`: the stored sessions.
+
+use anyhow::Context;
+use clap::Subcommand;
+use cynode_pm::store::Store;
+
+use super::args::{RunArgs, StoreArgs};
+use super::run::{run_session, Start};
+use super::{first_line, print_json, Global, Output};
+
+/// `sessions …`
+#[derive(Debug, Subcommand)]
+pub enum SessionsCmd {
+    /// List sessions, newest first.
+    List {
+        #[arg(long)]
+        status: Option<String>,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Show one session's state.
+    Show {
+        id: String,
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Continue a session (after a crash, or with the answer to its question).
+    Resume {
+        id: String,
+        #[arg(long)]
+        answer: Option<String>,
+        #[command(flatten)]
+        args: Box<RunArgs>,
+    },
+}
+
+/// The datastore of `store` (by URL, or SQLite in the state directory).
+async fn connect(store: &StoreArgs) -> anyhow::Result<Store> {
+    let url = match &store.datastore_endpoint {
+        Some(u) => u.clone(),
+        None => format!("sqlite://{}", store.state_dir.join("pm.db").display()),
+    };
+    Ok(Store::connect(&url).await?)
+}
+
+pub async fn sessions(cmd: &SessionsCmd, g: &Global) -> anyhow::Result<i32> {
+    match cmd {
+        SessionsCmd::List { status, store } => {
+            let store = connect(store).await?;
+            let list = store.list(status.as_deref()).await?;
+            match g.output {
+                Output::Json => print_json(&serde_json::to_value(&list)?),
+                Output::Human => {
+                    for r in &list {
+                        println!(
+                            "{}  {:<15} {}",
+                            r.state.session_id,
+                            r.status.as_str(),
+                            first_line(&r.state.objective)
+                        );
+                    }
+                }
+            }
+            Ok(0)
+        }
+        SessionsCmd::Show { id, store } => {
+            let store = connect(store).await?;
+            let (rec, _) = store
+                .load(id)
+                .await?
+                .with_context(|| format!("no session {id}"))?;
+            match g.output {
+                Output::Json => print_json(&serde_json::to_value(&rec)?),
+                Output::Human => println!("{}", serde_yaml::to_string(&rec)?),
+            }
+            Ok(0)
+        }
+        SessionsCmd::Resume { id, answer, args } => {
+            let start = Start::Resume {
+                id,
+                answer: answer.as_deref(),
+            };
+            run_session(args, g, start).await
+        }
+    }
+}
