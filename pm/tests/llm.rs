@@ -834,7 +834,7 @@ fn re_adding_a_task_keeps_the_reply_and_refuses_only_its_patch() {
     .unwrap()];
     let before = rec.state.clone();
     let err = cynode_pm::driver::apply_state_patch(&mut rec, &out).unwrap_err();
-    assert_eq!(err, "duplicate task_id t1");
+    assert_eq!(err.to_string(), "duplicate task_id t1");
     assert_eq!(
         serde_json::to_value(&rec.state).unwrap(),
         serde_json::to_value(&before).unwrap()

@@ -16,8 +16,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::{BackendKind, Config};
-use crate::node::Node;
+use cynode_worker::config::{BackendKind, Config};
+use cynode_worker::node::Node;
 
 /// The CyNode Worker API node.
 #[derive(Debug, Parser)]
@@ -100,7 +100,8 @@ impl NodeArgs {
 /// Entry point; returns the process exit code.
 pub fn main() -> anyhow::Result<i32> {
     let cli = Cli::parse();
-    let exporter = crate::trace::init(std::env::var("CYNODE_OTLP_ENDPOINT").ok().as_deref())?;
+    let exporter =
+        cynode_worker::trace::init(std::env::var("CYNODE_OTLP_ENDPOINT").ok().as_deref())?;
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -110,7 +111,7 @@ pub fn main() -> anyhow::Result<i32> {
             Command::Serve(args) => serve(args).await.map(|()| 0),
             Command::Check(args) => check(args).await,
             Command::Replay { job_id, node } => {
-                let report = crate::replay::replay(&node.config()?, &job_id).await?;
+                let report = cynode_worker::replay::replay(&node.config()?, &job_id).await?;
                 println!("{}", serde_json::to_string_pretty(&report)?);
                 Ok(if report.matches { 0 } else { 1 })
             }
@@ -132,7 +133,7 @@ async fn check(args: NodeArgs) -> anyhow::Result<i32> {
     if let Err(e) = cfg.token() {
         missing.push(format!("token: {e}"));
     }
-    let backend = crate::backend::Backend::from_config(&cfg);
+    let backend = cynode_worker::backend::Backend::from_config(&cfg);
     match backend.check().await {
         Ok(v) => println!("ok   backend {}: {v}", cfg.backend.as_str()),
         Err(e) => missing.push(format!("backend {}: {e}", cfg.backend.as_str())),
@@ -238,7 +239,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     let ready = node.readiness();
     let scheme = if tls.is_some() { "https" } else { "http" };
     tracing::info!(addr = %listener.local_addr()?, scheme, mutual_tls = tls.as_ref().is_some_and(|t| t.client_ca_file.is_some()), backend = node.backend.kind().as_str(), ready = ready.ready, detail = %ready.detail, "cynode-worker listening");
-    let app = crate::http::app(Arc::clone(&node));
+    let app = cynode_worker::http::app(Arc::clone(&node));
     cynode_tls::serve(listener, app, tls, shutdown_signal())
         .await
         .context("server failed")?;

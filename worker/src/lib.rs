@@ -16,11 +16,12 @@
 //! - Leaves: [`sandbox`] (the sandbox contract and the one spec builder),
 //!   [`sandbox_files`] (host reads of sandbox-written files), [`image_ref`], [`config`],
 //!   [`trace`].
-//! - [`cli`]: the `serve`/`check`/`replay` commands.
+//!
+//! The command line (`serve`, `check`, `replay`) is the binary's (`src/cli.rs`), the only
+//! place an error is an `anyhow::Error`.
 
 pub mod backend;
 pub mod callback;
-pub mod cli;
 pub mod config;
 pub mod disk_guard;
 pub mod executor;

@@ -1,7 +1,9 @@
-//! Thin binary shim for cynode-worker; the logic lives in the library (`cli`).
+//! Thin binary shim for cynode-worker: the command line ([`cli`]) over the library.
+
+mod cli;
 
 fn main() {
-    match cynode_worker::cli::main() {
+    match cli::main() {
         Ok(code) => std::process::exit(code),
         Err(e) => {
             eprintln!("cynode-worker: {e:#}");

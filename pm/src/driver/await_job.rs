@@ -1,0 +1,170 @@
+//! Await: create the session's workspace on its worker, submit the journaled job
+//! (idempotent on job_id), and poll it to its end, saving each new state as an event.
+
+use cynode_protocol::worker_api::*;
+use serde_json::json;
+
+use crate::dispatch::{DispatchError, WorkerClient};
+use crate::session::{Dispatch, FailureKind, Phase, SessionRecord};
+use crate::store::StoreError;
+use crate::workers::PlaceError;
+
+use super::{failpoint, DriverError, Pm, Progress};
+/// Why watching a job stopped.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum WatchError {
+    #[error("{0}")]
+    Dispatch(#[from] DispatchError),
+    #[error("{0}")]
+    Store(#[from] StoreError),
+}
+
+impl Pm {
+    /// Polls the worker until the job ends. Each new state is saved as a `job_state`
+    /// event (so event streams show `in_progress` live, from any replica) and reported.
+    pub(super) async fn watch_job(
+        &self,
+        worker: &WorkerClient,
+        rec: &mut SessionRecord,
+        version: &mut i64,
+        job_id: &str,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<RunJobResponse, WatchError> {
+        let (mut delay, max_delay) = worker.poll;
+        let mut last = None;
+        loop {
+            let s = worker.status(job_id).await?;
+            if last != Some(s.status) {
+                last = Some(s.status);
+                progress(Progress::JobState {
+                    job_id: job_id.to_string(),
+                    state: s.status,
+                });
+                rec.event("job_state", json!({ "job_id": job_id, "state": s.status }));
+                *version = self.store.save(rec, *version, &[]).await?;
+            }
+            if s.status.is_terminal() {
+                return s.result.ok_or_else(|| {
+                    DispatchError::Unavailable(format!("job {job_id} ended without a result"))
+                        .into()
+                });
+            }
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(max_delay);
+        }
+    }
+
+    #[tracing::instrument(skip_all, fields(job_id = %d.job_id, task_id = %d.task_id, skill_id = %d.skill_id))]
+    pub(super) async fn await_job(
+        &self,
+        rec: &mut SessionRecord,
+        version: i64,
+        d: Dispatch,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<(), DriverError> {
+        progress(Progress::Dispatched {
+            job_id: d.job_id.clone(),
+            task_id: d.task_id.clone(),
+            skill_id: d.skill_id.clone(),
+            worker_id: d.worker_id.clone(),
+            image: d.image.clone(),
+        });
+        let Some(worker) = self.workers.client(&d.worker_id) else {
+            rec.fail(
+                FailureKind::WorkerUnavailable,
+                PlaceError::Unknown(d.worker_id.clone()).to_string(),
+            );
+            self.store.save(rec, version, &[]).await?;
+            return Ok(());
+        };
+        let req = RunJobRequest {
+            version: 1,
+            task_id: d.task_id.clone(),
+            job_id: d.job_id.clone(),
+            sandbox: SandboxSpec {
+                image: d.image.clone(),
+                job_spec_json: Some(d.job_json.clone()),
+                ..Default::default()
+            },
+            workspace_id: Some(rec.workspace_id.clone()),
+        };
+        let mut version = version;
+        let outcome = match self.prepare_workspace(worker, rec, &d).await {
+            Ok(()) => match worker.submit(&req).await {
+                Ok(_) => {
+                    self.watch_job(worker, rec, &mut version, &d.job_id, progress)
+                        .await
+                }
+                Err(e) => Err(e.into()),
+            },
+            Err(e) => Err(e.into()),
+        };
+        let resp = match outcome {
+            Ok(r) => r,
+            Err(WatchError::Store(e)) => return Err(e.into()),
+            Err(WatchError::Dispatch(
+                e @ (DispatchError::Unavailable(_)
+                | DispatchError::Auth { .. }
+                | DispatchError::Tls { .. }),
+            )) => {
+                rec.fail(FailureKind::WorkerUnavailable, e.to_string());
+                self.store.save(rec, version, &[]).await?;
+                return Ok(());
+            }
+            Err(WatchError::Dispatch(e)) => {
+                rec.fail(
+                    FailureKind::InternalError,
+                    format!("worker refused job {}: {e}", d.job_id),
+                );
+                self.store.save(rec, version, &[]).await?;
+                return Ok(());
+            }
+        };
+        crate::metrics::metrics().job(&format!("{:?}", resp.status).to_lowercase());
+        self.take_result(worker, rec, &d, &resp, progress).await;
+        rec.state.active_job_id = None;
+        rec.phase = Phase::Think;
+        self.store
+            .save(
+                rec,
+                version,
+                &[(
+                    "job_result",
+                    json!({ "job_id": d.job_id, "status": resp.status }),
+                )],
+            )
+            .await?;
+        failpoint("after_result");
+        if let Err(e) = worker.ack(&d.job_id).await {
+            tracing::warn!(job_id = %d.job_id, error = %e, "ack failed; the worker's retention will clean up");
+        }
+        Ok(())
+    }
+
+    /// Creates the session's workspace (seeded as asked) on the worker its first job was
+    /// placed on. Idempotent, so a resumed session repeats it safely.
+    pub(super) async fn prepare_workspace(
+        &self,
+        worker: &WorkerClient,
+        rec: &SessionRecord,
+        d: &Dispatch,
+    ) -> Result<(), DispatchError> {
+        if !d.new_workspace {
+            return Ok(());
+        }
+        let seed = rec.workspace_seed.as_deref().map(std::path::Path::new);
+        worker
+            .create_workspace(&rec.workspace_id, seed)
+            .await
+            .map_err(|e| match e {
+                DispatchError::Rejected { status, detail } => DispatchError::Rejected {
+                    status,
+                    detail: format!(
+                        "worker {} refused to create the session's workspace: {detail}",
+                        d.worker_id
+                    ),
+                },
+                other => other,
+            })
+    }
+}

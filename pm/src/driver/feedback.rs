@@ -1,0 +1,187 @@
+//! Feedback: take a job's result in. Artifacts are fetched and their sha256 verified
+//! before they are stored, the plan is updated, and a compact summary (never raw
+//! megabytes) is queued for the model's next turn.
+
+use cynode_protocol::session::{SessionArtifact, TaskStatus};
+use cynode_protocol::worker_api::*;
+use serde_json::{json, Value};
+
+use crate::artifacts::{verify_and_store, ArtifactError};
+use crate::dispatch::WorkerClient;
+use crate::session::{Dispatch, SessionRecord};
+
+use super::act::set_task_status;
+use super::{Pm, Progress};
+
+impl Pm {
+    /// Verifies and stores artifacts, updates the plan, and writes the model's summary.
+    pub(super) async fn take_result(
+        &self,
+        worker: &WorkerClient,
+        rec: &mut SessionRecord,
+        d: &Dispatch,
+        resp: &RunJobResponse,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) {
+        let mut ok = resp.status == WorkerJobStatus::Completed;
+        if resp.job_id != d.job_id {
+            ok = false;
+            rec.feedback.push(format!(
+                "the worker answered for job {} instead of {}",
+                resp.job_id, d.job_id
+            ));
+        }
+        let claimed = resp
+            .sba_result
+            .as_ref()
+            .map(|r| r.artifacts.clone())
+            .unwrap_or_default();
+        let mut integrity = Vec::new();
+        for a in &claimed {
+            let fetched = worker.artifact(&d.job_id, &a.path).await;
+            let stored = fetched
+                .map_err(|e| ArtifactError::Fetch(e.to_string()))
+                .and_then(|bytes| {
+                    verify_and_store(
+                        &self.artifacts_dir,
+                        &a.path,
+                        &a.sha256,
+                        a.size_bytes,
+                        &bytes,
+                    )
+                });
+            match stored {
+                Ok(loc) => {
+                    let location = loc.display().to_string();
+                    let _ = self
+                        .store
+                        .put_artifact(&a.sha256, a.size_bytes, &location)
+                        .await;
+                    rec.state.artifacts.push(SessionArtifact {
+                        record: a.clone(),
+                        job_id: d.job_id.clone(),
+                        location,
+                    });
+                }
+                Err(ArtifactError::Integrity(e)) => {
+                    crate::metrics::metrics().artifact_integrity_failures.inc();
+                    integrity.push(e.to_string());
+                }
+                Err(e) => integrity.push(format!("artifact {}: {e}", a.path)),
+            }
+        }
+        if !integrity.is_empty() {
+            ok = false;
+            rec.event(
+                "artifact_integrity_failure",
+                json!({ "job_id": d.job_id, "errors": integrity }),
+            );
+            rec.feedback.push(format!(
+                "artifact_integrity_failure: artifacts of job {} were rejected: {}",
+                d.job_id,
+                integrity.join("; ")
+            ));
+        }
+        let exhausted =
+            rec.attempts.get(&d.task_id).copied().unwrap_or(0) >= rec.budgets.max_attempts_per_task;
+        let status = if ok {
+            TaskStatus::Done
+        } else if exhausted || !integrity.is_empty() {
+            TaskStatus::Failed
+        } else {
+            TaskStatus::Pending
+        };
+        set_task_status(rec, &d.task_id, status);
+        let label = format!("{:?}", resp.status).to_lowercase();
+        rec.event(
+            "job_finished",
+            json!({ "job_id": d.job_id, "status": label, "task_status": status }),
+        );
+        rec.feedback.push(summarize(d, resp));
+        let failure = resp
+            .sba_result
+            .as_ref()
+            .and_then(|r| match (&r.failure_code, &r.failure_message) {
+                (Some(c), Some(m)) => Some(format!("{c}: {m}")),
+                (Some(c), None) => Some(c.to_string()),
+                _ => None,
+            })
+            .or_else(|| resp.failure_reason.clone())
+            .filter(|_| !ok);
+        progress(Progress::JobDone {
+            job_id: d.job_id.clone(),
+            status: label,
+            failure: failure.or_else(|| (!integrity.is_empty()).then(|| integrity.join("; "))),
+            artifacts: rec
+                .state
+                .artifacts
+                .iter()
+                .filter(|a| a.job_id == d.job_id)
+                .map(|a| a.record.clone())
+                .collect(),
+        });
+    }
+}
+
+/// A compact result for the model: statuses, codes, tails, artifacts; never raw megabytes.
+pub fn summarize(d: &Dispatch, resp: &RunJobResponse) -> String {
+    let mut v = json!({
+        "job_id": d.job_id, "task_id": d.task_id, "skill_id": d.skill_id,
+        "status": resp.status, "failure_reason": resp.failure_reason,
+    });
+    if let Some(r) = &resp.sba_result {
+        v["failure_code"] = json!(r.failure_code);
+        v["failure_message"] = json!(r.failure_message);
+        v["steps"] = Value::Array(
+            r.steps
+                .iter()
+                .map(|s| {
+                    let mut o = json!({ "id": s.id, "type": s.step_type, "status": s.status });
+                    // An upstream worker's result has no typed `result`: its text output.
+                    if s.result.is_none() && !s.output.is_empty() {
+                        o["output_tail"] = json!(tail(&s.output, 1500));
+                    }
+                    if let Some(out) = &s.result {
+                        let full = serde_json::to_value(out).unwrap_or(Value::Null);
+                        for k in [
+                            "exit_code",
+                            "truncated",
+                            "files_modified",
+                            "files_created",
+                            "files_deleted",
+                            "size_bytes",
+                            "path",
+                        ] {
+                            if !full[k].is_null() {
+                                o[k] = full[k].clone();
+                            }
+                        }
+                        for k in ["stdout", "stderr", "content"] {
+                            if let Some(t) = full[k].as_str() {
+                                o[format!("{k}_tail")] = json!(tail(t, 1500));
+                            }
+                        }
+                        if let Some(m) = full["matches"].as_array() {
+                            o["matches"] = Value::Array(m.iter().take(30).cloned().collect());
+                        }
+                        if !full["tree"].is_null() {
+                            let t = full["tree"].to_string();
+                            o["tree"] = json!(tail(&t, 3000));
+                        }
+                    }
+                    o
+                })
+                .collect(),
+        );
+        v["artifacts"] = json!(r.artifacts);
+    }
+    format!("result of job {}: {}", d.job_id, v)
+}
+pub(super) fn tail(s: &str, n: usize) -> &str {
+    let start = s.len().saturating_sub(n);
+    let mut i = start;
+    while !s.is_char_boundary(i) {
+        i += 1;
+    }
+    &s[i..]
+}

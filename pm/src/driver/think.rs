@@ -1,0 +1,115 @@
+//! Think: ask the model for the next reply (with the session's state, the feedback of
+//! the last turn and the turn's rules), retry or fail on garbage, and journal the
+//! accepted reply with the move to `Act` in one save.
+
+use cynode_protocol::llm::LlmOutput;
+use serde_json::{json, Value};
+
+use crate::llm::{self, LlmError};
+use crate::session::{FailureKind, Phase, SessionRecord};
+
+use super::{failpoint, DriverError, Pm, Progress};
+
+impl Pm {
+    pub(super) async fn think(
+        &self,
+        rec: &mut SessionRecord,
+        version: i64,
+        progress: &mut (dyn FnMut(Progress) + Send),
+    ) -> Result<(), DriverError> {
+        if let Some(why) = self.over_budget(rec) {
+            rec.fail(FailureKind::BudgetExhausted, why);
+            self.store.save(rec, version, &[]).await?;
+            return Ok(());
+        }
+        progress(Progress::Turn(rec.turn));
+        // A reply this turn already got (journaled before a crash) is never asked again.
+        let stored = self
+            .store
+            .last_journal(&rec.state.session_id, "model_reply")
+            .await?
+            .filter(|e| e.data["turn"] == json!(rec.turn));
+        let reply: LlmOutput =
+            match stored.and_then(|e| serde_json::from_value(e.data["reply"].clone()).ok()) {
+                Some(r) => r,
+                None => {
+                    let task_ids: Vec<String> =
+                        rec.state.plan.iter().map(|p| p.task_id.clone()).collect();
+                    let rules = llm::TurnRules::for_session(rec, &self.contract.catalog);
+                    let schema = rules.schema(&self.contract.catalog, &task_ids);
+                    let mut feedback = feedback_text(rec);
+                    if let Some(notice) = &rules.notice {
+                        let joined = feedback.map_or_else(String::new, |f| f + "\n");
+                        feedback = Some(joined + notice);
+                    }
+                    match self
+                        .llm
+                        .next_reply_with(
+                            &llm::compose_context(
+                                &self.contract.system_prompt,
+                                &rec.state.objective,
+                                &state_summary(rec),
+                                feedback.as_deref(),
+                            ),
+                            &schema,
+                            &self.contract.validator,
+                            &task_ids,
+                            |r| rules.check(r),
+                        )
+                        .await
+                    {
+                        Ok((reply, raw, attempts)) => {
+                            rec.phase = Phase::Act {
+                                reply: reply.clone(),
+                            };
+                            rec.feedback.clear();
+                            rec.event(
+                            "model_reply",
+                            json!({ "turn": rec.turn, "type": reply.kind, "attempts": attempts }),
+                        );
+                            self.store
+                                .save(
+                                    rec,
+                                    version,
+                                    &[(
+                                        "model_reply",
+                                        json!({ "turn": rec.turn, "raw": raw, "reply": reply }),
+                                    )],
+                                )
+                                .await?;
+                            failpoint("after_model_reply");
+                            return Ok(());
+                        }
+                        Err(e) => {
+                            let kind = match &e {
+                                LlmError::ModelContractViolation { .. } => {
+                                    FailureKind::ModelContractViolation
+                                }
+                                _ => FailureKind::ModelUnavailable,
+                            };
+                            rec.fail(kind, e.to_string());
+                            self.store.save(rec, version, &[]).await?;
+                            return Ok(());
+                        }
+                    }
+                }
+            };
+        rec.phase = Phase::Act { reply };
+        self.store.save(rec, version, &[]).await?;
+        Ok(())
+    }
+}
+
+pub(super) fn state_summary(rec: &SessionRecord) -> Value {
+    json!({
+        "plan": rec.state.plan,
+        "notes": rec.state.notes,
+        "artifacts": rec.state.artifacts.iter().map(|a| json!({ "path": a.record.path, "sha256": a.record.sha256 })).collect::<Vec<_>>(),
+        "turn": rec.turn,
+        "jobs_dispatched": rec.jobs_dispatched,
+        "budgets": rec.budgets,
+    })
+}
+pub(super) fn feedback_text(rec: &SessionRecord) -> Option<String> {
+    (!rec.feedback.is_empty()).then(|| rec.feedback.join("\n"))
+}
