@@ -178,6 +178,11 @@ fn is_loopback(host: &url::Host<&str>) -> bool {
     }
 }
 
+/// A worker endpoint that is not `https://host[:port]` (or allowed plain http).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct EndpointError(String);
+
 /// Checks a worker endpoint: `https://host[:port]`, or `http://` to a loopback host
 /// unless `allow_plain` (named `allow_how` in the error); `has_tls` settings need
 /// `https://`.
@@ -186,24 +191,27 @@ pub fn check_endpoint(
     has_tls: bool,
     allow_plain: bool,
     allow_how: &str,
-) -> Result<(), String> {
-    let url = url::Url::parse(endpoint)
-        .map_err(|e| format!("endpoint `{endpoint}`: expected https://host:port ({e})"))?;
+) -> Result<(), EndpointError> {
+    let url = url::Url::parse(endpoint).map_err(|e| {
+        EndpointError(format!(
+            "endpoint `{endpoint}`: expected https://host:port ({e})"
+        ))
+    })?;
     let Some(host) = url.host() else {
-        return Err(format!("endpoint `{endpoint}` has no host"));
+        return Err(EndpointError(format!("endpoint `{endpoint}` has no host")));
     };
     match url.scheme() {
         "https" => Ok(()),
-        "http" if has_tls => Err(format!(
+        "http" if has_tls => Err(EndpointError(format!(
             "endpoint `{endpoint}`: tls settings are given but the endpoint is plain http; use https://"
-        )),
+        ))),
         "http" if allow_plain || is_loopback(&host) => Ok(()),
-        "http" => Err(format!(
+        "http" => Err(EndpointError(format!(
             "endpoint `{endpoint}`: plain http to the non-loopback host `{host}` would send the worker token in clear; use https:// (with tls settings), or set {allow_how} on a private network"
-        )),
-        other => Err(format!(
+        ))),
+        other => Err(EndpointError(format!(
             "endpoint `{endpoint}`: scheme `{other}`: expected https:// or http://"
-        )),
+        ))),
     }
 }
 

@@ -676,19 +676,32 @@ fn path_arg(errs: &mut Vec<ValidationError>, at: &str, path: &str) {
     no_nul(errs, at, path);
 }
 
+/// A file mode that is not octal permission bits.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ModeError(String);
+
+impl From<ModeError> for String {
+    fn from(e: ModeError) -> String {
+        e.0
+    }
+}
+
 /// Parses a file mode string such as `"0644"` or `"755"`; only permission bits are allowed.
-pub fn parse_mode(mode: &str) -> Result<u32, String> {
+pub fn parse_mode(mode: &str) -> Result<u32, ModeError> {
     let digits = mode.strip_prefix("0o").unwrap_or(mode);
     if digits.is_empty() || digits.len() > 4 || !digits.bytes().all(|b| (b'0'..=b'7').contains(&b))
     {
-        return Err(format!(
+        return Err(ModeError(format!(
             "invalid mode `{mode}`: expected octal such as \"0644\""
-        ));
+        )));
     }
-    let value =
-        u32::from_str_radix(digits, 8).map_err(|e| format!("invalid mode `{mode}`: {e}"))?;
+    let value = u32::from_str_radix(digits, 8)
+        .map_err(|e| ModeError(format!("invalid mode `{mode}`: {e}")))?;
     if value & !0o777 != 0 {
-        return Err(format!("mode `{mode}` sets setuid, setgid or sticky bits"));
+        return Err(ModeError(format!(
+            "mode `{mode}` sets setuid, setgid or sticky bits"
+        )));
     }
     Ok(value)
 }

@@ -37,29 +37,36 @@ pub struct SkillLimits {
     pub max_output_bytes: u64,
 }
 
+/// A manifest field that breaks a rule serde cannot check.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ManifestError(pub String);
+
 impl SkillManifest {
     /// Checks the fields serde cannot: id alphabet, semver, positive limits.
-    pub fn check(&self) -> Result<(), String> {
+    pub fn check(&self) -> Result<(), ManifestError> {
         if !is_id(&self.skill_id) {
-            return Err(format!(
+            return Err(ManifestError(format!(
                 "skill_id `{}`: use lowercase letters, digits and `-`",
                 self.skill_id
-            ));
+            )));
         }
         if !is_semver(&self.version) {
-            return Err(format!(
+            return Err(ManifestError(format!(
                 "version `{}`: expected semver MAJOR.MINOR.PATCH",
                 self.version
-            ));
+            )));
         }
         if self.description.trim().is_empty() {
-            return Err("description: must not be empty".into());
+            return Err(ManifestError("description: must not be empty".into()));
         }
         if self.limits.max_runtime_seconds == 0 || self.limits.max_output_bytes == 0 {
-            return Err("limits: must be positive".into());
+            return Err(ManifestError("limits: must be positive".into()));
         }
         if !self.inputs_schema.is_object() {
-            return Err("inputs_schema: must be a JSON Schema object".into());
+            return Err(ManifestError(
+                "inputs_schema: must be a JSON Schema object".into(),
+            ));
         }
         Ok(())
     }

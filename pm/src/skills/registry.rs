@@ -252,8 +252,8 @@ pub fn load_files(files: &dyn PackageFiles) -> Result<Skill, Vec<SkillError>> {
         }
     };
     if let Some(m) = &manifest {
-        if let Err(msg) = m.check() {
-            errors.push(SkillError::new(&mpath, None, msg));
+        if let Err(e) = m.check() {
+            errors.push(SkillError::new(&mpath, None, e.to_string()));
         }
         if let Err(e) = jsonschema::meta::validate(&m.inputs_schema) {
             errors.push(SkillError::new(
