@@ -1,12 +1,25 @@
-//! ARCHITECTURE.md's code map names every module each crate's `lib.rs` declares, so a
+//! ARCHITECTURE.md's code map names every module each crate declares (in `lib.rs`,
+//! `main.rs` or any other source file, down to the files of a module directory), so a
 //! newcomer finds any module from the map (a module added without its map entry fails).
 
 use std::fs;
 
 use cynode_tests::workspace_root;
 
-/// The crates whose `lib.rs` the map covers.
-const CRATES: [&str; 6] = ["protocol", "sba", "worker", "pm", "tls", "testkit"];
+/// The crates whose sources the map covers.
+const CRATES: [&str; 7] = ["protocol", "sba", "worker", "pm", "tls", "testkit", "tests"];
+
+/// Every `.rs` file under `dir`.
+fn sources(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
+    for e in fs::read_dir(dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display())) {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            sources(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
 
 /// `mod name;` and `pub mod name;` (any visibility) declarations of one file.
 fn declared_modules(source: &str) -> Vec<String> {
@@ -26,23 +39,37 @@ fn declared_modules(source: &str) -> Vec<String> {
 }
 
 #[test]
-fn every_module_of_every_lib_rs_is_in_the_code_map() {
+fn every_module_of_every_crate_is_in_the_code_map() {
     let root = workspace_root();
     let map = fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let named = |m: &str| {
+        ["`", "/"].iter().any(|before| {
+            map.contains(&format!("{before}{m}.rs`")) || map.contains(&format!("{before}{m}/`"))
+        })
+    };
     let mut missing = Vec::new();
     let mut seen = 0;
     for krate in CRATES {
-        let lib = fs::read_to_string(root.join(krate).join("src/lib.rs"))
-            .unwrap_or_else(|e| panic!("{krate}/src/lib.rs: {e}"));
-        for m in declared_modules(&lib) {
-            seen += 1;
-            if !map.contains(&format!("`{m}.rs`")) && !map.contains(&format!("`{m}/`")) {
-                missing.push(format!("{krate}::{m}"));
+        let mut files = Vec::new();
+        sources(&root.join(krate).join("src"), &mut files);
+        for file in files {
+            let text = fs::read_to_string(&file).unwrap();
+            // Unit-test modules (`mod tests;`) are not part of the map.
+            for m in declared_modules(&text).into_iter().filter(|m| m != "tests") {
+                seen += 1;
+                if !named(&m) {
+                    let at = file
+                        .strip_prefix(&root)
+                        .unwrap_or(&file)
+                        .display()
+                        .to_string();
+                    missing.push(format!("{m} (declared in {at})"));
+                }
             }
         }
     }
     assert!(
-        seen > 30,
+        seen > 60,
         "only {seen} modules found: is the parser still right?"
     );
     assert!(
@@ -55,4 +82,105 @@ fn every_module_of_every_lib_rs_is_in_the_code_map() {
 fn the_parser_sees_declarations_and_nothing_else() {
     let src = "//! doc mod x;\npub mod a;\nmod b;\npub(crate) mod c;\nmod d {\n}\n// mod e;\nuse f::mod_g;\n";
     assert_eq!(declared_modules(src), ["a", "b", "c"]);
+}
+
+/// The library layers of a crate, lowest first: a module may import (`crate::name`) only
+/// from its own layer or a lower one. The same lists stand in ARCHITECTURE.md.
+const LAYERS: [(&str, &[&[&str]]); 2] = [
+    (
+        "pm",
+        &[
+            &[
+                "session",
+                "store",
+                "artifacts",
+                "metrics",
+                "telemetry",
+                "skills",
+                "policy",
+                "llm",
+                "dispatch",
+                "workers",
+            ],
+            &["config", "driver"],
+            &["local_worker", "bootstrap", "service"],
+        ],
+    ),
+    (
+        "worker",
+        &[
+            &["sandbox", "sandbox_files", "config", "image_ref", "trace"],
+            &["backend", "inference", "callback", "store", "disk_guard"],
+            &["sessions", "workspace", "executor"],
+            &["node", "replay"],
+            &["http"],
+        ],
+    ),
+];
+
+/// The top-level modules the code of `text` names as `crate::name` (comments, where a
+/// doc link may point anywhere, are left out).
+fn crate_imports(text: &str) -> Vec<String> {
+    let code: String = text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with("//"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    let text = code.as_str();
+    text.match_indices("crate::")
+        .filter(|(i, _)| {
+            // `cynode_pm::…` and `$crate::` are not this crate's paths.
+            !text[..*i].ends_with(|c: char| c.is_alphanumeric() || c == '_' || c == '$')
+        })
+        .map(|(i, m)| {
+            text[i + m.len()..]
+                .chars()
+                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                .collect()
+        })
+        .filter(|name: &String| !name.is_empty())
+        .collect()
+}
+
+#[test]
+fn no_module_imports_from_a_layer_above_it() {
+    let root = workspace_root();
+    let mut violations = Vec::new();
+    for (krate, layers) in LAYERS {
+        let rank = |m: &str| layers.iter().position(|l| l.contains(&m));
+        let src = root.join(krate).join("src");
+        let lib = fs::read_to_string(src.join("lib.rs")).unwrap();
+        for m in declared_modules(&lib) {
+            let mine = rank(&m).unwrap_or_else(|| panic!("{krate}::{m} has no layer in LAYERS"));
+            let mut files = Vec::new();
+            let file = src.join(format!("{m}.rs"));
+            if file.is_file() {
+                files.push(file);
+            }
+            if src.join(&m).is_dir() {
+                sources(&src.join(&m), &mut files);
+            }
+            for f in files {
+                let text = fs::read_to_string(&f).unwrap();
+                for used in crate_imports(&text) {
+                    if rank(&used).is_some_and(|theirs| theirs > mine) {
+                        let at = f.strip_prefix(&root).unwrap_or(&f).display().to_string();
+                        violations.push(format!("{at} imports crate::{used}"));
+                    }
+                }
+            }
+        }
+    }
+    violations.sort();
+    violations.dedup();
+    assert!(
+        violations.is_empty(),
+        "imports from a layer above: {violations:#?}"
+    );
+}
+
+#[test]
+fn crate_paths_are_read_as_this_crates_only() {
+    let text = "//! [`crate::service`]\nuse crate::driver::Pm;\nuse cynode_pm::service;\n$crate::x\ncrate::llm::X";
+    assert_eq!(crate_imports(text), ["driver", "llm"]);
 }
