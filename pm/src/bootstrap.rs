@@ -11,6 +11,7 @@ use crate::dispatch::WorkerClient;
 use crate::driver::Pm;
 use crate::llm::{Contract, ContractError, LlmClient};
 use crate::policy::{Mode, PolicyError, PolicyGate, TenantPolicy};
+use crate::settings_file::FileError;
 use crate::skills::{Registry, SkillError};
 use crate::store::{Store, StoreError};
 use crate::workers::{WorkerPool, WorkersError};
@@ -34,16 +35,10 @@ pub enum BootstrapError {
     },
     #[error("built-in policy: {0}")]
     BuiltinPolicy(PolicyError),
-    #[error("cannot read {}: {cause}", path.display())]
-    TenantRead {
-        path: std::path::PathBuf,
-        cause: std::io::Error,
-    },
-    #[error("invalid tenant file {}: {cause}", path.display())]
-    TenantParse {
-        path: std::path::PathBuf,
-        cause: serde_yaml::Error,
-    },
+    #[error(transparent)]
+    Tenant(#[from] FileError<serde_yaml::Error>),
+    #[error(transparent)]
+    WorkersFile(#[from] FileError<WorkersError>),
     #[error(transparent)]
     Workers(#[from] WorkersError),
     #[error("no worker offers the sandbox purpose of any skill (offered: {0})")]
@@ -88,14 +83,9 @@ pub fn tenant(file: Option<&Path>) -> Result<TenantPolicy, BootstrapError> {
     let Some(path) = file else {
         return Ok(TenantPolicy::default());
     };
-    let text = std::fs::read_to_string(path).map_err(|cause| BootstrapError::TenantRead {
-        path: path.to_path_buf(),
-        cause,
-    })?;
-    serde_yaml::from_str(&text).map_err(|cause| BootstrapError::TenantParse {
-        path: path.to_path_buf(),
-        cause,
-    })
+    Ok(crate::settings_file::load("tenant file", path, |t| {
+        serde_yaml::from_str(t)
+    })?)
 }
 
 /// The worker pool of `config`, reading tokens and TLS files now.

@@ -25,6 +25,7 @@ pub mod metrics;
 pub mod policy;
 pub mod service;
 pub mod session;
+pub mod settings_file;
 pub mod skills;
 pub mod store;
 pub mod telemetry;

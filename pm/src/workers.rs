@@ -25,6 +25,8 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+
+use crate::settings_file::FileError;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -218,16 +220,6 @@ pub fn check_endpoint(
 /// What is wrong with a workers file, or with what one of its workers needs.
 #[derive(Debug, thiserror::Error)]
 pub enum WorkersError {
-    #[error("cannot read the workers file {}: {cause}", path.display())]
-    Read {
-        path: PathBuf,
-        cause: std::io::Error,
-    },
-    #[error("in {}: {cause}", path.display())]
-    In {
-        path: PathBuf,
-        cause: Box<WorkersError>,
-    },
     /// The file is not a workers file, or an entry breaks a rule (the message names it).
     #[error("{0}")]
     Invalid(String),
@@ -261,15 +253,8 @@ impl WorkersFile {
     }
 
     /// Reads and checks `path`.
-    pub fn load(path: &Path) -> Result<WorkersFile, WorkersError> {
-        let text = std::fs::read_to_string(path).map_err(|cause| WorkersError::Read {
-            path: path.to_path_buf(),
-            cause,
-        })?;
-        Self::parse(&text).map_err(|e| WorkersError::In {
-            path: path.to_path_buf(),
-            cause: Box::new(e),
-        })
+    pub fn load(path: &Path) -> Result<WorkersFile, FileError<WorkersError>> {
+        crate::settings_file::load("workers file", path, Self::parse)
     }
 }
 

@@ -91,6 +91,7 @@ const LAYERS: [(&str, &[&[&str]]); 2] = [
         "pm",
         &[
             &[
+                "settings_file",
                 "session",
                 "store",
                 "artifacts",

@@ -114,15 +114,22 @@ pub struct LocalWorkerArgs {
     pub local_bwrap_rootfs: Option<PathBuf>,
 }
 
-/// The flags and environment of `run` and `sessions resume`.
+/// What every command that builds a PM takes: the model, the workers, the state.
 #[derive(Debug, Clone, Args)]
-pub struct RunArgs {
+pub struct PmArgs {
     #[command(flatten)]
     pub model: ModelArgs,
     #[command(flatten)]
     pub workers: WorkerArgs,
     #[command(flatten)]
     pub store: StoreArgs,
+}
+
+/// The flags and environment of `run` and `sessions resume`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub pm: PmArgs,
     #[command(flatten)]
     pub local: LocalWorkerArgs,
     #[arg(long, env = "CYNODE_TENANT_ID", default_value = "default")]
@@ -152,36 +159,34 @@ impl RunArgs {
         let exe = std::env::current_exe().context("cannot find the cynode-pm executable")?;
         Ok(LocalWorkerConfig {
             program: exe.with_file_name("cynode-worker"),
-            state_dir: self.store.state_dir.clone(),
+            state_dir: self.pm.store.state_dir.clone(),
             backend: self.local.local_backend.clone(),
             bwrap_rootfs: self.local.local_bwrap_rootfs.clone(),
-            image: self.workers.sandbox_image.clone(),
+            image: self.pm.workers.sandbox_image.clone(),
             seed,
             otlp_endpoint: global.otlp_endpoint.clone(),
         })
     }
 }
 
-/// The settings of the PM these flags describe.
-pub fn pm_config(
-    global: &Global,
-    model: &ModelArgs,
-    workers: &WorkerArgs,
-    store: &StoreArgs,
-) -> PmConfig {
-    let mut m = ModelConfig::new(&model.model_base_url, &model.model_name);
-    m.max_tokens = model.max_tokens;
-    m.temperature = model.temperature;
-    m.timeout = Duration::from_secs(model.model_timeout_seconds);
-    m.ca_file = model.ca_file.clone();
-    PmConfig {
-        model: m,
-        state_dir: store.state_dir.clone(),
-        datastore: store.datastore_endpoint.clone(),
-        skills: skill_sources(global),
-        policy: policy_source(global),
-        tenant_file: global.tenant.clone(),
-        worker_wait: Duration::from_secs(workers.worker_wait_seconds),
+impl PmArgs {
+    /// The settings of the PM these flags (and the global ones) describe.
+    pub fn config(&self, global: &Global) -> PmConfig {
+        let model = &self.model;
+        let mut m = ModelConfig::new(&model.model_base_url, &model.model_name);
+        m.max_tokens = model.max_tokens;
+        m.temperature = model.temperature;
+        m.timeout = Duration::from_secs(model.model_timeout_seconds);
+        m.ca_file = model.ca_file.clone();
+        PmConfig {
+            model: m,
+            state_dir: self.store.state_dir.clone(),
+            datastore: self.store.datastore_endpoint.clone(),
+            skills: skill_sources(global),
+            policy: policy_source(global),
+            tenant_file: global.tenant.clone(),
+            worker_wait: Duration::from_secs(self.workers.worker_wait_seconds),
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use cynode_pm::session::{Phase, SessionRecord, SessionStatus};
 use cynode_pm::workers::WorkerPool;
 use tracing::Instrument;
 
-use super::args::{pm_config, RunArgs};
+use super::args::RunArgs;
 use super::report::Reporter;
 use super::{Global, Output};
 
@@ -90,7 +90,7 @@ async fn drive_session(
     start: Start<'_>,
     session_id: &str,
 ) -> anyhow::Result<i32> {
-    std::fs::create_dir_all(&args.store.state_dir)?;
+    std::fs::create_dir_all(&args.pm.store.state_dir)?;
     let seed = match start {
         Start::New {
             workspace: Some(w), ..
@@ -100,7 +100,7 @@ async fn drive_session(
     let json_out = global.output == Output::Json;
     let reporter = Reporter::new(json_out);
     let local;
-    let workers = match args.workers.config()? {
+    let workers = match args.pm.workers.config()? {
         Some(cfg) => bootstrap::workers(&cfg)?,
         None => {
             let cfg = args.local_worker(global, seed.clone())?;
@@ -112,11 +112,11 @@ async fn drive_session(
             })?;
             WorkerPool::single(
                 WorkerClient::new(&local.endpoint, &local.token),
-                &args.workers.sandbox_image,
+                &args.pm.workers.sandbox_image,
             )
         }
     };
-    let config = pm_config(global, &args.model, &args.workers, &args.store);
+    let config = args.pm.config(global);
     let pm = bootstrap::build_pm(&config, workers).await?;
     match start {
         Start::Resume { id, answer } => {

@@ -12,7 +12,7 @@ use cynode_pm::bootstrap;
 use cynode_pm::service::auth::Tokens;
 use cynode_pm::service::ServeConfig;
 
-use super::args::{pm_config, ModelArgs, StoreArgs, WorkerArgs};
+use super::args::PmArgs;
 use super::Global;
 
 /// Flags of `cynode-pm serve` (plus the model, worker and state flags of `run`).
@@ -55,11 +55,7 @@ pub struct ServeArgs {
     #[arg(long, env = "CYNODE_PM_TLS_CLIENT_CA_FILE", requires = "tls_cert_file")]
     pub tls_client_ca_file: Option<PathBuf>,
     #[command(flatten)]
-    pub model: ModelArgs,
-    #[command(flatten)]
-    pub workers: WorkerArgs,
-    #[command(flatten)]
-    pub store: StoreArgs,
+    pub pm: PmArgs,
 }
 
 impl ServeArgs {
@@ -79,11 +75,11 @@ impl ServeArgs {
 /// Runs the service until SIGTERM / SIGINT (see [`cynode_pm::service::serve`]).
 pub async fn serve(args: &ServeArgs, g: &Global) -> anyhow::Result<i32> {
     let tokens = Tokens::load(&args.api_tokens_file)?;
-    let workers = args.workers.config()?.context(
+    let workers = args.pm.workers.config()?.context(
         "serve needs --workers-file (CYNODE_WORKERS_FILE) or --worker-endpoint (CYNODE_WORKER_ENDPOINT)",
     )?;
     let workers = bootstrap::workers(&workers)?;
-    let config = pm_config(g, &args.model, &args.workers, &args.store);
+    let config = args.pm.config(g);
     let pm = bootstrap::build_pm(&config, workers).await?;
     let cfg = ServeConfig {
         listen: args.listen,

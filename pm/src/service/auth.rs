@@ -2,7 +2,9 @@
 //! (`TOKEN TENANT` per line, `#` comments), and every request carries one. Tokens are
 //! compared in constant time; a tenant sees only its own sessions and artifacts.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
+
+use crate::settings_file::FileError;
 use std::sync::Arc;
 
 use axum::extract::FromRequestParts;
@@ -32,16 +34,6 @@ impl std::fmt::Debug for Tokens {
 /// What is wrong with an API tokens file.
 #[derive(Debug, thiserror::Error)]
 pub enum TokensError {
-    #[error("cannot read the API tokens file {}: {cause}", path.display())]
-    Read {
-        path: PathBuf,
-        cause: std::io::Error,
-    },
-    #[error("in {}: {cause}", path.display())]
-    In {
-        path: PathBuf,
-        cause: Box<TokensError>,
-    },
     #[error("line {0}: expected `TOKEN TENANT`")]
     Line(usize),
     #[error("line {0}: the token is shorter than 16 characters")]
@@ -52,15 +44,8 @@ pub enum TokensError {
 
 impl Tokens {
     /// Reads `TOKEN TENANT` lines; a token shorter than 16 characters is refused.
-    pub fn load(path: &Path) -> Result<Tokens, TokensError> {
-        let text = std::fs::read_to_string(path).map_err(|cause| TokensError::Read {
-            path: path.to_path_buf(),
-            cause,
-        })?;
-        Self::parse(&text).map_err(|e| TokensError::In {
-            path: path.to_path_buf(),
-            cause: Box::new(e),
-        })
+    pub fn load(path: &Path) -> Result<Tokens, FileError<TokensError>> {
+        crate::settings_file::load("API tokens file", path, Self::parse)
     }
 
     pub fn parse(text: &str) -> Result<Tokens, TokensError> {
