@@ -24,4 +24,6 @@ pub mod upstream;
 pub use certs::{CertFiles, TestCa};
 pub use model::LocalModel;
 pub use postgres::postgres_url;
-pub use proc::{output_bounded, output_bounded_with_input, output_within, OwnedChild, TimedOut};
+pub use proc::{
+    output_bounded, output_bounded_with_input, output_within, setup_script, OwnedChild, TimedOut,
+};

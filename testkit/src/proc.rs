@@ -292,6 +292,30 @@ fn tail(bytes: &[u8], n: usize) -> String {
     String::from_utf8_lossy(&bytes[start..]).into_owned()
 }
 
+/// Runs one of the project's set-up scripts (`bash <args…>` from `root`, the smoke test
+/// skipped) within 240 s, fails the test with the script's stderr unless it succeeds, and
+/// returns the last line it printed (what the script produced: a path, an image name).
+/// The scripts are cached by `deploy/test-env.sh` before the tests run: seconds, not
+/// minutes.
+pub fn setup_script(root: &std::path::Path, args: &[&str]) -> String {
+    let mut cmd = Command::new("bash");
+    cmd.args(args)
+        .current_dir(root)
+        .env("CYNODE_SKIP_SMOKE", "1");
+    let out = output_bounded(cmd, Duration::from_secs(240));
+    assert!(
+        out.status.success(),
+        "setup script {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .lines()
+        .last()
+        .unwrap_or("")
+        .to_string()
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]

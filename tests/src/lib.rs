@@ -19,11 +19,8 @@ pub use serve::{serve_https_in_background, serve_in_background};
 pub use worker::{serve_worker, start_worker, Worker, TOKEN};
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::OnceLock;
-use std::time::Duration;
 
-use cynode_testkit::output_bounded;
 
 /// The workspace root (the directory holding ARCHITECTURE.md).
 pub fn workspace_root() -> PathBuf {
@@ -57,23 +54,7 @@ pub fn bin(name: &str) -> PathBuf {
 }
 
 fn script(args: &[&str]) -> String {
-    let mut cmd = Command::new("bash");
-    cmd.args(args)
-        .current_dir(workspace_root())
-        .env("CYNODE_SKIP_SMOKE", "1");
-    // Cached by deploy/test-env.sh before the tests run: seconds, not minutes.
-    let out = output_bounded(cmd, Duration::from_secs(240));
-    assert!(
-        out.status.success(),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .trim()
-        .lines()
-        .last()
-        .unwrap_or("")
-        .to_string()
+    cynode_testkit::setup_script(&workspace_root(), args)
 }
 
 /// The test image's root filesystem for bwrap. The host tools, the static runner, the

@@ -24,24 +24,7 @@ fn repo_root() -> PathBuf {
 }
 
 fn script(args: &[&str]) -> String {
-    let mut cmd = Command::new("bash");
-    cmd.args(args)
-        .current_dir(repo_root())
-        .env("CYNODE_SKIP_SMOKE", "1");
-    // Cached by deploy/test-env.sh before the tests run: seconds, not minutes.
-    let out = output_bounded(cmd, Duration::from_secs(240));
-    assert!(
-        out.status.success(),
-        "setup script {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout)
-        .expect("utf8")
-        .trim()
-        .lines()
-        .last()
-        .unwrap_or("")
-        .to_string()
+    cynode_testkit::setup_script(&repo_root(), args)
 }
 
 /// Installs podman/runc/bubblewrap, builds the static runner and the offline test image,
