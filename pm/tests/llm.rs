@@ -2,16 +2,9 @@
 //! 127.0.0.1, OpenAI's exact chat completion shape, every request recorded), and the
 //! response schema built from the real built-in skills.
 
-use std::collections::VecDeque;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::{Json, Router};
 use cynode_pm::llm::{
     compose_context, contract_feedback, describe_schema, response_schema, system_prompt,
     validate_reply, ChatMessage, ContractError, LlmClient, LlmError, ModelConfig, ReplyValidator,
@@ -20,88 +13,30 @@ use cynode_pm::llm::{
 use cynode_pm::skills::registry::CatalogEntry;
 use cynode_pm::skills::Registry;
 use cynode_protocol::llm::{JobRequestPayload, LlmOutput, LlmOutputType, PatchOp, PatchOperation};
+use cynode_testkit::scripted_model::{Recorded, Reply as Script, ScriptedModel};
 use serde_json::{json, Value};
 
 // ---------------------------------------------------------------------------------------
 // The scripted server
 // ---------------------------------------------------------------------------------------
 
-/// What the server answers to one chat completion request. The last entry of a script
-/// repeats forever.
-#[derive(Debug, Clone)]
-enum Script {
-    /// 200 with a chat completion whose content is this.
-    Reply(String),
-    /// 200 with this content and `finish_reason: length` (cut off at max_tokens).
-    Cut(String),
-    /// This status and body.
-    Status(u16, String),
-    /// Never answers.
-    Hang,
-}
-
-#[derive(Debug, Clone)]
-struct Recorded {
-    path: String,
-    authorization: Option<String>,
-    body: Value,
-}
-
-#[derive(Default)]
-struct ServerState {
-    script: Mutex<VecDeque<Script>>,
-    requests: Mutex<Vec<Recorded>>,
-}
-
-impl ServerState {
-    fn record(&self, path: &str, headers: &HeaderMap, body: Value) {
-        self.requests.lock().unwrap().push(Recorded {
-            path: path.to_string(),
-            authorization: headers
-                .get("authorization")
-                .map(|v| v.to_str().unwrap().to_string()),
-            body,
-        });
-    }
-
-    fn next(&self) -> Script {
-        let mut s = self.script.lock().unwrap();
-        if s.len() > 1 {
-            s.pop_front().unwrap()
-        } else {
-            s.front()
-                .cloned()
-                .unwrap_or(Script::Status(500, "empty script".into()))
-        }
-    }
-}
-
+/// The scripted server of these tests: testkit's, its script's last reply repeating.
 struct Server {
     base_url: String,
-    state: Arc<ServerState>,
+    model: ScriptedModel,
 }
 
 impl Server {
     async fn start(script: Vec<Script>) -> Server {
-        let state = Arc::new(ServerState {
-            script: Mutex::new(script.into()),
-            requests: Mutex::default(),
-        });
-        let app = Router::new()
-            .route("/v1/chat/completions", post(chat))
-            .route("/v1/models", get(models))
-            .with_state(state.clone());
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let model = ScriptedModel::repeating_last(script);
         Server {
-            base_url: format!("http://{addr}/v1"),
-            state,
+            base_url: model.serve(),
+            model,
         }
     }
 
     fn requests(&self) -> Vec<Recorded> {
-        self.state.requests.lock().unwrap().clone()
+        self.model.requests()
     }
 
     fn config(&self) -> ModelConfig {
@@ -116,68 +51,6 @@ impl Server {
             max_contract_retries: 3,
         }
     }
-}
-
-/// A chat completion exactly as OpenAI's API returns it.
-fn completion(content: &str) -> Value {
-    json!({
-        "id": "chatcmpl-B9MBs8CjcvOU2jLn4n570S5qMJKcT",
-        "object": "chat.completion",
-        "created": 1741569952,
-        "model": "test-model",
-        "choices": [{
-            "index": 0,
-            "message": {
-                "role": "assistant",
-                "content": content,
-                "refusal": null,
-                "annotations": []
-            },
-            "logprobs": null,
-            "finish_reason": "stop"
-        }],
-        "usage": {
-            "prompt_tokens": 19,
-            "completion_tokens": 10,
-            "total_tokens": 29,
-            "prompt_tokens_details": { "cached_tokens": 0, "audio_tokens": 0 },
-            "completion_tokens_details": {
-                "reasoning_tokens": 0, "audio_tokens": 0,
-                "accepted_prediction_tokens": 0, "rejected_prediction_tokens": 0
-            }
-        },
-        "service_tier": "default",
-        "system_fingerprint": "fp_44709d6fcb"
-    })
-}
-
-async fn chat(
-    State(s): State<Arc<ServerState>>,
-    headers: HeaderMap,
-    Json(body): Json<Value>,
-) -> Response {
-    s.record("/v1/chat/completions", &headers, body);
-    match s.next() {
-        Script::Reply(content) => Json(completion(&content)).into_response(),
-        Script::Cut(content) => {
-            let mut c = completion(&content);
-            c["choices"][0]["finish_reason"] = json!("length");
-            Json(c).into_response()
-        }
-        Script::Status(code, body) => (StatusCode::from_u16(code).unwrap(), body).into_response(),
-        Script::Hang => std::future::pending::<Response>().await,
-    }
-}
-
-async fn models(State(s): State<Arc<ServerState>>, headers: HeaderMap) -> Json<Value> {
-    s.record("/v1/models", &headers, Value::Null);
-    Json(json!({
-        "object": "list",
-        "data": [
-            { "id": "smollm2", "object": "model", "created": 1686935002, "owned_by": "llamacpp" },
-            { "id": "gpt-4o-mini", "object": "model", "created": 1686935002, "owned_by": "openai" }
-        ]
-    }))
 }
 
 // ---------------------------------------------------------------------------------------
@@ -240,7 +113,7 @@ fn validate(reply: Value) -> Result<LlmOutput, ContractError> {
 
 #[tokio::test]
 async fn valid_reply_is_parsed_and_the_request_carries_schema_and_model() {
-    let server = Server::start(vec![Script::Reply(job_request_text())]).await;
+    let server = Server::start(vec![Script::Content(job_request_text())]).await;
     let client = LlmClient::new(server.config());
     let cat = catalog();
     let schema = response_schema(&cat, &tasks());
@@ -297,8 +170,8 @@ async fn valid_reply_is_parsed_and_the_request_carries_schema_and_model() {
 #[tokio::test]
 async fn garbage_then_valid_is_retried_with_the_error_fed_back() {
     let server = Server::start(vec![
-        Script::Reply("Sure! Here is the plan: run the tests.".into()),
-        Script::Reply(job_request_text()),
+        Script::Content("Sure! Here is the plan: run the tests.".into()),
+        Script::Content(job_request_text()),
     ])
     .await;
     let client = LlmClient::new(server.config());
@@ -343,7 +216,7 @@ async fn garbage_then_valid_is_retried_with_the_error_fed_back() {
 
 #[tokio::test]
 async fn always_garbage_ends_in_model_contract_violation() {
-    let server = Server::start(vec![Script::Reply("{\"type\": \"dance\"}".into())]).await;
+    let server = Server::start(vec![Script::Content("{\"type\": \"dance\"}".into())]).await;
     let mut cfg = server.config();
     cfg.max_contract_retries = 2;
     let client = LlmClient::new(cfg);
@@ -387,7 +260,7 @@ async fn always_garbage_ends_in_model_contract_violation() {
 
 #[tokio::test]
 async fn the_callers_check_is_fed_back_like_a_contract_error() {
-    let server = Server::start(vec![Script::Reply(job_request_text())]).await;
+    let server = Server::start(vec![Script::Content(job_request_text())]).await;
     let client = LlmClient::new(server.config());
     let cat = catalog();
     let schema = response_schema(&cat, &tasks());
@@ -419,8 +292,8 @@ async fn the_callers_check_is_fed_back_like_a_contract_error() {
 #[tokio::test]
 async fn empty_content_is_asked_again() {
     let server = Server::start(vec![
-        Script::Reply("  ".into()),
-        Script::Reply(job_request_text()),
+        Script::Content("  ".into()),
+        Script::Content(job_request_text()),
     ])
     .await;
     let client = LlmClient::new(server.config());
@@ -441,7 +314,7 @@ async fn a_reply_cut_off_at_max_tokens_is_asked_again_shorter() {
     let full = job_request_text();
     let server = Server::start(vec![
         Script::Cut(full[..full.len() / 2].to_string()),
-        Script::Reply(full),
+        Script::Content(full),
     ])
     .await;
     let client = LlmClient::new(server.config());
@@ -482,7 +355,7 @@ async fn server_error_then_success_is_retried_as_transport() {
     let server = Server::start(vec![
         Script::Status(500, "{\"error\":{\"message\":\"loading model\"}}".into()),
         Script::Status(503, "busy".into()),
-        Script::Reply(job_request_text()),
+        Script::Content(job_request_text()),
     ])
     .await;
     let client = LlmClient::new(server.config());
@@ -603,7 +476,7 @@ async fn a_hanging_server_times_out_within_the_configured_timeout() {
 async fn api_key_is_sent_as_bearer_and_never_shown() {
     const KEY: &str = "sk-test-5f1c9a0b7d2e";
     let server = Server::start(vec![
-        Script::Reply(job_request_text()),
+        Script::Content(job_request_text()),
         // A server that echoes the key in its error must not leak it through us.
         Script::Status(
             401,

@@ -7,7 +7,8 @@
 //! and fails with its own message (what ran, how long, what it printed) instead of leaving
 //! the runner's time-out to end it.
 //!
-//! [`LocalModel`] is the local model server as a test-owned resource, and [`TestCa`]
+//! [`LocalModel`] is the local model server as a test-owned resource, [`scripted_model`]
+//! the one scripted OpenAI-compatible server of the tests, and [`TestCa`]
 //! makes the certificates of the TLS tests. [`postgres_url`] starts the test PostgreSQL.
 //! [`upstream`] mirrors upstream CyNodeAI's
 //! contract types with Go's JSON semantics, for the interoperability tests.
@@ -19,6 +20,7 @@ pub mod certs;
 pub mod model;
 pub mod postgres;
 pub mod proc;
+pub mod scripted_model;
 pub mod upstream;
 
 pub use certs::{CertFiles, TestCa};
@@ -27,3 +29,4 @@ pub use postgres::postgres_url;
 pub use proc::{
     output_bounded, output_bounded_with_input, output_within, setup_script, OwnedChild, TimedOut,
 };
+pub use scripted_model::{Reply, ScriptedModel};

@@ -21,7 +21,6 @@ pub use worker::{serve_worker, start_worker, Worker, TOKEN};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
-
 /// The workspace root (the directory holding ARCHITECTURE.md).
 pub fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

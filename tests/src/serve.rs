@@ -37,20 +37,4 @@ pub fn serve_https_in_background(
     addr
 }
 
-/// Serves `app` on 127.0.0.1 (any port) from a thread of its own, so sync tests can use
-/// it; returns its address.
-pub fn serve_in_background(app: Router) -> std::net::SocketAddr {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-            tx.send(l.local_addr().unwrap()).unwrap();
-            axum::serve(l, app).await.unwrap();
-        });
-    });
-    rx.recv().unwrap()
-}
+pub use cynode_testkit::scripted_model::serve_in_background;
