@@ -296,13 +296,9 @@ fn retries_are_bounded() {
         &agent_job(json!({ "task_context": "x" })),
         &[("OLLAMA_BASE_URL", &model.url)],
     );
-    assert_eq!(run.failure(), "execution_failure");
-    assert!(
-        run.message().starts_with(
-            "the model gave no valid action in 3 replies in a row; last problem: not a valid reply"
-        ),
-        "{}",
-        run.message()
+    run.assert_failure(
+        "execution_failure",
+        "the model gave no valid action in 3 replies in a row; last problem: not a valid reply",
     );
     assert_eq!(model.seen().len(), 3);
 }
@@ -388,12 +384,9 @@ fn the_output_cap_holds_for_a_command_the_model_runs() {
     let mut job = agent_job(json!({ "task_context": "x" }));
     job["constraints"]["max_output_bytes"] = 200.into();
     let run = run_with(&sb, &job, &[("OLLAMA_BASE_URL", &model.url)]);
-    assert_eq!(run.failure(), "constraint_violation");
-    assert!(
-        run.message()
-            .starts_with("step agent-1: output of `seq` exceeded max_output_bytes"),
-        "{}",
-        run.message()
+    run.assert_failure(
+        "constraint_violation",
+        "step agent-1: output of `seq` exceeded max_output_bytes",
     );
     let out = &run.step(0)["result"];
     assert_eq!(out["truncated"], true);
@@ -436,14 +429,9 @@ fn an_endpoint_that_is_down_fails_clearly() {
         &agent_job(json!({ "task_context": "x" })),
         &[("OLLAMA_BASE_URL", &format!("http://127.0.0.1:{port}"))],
     );
-    assert_eq!(run.failure(), "execution_failure");
-    assert!(
-        run.message().starts_with(&format!(
+    run.assert_failure("execution_failure", &format!(
             "inference endpoint http://127.0.0.1:{port} (from OLLAMA_BASE_URL) failed: GET /v1/models: cannot connect:"
-        )),
-        "{}",
-        run.message()
-    );
+        ));
     assert!(t.elapsed() < Duration::from_secs(5));
 }
 

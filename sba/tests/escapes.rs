@@ -281,12 +281,7 @@ fn read_file_through_final_symlink_made_by_a_step_is_refused() {
         step("s2", "read_file", json!({ "path": "leak" })),
     ]));
     let run = refused(&sb, &j, 1, ESCAPE);
-    assert!(
-        run.message()
-            .starts_with("step s2: path escapes workspace: leak"),
-        "{}",
-        run.message()
-    );
+    run.assert_message_starts_with("step s2: path escapes workspace: leak");
     assert!(
         lexists(&sb.ws().join("leak")),
         "the step did create the link"
@@ -420,11 +415,7 @@ fn symlink_swapped_in_between_steps_is_refused() {
         step("s3", "read_file", json!({ "path": "d/secret.txt" })),
     ]));
     let run = refused(&sb, &j, 2, ESCAPE);
-    assert!(
-        run.message().starts_with("step s3: path escapes workspace"),
-        "{}",
-        run.message()
-    );
+    run.assert_message_starts_with("step s3: path escapes workspace");
     assert!(std::fs::symlink_metadata(sb.ws().join("d"))
         .expect("lstat")
         .file_type()
@@ -860,12 +851,7 @@ fn artifact_copy_through_symlink_planted_in_artifacts_dir_is_refused() {
     assert_eq!(run.failure(), "policy_violation", "{:#}", run.raw);
     assert_eq!(run.raw["status"], "failure");
     assert_eq!(run.step(0)["status"], "success");
-    assert!(
-        run.message()
-            .starts_with("artifacts: path escapes workspace: reports"),
-        "{}",
-        run.message()
-    );
+    run.assert_message_starts_with("artifacts: path escapes workspace: reports");
     assert!(!lexists(&sb.outside().join("a.txt")));
 }
 

@@ -38,12 +38,7 @@ fn schema_validation_names_the_field() {
     j["job_id"] = json!("job-2");
     let run = sb.run(&j);
     assert_failure_shapes(&run, "schema_validation");
-    assert!(
-        run.message()
-            .starts_with("steps[0].arguments.shell: unknown field `shell`"),
-        "{}",
-        run.message()
-    );
+    run.assert_message_starts_with("steps[0].arguments.shell: unknown field `shell`");
 
     let run = sb.run(&job_with(
         json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "true" } }]),
@@ -60,11 +55,7 @@ fn schema_validation_when_job_file_is_missing() {
     let sb = Sandbox::new();
     let run = sb.finish(sb.command().output().unwrap());
     assert_failure_shapes(&run, "schema_validation");
-    assert!(
-        run.message().starts_with("cannot read job from"),
-        "{}",
-        run.message()
-    );
+    run.assert_message_starts_with("cannot read job from");
 }
 
 #[test]

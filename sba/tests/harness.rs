@@ -147,6 +147,27 @@ impl Run {
     pub fn message(&self) -> String {
         self.result.failure_message.clone().unwrap_or_default()
     }
+
+    /// Asserts the failure message starts with `prefix`.
+    pub fn assert_message_starts_with(&self, prefix: &str) {
+        let m = self.message();
+        assert!(
+            m.starts_with(prefix),
+            "message {m:?} does not start with {prefix:?}"
+        );
+    }
+
+    /// Asserts the failure message contains `needle`.
+    pub fn assert_message_contains(&self, needle: &str) {
+        let m = self.message();
+        assert!(m.contains(needle), "message {m:?} lacks {needle:?}");
+    }
+
+    /// Asserts the run failed with `code` and a message starting with `prefix`.
+    pub fn assert_failure(&self, code: &str, prefix: &str) {
+        assert_eq!(self.failure(), code, "{}", self.message());
+        self.assert_message_starts_with(prefix);
+    }
 }
 
 /// A job with the given steps and sensible constraints.

@@ -338,7 +338,7 @@ fn apply_unified_diff_refuses_binary_patches() {
     let diff = "diff --git a/img.png b/img.png\nindex 1..2 100644\nGIT binary patch\nliteral 5\nMcmZ?wbaG+V00\n\n";
     let run = sb.run(&one("apply_unified_diff", json!({ "diff": diff })));
     assert_eq!(run.failure(), "step_failed");
-    assert!(run.message().contains("binary"), "{}", run.message());
+    run.assert_message_contains("binary");
 }
 
 #[test]
@@ -421,12 +421,7 @@ fn search_files_finds_lines_and_honours_include() {
 fn search_files_invalid_pattern_fails() {
     let sb = Sandbox::new();
     let run = sb.run(&one("search_files", json!({ "pattern": "(unclosed" })));
-    assert_eq!(run.failure(), "step_failed");
-    assert!(
-        run.message().starts_with("step s1: invalid pattern"),
-        "{}",
-        run.message()
-    );
+    run.assert_failure("step_failed", "step s1: invalid pattern");
 }
 
 #[test]

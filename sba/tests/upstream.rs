@@ -194,18 +194,21 @@ fn sba_contract__sba_result_contract_has_required_shape_for_orchestrator_storage
     assert_eq!(run.step(0)["result"]["exit_code"], 3);
 }
 
-#[test]
-fn sba_contract__sba_job_spec_with_unknown_field_fails_validation() {
+/// Runs the echo job changed by `edit`; asserts it is refused as `schema_validation` with
+/// a message starting with `prefix`.
+fn refused_with(edit: impl FnOnce(&mut Value), prefix: &str) -> Sandbox {
     let sb = Sandbox::new();
     let mut job = upstream_job(echo_ok(), 1024);
-    job["steps"][0]["args"]["shell"] = true.into();
-    let run = sb.run(&job);
-    assert_eq!(run.failure(), "schema_validation");
-    assert!(
-        run.message()
-            .starts_with("steps[0].args.shell: unknown field `shell`"),
-        "{}",
-        run.message()
+    edit(&mut job);
+    sb.run(&job).assert_failure("schema_validation", prefix);
+    sb
+}
+
+#[test]
+fn sba_contract__sba_job_spec_with_unknown_field_fails_validation() {
+    let sb = refused_with(
+        |j| j["steps"][0]["args"]["shell"] = true.into(),
+        "steps[0].args.shell: unknown field `shell`",
     );
     // Even a refusal decodes upstream.
     assert_eq!(
@@ -216,26 +219,15 @@ fn sba_contract__sba_job_spec_with_unknown_field_fails_validation() {
 
 #[test]
 fn sba_contract__sba_job_spec_with_unknown_major_protocol_version_fails_validation() {
-    let sb = Sandbox::new();
-    let mut job = upstream_job(echo_ok(), 1024);
-    job["protocol_version"] = "99.0".into();
-    let run = sb.run(&job);
-    assert_eq!(run.failure(), "schema_validation");
-    assert!(
-        run.message().starts_with("protocol_version: "),
-        "{}",
-        run.message()
+    refused_with(
+        |j| j["protocol_version"] = "99.0".into(),
+        "protocol_version: ",
     );
 }
 
 #[test]
 fn sba_contract__sba_job_spec_with_missing_required_job_id_fails_validation() {
-    let sb = Sandbox::new();
-    let mut job = upstream_job(echo_ok(), 1024);
-    job["job_id"] = "".into();
-    let run = sb.run(&job);
-    assert_eq!(run.failure(), "schema_validation");
-    assert!(run.message().starts_with("job_id: "), "{}", run.message());
+    refused_with(|j| j["job_id"] = "".into(), "job_id: ");
 }
 
 #[test]
@@ -268,11 +260,7 @@ fn sba_tools__apply_unified_diff_tool_rejects_diff_that_escapes_workspace() {
         run.result.status,
         cynode_protocol::result::JobStatus::Failure
     );
-    assert!(
-        run.message().contains("path escapes workspace"),
-        "{}",
-        run.message()
-    );
+    run.assert_message_contains("path escapes workspace");
     assert_eq!(
         std::fs::read_to_string(sb.outside().join("secret.txt")).unwrap(),
         "top secret\n"

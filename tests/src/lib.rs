@@ -14,11 +14,14 @@ pub mod serve;
 pub mod worker;
 
 pub use model::{model_app, model_server, Model};
-pub use pm::{completed, final_state, happy_script, pm_with, session_id, write_then_search};
+pub use pm::{
+    completed, final_state, happy_script, history_count, one_job_script, pm_with, session_id,
+    write_then_search,
+};
 pub use serve::{serve_https_in_background, serve_in_background};
 pub use worker::{serve_worker, start_worker, Worker, TOKEN};
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
 /// The workspace root (the directory holding ARCHITECTURE.md).
@@ -67,4 +70,13 @@ pub fn rootfs() -> &'static PathBuf {
             "localhost/cynode-sba-test:latest",
         ]))
     })
+}
+
+/// Writes the test-only skill package `pkg` (its directory is the skill's id): its
+/// `skill.yaml`, its `job.json.j2` and one example's inputs.
+pub fn write_skill(pkg: &Path, manifest: &str, template: &str, example: &str) {
+    std::fs::create_dir_all(pkg.join("examples")).unwrap();
+    std::fs::write(pkg.join("skill.yaml"), manifest).unwrap();
+    std::fs::write(pkg.join("job.json.j2"), template).unwrap();
+    std::fs::write(pkg.join("examples/basic.json"), example).unwrap();
 }

@@ -104,3 +104,27 @@ pub fn write_then_search(content: &str, pattern: &str) -> Vec<Value> {
         json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote hello.txt and found it", "artifacts": [] } }),
     ]
 }
+
+/// Plans one task `t1` (`description`), runs `skill_id` with `inputs` for it, then
+/// finishes with `summary`.
+pub fn one_job_script(
+    description: &str,
+    skill_id: &str,
+    inputs: Value,
+    summary: &str,
+) -> Vec<Value> {
+    vec![
+        json!({ "type": "plan_update", "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": description, "status": "pending" } }
+        ], "payload": {} }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": skill_id, "inputs": inputs } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": summary } }),
+    ]
+}
+
+/// How many events of `kind` a session's final state has in its history.
+pub fn history_count(state: &Value, kind: &str) -> usize {
+    state["state"]["history"]
+        .as_array()
+        .map_or(0, |h| h.iter().filter(|e| e["kind"] == kind).count())
+}

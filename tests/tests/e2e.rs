@@ -20,6 +20,21 @@ fn pm(state: &Path, model: &str, args: &[&str], failpoint: Option<&str>) -> Outp
     pm_with(state, model, args, failpoint, &[])
 }
 
+/// The reply types a model request's response schema offers.
+fn offered_kinds(request: &Value) -> Vec<String> {
+    request["response_format"]["json_schema"]["schema"]["anyOf"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| {
+            v["properties"]["type"]["const"]
+                .as_str()
+                .unwrap()
+                .to_string()
+        })
+        .collect()
+}
+
 #[test]
 fn objective_completes_through_worker_and_sba() {
     let state = tempfile::tempdir().unwrap();
@@ -113,21 +128,8 @@ fn plan_only_replies_are_cut_short_by_the_progress_guard() {
     assert_eq!(v["status"], "completed", "{v}");
     let reqs = model.requests();
     assert_eq!(reqs.len(), 5);
-    let kinds = |r: &Value| -> Vec<String> {
-        r["response_format"]["json_schema"]["schema"]["anyOf"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| {
-                v["properties"]["type"]["const"]
-                    .as_str()
-                    .unwrap()
-                    .to_string()
-            })
-            .collect()
-    };
-    assert!(kinds(&reqs[2]).contains(&"plan_update".to_string()));
-    assert_eq!(kinds(&reqs[3]), ["job_request", "message", "final"]);
+    assert!(offered_kinds(&reqs[2]).contains(&"plan_update".to_string()));
+    assert_eq!(offered_kinds(&reqs[3]), ["job_request", "message", "final"]);
     assert!(reqs[3].to_string().contains("plan_update 3 times in a row"));
     // The rejected fourth plan_update was fed back, not acted on.
     assert!(
@@ -135,12 +137,7 @@ fn plan_only_replies_are_cut_short_by_the_progress_guard() {
         "{}",
         reqs[4]
     );
-    let replies = v["state"]["history"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["kind"] == "model_reply")
-        .count();
+    let replies = cynode_tests::history_count(&v, "model_reply");
     assert_eq!(replies, 4);
 }
 
@@ -186,23 +183,13 @@ fn autonomous_run_acts_first_never_asks_and_finishes_on_evidence() {
     assert_eq!(v["interactive"], false, "{v}");
     let reqs = model.requests();
     assert_eq!(reqs.len(), 7, "{reqs:?}");
-    let kinds = |r: &Value| -> Vec<String> {
-        r["response_format"]["json_schema"]["schema"]["anyOf"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| {
-                v["properties"]["type"]["const"]
-                    .as_str()
-                    .unwrap()
-                    .to_string()
-            })
-            .collect()
-    };
-    assert_eq!(kinds(&reqs[0]), ["job_request"]);
-    assert_eq!(kinds(&reqs[4]), ["plan_update", "final"]);
+    assert_eq!(offered_kinds(&reqs[0]), ["job_request"]);
+    assert_eq!(offered_kinds(&reqs[4]), ["plan_update", "final"]);
     for (i, r) in reqs.iter().enumerate() {
-        assert!(!kinds(r).contains(&"message".to_string()), "request {i}");
+        assert!(
+            !offered_kinds(r).contains(&"message".to_string()),
+            "request {i}"
+        );
     }
     let fed_back: Vec<String> = reqs[1..].iter().map(|r| r.to_string()).collect();
     for (i, told) in [
@@ -361,19 +348,12 @@ fn clarification_round_trip() {
 
 /// A test-only skill whose job leaves an artifact.
 fn report_skill(dir: &Path) -> PathBuf {
-    let pkg = dir.join("make-report");
-    std::fs::create_dir_all(pkg.join("examples")).unwrap();
-    std::fs::write(
-        pkg.join("skill.yaml"),
+    cynode_tests::write_skill(
+        &dir.join("make-report"),
         "skill_id: make-report\nversion: 1.0.0\ndescription: write report.txt and collect it\npurpose: base-tools\nallowed_commands: []\nlimits:\n  max_runtime_seconds: 60\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  required: [text]\n  properties:\n    text: { type: string, maxLength: 1000 }\n",
-    )
-    .unwrap();
-    std::fs::write(
-        pkg.join("job.json.j2"),
         r#"{ "artifacts": ["report.txt"], "steps": [ { "id": "w", "type": "write_file", "arguments": { "path": "report.txt", "content": {{ inputs.text }} } } ] }"#,
-    )
-    .unwrap();
-    std::fs::write(pkg.join("examples/basic.json"), r#"{ "text": "x" }"#).unwrap();
+        r#"{ "text": "x" }"#,
+    );
     dir.to_path_buf()
 }
 
@@ -594,12 +574,7 @@ fn real_llm_drives_the_loop() {
     let v = final_state(&out);
     let id = session_id(&out);
     let report = real_llm_report(&model, state.path(), Some(&id), &out.stderr);
-    let replies = v["state"]["history"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["kind"] == "model_reply")
-        .count();
+    let replies = cynode_tests::history_count(&v, "model_reply");
     assert!(
         replies >= 1,
         "no reply of the real model passed the contract: {report}; state {v}"

@@ -189,52 +189,37 @@ fn local_worker_of(pm: u32, within: Duration) -> u32 {
 /// A test-only skill `slow-mark`: appends a line to `runs.txt` in the workspace (one per
 /// run of the job), sleeps `seconds`, then writes `done.txt`.
 fn slow_skill(dir: &Path) {
-    let pkg = dir.join("slow-mark");
-    std::fs::create_dir_all(pkg.join("examples")).unwrap();
-    std::fs::write(
-        pkg.join("skill.yaml"),
+    cynode_tests::write_skill(
+        &dir.join("slow-mark"),
         "skill_id: slow-mark\nversion: 1.0.0\ndescription: mark a run, wait, mark done\npurpose: base-tools\nallowed_commands: [sh]\nlimits:\n  max_runtime_seconds: 120\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  required: [seconds]\n  properties:\n    seconds: { type: integer, minimum: 0, maximum: 60 }\n",
-    )
-    .unwrap();
-    std::fs::write(
-        pkg.join("job.json.j2"),
         r#"{ "constraints": { "max_runtime_seconds": 120, "max_output_bytes": 65536, "allowed_commands": ["sh"], "allowed_paths": ["/workspace"] },
   "steps": [ { "id": "mark", "type": "run_command", "arguments": { "command": "sh",
     "args": ["-c", "echo run >> runs.txt; sleep {{ inputs.seconds }}; echo done > done.txt"], "timeout_seconds": 110 } } ] }"#,
-    )
-    .unwrap();
-    std::fs::write(pkg.join("examples/basic.json"), r#"{ "seconds": 1 }"#).unwrap();
+        r#"{ "seconds": 1 }"#,
+    );
 }
 
 /// A test-only skill `odd-names`: writes each of `names` under `out/` and collects them.
 fn odd_names_skill(dir: &Path) {
-    let pkg = dir.join("odd-names");
-    std::fs::create_dir_all(pkg.join("examples")).unwrap();
-    std::fs::write(
-        pkg.join("skill.yaml"),
+    cynode_tests::write_skill(
+        &dir.join("odd-names"),
         "skill_id: odd-names\nversion: 1.0.0\ndescription: write files with odd names\npurpose: base-tools\nallowed_commands: []\nlimits:\n  max_runtime_seconds: 60\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  required: [names]\n  properties:\n    names: { type: array, items: { type: string, maxLength: 200 } }\n",
-    )
-    .unwrap();
-    std::fs::write(
-        pkg.join("job.json.j2"),
         r#"{ "artifacts": ["out/**"], "steps": [
   {%- for n in inputs.names %}{% if not loop.first %},{% endif %}
   { "id": {{ "w" ~ loop.index }}, "type": "write_file", "arguments": { "path": {{ "out/" ~ n }}, "content": {{ "bytes of " ~ n }} } }
   {%- endfor %} ] }"#,
-    )
-    .unwrap();
-    std::fs::write(pkg.join("examples/basic.json"), r#"{ "names": ["a"] }"#).unwrap();
+        r#"{ "names": ["a"] }"#,
+    );
 }
 
 /// Plans t1, runs `slow-mark` for it, then finishes.
 fn slow_script(seconds: u64) -> Vec<Value> {
-    vec![
-        json!({ "type": "plan_update", "state_patch": [
-            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "slow", "status": "pending" } }
-        ], "payload": {} }),
-        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "slow-mark", "inputs": { "seconds": seconds } } }),
-        json!({ "type": "final", "state_patch": [], "payload": { "summary": "slow job over" } }),
-    ]
+    cynode_tests::one_job_script(
+        "slow",
+        "slow-mark",
+        json!({ "seconds": seconds }),
+        "slow job over",
+    )
 }
 
 fn history_kinds(v: &Value) -> Vec<String> {

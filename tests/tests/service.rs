@@ -415,30 +415,17 @@ async fn api_on_postgres() {
 /// A skill whose job runs `sleep SECONDS` (to have a job to cancel or to outlive a
 /// replica).
 fn sleep_skill(dir: &Path) -> PathBuf {
-    let pkg = dir.join("skills/nap");
-    std::fs::create_dir_all(pkg.join("examples")).unwrap();
-    std::fs::write(
-        pkg.join("skill.yaml"),
+    cynode_tests::write_skill(
+        &dir.join("skills/nap"),
         "skill_id: nap\nversion: 1.0.0\ndescription: sleep a while\npurpose: base-tools\nallowed_commands: [sleep]\nlimits:\n  max_runtime_seconds: 120\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  required: [seconds]\n  properties:\n    seconds: { type: integer, minimum: 1, maximum: 60 }\n",
-    )
-    .unwrap();
-    std::fs::write(
-        pkg.join("job.json.j2"),
         r#"{ "steps": [ { "id": "nap", "type": "run_command", "arguments": { "command": "sleep", "args": ["{{ inputs.seconds }}"] } } ] }"#,
-    )
-    .unwrap();
-    std::fs::write(pkg.join("examples/basic.json"), r#"{ "seconds": 1 }"#).unwrap();
+        r#"{ "seconds": 1 }"#,
+    );
     dir.join("skills")
 }
 
 fn nap_script(seconds: u32) -> Vec<Value> {
-    vec![
-        json!({ "type": "plan_update", "state_patch": [
-            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "nap", "status": "pending" } }
-        ], "payload": {} }),
-        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "nap", "inputs": { "seconds": seconds } } }),
-        json!({ "type": "final", "state_patch": [], "payload": { "summary": "napped" } }),
-    ]
+    cynode_tests::one_job_script("nap", "nap", json!({ "seconds": seconds }), "napped")
 }
 
 async fn create(base: &str, objective: &str) -> String {

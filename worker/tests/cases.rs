@@ -110,12 +110,7 @@ pub async fn readyz_names_the_backend(backend: &'static str) {
 pub async fn echo_hello(backend: &'static str) {
     let sv = Server::start(backend, "");
     let id = unique("j");
-    let (code, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&id, "t", &["echo", "hello"]),
-        )
-        .await;
+    let (code, v) = sv.run_job(&id, "t", &["echo", "hello"]).await;
     assert_eq!(code, 200, "{v}");
     assert_eq!(
         (
@@ -375,12 +370,7 @@ pub async fn fork_bomb_is_contained(backend: &'static str) {
     );
     assert_no_leaks(&sv, &id, None);
     // The node is still healthy and runs the next job.
-    let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&unique("j"), "t", &["echo", "alive"]),
-        )
-        .await;
+    let (_, v) = sv.run_job(&unique("j"), "t", &["echo", "alive"]).await;
     assert_eq!(v["stdout"], "alive\n", "{v}");
 }
 
@@ -435,25 +425,14 @@ pub async fn workspace_persists_across_a_tasks_jobs(backend: &'static str) {
     let sv = Server::start(backend, "");
     let task = unique("t");
     let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&unique("j"), &task, &["sh", "-c", "echo first > notes.txt"]),
-        )
+        .run_job(&unique("j"), &task, &["sh", "-c", "echo first > notes.txt"])
         .await;
     assert_eq!(v["status"], "completed", "{v}");
-    let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&unique("j"), &task, &["cat", "notes.txt"]),
-        )
-        .await;
+    let (_, v) = sv.run_job(&unique("j"), &task, &["cat", "notes.txt"]).await;
     assert_eq!(v["stdout"], "first\n");
     // Another task does not see it.
     let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&unique("j"), &unique("t"), &["cat", "notes.txt"]),
-        )
+        .run_job(&unique("j"), &unique("t"), &["cat", "notes.txt"])
         .await;
     assert_eq!(v["status"], "failed");
 }

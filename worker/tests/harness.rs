@@ -159,6 +159,19 @@ impl Server {
         answer(r).await
     }
 
+    /// `POST /v1/worker/jobs:run` of [`command_job`]`(id, task, argv)`: runs it to the end.
+    pub async fn run_job(&self, id: &str, task: &str, argv: &[&str]) -> (u16, Value) {
+        self.post("/v1/worker/jobs:run", &command_job(id, task, argv))
+            .await
+    }
+
+    /// `POST /v1/worker/workspaces`: creates workspace `ws` seeded from `seed_from` (a
+    /// path, or any JSON value a test sends there).
+    pub async fn seed_workspace(&self, ws: &str, seed_from: impl serde::Serialize) -> (u16, Value) {
+        let body = serde_json::json!({ "version": 1, "workspace_id": ws, "seed_from": seed_from });
+        self.post("/v1/worker/workspaces", &body).await
+    }
+
     /// `PUT /v1/worker/workspaces/{ws}/tar` with `body`.
     pub async fn put_tar(&self, ws: &str, body: Vec<u8>) -> (u16, Value) {
         let r = self
@@ -487,4 +500,9 @@ pub fn mounts_with(needle: &str) -> Vec<String> {
 pub fn sha256_hex(bytes: &[u8]) -> String {
     use sha2::Digest;
     hex::encode(sha2::Sha256::digest(bytes))
+}
+
+/// A worker config whose only seed root is `root`.
+pub fn seed_config(root: &std::path::Path) -> String {
+    format!("seed_roots:\n  - {}\n", root.display())
 }

@@ -210,12 +210,7 @@ async fn fifo_result_does_not_hang_the_node(backend: &'static str) {
         assert!(reason(&v["result"]).contains("fifo"), "{v}");
     }
     // And it still takes work.
-    let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&unique("j"), "t", &["true"]),
-        )
-        .await;
+    let (_, v) = sv.run_job(&unique("j"), "t", &["true"]).await;
     assert_eq!(v["status"], "completed", "{v}");
 }
 
@@ -225,11 +220,7 @@ async fn huge_sparse_result_is_read_bounded(backend: &'static str) {
     let sv = Server::start(backend, "");
     let pid = worker_pid(&sv);
     // Warm up (first job's allocations) before the baseline.
-    sv.post(
-        "/v1/worker/jobs:run",
-        &command_job(&unique("j"), "t", &["true"]),
-    )
-    .await;
+    sv.run_job(&unique("j"), "t", &["true"]).await;
     let before = status_bytes(pid, "VmHWM");
     let id = unique("j");
     let body = sh_step_job(
@@ -279,12 +270,7 @@ async fn artifact_caps_each_fail_the_job(backend: &'static str) {
     for (script, key) in cases {
         let id = unique("j");
         let t = Instant::now();
-        let (_, v) = sv
-            .post(
-                "/v1/worker/jobs:run",
-                &command_job(&id, &unique("t"), &["sh", "-c", script]),
-            )
-            .await;
+        let (_, v) = sv.run_job(&id, &unique("t"), &["sh", "-c", script]).await;
         assert_eq!(v["status"], "failed", "{script}: {v}");
         assert!(
             reason(&v).starts_with("resource_limit_exceeded: artifacts:")
@@ -299,13 +285,10 @@ async fn artifact_caps_each_fail_the_job(backend: &'static str) {
     }
     // Below every cap, artifacts are hashed as before.
     let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(
-                &unique("j"),
-                &unique("t"),
-                &["sh", "-c", "echo hi > $CYNODE_ARTIFACTS_DIR/ok"],
-            ),
+        .run_job(
+            &unique("j"),
+            &unique("t"),
+            &["sh", "-c", "echo hi > $CYNODE_ARTIFACTS_DIR/ok"],
         )
         .await;
     assert_eq!(v["status"], "completed", "{v}");
@@ -322,17 +305,14 @@ async fn artifact_hashing_is_bounded_in_time(backend: &'static str) {
     let id = unique("j");
     let t = Instant::now();
     let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(
-                &id,
-                &unique("t"),
-                &[
-                    "sh",
-                    "-c",
-                    "truncate -s 68719476736 $CYNODE_ARTIFACTS_DIR/huge.bin",
-                ],
-            ),
+        .run_job(
+            &id,
+            &unique("t"),
+            &[
+                "sh",
+                "-c",
+                "truncate -s 68719476736 $CYNODE_ARTIFACTS_DIR/huge.bin",
+            ],
         )
         .await;
     let took = t.elapsed();
@@ -353,17 +333,14 @@ async fn disk_limit_stops_a_job_filling_its_workspace(backend: &'static str) {
     let task = unique("t");
     let free_before = free_bytes(&sv.state_dir());
     let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(
-                &unique("j"),
-                &task,
-                &[
-                    "sh",
-                    "-c",
-                    "dd if=/dev/zero of=/workspace/fill bs=1048576 count=2048 && echo wrote-all",
-                ],
-            ),
+        .run_job(
+            &unique("j"),
+            &task,
+            &[
+                "sh",
+                "-c",
+                "dd if=/dev/zero of=/workspace/fill bs=1048576 count=2048 && echo wrote-all",
+            ],
         )
         .await;
     let free_after = free_bytes(&sv.state_dir());
@@ -388,20 +365,13 @@ async fn disk_limit_stops_a_job_filling_its_workspace(backend: &'static str) {
         "host free space dropped by 1 GiB or more"
     );
 
-    let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(
-                &unique("j"),
+    let (_, v) = sv.run_job(&unique("j"),
                 &unique("t"),
                 &[
                     "sh",
                     "-c",
                     "mkdir /workspace/m && cd /workspace/m && for i in $(seq 1 5000); do : > f$i; done; echo made-all",
-                ],
-            ),
-        )
-        .await;
+                ]).await;
     assert_eq!(v["status"], "failed", "{v}");
     assert!(
         reason(&v).starts_with("resource_limit_exceeded")
@@ -496,12 +466,7 @@ async fn swapped_artifacts_dir_and_artifact_links_are_never_followed(backend: &'
 
     let id = unique("j");
     let script = format!("rm -rf /job/artifacts && ln -s {dir} /job/artifacts");
-    let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&id, &unique("t"), &["sh", "-c", &script]),
-        )
-        .await;
+    let (_, v) = sv.run_job(&id, &unique("t"), &["sh", "-c", &script]).await;
     assert_eq!(v["status"], "failed", "{v}");
     assert!(reason(&v).contains("symbolic link"), "{v}");
     assert!(!v.to_string().contains(&secret_sha), "{v}");
@@ -519,12 +484,7 @@ async fn swapped_artifacts_dir_and_artifact_links_are_never_followed(backend: &'
     let script = format!(
         "ln -s {dir}/secret.txt $CYNODE_ARTIFACTS_DIR/leak && ln -s {dir} $CYNODE_ARTIFACTS_DIR/d && echo ok > $CYNODE_ARTIFACTS_DIR/ok"
     );
-    let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&id, &unique("t"), &["sh", "-c", &script]),
-        )
-        .await;
+    let (_, v) = sv.run_job(&id, &unique("t"), &["sh", "-c", &script]).await;
     assert_eq!(v["status"], "completed", "{v}");
     let listed: Vec<&str> = v["artifacts"]
         .as_array()

@@ -98,12 +98,7 @@ pub async fn escape_image_flags_are_refused(backend: &'static str) {
     assert!(!Path::new(&marker).exists(), "the job wrote on the host");
     assert!(!Path::new(&format!("{marker}.shadow")).exists());
     // The real image still runs.
-    let (code, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&unique("j"), "t", &["echo", "ok"]),
-        )
-        .await;
+    let (code, v) = sv.run_job(&unique("j"), "t", &["echo", "ok"]).await;
     assert_eq!((code, v["stdout"].clone()), (200, json!("ok\n")), "{v}");
 }
 
@@ -138,12 +133,7 @@ fn assert_no_secret(what: &str, out: &str) {
 pub async fn escape_no_node_secret_in_any_environ(backend: &'static str) {
     let node = secret_node(backend);
     let id = unique("j");
-    let (code, v) = node
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&id, "t", &["sh", "-c", READ_ENVIRONS]),
-        )
-        .await;
+    let (code, v) = node.run_job(&id, "t", &["sh", "-c", READ_ENVIRONS]).await;
     assert_eq!(code, 200, "{v}");
     assert_eq!(v["exit_code"], 0, "{v}");
     assert_no_secret("job", v["stdout"].as_str().unwrap());
@@ -294,12 +284,7 @@ pub async fn escape_nested_namespaces_and_mounts_are_denied(backend: &'static st
         // An ordinary personality change still works.
         assert!(out.contains("linux32=0"), "{what}: {out}");
     };
-    let (code, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&unique("j"), "t", &["sh", "-c", script]),
-        )
-        .await;
+    let (code, v) = sv.run_job(&unique("j"), "t", &["sh", "-c", script]).await;
     assert_eq!(code, 200, "{v}");
     expect(
         "job",

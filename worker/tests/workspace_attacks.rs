@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::harness::{command_job, env, unique, Server, TOKEN};
+use crate::harness::{command_job, env, seed_config, unique, Server, TOKEN};
 use crate::workspaces::git;
 
 const BACKENDS: [&str; 2] = ["bwrap", "podman"];
@@ -107,17 +107,9 @@ async fn changeset_ignores_diff_external_of_a_seeded_repo() {
     cfg.push_str(&format!("[diff]\n\texternal = \"id > {}\"\n", m.display()));
     std::fs::write(r.join(".git/config"), cfg).unwrap();
     for backend in BACKENDS {
-        let sv = Server::start(
-            backend,
-            &format!("seed_roots:\n  - {}\n", seeds.path().display()),
-        );
+        let sv = Server::start(backend, &seed_config(seeds.path()));
         let ws = unique("ws");
-        let (code, info) = sv
-            .post(
-                "/v1/worker/workspaces",
-                &json!({ "version": 1, "workspace_id": ws, "seed_from": r }),
-            )
-            .await;
+        let (code, info) = sv.seed_workspace(&ws, &r).await;
         assert_eq!(code, 201, "{info}");
         run_in(&sv, &ws, "echo two > a.txt").await;
         let (code, diff) = changeset(&sv, &ws).await;
@@ -164,17 +156,9 @@ async fn changeset_without_git_is_against_the_baseline() {
     std::fs::write(src.join("keep.txt"), "k\n").unwrap();
     std::fs::write(src.join("sub/edit.txt"), "old\n").unwrap();
     std::fs::write(src.join("gone.txt"), "g\n").unwrap();
-    let sv = Server::start(
-        "bwrap",
-        &format!("seed_roots:\n  - {}\n", seeds.path().display()),
-    );
+    let sv = Server::start("bwrap", &seed_config(seeds.path()));
     let ws = unique("ws");
-    let (code, info) = sv
-        .post(
-            "/v1/worker/workspaces",
-            &json!({ "version": 1, "workspace_id": ws, "seed_from": src }),
-        )
-        .await;
+    let (code, info) = sv.seed_workspace(&ws, &src).await;
     assert_eq!(code, 201, "{info}");
     run_in(
         &sv,

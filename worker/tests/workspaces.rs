@@ -6,7 +6,7 @@ use std::process::Command;
 
 use serde_json::json;
 
-use crate::harness::{command_job, env, sba_job, unique, Server, TOKEN};
+use crate::harness::{command_job, env, sba_job, seed_config, unique, Server, TOKEN};
 
 /// Runs git on the host (test set-up only) and requires success.
 pub(crate) fn git(dir: &Path, args: &[&str]) {
@@ -48,10 +48,6 @@ fn source_repo(root: &Path) -> std::path::PathBuf {
     src
 }
 
-fn seed_config(root: &Path) -> String {
-    format!("seed_roots:\n  - {}\n", root.display())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn seed_from_host_dir_skips_secrets_and_changeset_applies() {
     env();
@@ -60,12 +56,7 @@ async fn seed_from_host_dir_skips_secrets_and_changeset_applies() {
     for backend in ["bwrap", "podman"] {
         let sv = Server::start(backend, &seed_config(seeds.path()));
         let ws = unique("ws");
-        let (code, info) = sv
-            .post(
-                "/v1/worker/workspaces",
-                &json!({ "version": 1, "workspace_id": ws, "seed_from": src }),
-            )
-            .await;
+        let (code, info) = sv.seed_workspace(&ws, &src).await;
         assert_eq!(code, 201, "{info}");
         assert_eq!(
             info["skipped"],
@@ -118,12 +109,7 @@ async fn seed_from_host_dir_skips_secrets_and_changeset_applies() {
             "new\n"
         );
         // Seeding again is a no-op on an existing workspace.
-        let (code, _) = sv
-            .post(
-                "/v1/worker/workspaces",
-                &json!({ "version": 1, "workspace_id": ws, "seed_from": src }),
-            )
-            .await;
+        let (code, _) = sv.seed_workspace(&ws, &src).await;
         assert_eq!(code, 200);
     }
 }
@@ -133,12 +119,7 @@ async fn seed_outside_the_roots_is_refused() {
     env();
     let seeds = tempfile::tempdir().unwrap();
     let sv = Server::start("bwrap", &seed_config(seeds.path()));
-    let (code, v) = sv
-        .post(
-            "/v1/worker/workspaces",
-            &json!({ "version": 1, "workspace_id": unique("ws"), "seed_from": "/etc" }),
-        )
-        .await;
+    let (code, v) = sv.seed_workspace(&unique("ws"), "/etc").await;
     assert_eq!(code, 400);
     assert_eq!(
         v["detail"],
@@ -253,10 +234,7 @@ async fn replay_reports_match_and_mismatch() {
     assert_eq!(v["status"], "completed", "{v}");
     let differs = unique("j");
     let (_, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &command_job(&differs, "t", &["cat", "/proc/sys/kernel/random/uuid"]),
-        )
+        .run_job(&differs, "t", &["cat", "/proc/sys/kernel/random/uuid"])
         .await;
     assert_eq!(v["status"], "completed");
     let config = sv.dir.path().join("worker.yaml");
