@@ -15,8 +15,8 @@ pub mod worker;
 
 pub use model::{model_app, model_server, Model};
 pub use pm::{
-    completed, final_state, happy_script, history_count, one_job_script, pm_with, session_id,
-    write_then_search,
+    completed, final_state, happy_script, history_count, history_kinds, one_job_script,
+    plan_statuses, pm_with, session_id, write_then_search,
 };
 pub use serve::{serve_https_in_background, serve_in_background};
 pub use worker::{serve_worker, start_worker, Worker, TOKEN};

@@ -128,3 +128,24 @@ pub fn history_count(state: &Value, kind: &str) -> usize {
         .as_array()
         .map_or(0, |h| h.iter().filter(|e| e["kind"] == kind).count())
 }
+
+/// The plan of a session's final state, as (task_id, status) pairs in order.
+pub fn plan_statuses(state: &Value) -> Vec<(String, String)> {
+    let text = |v: &Value| v.as_str().unwrap_or_default().to_string();
+    state["state"]["plan"]
+        .as_array()
+        .map(|plan| {
+            plan.iter()
+                .map(|p| (text(&p["task_id"]), text(&p["status"])))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The kinds of a session's history events, in order.
+pub fn history_kinds(state: &Value) -> Vec<&str> {
+    state["state"]["history"]
+        .as_array()
+        .map(|h| h.iter().filter_map(|e| e["kind"].as_str()).collect())
+        .unwrap_or_default()
+}

@@ -44,17 +44,7 @@ fn objective_completes_through_worker_and_sba() {
     assert_eq!(out.status.code(), Some(0), "{v}");
     assert_eq!(v["status"], "completed");
     assert_eq!(v["deliverable"]["summary"], "wrote hello.txt and found it");
-    let plan: Vec<(String, String)> = v["state"]["plan"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            (
-                p["task_id"].as_str().unwrap().to_string(),
-                p["status"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
+    let plan = cynode_tests::plan_statuses(&v);
     assert_eq!(
         plan,
         [
@@ -245,12 +235,7 @@ fn crash_then_resume(failpoint: &str) {
     assert_eq!(model.requests().len(), 4, "{failpoint}");
     // No duplicate job: write-files refuses to overwrite, so a second run would have failed.
     assert_eq!(v["jobs_dispatched"], 2);
-    let events: Vec<&str> = v["state"]["history"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["kind"].as_str().unwrap())
-        .collect();
+    let events = cynode_tests::history_kinds(&v);
     assert_eq!(
         events.iter().filter(|k| **k == "job_dispatched").count(),
         2,
@@ -427,12 +412,7 @@ fn tampered_artifact_is_rejected_with_artifact_integrity_failure() {
         &[("CYNODE_WORKER_TOKEN", TOKEN)],
     );
     let v = final_state(&out);
-    let events: Vec<&str> = v["state"]["history"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|e| e["kind"].as_str().unwrap())
-        .collect();
+    let events = cynode_tests::history_kinds(&v);
     assert!(events.contains(&"artifact_integrity_failure"), "{events:?}");
     assert_eq!(v["state"]["plan"][0]["status"], "failed", "{v}");
     assert_eq!(

@@ -103,15 +103,16 @@ fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-fn one_job_script() -> Vec<Value> {
-    vec![
-        json!({ "type": "plan_update", "state_patch": [
-            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write the greeting", "status": "pending" } }
-        ], "payload": {} }),
-        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
-            "inputs": { "files": [{ "path": "hello.txt", "content": "hello\n" }] } } }),
-        json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote hello.txt" } }),
-    ]
+/// `cynode-pm run "greet the world"` with `env` set, its model scripted to write
+/// hello.txt in one job.
+fn greet(state: &std::path::Path, env: (&str, &str)) -> std::process::Output {
+    let (url, _model) = model_server(cynode_tests::one_job_script(
+        "write the greeting",
+        "write-files",
+        json!({ "files": [{ "path": "hello.txt", "content": "hello\n" }] }),
+        "wrote hello.txt",
+    ));
+    pm_with(state, &url, &["run", "greet the world"], None, &[env])
 }
 
 /// The job id the session dispatched (from its `job_dispatched` event).
@@ -147,15 +148,8 @@ fn span_field(line: &Value, key: &str) -> Option<String> {
 #[test]
 fn otlp_traces_arrive_and_the_worker_logs_the_same_trace_id() {
     let (collector, bodies) = otlp_receiver();
-    let (url, _model) = model_server(one_job_script());
     let state = tempfile::tempdir().unwrap();
-    let out = pm_with(
-        state.path(),
-        &url,
-        &["run", "greet the world"],
-        None,
-        &[("CYNODE_OTLP_ENDPOINT", collector.as_str())],
-    );
+    let out = greet(state.path(), ("CYNODE_OTLP_ENDPOINT", collector.as_str()));
     let v = final_state(&out);
     assert_eq!(out.status.code(), Some(0), "{v}");
     let sid = session_id(&out);
@@ -275,15 +269,8 @@ fn otlp_traces_arrive_and_the_worker_logs_the_same_trace_id() {
 
 #[test]
 fn log_lines_in_a_session_carry_its_ids_and_no_traceparent_without_an_endpoint() {
-    let (url, _model) = model_server(one_job_script());
     let state = tempfile::tempdir().unwrap();
-    let out = pm_with(
-        state.path(),
-        &url,
-        &["run", "greet the world"],
-        None,
-        &[("CYNODE_LOG_LEVEL", "info,cynode_pm=debug")],
-    );
+    let out = greet(state.path(), ("CYNODE_LOG_LEVEL", "info,cynode_pm=debug"));
     let v = final_state(&out);
     assert_eq!(out.status.code(), Some(0), "{v}");
     let sid = session_id(&out);

@@ -5,43 +5,13 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use axum::routing::post;
 use axum::Router;
 use serde_json::{json, Value};
 
-use cynode_tests::{model_server, serve_in_background, start_worker, workspace_root};
-
-/// The bwrap root filesystem of the test image (built by the e2e harness on first use).
-fn rootfs() -> &'static PathBuf {
-    static ROOTFS: OnceLock<PathBuf> = OnceLock::new();
-    ROOTFS.get_or_init(|| {
-        // Installs the dependencies, builds the image and the worker binary.
-        drop(start_worker(0));
-        let out = Command::new("bash")
-            .args([
-                "deploy/sba/export-rootfs.sh",
-                "localhost/cynode-sba-test:latest",
-            ])
-            .current_dir(workspace_root())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        PathBuf::from(
-            String::from_utf8_lossy(&out.stdout)
-                .trim()
-                .lines()
-                .last()
-                .unwrap(),
-        )
-    })
-}
+use cynode_tests::{model_server, rootfs, serve_in_background, start_worker, workspace_root};
 
 /// One `cynode-pm` process; killed (SIGKILL) and reaped on drop.
 struct Pm {

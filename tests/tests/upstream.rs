@@ -291,17 +291,7 @@ fn pm_completes_a_session_on_a_worker_that_speaks_only_the_upstream_api() {
     let v = completed(&out);
     assert_eq!(v["deliverable"]["summary"], "done on upstream");
     assert_eq!(v["jobs_dispatched"], 3, "{v}");
-    let plan: Vec<(String, String)> = v["state"]["plan"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            (
-                p["task_id"].as_str().unwrap().into(),
-                p["status"].as_str().unwrap().into(),
-            )
-        })
-        .collect();
+    let plan = cynode_tests::plan_statuses(&v);
     assert_eq!(
         plan,
         [
