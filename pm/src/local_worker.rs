@@ -306,5 +306,5 @@ fn watch_log(
 }
 
 /// Log message of a worker waiting for its state-directory lock
-/// (`cynode_worker::cli::LOCK_WAIT_MESSAGE`; the PM does not link the worker).
+/// (`LOCK_WAIT_MESSAGE` in cynode-worker's `src/cli.rs`; the PM does not link the worker).
 const LOCK_WAIT_MESSAGE: &str = "waiting for the state directory lock";

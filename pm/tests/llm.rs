@@ -20,6 +20,15 @@ use serde_json::{json, Value};
 // The scripted server
 // ---------------------------------------------------------------------------------------
 
+/// Asks the model of `cfg` for one reply to the fixed context, with the fixtures'
+/// catalog and plan.
+async fn ask(cfg: ModelConfig) -> Result<(LlmOutput, String, u32), LlmError> {
+    let cat = catalog();
+    LlmClient::new(cfg)
+        .next_reply(&context(), &response_schema(&cat, &tasks()), &tasks(), &cat)
+        .await
+}
+
 /// The scripted server of these tests: testkit's, its script's last reply repeating.
 struct Server {
     base_url: String,
@@ -219,14 +228,7 @@ async fn always_garbage_ends_in_model_contract_violation() {
     let server = Server::start(vec![Script::Content("{\"type\": \"dance\"}".into())]).await;
     let mut cfg = server.config();
     cfg.max_contract_retries = 2;
-    let client = LlmClient::new(cfg);
-    let cat = catalog();
-    let schema = response_schema(&cat, &tasks());
-
-    let err = client
-        .next_reply(&context(), &schema, &tasks(), &cat)
-        .await
-        .unwrap_err();
+    let err = ask(cfg).await.unwrap_err();
     match &err {
         LlmError::ModelContractViolation {
             attempts,
@@ -296,13 +298,7 @@ async fn empty_content_is_asked_again() {
         Script::Content(job_request_text()),
     ])
     .await;
-    let client = LlmClient::new(server.config());
-    let cat = catalog();
-    let schema = response_schema(&cat, &tasks());
-    let (_, _, attempts) = client
-        .next_reply(&context(), &schema, &tasks(), &cat)
-        .await
-        .unwrap();
+    let (_, _, attempts) = ask(server.config()).await.unwrap();
     assert_eq!(attempts, 2);
     // No fabricated assistant message: the same conversation is sent again.
     let reqs = server.requests();
@@ -317,13 +313,7 @@ async fn a_reply_cut_off_at_max_tokens_is_asked_again_shorter() {
         Script::Content(full),
     ])
     .await;
-    let client = LlmClient::new(server.config());
-    let cat = catalog();
-    let schema = response_schema(&cat, &tasks());
-    let (reply, _, attempts) = client
-        .next_reply(&context(), &schema, &tasks(), &cat)
-        .await
-        .unwrap();
+    let (reply, _, attempts) = ask(server.config()).await.unwrap();
     assert_eq!(reply, job_request_output());
     assert_eq!(attempts, 2);
     let reqs = server.requests();
@@ -341,12 +331,7 @@ async fn a_reply_cut_off_at_max_tokens_is_asked_again_shorter() {
 #[tokio::test]
 async fn a_complete_reply_that_hit_max_tokens_is_accepted() {
     let server = Server::start(vec![Script::Cut(job_request_text())]).await;
-    let client = LlmClient::new(server.config());
-    let cat = catalog();
-    let (reply, _, attempts) = client
-        .next_reply(&context(), &response_schema(&cat, &tasks()), &tasks(), &cat)
-        .await
-        .unwrap();
+    let (reply, _, attempts) = ask(server.config()).await.unwrap();
     assert_eq!((reply, attempts), (job_request_output(), 1));
 }
 
@@ -358,13 +343,7 @@ async fn server_error_then_success_is_retried_as_transport() {
         Script::Content(job_request_text()),
     ])
     .await;
-    let client = LlmClient::new(server.config());
-    let cat = catalog();
-    let schema = response_schema(&cat, &tasks());
-    let (reply, _, attempts) = client
-        .next_reply(&context(), &schema, &tasks(), &cat)
-        .await
-        .unwrap();
+    let (reply, _, attempts) = ask(server.config()).await.unwrap();
     assert_eq!(reply, job_request_output());
     assert_eq!(attempts, 1, "transport retries are not contract attempts");
     let reqs = server.requests();
@@ -379,12 +358,7 @@ async fn server_errors_give_up_after_three_tries_with_the_status() {
         "{\"error\":{\"message\":\"loading model\"}}".into(),
     )])
     .await;
-    let client = LlmClient::new(server.config());
-    let cat = catalog();
-    let err = client
-        .next_reply(&context(), &response_schema(&cat, &tasks()), &tasks(), &cat)
-        .await
-        .unwrap_err();
+    let err = ask(server.config()).await.unwrap_err();
     assert!(
         matches!(&err, LlmError::HttpStatus { status: 500, message } if message == "loading model"),
         "{err:?}"

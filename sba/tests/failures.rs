@@ -60,8 +60,7 @@ fn schema_validation_when_job_file_is_missing() {
 
 #[test]
 fn policy_violation_for_disallowed_command() {
-    let sb = Sandbox::new();
-    let run = sb.run(&job_with(
+    let run = Sandbox::run_once(&job_with(
         json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "/bin/cat", "args": ["/etc/hostname"] } }]),
         json!({ "allowed_commands": ["echo", "git"] }),
     ));
@@ -92,8 +91,7 @@ fn step_failed_and_execution_failure() {
 
 #[test]
 fn timeout_on_the_job_deadline() {
-    let sb = Sandbox::new();
-    let run = sb.run(&job_with(
+    let run = Sandbox::run_once(&job_with(
         json!([
             { "id": "s1", "type": "run_command", "arguments": { "command": "sleep", "args": ["60"] } },
             { "id": "s2", "type": "run_command", "arguments": { "command": "true" } }
@@ -112,8 +110,7 @@ fn timeout_on_the_job_deadline() {
 
 #[test]
 fn constraint_violation_when_output_exceeds_the_cap() {
-    let sb = Sandbox::new();
-    let run = sb.run(&job_with(
+    let run = Sandbox::run_once(&job_with(
         json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", "yes 0123456789 | head -c 100000"] } }]),
         json!({ "max_output_bytes": 1000 }),
     ));

@@ -95,6 +95,11 @@ impl Sandbox {
     }
 
     /// Runs `job` and returns the exit code, the parsed result and the raw output.
+    /// Runs `job` in a fresh sandbox the caller does not need afterwards.
+    pub fn run_once(job: &Value) -> Run {
+        Sandbox::new().run(job)
+    }
+
     pub fn run(&self, job: &Value) -> Run {
         self.write_job(job);
         // Bounded by the test, in a process group it owns: a runner that hangs fails here.

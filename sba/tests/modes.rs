@@ -71,8 +71,7 @@ fn env_overrides_replace_flags() {
 
 #[test]
 fn file_mode_logs_json_lines_on_stdout() {
-    let sb = Sandbox::new();
-    let run = sb.run(&one("run_command", json!({ "command": "true" })));
+    let run = Sandbox::run_once(&one("run_command", json!({ "command": "true" })));
     let stdout = String::from_utf8(run.output.stdout.clone()).unwrap();
     let messages: Vec<String> = stdout
         .lines()

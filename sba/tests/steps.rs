@@ -6,8 +6,7 @@ use crate::harness::{job, job_with, one, Sandbox};
 
 #[test]
 fn run_command_captures_stdout_stderr_and_exit_code() {
-    let sb = Sandbox::new();
-    let run = sb.run(&one(
+    let run = Sandbox::run_once(&one(
         "run_command",
         json!({ "command": "sh", "args": ["-c", "echo out; echo err >&2"] }),
     ));
@@ -28,8 +27,7 @@ fn run_command_captures_stdout_stderr_and_exit_code() {
 
 #[test]
 fn run_command_is_argv_only_never_a_shell() {
-    let sb = Sandbox::new();
-    let run = sb.run(&one(
+    let run = Sandbox::run_once(&one(
         "run_command",
         json!({ "command": "echo", "args": ["$HOME; rm -rf /", "`id`"] }),
     ));
@@ -38,8 +36,7 @@ fn run_command_is_argv_only_never_a_shell() {
 
 #[test]
 fn run_command_nonzero_exit_is_step_failed() {
-    let sb = Sandbox::new();
-    let run = sb.run(&job(json!([
+    let run = Sandbox::run_once(&job(json!([
         { "id": "a", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", "exit 3"] } },
         { "id": "b", "type": "run_command", "arguments": { "command": "true" } }
     ])));
@@ -99,8 +96,7 @@ fn run_command_environment_is_explicit() {
 
 #[test]
 fn run_command_may_not_override_cynode_variables() {
-    let sb = Sandbox::new();
-    let run = sb.run(&one(
+    let run = Sandbox::run_once(&one(
         "run_command",
         json!({ "command": "true", "env": { "CYNODE_JOB_ID": "forged" } }),
     ));
@@ -121,16 +117,14 @@ fn run_command_stdin_and_working_dir() {
 
 #[test]
 fn run_command_stdin_is_closed_when_not_given() {
-    let sb = Sandbox::new();
-    let run = sb.run(&one("run_command", json!({ "command": "cat" })));
+    let run = Sandbox::run_once(&one("run_command", json!({ "command": "cat" })));
     assert_eq!(run.failure(), "none");
     assert_eq!(run.step(0)["result"]["stdout"], "");
 }
 
 #[test]
 fn run_command_step_timeout_is_a_timeout() {
-    let sb = Sandbox::new();
-    let run = sb.run(&one(
+    let run = Sandbox::run_once(&one(
         "run_command",
         json!({ "command": "sleep", "args": ["30"], "timeout_seconds": 1 }),
     ));
@@ -263,8 +257,7 @@ fn read_file_text_binary_and_truncated() {
 
 #[test]
 fn read_file_missing_is_step_failed() {
-    let sb = Sandbox::new();
-    let run = sb.run(&one("read_file", json!({ "path": "nope.txt" })));
+    let run = Sandbox::run_once(&one("read_file", json!({ "path": "nope.txt" })));
     assert_eq!(run.failure(), "step_failed");
     assert_eq!(
         run.message(),
@@ -388,8 +381,7 @@ fn list_tree_truncates_at_the_output_cap() {
 
 #[test]
 fn list_tree_missing_path_fails() {
-    let sb = Sandbox::new();
-    let run = sb.run(&one("list_tree", json!({ "path": "nope" })));
+    let run = Sandbox::run_once(&one("list_tree", json!({ "path": "nope" })));
     assert_eq!(run.failure(), "step_failed");
 }
 
@@ -419,8 +411,7 @@ fn search_files_finds_lines_and_honours_include() {
 
 #[test]
 fn search_files_invalid_pattern_fails() {
-    let sb = Sandbox::new();
-    let run = sb.run(&one("search_files", json!({ "pattern": "(unclosed" })));
+    let run = Sandbox::run_once(&one("search_files", json!({ "pattern": "(unclosed" })));
     run.assert_failure("step_failed", "step s1: invalid pattern");
 }
 

@@ -124,4 +124,51 @@ mod tests {
         assert!(parse(&["--state-dir", "/s"]).is_ok());
         assert!(parse(&["--model-base-url", "http://m"]).is_err());
     }
+
+    /// The `serve` command lines of the deployments (Kubernetes, Compose, systemd) parse
+    /// with these flags: a flag removed here would otherwise fail only in production.
+    #[test]
+    fn the_deployments_serve_command_lines_parse() {
+        let repo = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let read = |rel: &str| std::fs::read_to_string(repo.join(rel)).unwrap();
+        let yaml_args = |rel: &str, pointer: &str| -> Vec<String> {
+            let docs: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&read(rel))
+                .map(|d| serde::Deserialize::deserialize(d).unwrap())
+                .collect();
+            let args = docs.iter().find_map(|d| d.pointer(pointer)).unwrap();
+            serde_json::from_value(args.clone()).unwrap()
+        };
+        let systemd: Vec<String> = read("deploy/systemd/cynode-pm.service")
+            .split("ExecStart=")
+            .nth(1)
+            .unwrap()
+            .replace("\\\n", " ")
+            .lines()
+            .next()
+            .unwrap()
+            .split_whitespace()
+            .skip(1)
+            .map(str::to_string)
+            .collect();
+        for (name, args) in [
+            ("systemd", systemd),
+            (
+                "k8s",
+                yaml_args(
+                    "deploy/k8s/pm.yaml",
+                    "/spec/template/spec/containers/0/args",
+                ),
+            ),
+            (
+                "compose",
+                yaml_args("deploy/compose/compose.yaml", "/x-pm/command"),
+            ),
+        ] {
+            assert_eq!(args.first().map(String::as_str), Some("serve"), "{name}");
+            let argv = std::iter::once("cynode-pm".to_string()).chain(args.clone());
+            if let Err(e) = crate::cli::Cli::try_parse_from(argv) {
+                panic!("{name}: {args:?}: {e}");
+            }
+        }
+    }
 }
