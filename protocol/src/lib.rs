@@ -10,6 +10,7 @@
 //! - [`worker_sessions`], [`worker_workspaces`], [`worker_health`]: the Worker API's
 //!   session, workspace and readiness bodies.
 //! - [`problem`]: the one problem+json error body of every HTTP API, and its `type` scheme.
+//! - [`pm_api`]: the PM's HTTP API bodies (what an orchestrator sends and reads).
 //! - [`llm`]: the PM's LLM output contract.
 //! - [`session`]: the PM's durable session state model.
 //! - [`schema`]: JSON Schemas generated from these types.
@@ -18,6 +19,7 @@
 pub mod error;
 pub mod job;
 pub mod llm;
+pub mod pm_api;
 pub mod problem;
 pub mod result;
 pub mod schema;

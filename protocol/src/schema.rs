@@ -6,7 +6,7 @@
 use schemars::{schema_for, JsonSchema};
 
 use crate::{
-    job, llm, problem, result, session, worker_api, worker_health, worker_sessions,
+    job, llm, pm_api, problem, result, session, worker_api, worker_health, worker_sessions,
     worker_workspaces,
 };
 
@@ -69,6 +69,21 @@ pub fn all() -> Vec<(&'static str, String)> {
             "session-state.schema.json",
             render::<session::SessionState>(),
         ),
+        (
+            "pm-create-session.schema.json",
+            render::<pm_api::CreateSession>(),
+        ),
+        ("pm-session.schema.json", render::<pm_api::SessionView>()),
+        (
+            "pm-session-list.schema.json",
+            render::<pm_api::SessionList>(),
+        ),
+        ("pm-answer.schema.json", render::<pm_api::Answer>()),
+        (
+            "pm-validate-job.schema.json",
+            render::<pm_api::ValidateJob>(),
+        ),
+        ("pm-validation.schema.json", render::<pm_api::Validation>()),
     ]
 }
 

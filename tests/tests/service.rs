@@ -710,7 +710,7 @@ fn openapi_document_has_not_drifted() {
     assert!(
         stored == live,
         "docs/openapi.json differs from the handlers: regenerate with \
-         CYNODE_REGENERATE_OPENAPI=1 cargo nextest run -p cynode-pm -E 'test(openapi)'"
+         CYNODE_REGENERATE_OPENAPI=1 cargo nextest run -p cynode-tests -E 'test(openapi)'"
     );
     let v: Value = serde_json::from_str(&live).unwrap();
     for p in [

@@ -10,10 +10,15 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
-use utoipa::{IntoParams, ToSchema};
+use utoipa::IntoParams;
+
+pub use cynode_protocol::pm_api::{
+    Answer, Constraints, CreateSession, SessionList, SessionView, ValidateJob, Validation,
+    WorkspaceSpec,
+};
 
 use super::auth::Tenant;
 use super::extract::ApiJson;
@@ -23,98 +28,27 @@ use crate::policy::PolicyInput;
 use crate::session::{Budgets, SessionRecord, SessionStatus};
 use crate::skills::{build_job, JobRef};
 
-/// `POST /v1/sessions` body.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct CreateSession {
-    /// What to achieve.
-    pub objective: String,
-    /// Must equal the token's tenant when given.
-    #[serde(default)]
-    pub tenant: Option<String>,
-    #[serde(default)]
-    pub constraints: Constraints,
-    #[serde(default)]
-    pub workspace: Option<WorkspaceSpec>,
-}
-
-/// Budgets of the session (defaults: 30 turns, 20 jobs, 3 attempts per task, 1 h).
-#[derive(Debug, Default, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct Constraints {
-    pub max_turns: Option<u32>,
-    pub max_jobs: Option<u32>,
-    pub max_attempts_per_task: Option<u32>,
-    pub wall_clock_seconds: Option<u64>,
-}
-
-/// Where the session's workspace on the worker is seeded from.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct WorkspaceSpec {
-    /// A directory on the worker's host, under one of its allowlisted seed roots. It is
-    /// copied when the session's first job places the workspace on a worker; a path the
-    /// worker refuses fails the session then (`internal_error`, naming the worker).
-    pub seed_path: String,
-}
-
 /// A session as the API shows it.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct SessionView {
-    pub session_id: String,
-    pub tenant: String,
-    /// running, awaiting_input, completed, failed or canceled.
-    pub status: String,
-    pub objective: String,
-    #[schema(value_type = Object)]
-    pub plan: Value,
-    pub active_job_id: Option<String>,
-    /// Verified artifacts: path, sha256, size, job_id.
-    #[schema(value_type = Object)]
-    pub artifacts: Value,
-    /// The open question when status is awaiting_input.
-    pub question: Option<String>,
-    #[schema(value_type = Object)]
-    pub deliverable: Value,
-    #[schema(value_type = Object)]
-    pub failure: Value,
-    pub turn: u32,
-    pub jobs_dispatched: u32,
-    pub workspace_id: String,
-    /// The registry id of the worker holding the workspace (set by the first job).
-    pub worker_id: Option<String>,
-}
-
-impl SessionView {
-    pub fn of(rec: &SessionRecord) -> Self {
-        SessionView {
-            session_id: rec.state.session_id.clone(),
-            tenant: rec.tenant_id.clone(),
-            status: rec.status.as_str().to_string(),
-            objective: rec.state.objective.clone(),
-            plan: json!(rec.state.plan),
-            active_job_id: rec.state.active_job_id.clone(),
-            artifacts: json!(rec.state.artifacts),
-            question: match &rec.phase {
-                crate::session::Phase::AwaitInput { question } => Some(question.clone()),
-                _ => None,
-            },
-            deliverable: json!(rec.deliverable),
-            failure: json!(rec.failure),
-            turn: rec.turn,
-            jobs_dispatched: rec.jobs_dispatched,
-            workspace_id: rec.workspace_id.clone(),
-            worker_id: rec.worker_id.clone(),
-        }
+pub fn session_view(rec: &SessionRecord) -> SessionView {
+    SessionView {
+        session_id: rec.state.session_id.clone(),
+        tenant: rec.tenant_id.clone(),
+        status: rec.status.as_str().to_string(),
+        objective: rec.state.objective.clone(),
+        plan: json!(rec.state.plan),
+        active_job_id: rec.state.active_job_id.clone(),
+        artifacts: json!(rec.state.artifacts),
+        question: match &rec.phase {
+            crate::session::Phase::AwaitInput { question } => Some(question.clone()),
+            _ => None,
+        },
+        deliverable: json!(rec.deliverable),
+        failure: json!(rec.failure),
+        turn: rec.turn,
+        jobs_dispatched: rec.jobs_dispatched,
+        workspace_id: rec.workspace_id.clone(),
+        worker_id: rec.worker_id.clone(),
     }
-}
-
-/// One page of sessions.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct SessionList {
-    pub sessions: Vec<SessionView>,
-    /// Pass as `cursor` for the next page; absent on the last page.
-    pub next_cursor: Option<String>,
 }
 
 /// Filters and paging of `GET /v1/sessions`.
@@ -125,34 +59,6 @@ pub struct ListQuery {
     pub cursor: Option<String>,
     /// 1–200, default 50.
     pub limit: Option<i64>,
-}
-
-/// `POST /v1/sessions/{id}/messages` body: the answer to the open question.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct Answer {
-    pub text: String,
-}
-
-/// `POST /v1/jobs:validate` body.
-#[derive(Debug, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct ValidateJob {
-    pub skill_id: String,
-    #[schema(value_type = Object)]
-    pub inputs: Value,
-    /// Used in the rendered job's ids (default `t1`).
-    pub task_id: Option<String>,
-}
-
-/// The rendered job and the policy decision.
-#[derive(Debug, Serialize, ToSchema)]
-pub struct Validation {
-    pub allowed: bool,
-    #[schema(value_type = Object)]
-    pub job: Value,
-    #[schema(value_type = Object)]
-    pub decision: Value,
 }
 
 /// The session if it exists and belongs to `tenant`.
@@ -213,7 +119,7 @@ pub async fn create_session(
     };
     if let Some((existing, _)) = st.pm.store.load(&id).await? {
         if existing.tenant_id == tenant.0 {
-            return Ok((StatusCode::OK, Json(SessionView::of(&existing))).into_response());
+            return Ok((StatusCode::OK, Json(session_view(&existing))).into_response());
         }
         return Err(Problem::conflict("Idempotency-Key: already used"));
     }
@@ -223,11 +129,11 @@ pub async fn create_session(
     rec.event("created", json!({ "objective": rec.state.objective }));
     if !st.pm.create(&rec).await? {
         let (existing, _) = owned(&st, &tenant, &id).await?;
-        return Ok((StatusCode::OK, Json(SessionView::of(&existing))).into_response());
+        return Ok((StatusCode::OK, Json(session_view(&existing))).into_response());
     }
     st.wake.notify_one();
     tracing::info!(session_id = %id, tenant = %tenant.0, "session created");
-    Ok((StatusCode::CREATED, Json(SessionView::of(&rec))).into_response())
+    Ok((StatusCode::CREATED, Json(session_view(&rec))).into_response())
 }
 
 /// List the tenant's sessions, newest first.
@@ -249,7 +155,7 @@ pub async fn list_sessions(
         .page(&tenant.0, q.status.as_deref(), q.cursor.as_deref(), limit)
         .await?;
     Ok(Json(SessionList {
-        sessions: page.sessions.iter().map(SessionView::of).collect(),
+        sessions: page.sessions.iter().map(session_view).collect(),
         next_cursor: page.next_cursor,
     }))
 }
@@ -264,7 +170,7 @@ pub async fn get_session(
     Path(id): Path<String>,
 ) -> Result<Json<SessionView>, Problem> {
     let (rec, _) = owned(&st, &tenant, &id).await?;
-    Ok(Json(SessionView::of(&rec)))
+    Ok(Json(session_view(&rec)))
 }
 
 /// Answer the session's open question.
@@ -288,7 +194,7 @@ pub async fn post_message(
     }
     let rec = st.pm.answer(&id, &a.text).await?;
     st.wake.notify_one();
-    Ok(Json(SessionView::of(&rec)))
+    Ok(Json(session_view(&rec)))
 }
 
 /// `POST /v1/sessions/{id}:cancel` (axum cannot route a `{id}:cancel` segment, so the
@@ -325,7 +231,7 @@ pub async fn session_action(
                     }
                 }
                 tracing::info!(session_id = %id, "session canceled");
-                return Ok(Json(SessionView::of(&rec)));
+                return Ok(Json(session_view(&rec)));
             }
             Err(crate::store::StoreError::Conflict(_)) => continue,
             Err(e) => return Err(e.into()),
