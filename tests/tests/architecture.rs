@@ -86,7 +86,25 @@ fn the_parser_sees_declarations_and_nothing_else() {
 
 /// The library layers of a crate, lowest first: a module may import (`crate::name`) only
 /// from its own layer or a lower one. The same lists stand in ARCHITECTURE.md.
-const LAYERS: [(&str, &[&[&str]]); 2] = [
+const LAYERS: [(&str, &[&[&str]]); 3] = [
+    (
+        "sba",
+        &[
+            &[
+                "error",
+                "capture",
+                "walk",
+                "http",
+                "result_file",
+                "patch",
+                "confine",
+            ],
+            &["process", "artifacts", "lifecycle", "steps"],
+            &["step_runner", "agent"],
+            &["runner"],
+            &["cli"],
+        ],
+    ),
     (
         "pm",
         &[
