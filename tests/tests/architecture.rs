@@ -203,3 +203,33 @@ fn crate_paths_are_read_as_this_crates_only() {
     let text = "//! [`crate::service`]\nuse crate::driver::Pm;\nuse cynode_pm::service;\n$crate::x\ncrate::llm::X";
     assert_eq!(crate_imports(text), ["driver", "llm"]);
 }
+
+/// Every file or directory the "Finding a behaviour" table names exists.
+#[test]
+fn the_behaviour_table_names_files_that_exist() {
+    let root = workspace_root();
+    let map = fs::read_to_string(root.join("ARCHITECTURE.md")).expect("ARCHITECTURE.md");
+    let table = map
+        .split("## Finding a behaviour")
+        .nth(1)
+        .and_then(|t| t.split("\n## ").next())
+        .expect("a \"Finding a behaviour\" section");
+    let mut named = 0;
+    let mut missing = Vec::new();
+    for path in table
+        .lines()
+        .filter(|l| l.starts_with('|'))
+        .flat_map(|l| l.split('`').skip(1).step_by(2))
+        .filter(|p| p.contains('/') && !p.starts_with('/'))
+    {
+        named += 1;
+        if !root.join(path).exists() {
+            missing.push(path.to_string());
+        }
+    }
+    assert!(
+        named > 20,
+        "only {named} paths found: is the parser still right?"
+    );
+    assert!(missing.is_empty(), "named but missing: {missing:?}");
+}
