@@ -5,7 +5,7 @@
 //! Dropped, because upstream's job has no field for them: `skill_id` (informational),
 //! `artifacts` (no artifact globs upstream; its runner reports what is in
 //! `/job/artifacts`), `constraints.allowed_commands` and `constraints.allowed_paths` (the
-//! PM's policy gate has already enforced both, design.md §4; only the runner's second
+//! PM's policy gate has already enforced both before dispatch; only the runner's second
 //! check is lost) and `constraints.allow_overwrite` (upstream's write_file always
 //! overwrites). Non-string `context.preferences` values are written as their JSON text
 //! (upstream's preferences are a string map). Steps upstream cannot express are errors.
