@@ -148,8 +148,9 @@ impl WorkerEntry {
     }
 }
 
-/// The bearer token of `who`: the trimmed content of `file`, else of the environment
-/// variable `env`. A missing, unreadable or empty token is an error naming `who`.
+/// The bearer token of `who`: the first line of `file`, trimmed (the one rule,
+/// [`cynode_protocol::bearer`]), else the trimmed environment variable `env`. A missing,
+/// unreadable or empty token is an error naming `who`.
 pub fn read_token(
     who: &str,
     file: Option<&Path>,
@@ -158,6 +159,7 @@ pub fn read_token(
     let invalid = |what: String| WorkersError::Token(format!("{who}: {what}"));
     let t = match (file, env) {
         (Some(f), _) => std::fs::read_to_string(f)
+            .map(|text| cynode_protocol::bearer::token_in_file(&text).to_string())
             .map_err(|e| invalid(format!("cannot read {}: {e}", f.display())))?,
         (None, Some(v)) => {
             std::env::var(v).map_err(|e| invalid(format!("${v} is not set: {e}")))?

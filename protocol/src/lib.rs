@@ -14,8 +14,10 @@
 //! - [`llm`]: the PM's LLM output contract.
 //! - [`session`]: the PM's durable session state model.
 //! - [`schema`]: JSON Schemas generated from these types.
-//! - [`time`]: the one RFC 3339 timestamp format.
+//! - [`time`]: the one RFC 3339 timestamp format; [`bearer`]: the one rule for a token
+//!   kept in a file.
 
+pub mod bearer;
 pub mod error;
 pub mod job;
 pub mod llm;

@@ -314,13 +314,11 @@ impl Config {
     /// The token: the token file if configured, else `WORKER_API_BEARER_TOKEN`.
     pub fn token(&self) -> Result<String, ConfigError> {
         let token = match &self.token_file {
-            Some(p) => std::fs::read_to_string(p)
-                .map_err(|e| ConfigError::TokenFile(p.clone(), e))?
-                .lines()
-                .next()
-                .unwrap_or_default()
-                .trim()
-                .to_string(),
+            Some(p) => {
+                let text =
+                    std::fs::read_to_string(p).map_err(|e| ConfigError::TokenFile(p.clone(), e))?;
+                cynode_protocol::bearer::token_in_file(&text).to_string()
+            }
             None => std::env::var("WORKER_API_BEARER_TOKEN").unwrap_or_default(),
         };
         if token.len() < 16 {
