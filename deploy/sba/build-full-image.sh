@@ -31,15 +31,8 @@
 # Needs: root, podman, debootstrap (deploy/install-deps.sh installs both).
 set -euo pipefail
 
-usage() {
-  sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//' >&2
-  exit "${1:-2}"
-}
-log() { printf 'build-full-image: %s\n' "$*" >&2; }
-die() {
-  log "error: $*"
-  exit 1
-}
+# shellcheck source=deploy/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
 
 [[ ${1:-} == -h || ${1:-} == --help ]] && usage 0
 (($# >= 1 && $# <= 2)) || usage 2

@@ -68,19 +68,14 @@ impl Model {
     pub fn tcp(models: &[&str], script: Vec<Reply>, todo_path: Option<&Path>) -> Model {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let url = format!("http://{}", l.local_addr().unwrap());
-        let (state, seen, calls) = state(models, script, todo_path);
-        std::thread::spawn(move || {
-            for s in l.incoming().flatten() {
-                let st = Arc::clone(&state);
-                std::thread::spawn(move || serve(s, &st));
-            }
-        });
-        Model {
+        Model::start(
             url,
-            seen,
-            models_calls: calls,
-            _dir: None,
-        }
+            None,
+            move || l.accept().map(|(s, _)| s),
+            models,
+            script,
+            todo_path,
+        )
     }
 
     /// Serves on a Unix socket; the URL is `http+unix://<percent-encoded path>`.
@@ -92,9 +87,28 @@ impl Model {
             "http+unix://{}",
             sock.display().to_string().replace('/', "%2F")
         );
+        Model::start(
+            url,
+            Some(dir),
+            move || l.accept().map(|(s, _)| s),
+            models,
+            script,
+            todo_path,
+        )
+    }
+
+    /// Serves every connection `accept` yields, each on its own thread, until the test ends.
+    fn start<S: Read + Write + Send + 'static>(
+        url: String,
+        dir: Option<tempfile::TempDir>,
+        mut accept: impl FnMut() -> std::io::Result<S> + Send + 'static,
+        models: &[&str],
+        script: Vec<Reply>,
+        todo_path: Option<&Path>,
+    ) -> Model {
         let (state, seen, calls) = state(models, script, todo_path);
-        std::thread::spawn(move || {
-            for s in l.incoming().flatten() {
+        std::thread::spawn(move || loop {
+            if let Ok(s) = accept() {
                 let st = Arc::clone(&state);
                 std::thread::spawn(move || serve(s, &st));
             }
@@ -103,7 +117,7 @@ impl Model {
             url,
             seen,
             models_calls: calls,
-            _dir: Some(dir),
+            _dir: dir,
         }
     }
 

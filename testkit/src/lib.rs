@@ -9,7 +9,7 @@
 //!
 //! [`LocalModel`] is the local model server as a test-owned resource, [`scripted_model`]
 //! the one scripted OpenAI-compatible server of the tests, and [`TestCa`]
-//! makes the certificates of the TLS tests. [`postgres_url`] starts the test PostgreSQL.
+//! makes the certificates of the TLS tests; [`mod@tar`] writes hostile tar archives raw. [`postgres_url`] starts the test PostgreSQL.
 //! [`upstream`] mirrors upstream CyNodeAI's
 //! contract types with Go's JSON semantics, for the interoperability tests.
 //!
@@ -21,6 +21,7 @@ pub mod model;
 pub mod postgres;
 pub mod proc;
 pub mod scripted_model;
+pub mod tar;
 pub mod upstream;
 
 pub use certs::{CertFiles, TestCa};

@@ -1,7 +1,7 @@
 //! cynode-tests: tests that span the workspace's binaries, and tests about the whole
 //! workspace (see ARCHITECTURE.md, "tests/"). The library is their one harness: where the
 //! workspace, the built binaries and the test image's root filesystem are ([`bin`],
-//! [`rootfs`]); the scripted model ([`model`]); running the PM ([`pm`]) and a worker
+//! [`rootfs`]); the scripted model ([`model`]); an OTLP trace collector ([`otlp`]); running the PM ([`pm`]) and a worker
 //! ([`worker`]); serving a test's own app ([`serve`]). Every process it starts is owned by
 //! the test (killed on drop, pass or panic).
 
@@ -9,6 +9,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 pub mod model;
+pub mod otlp;
 pub mod pm;
 pub mod serve;
 pub mod worker;

@@ -6,44 +6,18 @@
 //! lines. Without it, the PM's JSON
 //! log lines still carry session_id, and job lines job_id, task_id and skill_id.
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
-
-use axum::extract::State;
-use axum::routing::post;
-use axum::Router;
 use opentelemetry_proto::tonic::collector::trace::v1::ExportTraceServiceRequest;
 use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use prost::Message;
 use serde_json::{json, Value};
+use std::collections::BTreeMap;
 
+use cynode_tests::otlp::{otlp_collector, Bodies};
 use cynode_tests::{final_state, model_server, pm_with, serve_in_background, session_id};
 
-type Bodies = Arc<Mutex<Vec<(String, Vec<u8>)>>>;
-
-/// A minimal OTLP/HTTP collector: records each `POST /v1/traces` (content type, body)
-/// and answers with an empty `ExportTraceServiceResponse`.
+/// A minimal OTLP/HTTP collector, served over plain HTTP.
 fn otlp_receiver() -> (String, Bodies) {
-    async fn traces(
-        State(b): State<Bodies>,
-        headers: axum::http::HeaderMap,
-        body: axum::body::Bytes,
-    ) -> impl axum::response::IntoResponse {
-        let ct = headers
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("")
-            .to_string();
-        b.lock().unwrap().push((ct, body.to_vec()));
-        (
-            [("content-type", "application/x-protobuf")],
-            Vec::<u8>::new(),
-        )
-    }
-    let bodies = Bodies::default();
-    let app = Router::new()
-        .route("/v1/traces", post(traces))
-        .with_state(Arc::clone(&bodies));
+    let (app, bodies) = otlp_collector();
     (format!("http://{}", serve_in_background(app)), bodies)
 }
 

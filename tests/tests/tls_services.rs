@@ -10,9 +10,6 @@ use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::extract::State;
-use axum::routing::post;
-use axum::Router;
 use cynode_pm::session::{Budgets, SessionRecord};
 use cynode_pm::store::Store;
 use cynode_testkit::{output_bounded, OwnedChild, TestCa};
@@ -21,6 +18,7 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use prost::Message;
 
 use crate::service::start_replica_with;
+use cynode_tests::otlp::{otlp_collector, Bodies};
 use cynode_tests::{completed, happy_script, model_server, pm_with};
 
 // ---------------------------------------------------------------------------------------
@@ -241,24 +239,9 @@ fn serve_refuses_to_start_with_a_key_that_is_not_pem() {
 // OTLP over HTTPS
 // ---------------------------------------------------------------------------------------
 
-type Bodies = Arc<Mutex<Vec<Vec<u8>>>>;
-
-/// An OTLP/HTTP collector that speaks only HTTPS: records each `POST /v1/traces` body.
+/// An OTLP/HTTP collector that speaks only HTTPS.
 fn https_collector(dir: &Path, ca: &TestCa) -> (String, Bodies) {
-    async fn traces(
-        State(b): State<Bodies>,
-        body: axum::body::Bytes,
-    ) -> impl axum::response::IntoResponse {
-        b.lock().unwrap().push(body.to_vec());
-        (
-            [("content-type", "application/x-protobuf")],
-            Vec::<u8>::new(),
-        )
-    }
-    let bodies = Bodies::default();
-    let app = Router::new()
-        .route("/v1/traces", post(traces))
-        .with_state(Arc::clone(&bodies));
+    let (app, bodies) = otlp_collector();
     let port = cynode_tests::serve_https_in_background(app, ca, dir, "collector").port();
     (format!("https://127.0.0.1:{port}"), bodies)
 }
@@ -266,7 +249,7 @@ fn https_collector(dir: &Path, ca: &TestCa) -> (String, Bodies) {
 /// (service.name, span name) of every span received.
 fn received(bodies: &Bodies) -> BTreeSet<(String, String)> {
     let mut out = BTreeSet::new();
-    for body in bodies.lock().unwrap().iter() {
+    for (_, body) in bodies.lock().unwrap().iter() {
         let req = ExportTraceServiceRequest::decode(body.as_slice()).expect("OTLP protobuf");
         for rs in req.resource_spans {
             let service = rs

@@ -262,12 +262,8 @@ pub async fn sba_job_end_to_end_with_verified_artifacts(backend: &'static str) {
     assert_eq!(result["sba_result"]["artifacts"], expected);
     // The downloaded bytes hash to what was reported.
     let r = sv
-        .client
-        .get(sv.url(&format!("/v1/worker/jobs/{id}/artifacts/report.txt")))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+        .get_raw(&format!("/v1/worker/jobs/{id}/artifacts/report.txt"))
+        .await;
     assert_eq!(r.status().as_u16(), 200);
     assert_eq!(
         sha256_hex(&r.bytes().await.unwrap()),
@@ -400,11 +396,8 @@ pub async fn resubmit_is_idempotent(backend: &'static str) {
     let sv = Server::start(backend, "");
     let id = unique("j");
     let task = unique("t");
-    let body = command_job(
-        &id,
-        &task,
-        &["sh", "-c", "echo run >> /workspace/count; sleep 1"],
-    );
+    let count_a_run = ["sh", "-c", "echo run >> /workspace/count; sleep 1"];
+    let body = command_job(&id, &task, &count_a_run);
     let (c1, _) = sv.post("/v1/worker/jobs", &body).await;
     let (c2, again) = sv.post("/v1/worker/jobs", &body).await;
     assert_eq!((c1, c2), (202, 200));

@@ -186,14 +186,18 @@ impl Server {
     }
 
     pub async fn get(&self, path: &str) -> (u16, Value) {
-        let r = self
-            .client
+        answer(self.get_raw(path).await).await
+    }
+
+    /// An authorised GET of `path` (bounded at 120 s), its response as it came.
+    pub async fn get_raw(&self, path: &str) -> reqwest::Response {
+        self.client
             .get(self.url(path))
             .bearer_auth(TOKEN)
+            .timeout(Duration::from_secs(120))
             .send()
             .await
-            .expect("get");
-        answer(r).await
+            .unwrap_or_else(|e| panic!("GET {path}: {e}"))
     }
 
     /// Polls an async job until `pred` holds on its status (bounded).

@@ -9,6 +9,9 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
+// Archives written raw, so the node's own checks are what is tested.
+use cynode_testkit::tar::tar_of as tar;
+
 use crate::harness::{command_job, env, seed_config, unique, Server, TOKEN};
 use crate::workspaces::git;
 
@@ -191,30 +194,6 @@ async fn changeset_without_git_is_against_the_baseline() {
     assert!(!check.join("gone.txt").exists());
 }
 
-/// A tar entry written raw, so the node's own checks are what is tested.
-fn raw(b: &mut tar::Builder<Vec<u8>>, path: &str, kind: tar::EntryType, link: &str, data: &[u8]) {
-    let mut h = tar::Header::new_gnu();
-    h.set_size(data.len() as u64);
-    h.set_mode(0o644);
-    h.set_entry_type(kind);
-    h.as_old_mut().name[..path.len()].copy_from_slice(path.as_bytes());
-    h.as_old_mut().linkname[..link.len()].copy_from_slice(link.as_bytes());
-    if kind == tar::EntryType::Char {
-        h.set_device_major(1).unwrap();
-        h.set_device_minor(3).unwrap();
-    }
-    h.set_cksum();
-    b.append(&h, data).unwrap();
-}
-
-fn tar(entries: &[(&str, tar::EntryType, &str, &[u8])]) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    for (p, k, l, d) in entries {
-        raw(&mut b, p, *k, l, d);
-    }
-    b.into_inner().unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hostile_tars_never_reach_outside_the_workspace() {
     use tar::EntryType::{Char, Directory, Fifo, Link, Regular, Symlink};
@@ -394,14 +373,7 @@ async fn tar_export_never_follows_links() {
         j["workspace_id"] = json!(ws);
         let (_, v) = sv.post("/v1/worker/jobs:run", &j).await;
         assert_eq!(v["status"], "completed", "{v}");
-        let r = sv
-            .client
-            .get(sv.url(&format!("/v1/worker/workspaces/{ws}/tar")))
-            .bearer_auth(TOKEN)
-            .timeout(Duration::from_secs(120))
-            .send()
-            .await
-            .unwrap();
+        let r = sv.get_raw(&format!("/v1/worker/workspaces/{ws}/tar")).await;
         assert_eq!(r.status().as_u16(), 200);
         let bytes = r.bytes().await.unwrap();
         assert!(

@@ -78,12 +78,8 @@ async fn seed_from_host_dir_skips_secrets_and_changeset_applies() {
         assert_eq!(v["stdout"], ".\n..\n.git\n.gitignore\nsrc\n");
         // The changeset is a git diff that applies to the source.
         let r = sv
-            .client
-            .get(sv.url(&format!("/v1/worker/workspaces/{ws}/changeset")))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .unwrap();
+            .get_raw(&format!("/v1/worker/workspaces/{ws}/changeset"))
+            .await;
         assert_eq!(r.status().as_u16(), 200);
         let diff = r.text().await.unwrap();
         assert!(
@@ -160,12 +156,8 @@ async fn tar_seed_and_export_round_trip() {
     let (_, v) = sv.post("/v1/worker/jobs:run", &job).await;
     assert_eq!(v["stdout"], "hello tar\n");
     let bytes = sv
-        .client
-        .get(sv.url(&format!("/v1/worker/workspaces/{ws}/tar")))
-        .bearer_auth(TOKEN)
-        .send()
+        .get_raw(&format!("/v1/worker/workspaces/{ws}/tar"))
         .await
-        .unwrap()
         .bytes()
         .await
         .unwrap();

@@ -360,60 +360,37 @@ pub fn copy_tree(
 mod tests {
     use super::*;
 
-    fn raw_entry(
-        b: &mut tar::Builder<Vec<u8>>,
-        path: &str,
-        kind: tar::EntryType,
-        link: &str,
-        data: &[u8],
-    ) {
-        let mut h = tar::Header::new_gnu();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_entry_type(kind);
-        h.as_old_mut().name[..path.len()].copy_from_slice(path.as_bytes());
-        h.as_old_mut().linkname[..link.len()].copy_from_slice(link.as_bytes());
-        h.set_cksum();
-        b.append(&h, data).unwrap();
-    }
-
     #[test]
     fn entry_and_byte_bounds_are_enforced() {
+        use cynode_testkit::tar::tar_of;
+        use tar::EntryType::Regular;
         let state = tempfile::tempdir().unwrap();
-        let mut b = tar::Builder::new(Vec::new());
-        for i in 0..20 {
-            raw_entry(
-                &mut b,
-                &format!("f{i}"),
-                tar::EntryType::Regular,
-                "",
-                b"0123456789",
-            );
-        }
-        let tar = b.into_inner().unwrap();
+        let refused = |tar: &[u8], limits: SeedLimits| {
+            let stage = Staging::new(state.path()).unwrap();
+            unpack_tar(tar, &stage, limits).unwrap_err().to_string()
+        };
+        let names: Vec<String> = (0..20).map(|i| format!("f{i}")).collect();
+        let twenty: Vec<_> = names
+            .iter()
+            .map(|n| (n.as_str(), Regular, "", &b"0123456789"[..]))
+            .collect();
+        let tar = tar_of(&twenty);
         let small = SeedLimits {
             max_entries: 10,
             ..SeedLimits::default()
         };
-        let stage = Staging::new(state.path()).unwrap();
-        let e = unpack_tar(&tar, &stage, small).unwrap_err();
-        assert_eq!(e.to_string(), "more than 10 entries");
+        assert_eq!(refused(&tar, small), "more than 10 entries");
         let tight = SeedLimits {
             max_bytes: 55,
             ..SeedLimits::default()
         };
-        let stage = Staging::new(state.path()).unwrap();
-        let e = unpack_tar(&tar, &stage, tight).unwrap_err();
-        assert_eq!(e.to_string(), "content over 55 bytes");
+        assert_eq!(refused(&tar, tight), "content over 55 bytes");
         let shallow = SeedLimits {
             max_depth: 2,
             ..SeedLimits::default()
         };
-        let mut b = tar::Builder::new(Vec::new());
-        raw_entry(&mut b, "a/b/c/d", tar::EntryType::Regular, "", b"x");
-        let stage = Staging::new(state.path()).unwrap();
-        let e = unpack_tar(&b.into_inner().unwrap(), &stage, shallow).unwrap_err();
-        assert!(e.to_string().contains("nested deeper"), "{e}");
+        let e = refused(&tar_of(&[("a/b/c/d", Regular, "", b"x")]), shallow);
+        assert!(e.contains("nested deeper"), "{e}");
     }
 
     #[test]
