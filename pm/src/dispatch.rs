@@ -280,6 +280,25 @@ impl WorkerClient {
             .map_err(|e| DispatchError::Unavailable(format!("unreadable worker answer: {e}")))
     }
 
+    /// [`WorkerClient::call`], its answer read as `T`.
+    async fn call_json<T: serde::de::DeserializeOwned>(
+        &self,
+        method: reqwest::Method,
+        segments: &[&str],
+        body: Option<&serde_json::Value>,
+    ) -> Result<T, DispatchError> {
+        Self::json(self.call(method, segments, body).await?).await
+    }
+
+    /// The status of a job this PM process holds for upstream's worker.
+    fn held_status(&self, job_id: &str) -> Result<AsyncJobStatus, DispatchError> {
+        self.upstream.status("", job_id).unwrap_or_else(|| {
+            Err(upstream::not_offered(&format!(
+                "job {job_id} is not known to this PM process"
+            )))
+        })
+    }
+
     /// The endpoint this client calls.
     pub fn base(&self) -> &str {
         &self.base
@@ -466,13 +485,10 @@ impl WorkerClient {
     async fn submit_async(&self, req: &RunJobRequest) -> Result<AsyncJobStatus, DispatchError> {
         let body =
             serde_json::to_value(req).map_err(|e| DispatchError::Unavailable(e.to_string()))?;
-        Self::json(
-            self.call(
-                reqwest::Method::POST,
-                &["v1", "worker", "jobs"],
-                Some(&body),
-            )
-            .await?,
+        self.call_json(
+            reqwest::Method::POST,
+            &["v1", "worker", "jobs"],
+            Some(&body),
         )
         .await
     }
@@ -480,19 +496,12 @@ impl WorkerClient {
     /// `GET /v1/worker/jobs/{id}`.
     pub async fn status(&self, job_id: &str) -> Result<AsyncJobStatus, DispatchError> {
         if self.is_upstream() {
-            return self.upstream.status("", job_id).unwrap_or_else(|| {
-                Err(upstream::not_offered(&format!(
-                    "job {job_id} is not known to this PM process"
-                )))
-            });
+            return self.held_status(job_id);
         }
-        Self::json(
-            self.call(
-                reqwest::Method::GET,
-                &["v1", "worker", "jobs", job_id],
-                None,
-            )
-            .await?,
+        self.call_json(
+            reqwest::Method::GET,
+            &["v1", "worker", "jobs", job_id],
+            None,
         )
         .await
     }
@@ -501,19 +510,12 @@ impl WorkerClient {
     pub async fn stop(&self, job_id: &str) -> Result<AsyncJobStatus, DispatchError> {
         if self.is_upstream() {
             self.upstream.cancel(job_id);
-            return self.upstream.status("", job_id).unwrap_or_else(|| {
-                Err(upstream::not_offered(&format!(
-                    "job {job_id} is not known to this PM process"
-                )))
-            });
+            return self.held_status(job_id);
         }
-        Self::json(
-            self.call(
-                reqwest::Method::POST,
-                &["v1", "worker", "jobs", &format!("{job_id}:stop")],
-                Some(&serde_json::json!({})),
-            )
-            .await?,
+        self.call_json(
+            reqwest::Method::POST,
+            &["v1", "worker", "jobs", &format!("{job_id}:stop")],
+            Some(&serde_json::json!({})),
         )
         .await
     }

@@ -88,6 +88,28 @@ pub struct RunJobRequest {
 }
 
 impl RunJobRequest {
+    /// The request that runs the runner on `job_spec_json` (an SBA job) in `image`: what
+    /// the PM dispatches.
+    pub fn sba(
+        task_id: &str,
+        job_id: &str,
+        image: &str,
+        job_spec_json: String,
+        workspace_id: Option<String>,
+    ) -> Self {
+        RunJobRequest {
+            version: API_VERSION,
+            task_id: task_id.into(),
+            job_id: job_id.into(),
+            sandbox: SandboxSpec {
+                image: image.into(),
+                job_spec_json: Some(job_spec_json),
+                ..SandboxSpec::default()
+            },
+            workspace_id,
+        }
+    }
+
     /// Checks the request beyond its shape; errors name the field.
     pub fn validate(&self) -> Result<(), ValidationError> {
         if self.version != API_VERSION {

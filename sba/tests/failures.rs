@@ -2,7 +2,7 @@
 
 use serde_json::json;
 
-use crate::harness::{job_with, one, Sandbox};
+use crate::harness::{job_with, one, sh, sh_with, Sandbox};
 
 fn assert_failure_shapes(run: &crate::harness::Run, code: &str) {
     assert_eq!(run.failure(), code, "{}", run.message());
@@ -110,8 +110,8 @@ fn timeout_on_the_job_deadline() {
 
 #[test]
 fn constraint_violation_when_output_exceeds_the_cap() {
-    let run = Sandbox::run_once(&job_with(
-        json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", "yes 0123456789 | head -c 100000"] } }]),
+    let run = Sandbox::run_once(&sh_with(
+        "yes 0123456789 | head -c 100000",
         json!({ "max_output_bytes": 1000 }),
     ));
     assert_failure_shapes(&run, "constraint_violation");
@@ -131,10 +131,7 @@ fn constraint_violation_when_output_exceeds_the_cap() {
 fn resource_limit_exceeded_when_killed_by_sigkill() {
     let sb = Sandbox::new();
     // What the kernel's OOM killer or a pids/memory limit does to a step: SIGKILL.
-    let run = sb.run(&one(
-        "run_command",
-        json!({ "command": "sh", "args": ["-c", "kill -KILL $$"] }),
-    ));
+    let run = sb.run(&sh("kill -KILL $$"));
     assert_failure_shapes(&run, "resource_limit_exceeded");
     assert_eq!(run.step(0)["result"]["exit_code"], json!(null));
     assert_eq!(run.step(0)["result"]["signal"], 9);
@@ -143,14 +140,13 @@ fn resource_limit_exceeded_when_killed_by_sigkill() {
 #[test]
 fn ext_net_required_when_a_lookup_fails_without_network() {
     let sb = Sandbox::new();
-    let run = sb.run(&one(
-        "run_command",
-        json!({ "command": "sh", "args": ["-c", "echo 'fatal: unable to access: Could not resolve host: example.invalid' >&2; exit 128"] }),
+    let run = sb.run(&sh(
+        "echo 'fatal: unable to access: Could not resolve host: example.invalid' >&2; exit 128",
     ));
     assert_failure_shapes(&run, "ext_net_required");
     // With network allowed the same failure is an ordinary step failure.
-    let run = sb.run(&job_with(
-        json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", "echo 'Could not resolve host: x' >&2; exit 128"] } }]),
+    let run = sb.run(&sh_with(
+        "echo 'Could not resolve host: x' >&2; exit 128",
         json!({ "ext_net_allowed": true }),
     ));
     assert_failure_shapes(&run, "step_failed");
@@ -160,10 +156,7 @@ fn ext_net_required_when_a_lookup_fails_without_network() {
 fn internal_error_when_the_runner_is_terminated() {
     let sb = Sandbox::new();
     let started = sb.ws().join("started");
-    sb.write_job(&one(
-        "run_command",
-        json!({ "command": "sh", "args": ["-c", "touch started; exec sleep 30"] }),
-    ));
+    sb.write_job(&sh("touch started; exec sleep 30"));
     let mut child = cynode_testkit::OwnedChild::spawn(sb.command());
     assert!(crate::harness::wait_for_file(
         &started,

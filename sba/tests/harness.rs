@@ -202,6 +202,20 @@ pub fn one(step_type: &str, arguments: Value) -> Value {
     job(json!([{ "id": "s1", "type": step_type, "arguments": arguments }]))
 }
 
+/// One `run_command` step `s1` running `sh -c script`.
+pub fn sh(script: &str) -> Value {
+    one(
+        "run_command",
+        json!({ "command": "sh", "args": ["-c", script] }),
+    )
+}
+
+/// [`sh`] with `constraints` merged into the job's (as [`job_with`]).
+pub fn sh_with(script: &str, constraints: Value) -> Value {
+    let step = json!({ "id": "s1", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", script] } });
+    job_with(json!([step]), constraints)
+}
+
 /// Whether any live process has `needle` in its command line.
 pub fn process_with_arg(needle: &str) -> bool {
     let Ok(entries) = std::fs::read_dir("/proc") else {

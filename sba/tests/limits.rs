@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::harness::{job_with, process_with_arg, Sandbox};
+use crate::harness::{job_with, process_with_arg, sh, sh_with, Sandbox};
 
 /// Runs the binary and returns its output plus the peak RSS of the runner itself, taken
 /// from wait4 on it.
@@ -55,10 +55,7 @@ fn timeout_kills_a_grandchild_that_ignores_sigterm_and_holds_the_pipe() {
     let marker = "973.1717";
     let script =
         format!("(trap '' TERM; exec sleep {marker}) & trap '' TERM; sleep {marker}; wait");
-    sb.write_job(&job_with(
-        json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", script] } }]),
-        json!({ "max_runtime_seconds": 2 }),
-    ));
+    sb.write_job(&sh_with(&script, json!({ "max_runtime_seconds": 2 })));
     let t = Instant::now();
     let out = sb.command().output().unwrap();
     let took = t.elapsed();
@@ -77,10 +74,7 @@ fn orphans_that_leave_the_process_group_are_reaped() {
     let marker = "871.2323";
     // setsid moves the daemon out of the step's process group; the subreaper still gets it.
     let script = format!("setsid sleep {marker} > /dev/null 2>&1 < /dev/null & echo started");
-    let run = sb.run(&job_with(
-        json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", script] } }]),
-        json!({}),
-    ));
+    let run = sb.run(&sh(&script));
     assert_eq!(run.failure(), "none", "{}", run.message());
     assert_eq!(run.step(0)["result"]["stdout"], "started\n");
     assert!(
@@ -95,10 +89,7 @@ fn a_background_process_holding_stdout_does_not_hang_the_step() {
     let marker = "655.4242";
     let script = format!("sleep {marker} & echo done");
     let t = Instant::now();
-    let run = sb.run(&job_with(
-        json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", script] } }]),
-        json!({}),
-    ));
+    let run = sb.run(&sh(&script));
     assert_eq!(run.failure(), "none", "{}", run.message());
     assert_eq!(run.step(0)["result"]["stdout"], "done\n");
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());

@@ -2,14 +2,11 @@
 
 use serde_json::json;
 
-use crate::harness::{job, job_with, one, Sandbox};
+use crate::harness::{job, job_with, one, sh, Sandbox};
 
 #[test]
 fn run_command_captures_stdout_stderr_and_exit_code() {
-    let run = Sandbox::run_once(&one(
-        "run_command",
-        json!({ "command": "sh", "args": ["-c", "echo out; echo err >&2"] }),
-    ));
+    let run = Sandbox::run_once(&sh("echo out; echo err >&2"));
     assert_eq!(run.code, Some(0));
     assert_eq!(run.failure(), "none");
     let r = &run.step(0)["result"];

@@ -381,7 +381,7 @@ async fn held_run(State(h): State<Held>) -> &'static str {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_closes_an_upstream_jobs_request_and_a_second_submit_does_not_run_it_again() {
     use cynode_pm::dispatch::{DispatchError, Flavor, WorkerClient};
-    use cynode_protocol::worker_api::{AsyncJobState, RunJobRequest, SandboxSpec};
+    use cynode_protocol::worker_api::{AsyncJobState, RunJobRequest};
 
     let held = Held::default();
     let app = Router::new()
@@ -406,17 +406,7 @@ async fn stop_closes_an_upstream_jobs_request_and_a_second_submit_does_not_run_i
         "constraints": { "max_runtime_seconds": 60, "max_output_bytes": 100 },
         "steps": [{ "id": "wait", "type": "run_command", "arguments": { "command": "sleep", "args": ["60"] } }]
     });
-    let req = RunJobRequest {
-        version: 1,
-        task_id: "t-1".into(),
-        job_id: "held-1".into(),
-        sandbox: SandboxSpec {
-            image: IMAGE.into(),
-            job_spec_json: Some(job.to_string()),
-            ..Default::default()
-        },
-        workspace_id: None,
-    };
+    let req = RunJobRequest::sba("t-1", "held-1", IMAGE, job.to_string(), None);
     assert_eq!(
         client.submit(&req).await.unwrap().status,
         AsyncJobState::InProgress

@@ -273,7 +273,6 @@ pub(super) type Shared = Arc<State>;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use cynode_protocol::worker_api::SandboxSpec;
 
     fn req(image: &str, steps: Value) -> RunJobRequest {
         let job = json!({
@@ -281,17 +280,7 @@ mod tests {
             "constraints": { "max_runtime_seconds": 90, "max_output_bytes": 100, "allowed_commands": ["echo"] },
             "steps": steps
         });
-        RunJobRequest {
-            version: 1,
-            task_id: "t-1".into(),
-            job_id: "j-1".into(),
-            sandbox: SandboxSpec {
-                image: image.into(),
-                job_spec_json: Some(job.to_string()),
-                ..Default::default()
-            },
-            workspace_id: Some("ws".into()),
-        }
+        RunJobRequest::sba("t-1", "j-1", image, job.to_string(), Some("ws".into()))
     }
 
     #[test]

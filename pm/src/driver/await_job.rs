@@ -77,17 +77,13 @@ impl Pm {
             self.store.save(rec, version, &[]).await?;
             return Ok(());
         };
-        let req = RunJobRequest {
-            version: 1,
-            task_id: d.task_id.clone(),
-            job_id: d.job_id.clone(),
-            sandbox: SandboxSpec {
-                image: d.image.clone(),
-                job_spec_json: Some(d.job_json.clone()),
-                ..Default::default()
-            },
-            workspace_id: Some(rec.workspace_id.clone()),
-        };
+        let req = RunJobRequest::sba(
+            &d.task_id,
+            &d.job_id,
+            &d.image,
+            d.job_json.clone(),
+            Some(rec.workspace_id.clone()),
+        );
         let mut version = version;
         let outcome = match self.prepare_workspace(worker, rec, &d).await {
             Ok(()) => match worker.submit(&req).await {

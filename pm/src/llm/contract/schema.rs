@@ -166,51 +166,47 @@ pub(super) fn pat(p: String) -> Value {
 pub(super) fn state_patch_schema() -> Value {
     let entry = json!({ "$ref": "#/$defs/plan_entry" });
     let note = bounded_string(0, NOTE_MAX);
-    let mut ops = vec![
-        // The whole plan or the whole notes list.
+    let lists = [
+        ("plan", entry, MAX_PLAN_ENTRIES),
+        ("notes", note, MAX_NOTES),
+    ];
+    // The whole plan or the whole notes list.
+    let whole = lists.iter().map(|(name, item, max)| {
         op(
             &["add", "replace"],
             &[
-                ("path", json!({ "type": "string", "const": "/plan" })),
+                (
+                    "path",
+                    json!({ "type": "string", "const": format!("/{name}") }),
+                ),
                 (
                     "value",
-                    json!({ "type": "array", "maxItems": MAX_PLAN_ENTRIES, "items": entry.clone() }),
+                    json!({ "type": "array", "maxItems": max, "items": item }),
                 ),
             ],
-        ),
-        op(
-            &["add", "replace"],
-            &[
-                ("path", json!({ "type": "string", "const": "/notes" })),
-                (
-                    "value",
-                    json!({ "type": "array", "maxItems": MAX_NOTES, "items": note.clone() }),
-                ),
-            ],
-        ),
-        // One entry.
-        op(
-            &["add"],
-            &[
-                ("path", pat(format!("^/plan/(-|{INDEX})$"))),
-                ("value", entry.clone()),
-            ],
-        ),
-        op(
-            &["replace"],
-            &[("path", pat(format!("^/plan/{INDEX}$"))), ("value", entry)],
-        ),
-        op(
-            &["add"],
-            &[
-                ("path", pat(format!("^/notes/(-|{INDEX})$"))),
-                ("value", note.clone()),
-            ],
-        ),
-        op(
-            &["replace"],
-            &[("path", pat(format!("^/notes/{INDEX}$"))), ("value", note)],
-        ),
+        )
+    });
+    // One entry.
+    let one = lists.iter().flat_map(|(name, item, _)| {
+        [
+            op(
+                &["add"],
+                &[
+                    ("path", pat(format!("^/{name}/(-|{INDEX})$"))),
+                    ("value", item.clone()),
+                ],
+            ),
+            op(
+                &["replace"],
+                &[
+                    ("path", pat(format!("^/{name}/{INDEX}$"))),
+                    ("value", item.clone()),
+                ],
+            ),
+        ]
+    });
+    let mut ops: Vec<Value> = whole.chain(one).collect();
+    ops.extend([
         op(
             &["remove"],
             &[("path", pat(format!("^/(plan|notes)/{INDEX}$")))],
@@ -237,7 +233,7 @@ pub(super) fn state_patch_schema() -> Value {
                 ("value", json!({})),
             ],
         ),
-    ];
+    ]);
     // One field of an entry.
     for field in PATCHABLE_FIELDS {
         ops.push(op(

@@ -99,13 +99,8 @@ impl ReplyValidator {
         known_task_ids: &[String],
     ) -> Result<(), ContractError> {
         let obj = as_object("reply", reply)?;
-        check_keys(
-            "",
-            obj,
-            &["type", "state_patch", "payload"],
-            &["type", "state_patch", "payload"],
-            "a reply",
-        )?;
+        const REPLY_KEYS: [&str; 3] = ["type", "state_patch", "payload"];
+        check_keys("", obj, &REPLY_KEYS, &REPLY_KEYS, "a reply")?;
         let kind = match obj.get("type") {
             Some(Value::String(s)) if REPLY_TYPES.contains(&s.as_str()) => s.as_str(),
             Some(other) => {
@@ -192,13 +187,8 @@ impl ReplyValidator {
         payload: &Map<String, Value>,
         tasks: &BTreeSet<String>,
     ) -> Result<(), ContractError> {
-        check_keys(
-            "payload",
-            payload,
-            &["task_id", "skill_id", "inputs"],
-            &["task_id", "skill_id", "inputs"],
-            "a job_request",
-        )?;
+        const KEYS: [&str; 3] = ["task_id", "skill_id", "inputs"];
+        check_keys("payload", payload, &KEYS, &KEYS, "a job_request")?;
         let task_id = check_task_id("payload.task_id", payload.get("task_id"))?;
         let skill_id = match payload.get("skill_id") {
             Some(Value::String(s)) => s,
