@@ -95,24 +95,16 @@ pub struct Inference {
 /// Context handed to the SBA; free-form only in `preferences` and `skills`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
+#[serde(default)]
 pub struct JobContext {
-    #[serde(default)]
     pub baseline_context: String,
-    #[serde(default)]
     pub project_context: String,
-    #[serde(default)]
     pub task_context: String,
-    #[serde(default)]
     pub requirements: Vec<String>,
-    #[serde(default)]
     pub acceptance_criteria: Vec<String>,
-    #[serde(default)]
     pub preferences: serde_json::Map<String, serde_json::Value>,
-    #[serde(default)]
     pub additional_context: String,
-    #[serde(default)]
     pub skill_ids: Vec<String>,
-    #[serde(default)]
     pub skills: Option<serde_json::Value>,
 }
 

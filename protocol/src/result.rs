@@ -375,10 +375,9 @@ pub struct ArtifactRecord {
 
 /// What the job's processes used, from wait4/getrusage of the runner's children.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
 pub struct ResourceUsage {
-    #[serde(default)]
     pub cpu_time_ms: u64,
-    #[serde(default)]
     pub max_rss_bytes: u64,
 }
 

@@ -183,10 +183,9 @@ pub enum WorkerJobStatus {
 
 /// Which streams were cut.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(default)]
 pub struct Truncated {
-    #[serde(default)]
     pub stdout: bool,
-    #[serde(default)]
     pub stderr: bool,
 }
 

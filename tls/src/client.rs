@@ -9,15 +9,13 @@ use crate::{read, Result, TlsError};
 /// What a client trusts and presents, beyond the system's roots.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(default)]
 pub struct ClientTls {
     /// PEM file of extra CA certificates to trust (the system's roots stay trusted).
-    #[serde(default)]
     pub ca_file: Option<PathBuf>,
     /// PEM client certificate (chain) presented to servers that require one.
-    #[serde(default)]
     pub cert_file: Option<PathBuf>,
     /// PEM private key of `cert_file`.
-    #[serde(default)]
     pub key_file: Option<PathBuf>,
 }
 

@@ -28,18 +28,15 @@ pub enum Action {
 /// A change to the todo list; applied all or nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields)]
+#[serde(default)]
 pub struct TodoUpdate {
     /// Descriptions of new items, appended in order.
-    #[serde(default)]
     pub add: Vec<String>,
     /// Ids to mark `in_progress`.
-    #[serde(default)]
     pub start: Vec<String>,
     /// Ids to mark `done`.
-    #[serde(default)]
     pub complete: Vec<String>,
     /// Ids to move to the front, in this order; the others keep their order after them.
-    #[serde(default)]
     pub reorder: Vec<String>,
 }
 
