@@ -54,21 +54,21 @@ pub struct Outcome {
 /// Marks the calling process a child subreaper, so orphaned descendants are reparented to
 /// it and can be reaped.
 pub fn become_subreaper() -> io::Result<()> {
-    // SAFETY: prctl with PR_SET_CHILD_SUBREAPER takes one integer argument.
-    let rc = unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
+    prctl_set(libc::PR_SET_CHILD_SUBREAPER, 1)
 }
 
 /// Makes the runner non-dumpable, so the steps it runs (same uid) can neither ptrace it
 /// nor read its `/proc/<pid>/mem`, `environ` or fds: they could otherwise rewrite its
 /// limits or its result. Steps are exec'd and so dumpable again; only the runner is not.
 pub fn make_non_dumpable() -> io::Result<()> {
-    // SAFETY: prctl with PR_SET_DUMPABLE takes one integer argument.
-    let rc = unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
+    prctl_set(libc::PR_SET_DUMPABLE, 0)
+}
+
+/// `prctl(option, value)` for an option that takes one integer argument.
+fn prctl_set(option: libc::c_int, value: libc::c_ulong) -> io::Result<()> {
+    // SAFETY: the options passed here (PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE) take one
+    // integer argument and no pointer.
+    let rc = unsafe { libc::prctl(option, value, 0, 0, 0) };
     if rc == 0 {
         Ok(())
     } else {

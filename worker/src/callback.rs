@@ -2,8 +2,6 @@
 //! `/job/status.sock`, a Unix socket in the job directory, so `in_progress` reaches the
 //! node with no network in the sandbox.
 
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -15,7 +13,7 @@ use axum::Router;
 use cynode_protocol::worker_api::{SbaLifecycle, SbaStatusCallback};
 use tokio_util::sync::CancellationToken;
 
-use crate::sandbox::STATUS_SOCKET;
+use crate::sandbox::{bind_job_socket, STATUS_SOCKET};
 
 /// Largest callback body (a completed callback carries the whole result).
 const MAX_CALLBACK_BYTES: usize = 32 * 1024 * 1024;
@@ -42,18 +40,9 @@ struct Ctx {
     on_status: OnStatus,
 }
 
-/// Binds `<dir>/status.sock` (through `/proc/self/fd`, so long state paths still fit in a
-/// socket address) and serves callbacks for `job_id`.
+/// Binds `<dir>/status.sock` (see [`bind_job_socket`]) and serves callbacks for `job_id`.
 pub fn listen(dir: &Path, job_id: &str, on_status: OnStatus) -> std::io::Result<CallbackServer> {
-    let path = dir.join(STATUS_SOCKET);
-    let _ = std::fs::remove_file(&path);
-    let dir_fd = std::fs::File::open(dir)?;
-    let short = format!("/proc/self/fd/{}/{STATUS_SOCKET}", dir_fd.as_raw_fd());
-    let std_listener = std::os::unix::net::UnixListener::bind(&short)?;
-    drop(dir_fd);
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o777))?;
-    std_listener.set_nonblocking(true)?;
-    let listener = tokio::net::UnixListener::from_std(std_listener)?;
+    let (path, listener) = bind_job_socket(dir, STATUS_SOCKET, None, 0o777)?;
     let ctx = Ctx {
         job_id: job_id.to_string(),
         on_status,

@@ -14,8 +14,6 @@
 //! - Token usage is logged per request and in total per job (`job_id`, `prompt_tokens`,
 //!   `completion_tokens`).
 
-use std::os::fd::AsRawFd;
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,7 +28,7 @@ use axum::Router;
 use serde_json::{json, Value};
 
 use crate::config::InferenceConfig;
-use crate::sandbox::{INFERENCE_SOCKET as SOCKET_NAME, SANDBOX_UID};
+use crate::sandbox::{bind_job_socket, INFERENCE_SOCKET as SOCKET_NAME, SANDBOX_UID};
 
 /// Why the configured upstream cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -184,18 +182,7 @@ impl Drop for ProxyServer {
 /// Binds `<dir>/inference.sock` for `proxy` and serves it. The socket belongs to the
 /// sandbox uid (when the node may chown) with mode 0600: only the sandbox and root reach it.
 pub fn listen(dir: &Path, proxy: Arc<Proxy>) -> std::io::Result<ProxyServer> {
-    let path = dir.join(SOCKET_NAME);
-    let _ = std::fs::remove_file(&path);
-    let dir_fd = std::fs::File::open(dir)?;
-    let short = format!("/proc/self/fd/{}/{SOCKET_NAME}", dir_fd.as_raw_fd());
-    let std_listener = std::os::unix::net::UnixListener::bind(&short)?;
-    drop(dir_fd);
-    if let Err(e) = std::os::unix::fs::chown(&path, Some(SANDBOX_UID), Some(SANDBOX_UID)) {
-        tracing::debug!(error = %e, "inference socket keeps the node's owner");
-    }
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
-    std_listener.set_nonblocking(true)?;
-    let listener = tokio::net::UnixListener::from_std(std_listener)?;
+    let (path, listener) = bind_job_socket(dir, SOCKET_NAME, Some(SANDBOX_UID), 0o600)?;
     let router = app(Arc::clone(&proxy));
     let task = tokio::spawn(async move {
         let _ = axum::serve(listener, router).await;

@@ -3,7 +3,7 @@
 //! env names the node sets (which a request can never override), the in-sandbox URLs of
 //! the node's sockets, and [`spec`], the one builder of a [`SandboxSpec`] for jobs and
 //! sessions alike (mounts, workdir, no network by default, the node's resource limits and
-//! output cap).
+//! output cap), and [`bind_job_socket`], how a node socket appears in the job directory.
 //!
 //! A leaf: it knows the config's limits and the protocol, nothing else of the node.
 
@@ -54,6 +54,35 @@ pub const STATUS_URL: &str = "http+unix://%2Fjob%2Fstatus.sock/status";
 pub const INFERENCE_SOCKET: &str = "inference.sock";
 /// `INFERENCE_PROXY_URL` as the sandbox sees it.
 pub const PROXY_URL: &str = "http+unix://%2Fjob%2Finference.sock";
+
+/// Binds the socket `<dir>/<name>` a sandbox reaches under [`JOB_MOUNT`], replacing a
+/// stale one. It binds through `/proc/self/fd/<dir fd>/<name>`, so a long state path still
+/// fits in a socket address. `owner`: the uid/gid the socket is given when the node may
+/// chown (otherwise it keeps the node's, logged); then its mode is `mode`. Must be called
+/// within the node's tokio runtime.
+pub fn bind_job_socket(
+    dir: &Path,
+    name: &str,
+    owner: Option<u32>,
+    mode: u32,
+) -> std::io::Result<(PathBuf, tokio::net::UnixListener)> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::PermissionsExt;
+    let path = dir.join(name);
+    let _ = std::fs::remove_file(&path);
+    let dir_fd = std::fs::File::open(dir)?;
+    let short = format!("/proc/self/fd/{}/{name}", dir_fd.as_raw_fd());
+    let listener = std::os::unix::net::UnixListener::bind(&short)?;
+    drop(dir_fd);
+    if let Some(id) = owner {
+        if let Err(e) = std::os::unix::fs::chown(&path, Some(id), Some(id)) {
+            tracing::debug!(error = %e, socket = name, "socket keeps the node's owner");
+        }
+    }
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
+    listener.set_nonblocking(true)?;
+    Ok((path, tokio::net::UnixListener::from_std(listener)?))
+}
 
 /// A bind mount into the sandbox.
 #[derive(Debug, Clone)]

@@ -94,6 +94,10 @@ pub struct Store {
     pool: SqlitePool,
 }
 
+/// Every column [`decode`] reads, in its order.
+const SELECT_JOBS: &str =
+    "SELECT job_id, task_id, mode, state, request_json, response_json, request_digest FROM jobs";
+
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../migrations/worker");
 
 fn state_str(s: AsyncJobState) -> &'static str {
@@ -196,21 +200,18 @@ impl Store {
 
     /// One job, if known.
     pub async fn get(&self, job_id: &str) -> Result<Option<JobRecord>> {
-        let row = sqlx::query(
-            "SELECT job_id, task_id, mode, state, request_json, response_json, request_digest FROM jobs WHERE job_id = ?1",
-        )
-        .bind(job_id)
-        .fetch_optional(&self.pool)
-        .await?;
+        let row = sqlx::query(&format!("{SELECT_JOBS} WHERE job_id = ?1"))
+            .bind(job_id)
+            .fetch_optional(&self.pool)
+            .await?;
         row.map(|r| decode(&r)).transpose()
     }
 
     /// Jobs that were accepted or running: after a restart they need reconciling.
     pub async fn unfinished(&self) -> Result<Vec<JobRecord>> {
-        let rows = sqlx::query(
-            "SELECT job_id, task_id, mode, state, request_json, response_json, request_digest FROM jobs \
-             WHERE state IN ('accepted', 'in_progress') ORDER BY created_at",
-        )
+        let rows = sqlx::query(&format!(
+            "{SELECT_JOBS} WHERE state IN ('accepted', 'in_progress') ORDER BY created_at"
+        ))
         .fetch_all(&self.pool)
         .await?;
         rows.iter().map(decode).collect()
