@@ -54,8 +54,6 @@ mirror=${CYNODE_DEBIAN_MIRROR:-http://deb.debian.org/debian}
 command -v podman >/dev/null || die "podman not found: run deploy/install-deps.sh"
 [[ -f $sba_binary && -x $sba_binary ]] || die "SBA_BINARY '$sba_binary' is not an executable file"
 
-start=$(date +%s.%N)
-elapsed() { awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN {printf "%.1f s", e - s}'; }
 
 sba_sha=$(sha256sum "$sba_binary" | cut -d' ' -f1)
 recipe_sha=$(sha256sum "$0" | cut -d' ' -f1)
@@ -65,21 +63,9 @@ mkdir -p /run/lock "$(dirname "$cache")"
 exec 9>/run/lock/cynode-full-image.lock
 flock -w 3600 9 || die "timed out waiting for /run/lock/cynode-full-image.lock"
 
-label() {
-  podman image inspect --format "{{index .Labels \"$2\"}}" "$1" 2>/dev/null || true
-}
-
-old_id=""
-if podman image exists "$image"; then
-  old_id=$(podman image inspect --format '{{.Id}}' "$image")
-  if [[ ${CYNODE_IMAGE_FORCE:-0} != 1 && ${CYNODE_ROOTFS_REFRESH:-0} != 1 &&
-    $(label "$image" io.cynode.sba.sha256) == "$sba_sha" &&
-    $(label "$image" io.cynode.image.recipe) == "$recipe_sha" ]]; then
-    log "$image is up to date (sba sha256 ${sba_sha:0:12}); not rebuilding ($(elapsed))"
-    echo "$old_id"
-    exit 0
-  fi
-fi
+force=0
+[[ ${CYNODE_IMAGE_FORCE:-0} == 1 || ${CYNODE_ROOTFS_REFRESH:-0} == 1 ]] && force=1
+exit_if_image_current "$image" "$sba_sha" "$recipe_sha" "$force"
 
 # --- the cached root filesystem -----------------------------------------------------------
 build_rootfs() {
@@ -159,7 +145,6 @@ tar --numeric-owner -cf - -C "$cache" --exclude=./.cynode-stamp . \
     --change 'LABEL org.opencontainers.image.description=CyNode sandbox agent runner (Debian 12 minbase)' \
     --message "cynode-sba runner image (sba sha256 $sba_sha)" \
     - "$image" >/dev/null
-new_id=$(podman image inspect --format '{{.Id}}' "$image")
 
 log "checking the image with the sandbox flags"
 podman run --rm --runtime runc --ulimit nofile=1024:1024 --ulimit nproc=1000:1000 \
@@ -175,8 +160,4 @@ podman run --rm --runtime runc --ulimit nofile=1024:1024 --ulimit nproc=1000:100
     test "$(pwd)" = /workspace' >&2 ||
   die "image $image lacks a required tool or setting (see above)"
 
-if [[ -n $old_id && $old_id != "$new_id" ]]; then
-  podman rmi "$old_id" >/dev/null 2>&1 || log "old image ${old_id:0:12} still in use; left in place"
-fi
-log "built $image ($(elapsed))"
-echo "$new_id"
+finish_image "$image"

@@ -44,8 +44,6 @@ if ldd "$busybox" 2>/dev/null | grep -q '=>'; then
   die "$busybox is dynamically linked: install busybox-static (or set BUSYBOX)"
 fi
 
-start=$(date +%s.%N)
-elapsed() { awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN {printf "%.2f s", e - s}'; }
 
 sba_sha=$(sha256sum "$sba_binary" | cut -d' ' -f1)
 recipe_sha=$(cat "$0" "$busybox" | sha256sum | cut -d' ' -f1)
@@ -55,21 +53,7 @@ mkdir -p /run/lock
 exec 9>"/run/lock/cynode-image-$lock_name.lock"
 flock -w 900 9 || die "timed out waiting for the build lock of $image"
 
-label() {
-  podman image inspect --format "{{index .Labels \"$2\"}}" "$1" 2>/dev/null || true
-}
-
-old_id=""
-if podman image exists "$image"; then
-  old_id=$(podman image inspect --format '{{.Id}}' "$image")
-  if [[ ${CYNODE_IMAGE_FORCE:-0} != 1 &&
-    $(label "$image" io.cynode.sba.sha256) == "$sba_sha" &&
-    $(label "$image" io.cynode.image.recipe) == "$recipe_sha" ]]; then
-    log "$image is up to date (sba sha256 ${sba_sha:0:12}); not rebuilding ($(elapsed))"
-    echo "$old_id"
-    exit 0
-  fi
-fi
+exit_if_image_current "$image" "$sba_sha" "$recipe_sha" "${CYNODE_IMAGE_FORCE:-0}"
 
 work=$(mktemp -d /var/tmp/cynode-test-image.XXXXXX)
 trap 'rm -rf "$work"' EXIT
@@ -148,9 +132,4 @@ tar --numeric-owner -C "$root" -cf - . |
     --message "cynode-sba test image (sba sha256 $sba_sha)" \
     - "$image" >/dev/null
 
-new_id=$(podman image inspect --format '{{.Id}}' "$image")
-if [[ -n $old_id && $old_id != "$new_id" ]]; then
-  podman rmi "$old_id" >/dev/null 2>&1 || log "old image ${old_id:0:12} still in use; left in place"
-fi
-log "built $image ($(elapsed))"
-echo "$new_id"
+finish_image "$image"

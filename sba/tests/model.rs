@@ -223,12 +223,7 @@ fn serve<S: Read + Write>(mut s: S, st: &State) {
     let _ = s.write_all(resp.as_bytes());
 }
 
+/// OpenAI's exact completion shape (testkit's), as text.
 fn completion(content: &str) -> String {
-    json!({
-        "object": "chat.completion",
-        "choices": [{ "index": 0, "finish_reason": "stop",
-                      "message": { "role": "assistant", "content": content } }],
-        "usage": { "prompt_tokens": 100, "completion_tokens": 10, "total_tokens": 110 }
-    })
-    .to_string()
+    cynode_testkit::scripted_model::completion(content).to_string()
 }

@@ -88,20 +88,10 @@ fn bodies_must_be_json_objects_sent_as_application_json() {
     let valid = json!({ "objective": "say hi" }).to_string();
 
     // Accepted: application/json, with or without parameters.
-    let ok = post(
-        &r.base,
-        "/v1/sessions",
-        Some("application/json"),
-        valid.as_bytes(),
-    );
-    assert_eq!(ok.0, 201, "{ok:?}");
-    let ok = post(
-        &r.base,
-        "/v1/sessions",
-        Some("Application/JSON; charset=utf-8"),
-        valid.as_bytes(),
-    );
-    assert_eq!(ok.0, 201, "{ok:?}");
+    for ct in ["application/json", "Application/JSON; charset=utf-8"] {
+        let ok = post(&r.base, "/v1/sessions", Some(ct), valid.as_bytes());
+        assert_eq!(ok.0, 201, "{ok:?}");
+    }
 
     // 415: another type, a form, or no Content-Type at all, on every body route.
     for path in [

@@ -33,13 +33,11 @@ struct Upstream {
     script: Arc<Mutex<Vec<Value>>>,
 }
 
+/// OpenAI's exact completion shape (testkit's), with usage figures the tests look for.
 fn completion(content: &str) -> Value {
-    json!({
-        "object": "chat.completion",
-        "choices": [{ "index": 0, "finish_reason": "stop",
-                      "message": { "role": "assistant", "content": content } }],
-        "usage": { "prompt_tokens": 321, "completion_tokens": 12, "total_tokens": 333 }
-    })
+    let mut c = cynode_testkit::scripted_model::completion(content);
+    c["usage"] = json!({ "prompt_tokens": 321, "completion_tokens": 12, "total_tokens": 333 });
+    c
 }
 
 async fn up_models(State(u): State<Upstream>, h: HeaderMap) -> Json<Value> {
