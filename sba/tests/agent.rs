@@ -21,20 +21,10 @@ fn agent_job(context: Value) -> Value {
     })
 }
 
-fn run_with(sb: &Sandbox, job: &Value, env: &[(&str, &str)]) -> Run {
-    sb.write_job(job);
-    let mut c = sb.command();
-    for (k, v) in env {
-        c.env(k, v);
-    }
-    sb.finish(c.output().expect("spawn cynode-sba"))
-}
-
 /// Runs the default agent job against a TCP model scripted with `replies`.
 fn run_scripted(sb: &Sandbox, replies: Vec<Reply>) -> (Model, Run) {
     let model = Model::tcp(&["m1"], replies, None);
-    let run = run_with(
-        sb,
+    let run = sb.run_env(
         &agent_job(json!({ "task_context": "x" })),
         &[("OLLAMA_BASE_URL", &model.url)],
     );
@@ -75,8 +65,7 @@ fn agent_writes_reads_and_keeps_its_todo_list_on_disk() {
         "requirements": ["hello.txt contains hi"]
     }));
     // The proxy URL wins over OLLAMA_BASE_URL (which points nowhere here).
-    let run = run_with(
-        &sb,
+    let run = sb.run_env(
         &job,
         &[
             ("INFERENCE_PROXY_URL", &model.url),
@@ -183,8 +172,7 @@ fn agent_writes_reads_and_keeps_its_todo_list_on_disk() {
 fn a_model_outside_the_allowed_list_is_refused_before_any_step() {
     let sb = Sandbox::new();
     let model = Model::tcp(&["m1", "evil"], vec![], None);
-    let run = run_with(
-        &sb,
+    let run = sb.run_env(
         &agent_job(json!({ "task_context": "x" })),
         &[
             ("OLLAMA_BASE_URL", &model.url),
@@ -206,8 +194,7 @@ fn a_model_outside_the_allowed_list_is_refused_before_any_step() {
 fn upstream_inference_model_selects_the_model() {
     let sb = Sandbox::new();
     let model = Model::tcp(&["m1", "evil"], vec![], None);
-    let run = run_with(
-        &sb,
+    let run = sb.run_env(
         &agent_job(json!({ "task_context": "x" })),
         &[("OLLAMA_BASE_URL", &model.url), ("INFERENCE_MODEL", "evil")],
     );
@@ -224,8 +211,7 @@ fn upstream_inference_model_selects_the_model() {
 fn an_allowed_model_the_endpoint_does_not_serve_fails_before_any_step() {
     let sb = Sandbox::new();
     let model = Model::tcp(&["other"], vec![], None);
-    let run = run_with(
-        &sb,
+    let run = sb.run_env(
         &agent_job(json!({ "task_context": "x" })),
         &[("OLLAMA_BASE_URL", &format!("{}/v1", model.url))],
     );
@@ -247,7 +233,7 @@ fn a_job_without_allowed_models_does_not_validate() {
     let sb = Sandbox::new();
     let mut job = agent_job(json!({ "task_context": "x" }));
     job.as_object_mut().unwrap().remove("inference");
-    let run = run_with(&sb, &job, &[]);
+    let run = sb.run_env(&job, &[]);
     assert_eq!(run.failure(), "schema_validation");
     assert_eq!(
         run.message(),
@@ -291,8 +277,7 @@ fn retries_are_bounded() {
     let sb = Sandbox::new();
     let bad = || Reply::Raw("{\"thought\": 1}".into());
     let model = Model::tcp(&["m1"], vec![bad(), bad(), bad(), bad()], None);
-    let run = run_with(
-        &sb,
+    let run = sb.run_env(
         &agent_job(json!({ "task_context": "x" })),
         &[("OLLAMA_BASE_URL", &model.url)],
     );
@@ -317,7 +302,7 @@ fn a_slow_model_times_out_at_the_job_deadline() {
     let mut job = agent_job(json!({ "task_context": "x" }));
     job["constraints"]["max_runtime_seconds"] = 2.into();
     let t = Instant::now();
-    let run = run_with(&sb, &job, &[("OLLAMA_BASE_URL", &model.url)]);
+    let run = sb.run_env(&job, &[("OLLAMA_BASE_URL", &model.url)]);
     let took = t.elapsed();
     assert_eq!(run.result.status, JobStatus::Timeout);
     assert_eq!(run.failure(), "timeout");
@@ -383,7 +368,7 @@ fn the_output_cap_holds_for_a_command_the_model_runs() {
     );
     let mut job = agent_job(json!({ "task_context": "x" }));
     job["constraints"]["max_output_bytes"] = 200.into();
-    let run = run_with(&sb, &job, &[("OLLAMA_BASE_URL", &model.url)]);
+    let run = sb.run_env(&job, &[("OLLAMA_BASE_URL", &model.url)]);
     run.assert_failure(
         "constraint_violation",
         "step agent-1: output of `seq` exceeded max_output_bytes",
@@ -424,8 +409,7 @@ fn an_endpoint_that_is_down_fails_clearly() {
         l.local_addr().unwrap().port()
     };
     let t = Instant::now();
-    let run = run_with(
-        &sb,
+    let run = sb.run_env(
         &agent_job(json!({ "task_context": "x" })),
         &[("OLLAMA_BASE_URL", &format!("http://127.0.0.1:{port}"))],
     );
@@ -443,8 +427,7 @@ fn an_endpoint_error_status_fails_with_its_message() {
         vec![Reply::Status(400, r#"{"error":"bad schema"}"#.into())],
         None,
     );
-    let run = run_with(
-        &sb,
+    let run = sb.run_env(
         &agent_job(json!({ "task_context": "x" })),
         &[("OLLAMA_BASE_URL", &model.url)],
     );
@@ -463,8 +446,7 @@ fn turns_are_bounded() {
     let sb = Sandbox::new();
     let look = || act("list_tree", json!({ "path": "." }));
     let model = Model::tcp(&["m1"], vec![look(), look(), look()], None);
-    let run = run_with(
-        &sb,
+    let run = sb.run_env(
         &agent_job(json!({ "task_context": "x" })),
         &[
             ("OLLAMA_BASE_URL", &model.url),
@@ -487,8 +469,7 @@ fn finishing_with_open_todo_items_is_refused_then_reported_honestly() {
         vec![finish("success", "done!"), finish("success", "really done")],
         None,
     );
-    let run = run_with(
-        &sb,
+    let run = sb.run_env(
         &agent_job(json!({ "task_context": "x", "acceptance_criteria": ["tests pass"] })),
         &[("OLLAMA_BASE_URL", &model.url)],
     );
@@ -520,7 +501,7 @@ fn suggested_steps_seed_the_todo_list_and_are_not_run() {
     );
     let mut job = agent_job(json!({ "task_context": "x" }));
     job["steps"] = json!([{ "id": "s1", "type": "run_command", "arguments": { "command": "touch", "args": ["ran"] } }]);
-    let run = run_with(&sb, &job, &[("OLLAMA_BASE_URL", &model.url)]);
+    let run = sb.run_env(&job, &[("OLLAMA_BASE_URL", &model.url)]);
     assert_eq!(run.result.status, JobStatus::Success, "{}", run.message());
     assert!(!sb.ws().join("ran").exists());
     assert_eq!(

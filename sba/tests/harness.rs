@@ -101,10 +101,16 @@ impl Sandbox {
     }
 
     pub fn run(&self, job: &Value) -> Run {
+        self.run_env(job, &[])
+    }
+
+    /// [`Sandbox::run`] with `env` set for the runner.
+    pub fn run_env(&self, job: &Value, env: &[(&str, &str)]) -> Run {
         self.write_job(job);
+        let mut c = self.command();
+        c.envs(env.iter().copied());
         // Bounded by the test, in a process group it owns: a runner that hangs fails here.
-        let output =
-            cynode_testkit::output_bounded(self.command(), std::time::Duration::from_secs(120));
+        let output = cynode_testkit::output_bounded(c, std::time::Duration::from_secs(120));
         self.finish(output)
     }
 

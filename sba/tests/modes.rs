@@ -4,6 +4,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::os::unix::net::UnixListener;
 use std::process::Stdio;
+use std::thread::JoinHandle;
 
 use serde_json::{json, Value};
 
@@ -113,6 +114,21 @@ fn exit_2_when_no_result_can_be_written() {
     assert_eq!(out.status.code(), Some(2));
 }
 
+/// Serves the runner's two lifecycle callbacks (in progress, then the end) from a thread,
+/// each on what `accept` yields; joined, it gives each one's request line and body.
+pub(crate) fn two_callbacks<S: Read + Write + Send + 'static>(
+    mut accept: impl FnMut() -> S + Send + 'static,
+) -> JoinHandle<Vec<(String, Value)>> {
+    std::thread::spawn(move || (0..2).map(|_| serve_one(accept())).collect())
+}
+
+/// [`two_callbacks`] on a TCP port of 127.0.0.1: the port and the server.
+pub(crate) fn tcp_callbacks() -> (u16, JoinHandle<Vec<(String, Value)>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    (port, two_callbacks(move || listener.accept().unwrap().0))
+}
+
 /// Reads one HTTP request from `stream`, answers 200, returns the JSON body.
 pub(crate) fn serve_one<S: Read + Write>(stream: S) -> (String, Value) {
     let mut reader = BufReader::new(stream);
@@ -140,27 +156,13 @@ pub(crate) fn serve_one<S: Read + Write>(stream: S) -> (String, Value) {
 
 #[test]
 fn lifecycle_callbacks_reach_a_real_http_listener() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let server = std::thread::spawn(move || {
-        (0..2)
-            .map(|_| serve_one(listener.accept().unwrap().0))
-            .collect::<Vec<_>>()
-    });
+    let (port, server) = tcp_callbacks();
     let sb = Sandbox::new();
-    sb.write_job(&one(
-        "run_command",
-        json!({ "command": "echo", "args": ["x"] }),
-    ));
-    let out = sb
-        .command()
-        .env(
-            "SBA_JOB_STATUS_URL",
-            format!("http://127.0.0.1:{port}/v1/jobs/job-1/status"),
-        )
-        .output()
-        .unwrap();
-    let run = sb.finish(out);
+    let url = format!("http://127.0.0.1:{port}/v1/jobs/job-1/status");
+    let run = sb.run_env(
+        &one("run_command", json!({ "command": "echo", "args": ["x"] })),
+        &[("SBA_JOB_STATUS_URL", &url)],
+    );
     let got = server.join().unwrap();
     assert_eq!(got[0].0.trim_end(), "POST /v1/jobs/job-1/status HTTP/1.1");
     assert_eq!(
@@ -178,22 +180,13 @@ fn lifecycle_callbacks_over_a_unix_socket() {
     let sb = Sandbox::new();
     let sock = sb.dir.path().join("status.sock");
     let listener = UnixListener::bind(&sock).unwrap();
-    let server = std::thread::spawn(move || {
-        (0..2)
-            .map(|_| serve_one(listener.accept().unwrap().0))
-            .collect::<Vec<_>>()
-    });
-    sb.write_job(&one("run_command", json!({ "command": "false" })));
+    let server = two_callbacks(move || listener.accept().unwrap().0);
     let encoded = sock.display().to_string().replace('/', "%2F");
-    let out = sb
-        .command()
-        .env(
-            "SBA_JOB_STATUS_URL",
-            format!("http+unix://{encoded}/status"),
-        )
-        .output()
-        .unwrap();
-    let run = sb.finish(out);
+    let url = format!("http+unix://{encoded}/status");
+    let run = sb.run_env(
+        &one("run_command", json!({ "command": "false" })),
+        &[("SBA_JOB_STATUS_URL", &url)],
+    );
     let got = server.join().unwrap();
     assert_eq!(got[0].1["status"], "in_progress");
     assert_eq!(got[1].1["result"]["failure_code"], "step_failed");

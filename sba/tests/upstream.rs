@@ -6,8 +6,6 @@
 //! `<feature>__<scenario>`, hence the double underscore.
 #![allow(non_snake_case)]
 
-use std::net::TcpListener;
-
 use cynode_testkit::upstream::{self, SbaResult};
 use serde_json::{json, Value};
 
@@ -274,13 +272,7 @@ fn sba_tools__apply_unified_diff_tool_rejects_diff_that_escapes_workspace() {
 
 #[test]
 fn sba_lifecycle__when_status_url_is_set_sba_sends_in_progress_then_completion() {
-    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let server = std::thread::spawn(move || {
-        (0..2)
-            .map(|_| crate::modes::serve_one(listener.accept().unwrap().0))
-            .collect::<Vec<_>>()
-    });
+    let (port, server) = crate::modes::tcp_callbacks();
     let sb = Sandbox::new();
     sb.write_job(&upstream_job(echo_ok(), 1024));
     let mut cmd = sb.command();

@@ -31,3 +31,21 @@ pub use proc::{
     output_bounded, output_bounded_with_input, output_within, setup_script, OwnedChild, TimedOut,
 };
 pub use scripted_model::{Reply, ScriptedModel};
+
+/// The string `field` of each item of the JSON array `list`, in order.
+///
+/// # Panics
+/// When `list` is not an array or an item's `field` is not a string.
+pub fn field_strs<'a>(list: &'a serde_json::Value, field: &str) -> Vec<&'a str> {
+    let items = list
+        .as_array()
+        .unwrap_or_else(|| panic!("not an array: {list}"));
+    items
+        .iter()
+        .map(|item| {
+            item[field]
+                .as_str()
+                .unwrap_or_else(|| panic!("no string {field} in {item}"))
+        })
+        .collect()
+}

@@ -239,19 +239,9 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
         schema.contains("python-test") && !schema.contains("go-test"),
         "{schema}"
     );
-    let (_, skills) = call(
-        reqwest::Method::GET,
-        &format!("{}/v1/skills", r.base),
-        TENANT_A,
-        None,
-    )
-    .await;
-    let ids: Vec<&str> = skills["skills"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| s["skill_id"].as_str().unwrap())
-        .collect();
+    let url = format!("{}/v1/skills", r.base);
+    let (_, skills) = call(reqwest::Method::GET, &url, TENANT_A, None).await;
+    let ids = cynode_testkit::field_strs(&skills["skills"], "skill_id");
     assert!(
         ids.contains(&"write-files") && ids.contains(&"python-test") && !ids.contains(&"go-test"),
         "{ids:?}"

@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::harness::{
-    command_job, env, mounts_with, podman_containers, process_with_arg, sba_job, sha256_hex,
-    unique, Server, TOKEN,
+    assert_field_starts, command_job, env, mounts_with, podman_containers, process_with_arg,
+    sba_job, sha256_hex, unique, Server, TOKEN,
 };
 
 /// No leftovers of `job_id`: no container, no process with `marker`, no mount.
@@ -155,13 +155,7 @@ pub async fn no_network_for_none_and_restricted(backend: &'static str) {
     body["sandbox"]["network_policy"] = json!("allow");
     let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
     assert_eq!(code, 400, "{v}");
-    assert!(
-        v["detail"]
-            .as_str()
-            .unwrap()
-            .starts_with("sandbox.network_policy"),
-        "{v}"
-    );
+    assert_field_starts(&v, "detail", "sandbox.network_policy");
 }
 
 pub async fn cynode_env_is_present_and_not_overridable(backend: &'static str) {
@@ -207,13 +201,7 @@ pub async fn invalid_requests_name_the_field(backend: &'static str) {
     body["sandbox"]["surprise"] = json!(1);
     let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
     assert_eq!(code, 400);
-    assert!(
-        v["detail"]
-            .as_str()
-            .unwrap()
-            .starts_with("sandbox.surprise: unknown field"),
-        "{v}"
-    );
+    assert_field_starts(&v, "detail", "sandbox.surprise: unknown field");
     let id = unique("j");
     let mut body = sba_job(&id, "t", json!([]), json!([]));
     let mut spec: Value =
@@ -319,13 +307,7 @@ pub async fn missing_result_is_failed_never_success(backend: &'static str) {
     body["sandbox"]["command"] = json!(["--result", "/tmp/elsewhere.json"]);
     let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
     assert_eq!(v["status"], "failed", "{v}");
-    assert!(
-        v["failure_reason"]
-            .as_str()
-            .unwrap()
-            .starts_with("result.json missing"),
-        "{v}"
-    );
+    assert_field_starts(&v, "failure_reason", "result.json missing");
     assert_eq!(v.get("sba_result"), None);
 }
 

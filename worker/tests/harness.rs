@@ -448,6 +448,14 @@ fn launch(
 }
 
 /// A plain command job request.
+/// Asserts that `v[field]` is a string starting with `prefix`, showing `v` when not.
+pub fn assert_field_starts(v: &Value, field: &str, prefix: &str) {
+    assert!(
+        v[field].as_str().is_some_and(|s| s.starts_with(prefix)),
+        "{field} does not start with {prefix:?}: {v}"
+    );
+}
+
 pub fn command_job(job_id: &str, task_id: &str, command: &[&str]) -> Value {
     json!({
         "version": 1, "task_id": task_id, "job_id": job_id,

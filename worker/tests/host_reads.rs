@@ -482,12 +482,7 @@ async fn swapped_artifacts_dir_and_artifact_links_are_never_followed(backend: &'
     );
     let (_, v) = sv.run_job(&id, &unique("t"), &["sh", "-c", &script]).await;
     assert_eq!(v["status"], "completed", "{v}");
-    let listed: Vec<&str> = v["artifacts"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|a| a["path"].as_str().unwrap())
-        .collect();
+    let listed = cynode_testkit::field_strs(&v["artifacts"], "path");
     assert_eq!(listed, vec!["ok"], "{v}");
     for path in ["leak", "d/secret.txt"] {
         let r = sv

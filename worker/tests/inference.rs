@@ -157,6 +157,11 @@ fn unix_http(sock: &Path, method: &str, path: &str, body: Option<&[u8]>) -> (u16
     )
 }
 
+/// `POST /v1/chat/completions` with `body` on the proxy socket.
+fn post_chat(sock: &Path, body: &[u8]) -> (u16, Value) {
+    unix_http(sock, "POST", "/v1/chat/completions", Some(body))
+}
+
 fn chat_body(model: &str, first: &str) -> Vec<u8> {
     serde_json::to_vec(
         &json!({ "model": model, "messages": [{ "role": "user", "content": first }] }),
@@ -229,12 +234,7 @@ async fn the_proxy_reaches_an_https_only_upstream_it_trusts() {
         let sock = socket_of(&sv, &id);
         wait_until(Duration::from_secs(30), || sock.exists()).await;
         let before = up.hits.lock().unwrap().len();
-        let (code, v) = unix_http(
-            &sock,
-            "POST",
-            "/v1/chat/completions",
-            Some(&chat_body("m1", "hi")),
-        );
+        let (code, v) = post_chat(&sock, &chat_body("m1", "hi"));
         let hits = up.hits.lock().unwrap().len() - before;
         if trusted {
             assert_eq!((code, hits), (200, 1), "{v}");
@@ -280,12 +280,7 @@ async fn worker_inference_proxy__listens_on_a_unix_socket_and_rejects_oversized_
     assert_eq!(meta.uid(), 1000);
 
     // A model outside the job's list: 403 with a JSON error, nothing sent upstream.
-    let (code, v) = unix_http(
-        &sock,
-        "POST",
-        "/v1/chat/completions",
-        Some(&chat_body("m3", "hi")),
-    );
+    let (code, v) = post_chat(&sock, &chat_body("m3", "hi"));
     assert_eq!(code, 403);
     assert_eq!(v["error"]["type"], "model_not_allowed");
     assert_eq!(
@@ -295,12 +290,7 @@ async fn worker_inference_proxy__listens_on_a_unix_socket_and_rejects_oversized_
     assert!(up.hits.lock().unwrap().is_empty());
 
     // An allowed model goes through, with the key added on the upstream request only.
-    let (code, v) = unix_http(
-        &sock,
-        "POST",
-        "/v1/chat/completions",
-        Some(&chat_body("m1", "hi")),
-    );
+    let (code, v) = post_chat(&sock, &chat_body("m1", "hi"));
     assert_eq!(code, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], "ok");
     let hit = up.hits.lock().unwrap().last().cloned().unwrap();
@@ -354,30 +344,15 @@ async fn worker_inference_proxy__listens_on_a_unix_socket_and_rejects_oversized_
     assert_eq!(unix_http(&sock, "POST", "/v1/models", Some(b"{}")).0, 405);
 
     // Size caps: a request over 4096 bytes, a response over 65536 bytes.
-    let (code, v) = unix_http(
-        &sock,
-        "POST",
-        "/v1/chat/completions",
-        Some(&chat_body("m1", &"y".repeat(5000))),
-    );
+    let (code, v) = post_chat(&sock, &chat_body("m1", &"y".repeat(5000)));
     assert_eq!(code, 413);
     assert_eq!(v["error"]["type"], "request_too_large");
-    let (code, v) = unix_http(
-        &sock,
-        "POST",
-        "/v1/chat/completions",
-        Some(&chat_body("m2", "big")),
-    );
+    let (code, v) = post_chat(&sock, &chat_body("m2", "big"));
     assert_eq!(code, 502);
     assert_eq!(v["error"]["type"], "response_too_large");
     let mut streaming: Value = serde_json::from_slice(&chat_body("m1", "hi")).unwrap();
     streaming["stream"] = true.into();
-    let (code, _) = unix_http(
-        &sock,
-        "POST",
-        "/v1/chat/completions",
-        Some(&serde_json::to_vec(&streaming).unwrap()),
-    );
+    let (code, _) = post_chat(&sock, &serde_json::to_vec(&streaming).unwrap());
     assert_eq!(code, 400);
 
     // The sandbox got the node's proxy URL, not the request's; the socket goes with the job.

@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::harness::{
-    env, marker, process_with_arg, session_guard, unique, RemoveOnDrop, Server, TOKEN,
+    assert_field_starts, env, marker, process_with_arg, session_guard, unique, RemoveOnDrop,
+    Server, TOKEN,
 };
 
 on_both_backends!(
@@ -472,13 +473,7 @@ pub async fn invalid_requests_name_the_field(backend: &'static str) {
     let (code, v) = sv.post("/v1/worker/sessions", &body).await;
     assert_eq!(code, 400, "{v}");
     assert_eq!(v["type"], "urn:cynodeai:error:validation");
-    assert!(
-        v["detail"]
-            .as_str()
-            .unwrap()
-            .starts_with("surprise: unknown field"),
-        "{v}"
-    );
+    assert_field_starts(&v, "detail", "surprise: unknown field");
     let mut body = create_body(&id, "t");
     body["image"] = json!("localhost/elsewhere:latest");
     let (code, v) = sv.post("/v1/worker/sessions", &body).await;
@@ -514,13 +509,7 @@ pub async fn invalid_requests_name_the_field(backend: &'static str) {
     body["cwd"] = json!("/");
     let (code, v) = sv.post(&exec, &body).await;
     assert_eq!(code, 400, "{v}");
-    assert!(
-        v["detail"]
-            .as_str()
-            .unwrap()
-            .starts_with("cwd: unknown field"),
-        "{v}"
-    );
+    assert_field_starts(&v, "detail", "cwd: unknown field");
     let (code, v) = sv.post(&exec, &exec_body(&[])).await;
     assert_eq!(
         (code, v["detail"].clone()),
