@@ -65,12 +65,10 @@ fn policy_violation_for_disallowed_command() {
         json!({ "allowed_commands": ["echo", "git"] }),
     ));
     assert_failure_shapes(&run, "policy_violation");
-    assert_eq!(
-        run.message(),
-        "step s1: command `/bin/cat` is not in constraints.allowed_commands"
-    );
     // Refused before it started: no result output.
-    assert_eq!(run.step(0)["result"], json!(null));
+    run.assert_refused_before_start(
+        "step s1: command `/bin/cat` is not in constraints.allowed_commands",
+    );
 }
 
 #[test]

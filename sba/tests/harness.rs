@@ -179,6 +179,13 @@ impl Run {
         assert_eq!(self.failure(), code, "{}", self.message());
         self.assert_message_starts_with(prefix);
     }
+
+    /// The run failed with exactly `message`, and step `s1` was refused before it started
+    /// (it has no result).
+    pub fn assert_refused_before_start(&self, message: &str) {
+        assert_eq!(self.message(), message);
+        assert_eq!(self.step(0)["result"], json!(null));
+    }
 }
 
 /// A job with the given steps and sensible constraints.

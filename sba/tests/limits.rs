@@ -68,32 +68,35 @@ fn timeout_kills_a_grandchild_that_ignores_sigterm_and_holds_the_pipe() {
     );
 }
 
+/// Runs `script` as one step, which must succeed printing `stdout` and leave no process
+/// with `marker` in its command line alive; returns how long the run took.
+fn runs_and_leaves_nothing(script: &str, stdout: &str, marker: &str) -> Duration {
+    let sb = Sandbox::new();
+    let t = Instant::now();
+    let run = sb.run(&sh(script));
+    let took = t.elapsed();
+    assert_eq!(run.failure(), "none", "{}", run.message());
+    assert_eq!(run.step(0)["result"]["stdout"], stdout);
+    assert!(
+        !process_with_arg(marker),
+        "a process of the step survived: {script}"
+    );
+    took
+}
+
 #[test]
 fn orphans_that_leave_the_process_group_are_reaped() {
-    let sb = Sandbox::new();
     let marker = "871.2323";
     // setsid moves the daemon out of the step's process group; the subreaper still gets it.
     let script = format!("setsid sleep {marker} > /dev/null 2>&1 < /dev/null & echo started");
-    let run = sb.run(&sh(&script));
-    assert_eq!(run.failure(), "none", "{}", run.message());
-    assert_eq!(run.step(0)["result"]["stdout"], "started\n");
-    assert!(
-        !process_with_arg(marker),
-        "a daemonised process of the step survived"
-    );
+    runs_and_leaves_nothing(&script, "started\n", marker);
 }
 
 #[test]
 fn a_background_process_holding_stdout_does_not_hang_the_step() {
-    let sb = Sandbox::new();
     let marker = "655.4242";
-    let script = format!("sleep {marker} & echo done");
-    let t = Instant::now();
-    let run = sb.run(&sh(&script));
-    assert_eq!(run.failure(), "none", "{}", run.message());
-    assert_eq!(run.step(0)["result"]["stdout"], "done\n");
-    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
-    assert!(!process_with_arg(marker));
+    let took = runs_and_leaves_nothing(&format!("sleep {marker} & echo done"), "done\n", marker);
+    assert!(took < Duration::from_secs(5), "{took:?}");
 }
 
 #[test]

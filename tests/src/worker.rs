@@ -20,6 +20,19 @@ pub struct Worker {
 
 pub const TOKEN: &str = "e2e-worker-token-0123456789";
 
+impl Worker {
+    /// An authorised `GET path` on this worker, bounded at 60 s.
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        reqwest::Client::new()
+            .get(format!("http://{}{path}", self.addr))
+            .bearer_auth(TOKEN)
+            .timeout(Duration::from_secs(60))
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("GET {path} on the worker: {e}"))
+    }
+}
+
 pub fn start_worker(port: u16) -> Worker {
     let dir = tempfile::tempdir().unwrap();
     use std::os::unix::fs::PermissionsExt;

@@ -449,15 +449,8 @@ async fn wait_active_job(base: &str, id: &str) -> String {
 }
 
 async fn worker_job(worker: &Worker, job: &str) -> Value {
-    client()
-        .get(format!("http://{}/v1/worker/jobs/{job}", worker.addr))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    let r = worker.get(&format!("/v1/worker/jobs/{job}")).await;
+    r.json().await.unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -179,34 +179,34 @@ fn refused_or_untrusted_certificates_fail_the_session_at_once_naming_the_worker(
     let good = ca.client(dir.path(), "pm");
     let foreign = other.client(dir.path(), "intruder");
 
-    let file = workers_file(dir.path(), &w, &ca.cert_file, Some(&foreign));
-    assert_fails_at_once(
-        "a client certificate of another CA",
-        run(&["--workers-file", &file.display().to_string()]),
-        &[
-            "w-tls",
-            "tls handshake failed",
+    let cases = [
+        (
+            "a client certificate of another CA",
+            &ca.cert_file,
+            Some(&foreign),
             "refused this PM's client certificate",
-        ],
-    );
-
-    let file = workers_file(dir.path(), &w, &ca.cert_file, None);
-    assert_fails_at_once(
-        "no client certificate",
-        run(&["--workers-file", &file.display().to_string()]),
-        &["w-tls", "tls handshake failed", "client certificate"],
-    );
-
-    let file = workers_file(dir.path(), &w, &other.cert_file, Some(&good));
-    assert_fails_at_once(
-        "a worker certificate of a CA the PM does not trust",
-        run(&["--workers-file", &file.display().to_string()]),
-        &[
-            "w-tls",
-            "tls handshake failed",
+        ),
+        (
+            "no client certificate",
+            &ca.cert_file,
+            None,
+            "client certificate",
+        ),
+        (
+            "a worker certificate of a CA the PM does not trust",
+            &other.cert_file,
+            Some(&good),
             "not issued by a trusted CA",
-        ],
-    );
+        ),
+    ];
+    for (what, trusted, identity, cause) in cases {
+        let file = workers_file(dir.path(), &w, trusted, identity);
+        assert_fails_at_once(
+            what,
+            run(&["--workers-file", &file.display().to_string()]),
+            &["w-tls", "tls handshake failed", cause],
+        );
+    }
 
     // The same through --worker-endpoint: the single worker is `default`, its address named.
     let endpoint = format!("https://{}", w.addr);

@@ -95,14 +95,7 @@ fn routed(events: &[Value]) -> Vec<(String, String)> {
 }
 
 async fn worker_get(w: &Worker, path: &str) -> u16 {
-    reqwest::Client::new()
-        .get(format!("http://{}{path}", w.addr))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .status()
-        .as_u16()
+    w.get(path).await.status().as_u16()
 }
 
 /// Fills both run slots of `w` with sleeping jobs; returns their ids.
