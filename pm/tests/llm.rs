@@ -36,6 +36,11 @@ struct Server {
 }
 
 impl Server {
+    /// `first`, then a valid job_request.
+    async fn then_valid(first: Script) -> Server {
+        Server::start(vec![first, Script::Content(job_request_text())]).await
+    }
+
     async fn start(script: Vec<Script>) -> Server {
         let model = ScriptedModel::repeating_last(script);
         Server {
@@ -106,6 +111,23 @@ fn context() -> Vec<ChatMessage> {
     )
 }
 
+/// The error of one raw completion call to `server` (no contract, no retries).
+async fn complete_err(server: &Server) -> LlmError {
+    let client = LlmClient::new(server.config());
+    client
+        .complete(&context(), &json!({ "type": "object" }))
+        .await
+        .unwrap_err()
+}
+
+/// A job_request reply with no state patch.
+fn job_request(task_id: &str, skill_id: &str, inputs: Value) -> Value {
+    json!({
+        "type": "job_request", "state_patch": [],
+        "payload": { "task_id": task_id, "skill_id": skill_id, "inputs": inputs }
+    })
+}
+
 fn validate(reply: Value) -> Result<LlmOutput, ContractError> {
     let cat = catalog();
     validate_reply(
@@ -123,15 +145,9 @@ fn validate(reply: Value) -> Result<LlmOutput, ContractError> {
 #[tokio::test]
 async fn valid_reply_is_parsed_and_the_request_carries_schema_and_model() {
     let server = Server::start(vec![Script::Content(job_request_text())]).await;
-    let client = LlmClient::new(server.config());
-    let cat = catalog();
-    let schema = response_schema(&cat, &tasks());
+    let (reply, raw, attempts) = ask(server.config()).await.unwrap();
+    let schema = response_schema(&catalog(), &tasks());
     let messages = context();
-
-    let (reply, raw, attempts) = client
-        .next_reply(&messages, &schema, &tasks(), &cat)
-        .await
-        .unwrap();
     assert_eq!(reply, job_request_output());
     assert_eq!(raw, job_request_text());
     assert_eq!(attempts, 1);
@@ -178,21 +194,15 @@ async fn valid_reply_is_parsed_and_the_request_carries_schema_and_model() {
 
 #[tokio::test]
 async fn garbage_then_valid_is_retried_with_the_error_fed_back() {
-    let server = Server::start(vec![
-        Script::Content("Sure! Here is the plan: run the tests.".into()),
-        Script::Content(job_request_text()),
-    ])
+    let server = Server::then_valid(Script::Content(
+        "Sure! Here is the plan: run the tests.".into(),
+    ))
     .await;
-    let client = LlmClient::new(server.config());
-    let cat = catalog();
-    let schema = response_schema(&cat, &tasks());
-
-    let (reply, _, attempts) = client
-        .next_reply(&context(), &schema, &tasks(), &cat)
-        .await
-        .unwrap();
+    let (reply, _, attempts) = ask(server.config()).await.unwrap();
     assert_eq!(reply, job_request_output());
     assert_eq!(attempts, 2);
+    let cat = catalog();
+    let schema = response_schema(&cat, &tasks());
 
     let expected = validate_reply(
         "Sure! Here is the plan: run the tests.",
@@ -293,11 +303,7 @@ async fn the_callers_check_is_fed_back_like_a_contract_error() {
 
 #[tokio::test]
 async fn empty_content_is_asked_again() {
-    let server = Server::start(vec![
-        Script::Content("  ".into()),
-        Script::Content(job_request_text()),
-    ])
-    .await;
+    let server = Server::then_valid(Script::Content("  ".into())).await;
     let (_, _, attempts) = ask(server.config()).await.unwrap();
     assert_eq!(attempts, 2);
     // No fabricated assistant message: the same conversation is sent again.
@@ -308,11 +314,7 @@ async fn empty_content_is_asked_again() {
 #[tokio::test]
 async fn a_reply_cut_off_at_max_tokens_is_asked_again_shorter() {
     let full = job_request_text();
-    let server = Server::start(vec![
-        Script::Cut(full[..full.len() / 2].to_string()),
-        Script::Content(full),
-    ])
-    .await;
+    let server = Server::then_valid(Script::Cut(full[..full.len() / 2].to_string())).await;
     let (reply, _, attempts) = ask(server.config()).await.unwrap();
     assert_eq!(reply, job_request_output());
     assert_eq!(attempts, 2);
@@ -375,21 +377,13 @@ async fn client_errors_are_not_retried() {
             .into(),
     )])
     .await;
-    let client = LlmClient::new(server.config());
-    let err = client
-        .complete(&context(), &json!({ "type": "object" }))
-        .await
-        .unwrap_err();
+    let err = complete_err(&server).await;
     assert!(
         matches!(&err, LlmError::HttpStatus { status: 400, message } if message == "response_format: invalid schema"),
         "{err:?}"
     );
     assert!(!err.is_retryable());
-    let cat = catalog();
-    let err = client
-        .next_reply(&context(), &response_schema(&cat, &tasks()), &tasks(), &cat)
-        .await
-        .unwrap_err();
+    let err = ask(server.config()).await.unwrap_err();
     assert!(matches!(err, LlmError::HttpStatus { status: 400, .. }));
     assert_eq!(server.requests().len(), 2, "one per call, no retry");
 }
@@ -503,11 +497,7 @@ async fn models_lists_the_endpoint_models() {
 #[tokio::test]
 async fn a_body_that_is_not_a_completion_is_an_invalid_response() {
     let server = Server::start(vec![Script::Status(200, "<html>proxy</html>".into())]).await;
-    let client = LlmClient::new(server.config());
-    let err = client
-        .complete(&context(), &json!({ "type": "object" }))
-        .await
-        .unwrap_err();
+    let err = complete_err(&server).await;
     assert!(
         matches!(&err, LlmError::InvalidResponse(m) if m.contains("<html>proxy</html>")),
         "{err:?}"
@@ -521,11 +511,7 @@ async fn a_body_that_is_not_a_completion_is_an_invalid_response() {
 
 #[test]
 fn unknown_skill_is_rejected_with_the_known_ones() {
-    let err = validate(json!({
-        "type": "job_request", "state_patch": [],
-        "payload": { "task_id": "t1", "skill_id": "rm-rf", "inputs": {} }
-    }))
-    .unwrap_err();
+    let err = validate(job_request("t1", "rm-rf", json!({}))).unwrap_err();
     let known: Vec<String> = catalog().into_iter().map(|c| c.skill_id).collect();
     assert_eq!(
         err,
@@ -545,11 +531,7 @@ fn unknown_skill_is_rejected_with_the_known_ones() {
 
 #[test]
 fn unknown_task_is_rejected_unless_this_reply_adds_it() {
-    let err = validate(json!({
-        "type": "job_request", "state_patch": [],
-        "payload": { "task_id": "t9", "skill_id": "go-test", "inputs": {} }
-    }))
-    .unwrap_err();
+    let err = validate(job_request("t9", "go-test", json!({}))).unwrap_err();
     assert_eq!(
         err,
         ContractError::UnknownTask {
@@ -736,10 +718,7 @@ fn every_builtin_example_is_an_accepted_job_request() {
     let mut checked = 0;
     for skill in reg.iter() {
         for (name, inputs) in &skill.examples {
-            let reply = json!({
-                "type": "job_request", "state_patch": [],
-                "payload": { "task_id": "t1", "skill_id": skill.manifest.skill_id, "inputs": inputs }
-            });
+            let reply = job_request("t1", &skill.manifest.skill_id, inputs.clone());
             assert!(
                 jsonschema::is_valid(&schema, &reply),
                 "schema rejects {}/{name}",
@@ -758,10 +737,7 @@ fn wrong_inputs_are_rejected_for_every_skill() {
     let cat = catalog();
     let schema = response_schema(&cat, &tasks());
     for c in &cat {
-        let reply = json!({
-            "type": "job_request", "state_patch": [],
-            "payload": { "task_id": "t1", "skill_id": c.skill_id, "inputs": { "shell": "rm -rf /" } }
-        });
+        let reply = job_request("t1", &c.skill_id, json!({ "shell": "rm -rf /" }));
         assert!(!jsonschema::is_valid(&schema, &reply), "{}", c.skill_id);
         match validate(reply).unwrap_err() {
             ContractError::InvalidInputs { skill_id, errors } => {
