@@ -38,16 +38,17 @@ mod tests {
     #[test]
     fn errors_name_the_file_and_what_it_is() {
         let dir = tempfile::tempdir().unwrap();
-        let missing = dir.path().join("nope.yaml");
-        let e = super::load("workers file", &missing, |t| t.parse::<u8>()).unwrap_err();
-        let text = e.to_string();
+        let error_of = |path: &std::path::Path| {
+            let e = super::load("workers file", path, |t| t.parse::<u8>()).unwrap_err();
+            e.to_string()
+        };
+        let text = error_of(&dir.path().join("nope.yaml"));
         assert!(text.starts_with("cannot read the workers file "), "{text}");
         assert!(text.contains("nope.yaml"), "{text}");
         let bad = dir.path().join("bad");
         std::fs::write(&bad, "x").unwrap();
-        let e = super::load("workers file", &bad, |t| t.parse::<u8>()).unwrap_err();
         assert_eq!(
-            e.to_string(),
+            error_of(&bad),
             format!("in {}: invalid digit found in string", bad.display())
         );
     }

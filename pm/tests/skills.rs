@@ -229,14 +229,17 @@ fn cli_validate_accepts_every_builtin() {
 fn cli_validate_reports_file_and_line() {
     let dir = tempfile::tempdir().unwrap();
     let pkg = dir.path().join("broken");
-    std::fs::create_dir_all(pkg.join("examples")).unwrap();
-    std::fs::write(
-        pkg.join("skill.yaml"),
-        "skill_id: broken\nversion: 1.0\ndescription: x\nbogus: 1\n",
-    )
-    .unwrap();
-    std::fs::write(pkg.join("job.json.j2"), "{ {% if %} }").unwrap();
-    std::fs::write(pkg.join("examples/basic.json"), "{ not json").unwrap();
+    cynode_testkit::write_tree(
+        &pkg,
+        &[
+            (
+                "skill.yaml",
+                "skill_id: broken\nversion: 1.0\ndescription: x\nbogus: 1\n",
+            ),
+            ("job.json.j2", "{ {% if %} }"),
+            ("examples/basic.json", "{ not json"),
+        ],
+    );
     let (code, out, _) = pm(&["skills", "validate", dir.path().to_str().unwrap()]);
     assert_eq!(code, 1, "{out}");
     let manifest = pkg.join("skill.yaml").display().to_string();

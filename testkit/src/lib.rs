@@ -49,3 +49,18 @@ pub fn field_strs<'a>(list: &'a serde_json::Value, field: &str) -> Vec<&'a str> 
         })
         .collect()
 }
+
+/// Writes each (relative path, content) under `root`, creating parent directories.
+///
+/// # Panics
+/// When a directory or file cannot be written.
+pub fn write_tree(root: &std::path::Path, files: &[(&str, &str)]) {
+    for (rel, content) in files {
+        let path = root.join(rel);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .unwrap_or_else(|e| panic!("mkdir {}: {e}", parent.display()));
+        }
+        std::fs::write(&path, content).unwrap_or_else(|e| panic!("write {}: {e}", path.display()));
+    }
+}

@@ -29,18 +29,16 @@ pub(crate) fn git(dir: &Path, args: &[&str]) {
 /// A source repository with a commit, plus things that must never be copied.
 fn source_repo(root: &Path) -> std::path::PathBuf {
     let src = root.join("repo");
-    std::fs::create_dir_all(src.join("src")).unwrap();
-    std::fs::create_dir_all(src.join("node_modules/dep")).unwrap();
-    std::fs::create_dir_all(src.join(".ssh")).unwrap();
-    std::fs::write(
-        src.join("src/main.rs"),
-        "fn main() {\n    println!(\"v1\");\n}\n",
-    )
-    .unwrap();
-    std::fs::write(src.join(".env"), "API_TOKEN=never-copy-me\n").unwrap();
-    std::fs::write(src.join(".ssh/id_rsa"), "never-copy-me\n").unwrap();
-    std::fs::write(src.join("node_modules/dep/index.js"), "x\n").unwrap();
-    std::fs::write(src.join(".gitignore"), ".env\nnode_modules/\n").unwrap();
+    cynode_testkit::write_tree(
+        &src,
+        &[
+            ("src/main.rs", "fn main() {\n    println!(\"v1\");\n}\n"),
+            (".env", "API_TOKEN=never-copy-me\n"),
+            (".ssh/id_rsa", "never-copy-me\n"),
+            ("node_modules/dep/index.js", "x\n"),
+            (".gitignore", ".env\nnode_modules/\n"),
+        ],
+    );
     std::os::unix::fs::symlink("/etc/passwd", src.join("leak")).unwrap();
     git(&src, &["init", "-q"]);
     git(&src, &["add", "src/main.rs", ".gitignore"]);
