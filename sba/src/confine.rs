@@ -419,6 +419,14 @@ mod tests {
         (dir, ws)
     }
 
+    /// `e` is the refusal of a path that leads out of the workspace; `what` names the case.
+    fn assert_escape(e: &crate::error::StepError, what: &str) {
+        assert!(
+            e.message.starts_with("path escapes workspace"),
+            "{what}: {e}"
+        );
+    }
+
     #[test]
     fn relative_paths_normalise() {
         let (dir, ws) = ws();
@@ -443,10 +451,7 @@ mod tests {
                 cynode_protocol::FailureCode::PolicyViolation,
                 "{bad}"
             );
-            assert!(
-                e.message.starts_with("path escapes workspace"),
-                "{bad}: {e}"
-            );
+            assert_escape(&e, bad);
         }
     }
 
@@ -461,10 +466,7 @@ mod tests {
             }
             for p in ["etc/passwd", "up/etc/passwd"] {
                 let e = ws.open_read(Path::new(p)).unwrap_err();
-                assert!(
-                    e.message.starts_with("path escapes workspace"),
-                    "{walk} {p}: {e}"
-                );
+                assert_escape(&e, &format!("{walk} {p}"));
             }
         }
     }
@@ -527,7 +529,7 @@ mod tests {
         let e = ws
             .write_atomic(Path::new("out/x/y.txt"), &mut &b"z"[..], 0o644, false)
             .unwrap_err();
-        assert!(e.message.starts_with("path escapes workspace"), "{e}");
+        assert_escape(&e, "mkdir through a link");
         assert_eq!(std::fs::read_dir(outside.path()).unwrap().count(), 0);
     }
 
