@@ -14,26 +14,16 @@ use crate::{bin, rootfs, workspace_root};
 /// How long one run of `cynode-pm` may take in these tests (scripted model, local worker).
 pub const PM_LIMIT: Duration = Duration::from_secs(180);
 
-pub fn pm_with(
-    state: &Path,
-    model: &str,
-    args: &[&str],
-    failpoint: Option<&str>,
-    envs: &[(&str, &str)],
-) -> Output {
-    output_bounded(pm_command(state, model, args, failpoint, envs), PM_LIMIT)
+pub fn pm_with(state: &Path, model: &str, args: &[&str], envs: &[(&str, &str)]) -> Output {
+    output_bounded(pm_command(state, model, args, envs), PM_LIMIT)
 }
 
 /// The `cynode-pm` command line of these tests: JSON output, the state directory, a local
 /// bwrap worker on the test image, the model at `model`.
-pub fn pm_command(
-    state: &Path,
-    model: &str,
-    args: &[&str],
-    failpoint: Option<&str>,
-    envs: &[(&str, &str)],
-) -> Command {
+pub fn pm_command(state: &Path, model: &str, args: &[&str], envs: &[(&str, &str)]) -> Command {
     let mut c = Command::new(bin("cynode-pm"));
+    // A failpoint only where the test sets one (`CYNODE_PM_FAILPOINT` in `envs`).
+    c.env_remove("CYNODE_PM_FAILPOINT");
     c.envs(envs.iter().copied());
     c.args(["--output", "json"]).args(args);
     // The scripted sessions of these tests plan, ask and finish freely, as with a person at
@@ -46,11 +36,7 @@ pub fn pm_command(
         .args(["--local-backend", "bwrap", "--local-bwrap-rootfs"])
         .arg(rootfs())
         .args(["--model-base-url", model])
-        .current_dir(workspace_root())
-        .env_remove("CYNODE_PM_FAILPOINT");
-    if let Some(f) = failpoint {
-        c.env("CYNODE_PM_FAILPOINT", f);
-    }
+        .current_dir(workspace_root());
     c
 }
 

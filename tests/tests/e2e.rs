@@ -17,7 +17,11 @@ use cynode_tests::{
 use serde_json::{json, Value};
 
 fn pm(state: &Path, model: &str, args: &[&str], failpoint: Option<&str>) -> Output {
-    pm_with(state, model, args, failpoint, &[])
+    let envs: Vec<_> = failpoint
+        .map(|f| ("CYNODE_PM_FAILPOINT", f))
+        .into_iter()
+        .collect();
+    pm_with(state, model, args, &envs)
 }
 
 /// The reply types a model request's response schema offers.
@@ -206,7 +210,7 @@ fn run_works_from_an_empty_directory() {
     let state = tempfile::tempdir().unwrap();
     let empty = tempfile::tempdir().unwrap();
     let (url, _model) = model_server(happy_script());
-    let mut cmd = pm_command(state.path(), &url, &["run", "greet the world"], None, &[]);
+    let mut cmd = pm_command(state.path(), &url, &["run", "greet the world"], &[]);
     cmd.current_dir(empty.path());
     let out = output_bounded(cmd, PM_LIMIT);
     let v = completed(&out);
@@ -408,7 +412,6 @@ fn tampered_artifact_is_rejected_with_artifact_integrity_failure() {
             "--skill-dir",
             &skill_dir,
         ],
-        None,
         &[("CYNODE_WORKER_TOKEN", TOKEN)],
     );
     let v = final_state(&out);
@@ -442,7 +445,6 @@ fn worker_down_then_back_is_retried_without_duplicates() {
         state.path(),
         &url,
         &["run", "greet the world", "--worker-endpoint", &endpoint],
-        None,
         &[("CYNODE_WORKER_TOKEN", TOKEN)],
     );
     let _worker = starter.join().unwrap();
@@ -493,7 +495,7 @@ fn real_llm_report(model: &LocalModel, state: &Path, id: Option<&str>, stderr: &
 /// the deadline fails the test with what it saw.
 fn real_pm(model: &LocalModel, state: &Path, args: &[&str], deadline: Instant) -> Output {
     let left = deadline.saturating_duration_since(Instant::now());
-    let cmd = pm_command(state, &model.base_url, args, None, &[]);
+    let cmd = pm_command(state, &model.base_url, args, &[]);
     cynode_testkit::output_within(cmd, left).unwrap_or_else(|t| {
         let id = String::from_utf8_lossy(&t.stderr).lines().find_map(|l| {
             l.strip_prefix("session s-")

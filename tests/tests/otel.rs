@@ -86,7 +86,7 @@ fn greet(state: &std::path::Path, env: (&str, &str)) -> std::process::Output {
         json!({ "files": [{ "path": "hello.txt", "content": "hello\n" }] }),
         "wrote hello.txt",
     ));
-    pm_with(state, &url, &["run", "greet the world"], None, &[env])
+    pm_with(state, &url, &["run", "greet the world"], &[env])
 }
 
 /// The job id the session dispatched (from its `job_dispatched` event).

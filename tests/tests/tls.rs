@@ -33,7 +33,7 @@ fn a_model_that_speaks_only_https_is_reached_with_ca_file_or_ssl_cert_file() {
         let state = tempfile::tempdir().unwrap();
         let mut all = vec!["run", "greet the world"];
         all.extend(args);
-        let out = pm_with(state.path(), &url, &all, None, &envs);
+        let out = pm_with(state.path(), &url, &all, &envs);
         let v = completed(&out);
         assert_eq!(
             (v["jobs_dispatched"].clone(), model.requests().len()),
@@ -53,7 +53,6 @@ fn an_untrusted_model_certificate_fails_the_session_naming_the_cause() {
         state.path(),
         &url,
         &["run", "greet the world", "--model-timeout-seconds", "10"],
-        None,
         &[],
     );
     let v: Value = final_state(&out);

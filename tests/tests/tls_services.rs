@@ -286,7 +286,6 @@ fn an_https_only_collector_receives_the_pm_spans_trusted_by_ssl_cert_file() {
         state.path(),
         &url,
         &["run", "greet the world"],
-        None,
         &[
             ("CYNODE_OTLP_ENDPOINT", collector.as_str()),
             ("SSL_CERT_FILE", ca_file.as_str()),
@@ -391,7 +390,6 @@ fn an_untrusted_collector_gets_no_spans_and_the_session_still_completes() {
         state.path(),
         &url,
         &["run", "greet the world"],
-        None,
         &[("CYNODE_OTLP_ENDPOINT", collector.as_str())],
     );
     completed(&out);

@@ -285,7 +285,6 @@ fn pm_completes_a_session_on_a_worker_that_speaks_only_the_upstream_api() {
             "--sandbox-image",
             IMAGE,
         ],
-        None,
         &[],
     );
     let v = completed(&out);

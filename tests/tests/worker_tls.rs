@@ -95,7 +95,7 @@ fn run(args: &[&str]) -> (Output, Duration, usize) {
     ];
     all.extend(args);
     let started = Instant::now();
-    let out = pm_with(state.path(), &url, &all, None, &[]);
+    let out = pm_with(state.path(), &url, &all, &[]);
     (out, started.elapsed(), model.requests().len())
 }
 
