@@ -20,19 +20,24 @@ impl PackageFiles for Embedded<'_> {
         PathBuf::from(PREFIX).join(self.0.path())
     }
 
-    fn read(&self, name: &str) -> Result<String, String> {
+    fn read(&self, name: &str) -> std::io::Result<String> {
         self.0
             .get_file(self.0.path().join(name))
             .and_then(|f| f.contents_utf8())
             .map(str::to_string)
-            .ok_or_else(|| format!("{name} is not in the built-in package"))
+            .ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("{name} is not in the built-in package"),
+                )
+            })
     }
 
-    fn examples(&self) -> Vec<(String, Result<String, String>)> {
+    fn examples(&self) -> Vec<(String, std::io::Result<String>)> {
         let Some(dir) = self.0.get_dir(self.0.path().join(EXAMPLES_DIR)) else {
             return Vec::new();
         };
-        let mut out: Vec<(String, Result<String, String>)> = dir
+        let mut out: Vec<(String, std::io::Result<String>)> = dir
             .files()
             .filter(|f| f.path().extension().is_some_and(|x| x == "json"))
             .map(|f| {
@@ -41,10 +46,9 @@ impl PackageFiles for Embedded<'_> {
                     .file_name()
                     .map(|n| n.to_string_lossy().into_owned())
                     .unwrap_or_default();
-                let text = f
-                    .contents_utf8()
-                    .map(str::to_string)
-                    .ok_or_else(|| "not UTF-8".to_string());
+                let text = f.contents_utf8().map(str::to_string).ok_or_else(|| {
+                    std::io::Error::new(std::io::ErrorKind::InvalidData, "not UTF-8")
+                });
                 (name, text)
             })
             .collect();

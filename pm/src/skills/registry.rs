@@ -183,9 +183,9 @@ pub trait PackageFiles {
     /// The package's location, for messages and `Skill::dir`.
     fn dir(&self) -> PathBuf;
     /// The text of the file `name` of the package.
-    fn read(&self, name: &str) -> Result<String, String>;
+    fn read(&self, name: &str) -> std::io::Result<String>;
     /// `(file name, text)` of every `examples/*.json`, sorted by name.
-    fn examples(&self) -> Vec<(String, Result<String, String>)>;
+    fn examples(&self) -> Vec<(String, std::io::Result<String>)>;
 }
 
 /// A package folder on disk.
@@ -196,11 +196,11 @@ impl PackageFiles for DiskPackage<'_> {
         self.0.to_path_buf()
     }
 
-    fn read(&self, name: &str) -> Result<String, String> {
-        std::fs::read_to_string(self.0.join(name)).map_err(|e| e.to_string())
+    fn read(&self, name: &str) -> std::io::Result<String> {
+        std::fs::read_to_string(self.0.join(name))
     }
 
-    fn examples(&self) -> Vec<(String, Result<String, String>)> {
+    fn examples(&self) -> Vec<(String, std::io::Result<String>)> {
         let Ok(rd) = std::fs::read_dir(self.0.join(EXAMPLES_DIR)) else {
             return Vec::new();
         };
@@ -217,7 +217,7 @@ impl PackageFiles for DiskPackage<'_> {
                     .file_name()
                     .map(|n| n.to_string_lossy().into_owned())
                     .unwrap_or_default();
-                (name, std::fs::read_to_string(&f).map_err(|e| e.to_string()))
+                (name, std::fs::read_to_string(&f))
             })
             .collect()
     }
@@ -294,7 +294,7 @@ pub fn load_files(files: &dyn PackageFiles) -> Result<Skill, Vec<SkillError>> {
     let mut examples = Vec::new();
     let edir = dir.join(EXAMPLES_DIR);
     for (name, text) in files.examples() {
-        match text.and_then(|t| {
+        match text.map_err(|e| e.to_string()).and_then(|t| {
             serde_json::from_str::<Value>(&t).map_err(|e| format!("line {}: {e}", e.line()))
         }) {
             Ok(v) => examples.push((name, v)),
