@@ -148,21 +148,8 @@ fn agent_writes_reads_and_keeps_its_todo_list_on_disk() {
     );
     let job_msg = first["messages"][1]["content"].as_str().unwrap();
     let heads: Vec<&str> = job_msg.lines().filter(|l| l.starts_with("## ")).collect();
-    assert_eq!(
-        heads,
-        [
-            "## Baseline context",
-            "## Project context",
-            "## Task",
-            "## Requirements",
-            "## Acceptance criteria",
-            "## Preferences",
-            "## Additional context",
-            "## Skills",
-            "## Limits",
-            "## Todo list"
-        ]
-    );
+    let seed_order = cynode_sba::agent::prompt::SECTIONS.map(|s| format!("## {s}"));
+    assert_eq!(heads, seed_order);
     assert!(job_msg.contains("remaining time: "), "{job_msg}");
     assert!(job_msg.contains("at most 65536 bytes"), "{job_msg}");
     assert!(model.last_message(3).contains("content:\nhi"));

@@ -53,6 +53,20 @@ fn list(items: &[String]) -> String {
         .join("\n")
 }
 
+/// The sections of the job message, in the seed's order; each is a `## ` heading.
+pub const SECTIONS: [&str; 10] = [
+    "Baseline context",
+    "Project context",
+    "Task",
+    "Requirements",
+    "Acceptance criteria",
+    "Preferences",
+    "Additional context",
+    "Skills",
+    "Limits",
+    "Todo list",
+];
+
 /// The job message: the seed's context order, every section headed (baseline and task
 /// always present), then the limits and the todo list.
 pub fn job_message(job: &JobSpec, remaining_secs: u64, max_turns: u32, todo: &str) -> String {
@@ -89,23 +103,21 @@ pub fn job_message(job: &JobSpec, remaining_secs: u64, max_turns: u32, todo: &st
     if let Some(paths) = &k.allowed_paths {
         limits.push_str(&format!("\n- allowed paths: {}", paths.join(", ")));
     }
-    let sections = [
-        ("Baseline context", text(&c.baseline_context)),
-        ("Project context", text(&c.project_context)),
-        ("Task", text(&c.task_context)),
-        ("Requirements", list(&c.requirements)),
-        ("Acceptance criteria", list(&c.acceptance_criteria)),
-        (
-            "Preferences",
-            json(Some(serde_json::Value::Object(c.preferences.clone()))),
-        ),
-        ("Additional context", text(&c.additional_context)),
-        ("Skills", skills),
-        ("Limits", limits),
-        ("Todo list", todo.to_string()),
+    let bodies = [
+        text(&c.baseline_context),
+        text(&c.project_context),
+        text(&c.task_context),
+        list(&c.requirements),
+        list(&c.acceptance_criteria),
+        json(Some(serde_json::Value::Object(c.preferences.clone()))),
+        text(&c.additional_context),
+        skills,
+        limits,
+        todo.to_string(),
     ];
-    sections
+    SECTIONS
         .iter()
+        .zip(bodies)
         .map(|(h, body)| format!("## {h}\n{body}"))
         .collect::<Vec<_>>()
         .join("\n\n")
