@@ -94,8 +94,7 @@ pub struct Inference {
 
 /// Context handed to the SBA; free-form only in `preferences` and `skills`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-#[serde(deny_unknown_fields)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct JobContext {
     pub baseline_context: String,
     pub project_context: String,

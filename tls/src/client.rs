@@ -8,8 +8,7 @@ use crate::{read, Result, TlsError};
 
 /// What a client trusts and presents, beyond the system's roots.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct ClientTls {
     /// PEM file of extra CA certificates to trust (the system's roots stay trusted).
     pub ca_file: Option<PathBuf>,

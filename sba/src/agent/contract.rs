@@ -27,8 +27,7 @@ pub enum Action {
 
 /// A change to the todo list; applied all or nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
-#[serde(deny_unknown_fields)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct TodoUpdate {
     /// Descriptions of new items, appended in order.
     pub add: Vec<String>,
