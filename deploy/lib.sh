@@ -1,7 +1,8 @@
-# deploy/lib.sh - sourced by the deploy scripts that take arguments: `usage` prints the
-# calling script's header comment (line 2 up to `set -euo`), `log` and `die` write to
-# stderr prefixed with the script's name, `elapsed` is the time since it was sourced; and
-# for the image builders, `exit_if_image_current` and `finish_image`.
+# deploy/lib.sh - sourced by the image builders (deploy/sba/build-*-image.sh): `usage`
+# prints the calling script's header comment (line 2 up to `set -euo`), `log` and `die`
+# write to stderr prefixed with the script's name, `elapsed` is the time since it was
+# sourced, `exit_if_image_current` and `finish_image` skip an up-to-date image and remove
+# the one a build replaced.
 # shellcheck shell=bash
 script_name=$(basename "$0" .sh)
 usage() {

@@ -4,7 +4,7 @@
 //! turns flags and environment into these values; a test or an embedding program writes
 //! them directly.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use cynode_tls::ClientTls;
@@ -32,19 +32,24 @@ impl PmConfig {
     /// The datastore's URL: `datastore`, else SQLite in the state directory (by its
     /// canonical path once the directory exists).
     pub fn datastore_url(&self) -> String {
-        match &self.datastore {
-            Some(u) => u.clone(),
-            None => {
-                let dir = std::fs::canonicalize(&self.state_dir)
-                    .unwrap_or_else(|_| self.state_dir.clone());
-                format!("sqlite://{}", dir.join("pm.db").display())
-            }
-        }
+        datastore_url(self.datastore.as_deref(), &self.state_dir)
     }
 
     /// Where verified artifacts are stored.
     pub fn artifacts_dir(&self) -> PathBuf {
         self.state_dir.join("artifacts")
+    }
+}
+
+/// The datastore's URL: `datastore`, else SQLite `pm.db` in `state_dir` (by its canonical
+/// path once the directory exists).
+pub fn datastore_url(datastore: Option<&str>, state_dir: &Path) -> String {
+    match datastore {
+        Some(u) => u.to_string(),
+        None => {
+            let dir = std::fs::canonicalize(state_dir).unwrap_or_else(|_| state_dir.to_path_buf());
+            format!("sqlite://{}", dir.join("pm.db").display())
+        }
     }
 }
 

@@ -212,21 +212,26 @@ pub fn job_with(steps: Value, extra: Value) -> Value {
 
 /// A single-step job.
 pub fn one(step_type: &str, arguments: Value) -> Value {
-    job(json!([{ "id": "s1", "type": step_type, "arguments": arguments }]))
+    one_with(step_type, arguments, json!({}))
+}
+
+/// A single-step job whose constraints are merged with `extra`.
+pub fn one_with(step_type: &str, arguments: Value, extra: Value) -> Value {
+    job_with(
+        json!([{ "id": "s1", "type": step_type, "arguments": arguments }]),
+        extra,
+    )
 }
 
 /// One `run_command` step `s1` running `sh -c script`.
 pub fn sh(script: &str) -> Value {
-    one(
-        "run_command",
-        json!({ "command": "sh", "args": ["-c", script] }),
-    )
+    sh_with(script, json!({}))
 }
 
 /// [`sh`] with `constraints` merged into the job's (as [`job_with`]).
 pub fn sh_with(script: &str, constraints: Value) -> Value {
-    let step = json!({ "id": "s1", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", script] } });
-    job_with(json!([step]), constraints)
+    let arguments = json!({ "command": "sh", "args": ["-c", script] });
+    one_with("run_command", arguments, constraints)
 }
 
 /// Whether any live process has `needle` in its command line.

@@ -178,6 +178,14 @@ fn print_json(v: &Value) {
     println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
+/// The skill `id` of `reg`, or an error naming it.
+fn find_skill<'a>(
+    reg: &'a cynode_pm::skills::Registry,
+    id: &str,
+) -> anyhow::Result<&'a cynode_pm::skills::Skill> {
+    reg.get(id).with_context(|| format!("unknown skill `{id}`"))
+}
+
 fn first_line(s: &str) -> &str {
     s.lines().next().unwrap_or("")
 }

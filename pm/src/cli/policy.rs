@@ -3,14 +3,13 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::Subcommand;
 use cynode_pm::bootstrap::{gate, load_registry, tenant};
 use cynode_pm::policy::{Decision, Mode, PolicyInput};
 use serde_json::{json, Value};
 
 use super::args::{policy_source, skill_sources};
-use super::{block_on, print_json, read_json, Global, Output};
+use super::{block_on, find_skill, print_json, read_json, Global, Output};
 
 /// `policy …`
 #[derive(Debug, Subcommand)]
@@ -43,9 +42,7 @@ pub fn policy(cmd: &PolicyCmd, g: &Global) -> anyhow::Result<i32> {
             let manifest = match skill_id {
                 Some(id) => {
                     let reg = load_registry(&skill_sources(g))?;
-                    let s = reg
-                        .get(&id)
-                        .with_context(|| format!("unknown skill `{id}`"))?;
+                    let s = find_skill(&reg, &id)?;
                     serde_json::to_value(&s.manifest)?
                 }
                 None => json!({}),

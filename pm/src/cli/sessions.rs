@@ -2,6 +2,7 @@
 
 use anyhow::Context;
 use clap::Subcommand;
+use cynode_pm::config::datastore_url;
 use cynode_pm::store::Store;
 
 use super::args::{RunArgs, StoreArgs};
@@ -36,10 +37,7 @@ pub enum SessionsCmd {
 
 /// The datastore of `store` (by URL, or SQLite in the state directory).
 async fn connect(store: &StoreArgs) -> anyhow::Result<Store> {
-    let url = match &store.datastore_endpoint {
-        Some(u) => u.clone(),
-        None => format!("sqlite://{}", store.state_dir.join("pm.db").display()),
-    };
+    let url = datastore_url(store.datastore_endpoint.as_deref(), &store.state_dir);
     Ok(Store::connect(&url).await?)
 }
 

@@ -2,7 +2,6 @@
 
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::Subcommand;
 use cynode_pm::bootstrap::{gate, load_registry, registry};
 use cynode_pm::policy::{Mode, PolicyGate, PolicyInput, TenantPolicy};
@@ -10,7 +9,9 @@ use cynode_pm::skills::{build_job, JobRef, Registry, Skill, SkillError};
 use serde_json::json;
 
 use super::args::{policy_source, skill_sources};
-use super::{block_on, first_line, print_json, read_json, report_error, Global, Output};
+use super::{
+    block_on, find_skill, first_line, print_json, read_json, report_error, Global, Output,
+};
 
 /// `skills …`
 #[derive(Debug, Subcommand)]
@@ -62,9 +63,7 @@ pub fn skills(cmd: &SkillsCmd, g: &Global) -> anyhow::Result<i32> {
         }
         SkillsCmd::Show { id } => {
             let reg = load_registry(&skill_sources(g))?;
-            let s = reg
-                .get(id)
-                .with_context(|| format!("unknown skill `{id}`"))?;
+            let s = find_skill(&reg, id)?;
             let v = json!({
                 "manifest": s.manifest,
                 "dir": s.dir,
@@ -109,9 +108,7 @@ pub fn skills(cmd: &SkillsCmd, g: &Global) -> anyhow::Result<i32> {
             attempt,
         } => {
             let reg = load_registry(&skill_sources(g))?;
-            let s = reg
-                .get(id)
-                .with_context(|| format!("unknown skill `{id}`"))?;
+            let s = find_skill(&reg, id)?;
             let inputs = read_json(inputs)?;
             let r = JobRef {
                 session_id: session.clone(),
