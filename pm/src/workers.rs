@@ -25,18 +25,16 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-use crate::settings_file::FileError;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cynode_protocol::worker_api::WorkerCapacity;
+use cynode_tls::ClientTls;
 use serde::{Deserialize, Serialize};
 
-use cynode_tls::ClientTls;
-
 use crate::dispatch::{DispatchError, WorkerClient};
+use crate::settings_file::FileError;
 
 /// Offers every purpose.
 pub const ANY_PURPOSE: &str = "*";
