@@ -18,6 +18,7 @@
 //!   kept in a file.
 
 pub mod bearer;
+pub mod egress;
 pub mod error;
 pub mod job;
 pub mod llm;

@@ -73,6 +73,74 @@ pub struct Config {
     /// Serve plain http on a non-loopback address anyway (e.g. behind a TLS-terminating
     /// proxy on the same host).
     pub allow_plain_http: bool,
+    /// The egress proxy: where jobs with `network_policy: restricted` may go.
+    pub egress: EgressConfig,
+}
+
+/// The egress proxy's settings. `allow` is the node's ceiling: a job's
+/// `sandbox.egress_allow` may narrow it, never widen it. Empty (the default): no
+/// destination is allowed.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EgressConfig {
+    /// Patterns `host`, `*.suffix` or an IP address, each with an optional `:port` (80
+    /// and 443 when none). A private, loopback or metadata address is reached only when
+    /// listed here as an IP literal.
+    pub allow: crate::egress::Allowlist,
+    /// Name servers the proxy asks (UDP, TCP on truncation). Empty: the host's
+    /// `/etc/resolv.conf` and `/etc/hosts`.
+    pub nameservers: Vec<SocketAddr>,
+    /// Bound on a request head; larger is answered 431.
+    pub max_header_bytes: usize,
+    /// Connections one job may have open at once.
+    pub max_connections: usize,
+    /// Bytes one job may move through the proxy, both ways together.
+    pub max_total_mb: u64,
+    /// A connection idle this long (both ways) is closed.
+    pub idle_timeout_seconds: u64,
+    /// Bound on one name lookup and one TCP connect.
+    pub connect_timeout_seconds: u64,
+    /// Audit records kept per job; later attempts are only counted (all are logged).
+    pub max_audit_records: usize,
+}
+
+impl Default for EgressConfig {
+    fn default() -> Self {
+        let l = crate::egress::EgressLimits::default();
+        Self {
+            allow: crate::egress::Allowlist::default(),
+            nameservers: Vec::new(),
+            max_header_bytes: l.max_header_bytes,
+            max_connections: l.max_connections,
+            max_total_mb: l.max_total_bytes / (1024 * 1024),
+            idle_timeout_seconds: l.idle_timeout.as_secs(),
+            connect_timeout_seconds: l.connect_timeout.as_secs(),
+            max_audit_records: l.max_audit_records,
+        }
+    }
+}
+
+impl EgressConfig {
+    /// The per-job bounds these settings give.
+    pub fn limits(&self) -> crate::egress::EgressLimits {
+        crate::egress::EgressLimits {
+            max_header_bytes: self.max_header_bytes.max(1024),
+            max_connections: self.max_connections.max(1),
+            max_total_bytes: self.max_total_mb.saturating_mul(1024 * 1024),
+            idle_timeout: std::time::Duration::from_secs(self.idle_timeout_seconds.max(1)),
+            connect_timeout: std::time::Duration::from_secs(self.connect_timeout_seconds.max(1)),
+            max_audit_records: self.max_audit_records,
+        }
+    }
+
+    /// The proxy's resolver: `nameservers`, or the host's configuration.
+    pub fn resolver(&self) -> Result<crate::egress::Resolver, crate::egress::resolve::ResolveError> {
+        if self.nameservers.is_empty() {
+            crate::egress::Resolver::system()
+        } else {
+            Ok(crate::egress::Resolver::with_nameservers(&self.nameservers))
+        }
+    }
 }
 
 /// The inference upstream. The API key never lives in this file: `api_key_file` or the
@@ -224,6 +292,7 @@ impl Default for Config {
             tls: None,
             default_image: None,
             allow_plain_http: false,
+            egress: EgressConfig::default(),
         }
     }
 }
@@ -383,6 +452,21 @@ mod tests {
         assert_eq!(cfg.limits.pids, 32);
         assert_eq!(cfg.limits.memory_mb, 512);
         assert!(serde_yaml::from_str::<Config>("bakend: bwrap\n").is_err());
+    }
+
+    #[test]
+    fn egress_section_parses_its_patterns_and_refuses_bad_ones() {
+        let cfg: Config = serde_yaml::from_str(
+            "egress:\n  allow: [\"pypi.org\", \"*.pythonhosted.org\", \"10.0.0.5:3141\"]\n  nameservers: [\"127.0.0.1:5353\"]\n  max_connections: 8\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.egress.allow.patterns.len(), 3);
+        assert_eq!(cfg.egress.limits().max_connections, 8);
+        assert_eq!(cfg.egress.limits().max_header_bytes, 32 * 1024);
+        assert!(Config::default().egress.allow.patterns.is_empty());
+        let bad = serde_yaml::from_str::<Config>("egress:\n  allow: [\"a.*.com\"]\n");
+        assert!(bad.unwrap_err().to_string().contains("wildcard"));
+        assert!(serde_yaml::from_str::<Config>("egress:\n  alow: []\n").is_err());
     }
 
     #[test]

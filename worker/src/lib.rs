@@ -24,6 +24,7 @@ pub mod backend;
 pub mod callback;
 pub mod config;
 pub mod disk_guard;
+pub mod egress;
 pub mod executor;
 pub mod http;
 pub mod image_ref;

@@ -1,0 +1,635 @@
+//! The proxy itself, one per job, served on a listener the caller has already bound (the
+//! node binds it inside the sandbox's network namespace). Each client connection carries
+//! one request: plain HTTP is forwarded with `Connection: close`, CONNECT becomes a tunnel.
+//! Every connection ends in exactly one audit record.
+
+use std::io;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cynode_protocol::egress::{EgressAudit, EgressDecision, EgressRecord};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use super::allowlist::{Host, Verdict};
+use super::audit::AuditLog;
+use super::http1::{self, BufConn, Framing, HeadError, TargetError};
+use super::resolve::{ResolveError, Resolver};
+use super::{EgressLimits, Policy};
+
+/// Bound on an upstream response head.
+const RESPONSE_HEAD_MAX: usize = 64 * 1024;
+/// Bound on a chunk-size or trailer line.
+const CHUNK_LINE_MAX: usize = 4096;
+
+struct Shared {
+    policy: Policy,
+    resolver: Resolver,
+    limits: EgressLimits,
+    audit: AuditLog,
+    /// Bytes carried so far, both ways, all connections.
+    used: AtomicU64,
+    connections: Arc<Semaphore>,
+}
+
+impl Shared {
+    /// Counts `n` more bytes; false once the job's budget is spent.
+    fn charge(&self, n: usize) -> bool {
+        let before = self.used.fetch_add(n as u64, Ordering::Relaxed);
+        before.saturating_add(n as u64) <= self.limits.max_total_bytes
+    }
+
+    fn spent(&self) -> bool {
+        self.used.load(Ordering::Relaxed) >= self.limits.max_total_bytes
+    }
+}
+
+/// A running proxy for one job.
+pub struct EgressProxy {
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+    local_addr: SocketAddr,
+}
+
+impl std::fmt::Debug for EgressProxy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EgressProxy")
+            .field("local_addr", &self.local_addr)
+            .finish()
+    }
+}
+
+impl EgressProxy {
+    /// Serves `listener` (already bound, e.g. inside a sandbox's network namespace) until
+    /// [`EgressProxy::finish`]. Must be called inside a tokio runtime.
+    pub fn start(
+        listener: std::net::TcpListener,
+        job_id: &str,
+        policy: Policy,
+        resolver: Resolver,
+        limits: EgressLimits,
+    ) -> io::Result<EgressProxy> {
+        listener.set_nonblocking(true)?;
+        let listener = TcpListener::from_std(listener)?;
+        let local_addr = listener.local_addr()?;
+        let shared = Arc::new(Shared {
+            audit: AuditLog::new(job_id, limits.max_audit_records),
+            connections: Arc::new(Semaphore::new(limits.max_connections)),
+            used: AtomicU64::new(0),
+            policy,
+            resolver,
+            limits,
+        });
+        let cancel = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        tracker.spawn(accept_loop(
+            listener,
+            shared.clone(),
+            cancel.clone(),
+            tracker.clone(),
+        ));
+        Ok(EgressProxy {
+            shared,
+            cancel,
+            tracker,
+            local_addr,
+        })
+    }
+
+    /// Where the listener is (in the namespace it was bound in).
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// The audit so far.
+    pub fn audit(&self) -> EgressAudit {
+        self.shared.audit.snapshot()
+    }
+
+    /// Bytes carried so far, both ways.
+    pub fn bytes_used(&self) -> u64 {
+        self.shared.used.load(Ordering::Relaxed)
+    }
+
+    /// Stops accepting, ends open connections (each audited as "job ended"), and returns
+    /// the audit.
+    pub async fn finish(self) -> EgressAudit {
+        self.cancel.cancel();
+        self.tracker.close();
+        self.tracker.wait().await;
+        self.shared.audit.snapshot()
+    }
+}
+
+impl Drop for EgressProxy {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+async fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    cancel: CancellationToken,
+    tracker: TaskTracker,
+) {
+    loop {
+        let accepted = tokio::select! {
+            _ = cancel.cancelled() => return,
+            a = listener.accept() => a,
+        };
+        match accepted {
+            Ok((stream, _)) => {
+                let permit = shared.connections.clone().try_acquire_owned().ok();
+                tracker.spawn(connection(shared.clone(), stream, permit, cancel.clone()));
+            }
+            Err(e) => {
+                // Out of file descriptors and the like: back off instead of spinning.
+                tracing::warn!(target: "cynode_worker::egress", error = %e, "egress accept failed");
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = tokio::time::sleep(Duration::from_millis(50)) => {}
+                }
+            }
+        }
+    }
+}
+
+/// What one connection amounted to.
+struct Attempt {
+    host: String,
+    port: u16,
+    method: String,
+    up: AtomicU64,
+    down: AtomicU64,
+}
+
+/// How a connection ended.
+enum Outcome {
+    /// Let through; the reason says how it ended (`ok`, `idle timeout`, …).
+    Allowed(String),
+    /// Refused, with the status the client is told (`None`: just closed).
+    Denied(Option<u16>, String),
+}
+
+fn denied(status: u16, reason: impl Into<String>) -> Outcome {
+    Outcome::Denied(Some(status), reason.into())
+}
+
+async fn connection(
+    shared: Arc<Shared>,
+    stream: TcpStream,
+    permit: Option<OwnedSemaphorePermit>,
+    cancel: CancellationToken,
+) {
+    let _ = stream.set_nodelay(true);
+    let mut client = BufConn::new(stream);
+    let attempt = Attempt {
+        host: String::new(),
+        port: 0,
+        method: String::new(),
+        up: AtomicU64::new(0),
+        down: AtomicU64::new(0),
+    };
+    let mut attempt = attempt;
+    let outcome = match permit {
+        None => denied(503, "too many connections for this job"),
+        Some(_) if shared.spent() => denied(429, "byte budget exhausted"),
+        Some(_permit) => {
+            tokio::select! {
+                o = handle(&shared, &mut client, &mut attempt) => o,
+                _ = cancel.cancelled() => Outcome::Allowed("job ended".into()),
+            }
+        }
+    };
+    let (decision, reason) = match outcome {
+        Outcome::Allowed(how) => (EgressDecision::Allowed, how),
+        Outcome::Denied(status, reason) => {
+            if let Some(status) = status {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    write_refusal(&mut client.stream, status, &reason),
+                )
+                .await;
+            }
+            (EgressDecision::Denied, reason)
+        }
+    };
+    shared.audit.record(EgressRecord {
+        host: attempt.host,
+        port: attempt.port,
+        method: attempt.method,
+        decision,
+        reason,
+        bytes_up: attempt.up.into_inner(),
+        bytes_down: attempt.down.into_inner(),
+    });
+}
+
+fn status_text(status: u16) -> &'static str {
+    match status {
+        400 => "Bad Request",
+        403 => "Forbidden",
+        408 => "Request Timeout",
+        429 => "Too Many Requests",
+        431 => "Request Header Fields Too Large",
+        502 => "Bad Gateway",
+        503 => "Service Unavailable",
+        504 => "Gateway Timeout",
+        _ => "Error",
+    }
+}
+
+async fn write_refusal(stream: &mut TcpStream, status: u16, reason: &str) -> io::Result<()> {
+    let body = format!("cynode egress: {reason}\n");
+    let head = format!(
+        "HTTP/1.1 {status} {}\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\nX-Cynode-Egress: denied\r\n\r\n",
+        status_text(status),
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
+}
+
+fn head_refusal(e: HeadError) -> Outcome {
+    match e {
+        HeadError::TooLarge => denied(431, "request header too large"),
+        HeadError::Timeout => denied(408, "timed out waiting for the request head"),
+        HeadError::Closed => Outcome::Denied(None, "closed before a complete request".into()),
+        HeadError::Io(e) => Outcome::Denied(None, format!("read failed: {e}")),
+        e @ (HeadError::Malformed(_) | HeadError::Smuggling(_)) => denied(400, e.to_string()),
+    }
+}
+
+async fn handle(shared: &Shared, client: &mut BufConn<TcpStream>, attempt: &mut Attempt) -> Outcome {
+    let limits = &shared.limits;
+    let head = match client
+        .read_head(limits.max_header_bytes, limits.idle_timeout)
+        .await
+    {
+        Ok(h) => h,
+        Err(e) => return head_refusal(e),
+    };
+    let request = match http1::parse_request(&head) {
+        Ok(r) => r,
+        Err(e) => return head_refusal(e),
+    };
+    attempt.method = request.method.clone();
+    let is_connect = request.method.eq_ignore_ascii_case("CONNECT");
+    let target = if is_connect {
+        http1::connect_target(&request.target).map(|(host, port)| http1::Target {
+            host,
+            port,
+            path: String::new(),
+        })
+    } else {
+        http1::absolute_target(&request.target)
+    };
+    let target = match target {
+        Ok(t) => t,
+        Err(e @ TargetError::Host(_)) => return denied(400, e.to_string()),
+        Err(e) => return denied(400, e.to_string()),
+    };
+    attempt.host = target.host.to_string();
+    attempt.port = target.port;
+
+    match shared.policy.allow.check(&target.host, target.port) {
+        Verdict::Allowed => {}
+        Verdict::PortNotAllowed => {
+            return denied(403, format!("port {} is not allowed for this host", target.port))
+        }
+        Verdict::NotListed => {
+            let what = match target.host {
+                Host::Ip(_) => "IP literal not listed in the egress allowlist",
+                Host::Name(_) => "not in the egress allowlist",
+            };
+            return denied(403, what);
+        }
+    }
+    let upstream = match pinned_connect(shared, &target.host, target.port).await {
+        Ok(s) => s,
+        Err(o) => return o,
+    };
+    if is_connect {
+        tunnel(shared, client, upstream, attempt).await
+    } else {
+        forward(shared, client, upstream, &request, &target, attempt).await
+    }
+}
+
+/// Resolves once and connects to one of the checked addresses: the connection is pinned to
+/// what was checked.
+async fn pinned_connect(shared: &Shared, host: &Host, port: u16) -> Result<TcpStream, Outcome> {
+    let limits = &shared.limits;
+    let addrs = tokio::time::timeout(
+        limits.connect_timeout,
+        shared
+            .resolver
+            .addresses(host, port, &shared.policy.listed_ips),
+    )
+    .await
+    .map_err(|_| denied(504, "name lookup timed out"))?
+    .map_err(|e| match e {
+        e @ ResolveError::Special { .. } => denied(403, e.to_string()),
+        e => denied(502, e.to_string()),
+    })?;
+    let mut last = String::from("no address");
+    for addr in addrs {
+        match tokio::time::timeout(limits.connect_timeout, TcpStream::connect(addr)).await {
+            Ok(Ok(s)) => {
+                let _ = s.set_nodelay(true);
+                return Ok(s);
+            }
+            Ok(Err(e)) => last = e.to_string(),
+            Err(_) => last = "connect timed out".into(),
+        }
+    }
+    Err(denied(502, format!("cannot connect: {last}")))
+}
+
+/// Why copying stopped early.
+#[derive(Debug)]
+enum Stop {
+    Idle,
+    Budget,
+    Io(String),
+}
+
+impl Stop {
+    fn reason(&self) -> String {
+        match self {
+            Stop::Idle => "idle timeout".into(),
+            Stop::Budget => "byte budget exhausted".into(),
+            Stop::Io(e) => format!("connection error: {e}"),
+        }
+    }
+}
+
+/// The last time either direction moved a byte.
+struct Activity {
+    start: Instant,
+    last_ms: AtomicU64,
+}
+
+impl Activity {
+    fn new() -> Activity {
+        Activity {
+            start: Instant::now(),
+            last_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = self.start.elapsed().as_millis() as u64;
+        self.last_ms.store(ms, Ordering::Relaxed);
+    }
+
+    fn idle_for(&self) -> Duration {
+        let now = self.start.elapsed().as_millis() as u64;
+        Duration::from_millis(now.saturating_sub(self.last_ms.load(Ordering::Relaxed)))
+    }
+}
+
+/// Writes `bytes` to `w`, counting them against the budget and `counter`.
+async fn send<W: AsyncWrite + Unpin>(
+    shared: &Shared,
+    w: &mut W,
+    bytes: &[u8],
+    counter: &AtomicU64,
+) -> Result<(), Stop> {
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    if !shared.charge(bytes.len()) {
+        return Err(Stop::Budget);
+    }
+    w.write_all(bytes)
+        .await
+        .map_err(|e| Stop::Io(e.to_string()))?;
+    counter.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+    Ok(())
+}
+
+/// Copies `r` to `w` until `r` ends (then shuts `w` down), the connection is idle for the
+/// idle timeout in both directions, or the budget is spent.
+async fn pump<R, W>(
+    shared: &Shared,
+    r: &mut R,
+    w: &mut W,
+    counter: &AtomicU64,
+    activity: &Activity,
+) -> Result<(), Stop>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let idle = shared.limits.idle_timeout;
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match tokio::time::timeout(idle, r.read(&mut buf)).await {
+            Err(_) => {
+                if activity.idle_for() >= idle {
+                    return Err(Stop::Idle);
+                }
+                continue;
+            }
+            Ok(Err(e)) => return Err(Stop::Io(e.to_string())),
+            Ok(Ok(0)) => {
+                let _ = w.shutdown().await;
+                return Ok(());
+            }
+            Ok(Ok(n)) => n,
+        };
+        activity.touch();
+        send(shared, w, &buf[..n], counter).await?;
+        activity.touch();
+    }
+}
+
+async fn tunnel(
+    shared: &Shared,
+    client: &mut BufConn<TcpStream>,
+    mut upstream: TcpStream,
+    attempt: &Attempt,
+) -> Outcome {
+    if let Err(e) = client
+        .stream
+        .write_all(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        .await
+    {
+        return Outcome::Allowed(format!("connection error: {e}"));
+    }
+    let early = std::mem::take(&mut client.pending);
+    if let Err(stop) = send(shared, &mut upstream, &early, &attempt.up).await {
+        return Outcome::Allowed(stop.reason());
+    }
+    let activity = Activity::new();
+    let (mut cr, mut cw) = client.stream.split();
+    let (mut ur, mut uw) = upstream.split();
+    let result = tokio::try_join!(
+        pump(shared, &mut cr, &mut uw, &attempt.up, &activity),
+        pump(shared, &mut ur, &mut cw, &attempt.down, &activity),
+    );
+    match result {
+        Ok(_) => Outcome::Allowed("ok".into()),
+        Err(stop) => Outcome::Allowed(stop.reason()),
+    }
+}
+
+async fn forward(
+    shared: &Shared,
+    client: &mut BufConn<TcpStream>,
+    upstream: TcpStream,
+    request: &http1::RequestHead,
+    target: &http1::Target,
+    attempt: &Attempt,
+) -> Outcome {
+    let mut upstream = BufConn::new(upstream);
+    let head = http1::upstream_request(request, target);
+    if let Err(stop) = send(shared, &mut upstream.stream, &head, &attempt.up).await {
+        return Outcome::Allowed(stop.reason());
+    }
+    let expects_continue = request
+        .values("expect")
+        .any(|v| v.eq_ignore_ascii_case(b"100-continue"));
+    if expects_continue && request.framing != Framing::None {
+        let _ = client.stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await;
+    }
+    if let Err(stop) = relay_body(shared, client, &mut upstream.stream, request.framing, attempt).await {
+        return match stop {
+            BodyStop::Refused(why) => denied(400, why),
+            BodyStop::Stop(s) => Outcome::Allowed(s.reason()),
+        };
+    }
+    // Response heads, interim (1xx) ones first.
+    loop {
+        let head = match upstream
+            .read_head(RESPONSE_HEAD_MAX, shared.limits.idle_timeout)
+            .await
+        {
+            Ok(h) => h,
+            Err(e) => return Outcome::Allowed(format!("bad upstream response: {e}")),
+        };
+        let (head, code) = match http1::downstream_response(&head) {
+            Ok(h) => h,
+            Err(e) => return Outcome::Allowed(e.to_string()),
+        };
+        if let Err(stop) = send(shared, &mut client.stream, &head, &attempt.down).await {
+            return Outcome::Allowed(stop.reason());
+        }
+        if !(100..200).contains(&code) || code == 101 {
+            break;
+        }
+    }
+    let rest = std::mem::take(&mut upstream.pending);
+    if let Err(stop) = send(shared, &mut client.stream, &rest, &attempt.down).await {
+        return Outcome::Allowed(stop.reason());
+    }
+    let activity = Activity::new();
+    match pump(
+        shared,
+        &mut upstream.stream,
+        &mut client.stream,
+        &attempt.down,
+        &activity,
+    )
+    .await
+    {
+        Ok(()) => Outcome::Allowed("ok".into()),
+        Err(stop) => Outcome::Allowed(stop.reason()),
+    }
+}
+
+enum BodyStop {
+    Refused(String),
+    Stop(Stop),
+}
+
+impl From<Stop> for BodyStop {
+    fn from(s: Stop) -> Self {
+        BodyStop::Stop(s)
+    }
+}
+
+fn body_err(e: HeadError) -> BodyStop {
+    match e {
+        HeadError::Timeout => BodyStop::Stop(Stop::Idle),
+        HeadError::Io(e) => BodyStop::Stop(Stop::Io(e)),
+        HeadError::Closed => BodyStop::Stop(Stop::Io("client closed mid-body".into())),
+        e => BodyStop::Refused(e.to_string()),
+    }
+}
+
+/// Copies exactly `n` bytes of body from the client.
+async fn copy_exact(
+    shared: &Shared,
+    client: &mut BufConn<TcpStream>,
+    upstream: &mut TcpStream,
+    mut n: u64,
+    attempt: &Attempt,
+) -> Result<(), BodyStop> {
+    while n > 0 {
+        if client.pending.is_empty()
+            && client
+                .fill(shared.limits.idle_timeout)
+                .await
+                .map_err(body_err)?
+                == 0
+        {
+            return Err(BodyStop::Stop(Stop::Io("client closed mid-body".into())));
+        }
+        let take = client.pending.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+        let chunk: Vec<u8> = client.pending.drain(..take).collect();
+        send(shared, upstream, &chunk, &attempt.up).await?;
+        n -= take as u64;
+    }
+    Ok(())
+}
+
+async fn relay_body(
+    shared: &Shared,
+    client: &mut BufConn<TcpStream>,
+    upstream: &mut TcpStream,
+    framing: Framing,
+    attempt: &Attempt,
+) -> Result<(), BodyStop> {
+    let idle = shared.limits.idle_timeout;
+    match framing {
+        Framing::None => Ok(()),
+        Framing::Length(n) => copy_exact(shared, client, upstream, n, attempt).await,
+        Framing::Chunked => loop {
+            let line = client
+                .read_line(CHUNK_LINE_MAX, idle)
+                .await
+                .map_err(body_err)?;
+            let size = http1::chunk_size(&line).map_err(body_err)?;
+            send(shared, upstream, &line, &attempt.up).await?;
+            if size == 0 {
+                loop {
+                    let trailer = client
+                        .read_line(CHUNK_LINE_MAX, idle)
+                        .await
+                        .map_err(body_err)?;
+                    send(shared, upstream, &trailer, &attempt.up).await?;
+                    if trailer == b"\r\n" {
+                        return Ok(());
+                    }
+                }
+            }
+            copy_exact(shared, client, upstream, size, attempt).await?;
+            let end = client.read_line(2, idle).await.map_err(body_err)?;
+            if end != b"\r\n" {
+                return Err(BodyStop::Refused("chunk not followed by CRLF".into()));
+            }
+            send(shared, upstream, &end, &attempt.up).await?;
+        },
+    }
+}
