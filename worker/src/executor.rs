@@ -9,6 +9,8 @@
 //! mounted at `/job` (job.json, result.json, artifacts/, status.sock, and for jobs that use
 //! inference inference.sock and the agent's todo.json).
 
+use std::ffi::OsStr;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -23,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::{Backend, EndReason};
 use crate::config::{Config, Limits};
 use crate::disk_guard::{DiskGuard, DiskLimit};
+use crate::job_dir;
 use crate::sandbox::{self, SandboxRequest, SandboxSpec, SANDBOX_UID};
 use crate::sandbox_files::{self, ReadError, TreeBounds, TreeError};
 use cynode_protocol::time::now_rfc3339;
@@ -199,29 +202,36 @@ impl JobPaths {
     }
 }
 
-/// Creates the job directory and workspace and writes job.json; idempotent.
+/// Creates the job directory (`request.json`, `job/`, `job/artifacts/`, and `job/job.json`
+/// for SBA jobs) and the workspace when missing. The job directory must not exist: one
+/// that does (a retained job's, with links a job planted in it) is refused, never reused.
+/// Every step goes through a directory fd without following links ([`crate::job_dir`]).
 pub fn prepare(paths: &JobPaths, req: &RunJobRequest) -> std::io::Result<()> {
-    std::fs::create_dir_all(&paths.root)?;
-    std::fs::write(
-        paths.root.join("request.json"),
-        serde_json::to_vec_pretty(req)?,
+    let (jobs, name) = job_dir::split(&paths.root)?;
+    let root = job_dir::create_new_dir(job_dir::open_node_dir(jobs)?.as_fd(), name)?;
+    job_dir::write_new_file(
+        root.as_fd(),
+        OsStr::new("request.json"),
+        &serde_json::to_vec_pretty(req)?,
+        None,
+        0o600,
     )?;
-    sandbox::create_owned_dir(&paths.mount)?;
-    sandbox::create_owned_dir(&paths.artifacts())?;
-    if !paths.workspace.exists() {
-        sandbox::create_owned_dir(&paths.workspace)?;
-    }
+    job_dir::own(&root, None, 0o755)?;
+    let mount = job_dir::create_new_dir(root.as_fd(), OsStr::new("job"))?;
+    let artifacts = job_dir::create_new_dir(mount.as_fd(), OsStr::new(ARTIFACTS_DIR))?;
+    job_dir::own(&artifacts, Some(SANDBOX_UID), 0o755)?;
     if let Some(spec) = &req.sandbox.job_spec_json {
-        let job = paths.mount.join("job.json");
-        std::fs::write(&job, spec)?;
-        std::os::unix::fs::chown(&job, Some(SANDBOX_UID), Some(SANDBOX_UID))?;
+        job_dir::write_new_file(
+            mount.as_fd(),
+            OsStr::new("job.json"),
+            spec.as_bytes(),
+            Some(SANDBOX_UID),
+            0o644,
+        )?;
     }
-    // A stale result from an earlier attempt must never be read as this run's.
-    match std::fs::remove_file(paths.result()) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
-    }
+    job_dir::own(&mount, Some(SANDBOX_UID), 0o755)?;
+    let (spaces, ws) = job_dir::split(&paths.workspace)?;
+    job_dir::open_or_create_owned_dir(job_dir::open_node_dir(spaces)?.as_fd(), ws, SANDBOX_UID)?;
     Ok(())
 }
 

@@ -1,6 +1,6 @@
 //! `cynode-worker replay JOB_ID`: re-runs a retained job from its stored request, in a
-//! fresh empty workspace under a new job id, and reports whether the result matches the
-//! stored one, for audits.
+//! fresh empty workspace under a new, random job id (an existing directory of that name
+//! is refused), and reports whether the result matches the stored one, for audits.
 //!
 //! Compared: status, exit code, the SBA result's status, failure code and each step's id,
 //! type, status and result (durations left out), and the artifact hashes; for plain
@@ -15,9 +15,14 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
+use std::os::fd::AsFd;
+
 use crate::backend::Backend;
 use crate::config::Config;
 use crate::executor::{self, JobPaths};
+use crate::job_dir;
+use crate::remove_tree::remove_tree_async;
+use crate::sandbox::SANDBOX_UID;
 use crate::store::{Store, StoreError};
 
 /// Why a job could not be replayed.
@@ -56,18 +61,36 @@ pub async fn replay(cfg: &Config, job_id: &str) -> Result<ReplayReport, ReplayEr
     let original = rec
         .response
         .ok_or_else(|| ReplayError::Unfinished(job_id.to_string()))?;
-    let suffix = cynode_protocol::time::now_rfc3339().replace([':', '.', '-'], "");
-    let replay_id = format!("{job_id}-replay-{suffix}");
+    let replay_id = replay_id(job_id);
     let mut req: RunJobRequest = rec.request;
     rewrite_ids(&mut req, &replay_id)?;
     executor::validate(cfg, &req)?;
     let paths = JobPaths::new(cfg, &req);
-    executor::prepare(&paths, &req)?;
-    let backend = Backend::from_config(cfg);
-    let spec = executor::sandbox_spec(cfg, &req, &paths);
-    let resp = executor::run(&backend, &spec, &req, &paths, &CancellationToken::new()).await;
-    let _ = std::fs::remove_dir_all(&paths.root);
-    let _ = std::fs::remove_dir_all(&paths.workspace);
+    // A fresh workspace of its own: an existing one of that name is refused, like the job
+    // directory `prepare` creates.
+    let (spaces, ws) = job_dir::split(&paths.workspace)?;
+    let ws_fd = job_dir::create_new_dir(job_dir::open_node_dir(spaces)?.as_fd(), ws)?;
+    job_dir::own(&ws_fd, Some(SANDBOX_UID), 0o755)?;
+    drop(ws_fd);
+    let resp = match executor::prepare(&paths, &req) {
+        Ok(()) => {
+            let backend = Backend::from_config(cfg);
+            let spec = executor::sandbox_spec(cfg, &req, &paths);
+            Ok(executor::run(&backend, &spec, &req, &paths, &CancellationToken::new()).await)
+        }
+        Err(e) => Err(e),
+    };
+    // The job directory is the replay's unless `prepare` found one there already.
+    let ours = match &resp {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => vec![&paths.workspace],
+        _ => vec![&paths.root, &paths.workspace],
+    };
+    for dir in ours {
+        if let Err(e) = remove_tree_async(dir.clone()).await {
+            tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the replay's directory");
+        }
+    }
+    let resp = resp?;
     let differences = compare(&original, &resp, req.sandbox.job_spec_json.is_none());
     Ok(ReplayReport {
         job_id: job_id.to_string(),
@@ -76,6 +99,22 @@ pub async fn replay(cfg: &Config, job_id: &str) -> Result<ReplayReport, ReplayEr
         differences,
     })
 }
+
+/// The replay's job id: the job's id and 128 random bits (hex), or only `replay-` and the
+/// bits when that would be too long. Never predictable: a tenant who could guess it could
+/// submit a job of that id first and have the replay prepare its directory.
+fn replay_id(job_id: &str) -> String {
+    let bits = uuid::Uuid::new_v4().simple().to_string();
+    let id = format!("{job_id}-replay-{bits}");
+    if id.len() <= MAX_ID_LEN {
+        id
+    } else {
+        format!("replay-{bits}")
+    }
+}
+
+/// The longest job id (`check_id`).
+const MAX_ID_LEN: usize = 128;
 
 fn rewrite_ids(req: &mut RunJobRequest, replay_id: &str) -> Result<(), serde_json::Error> {
     req.job_id = replay_id.to_string();
@@ -153,5 +192,23 @@ fn diff_values(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
         }
         _ if a != b => out.push(format!("{path}: {a} != {b}")),
         _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replay_ids_are_random_and_valid() {
+        let (a, b) = (replay_id("job-1"), replay_id("job-1"));
+        assert_ne!(a, b);
+        assert!(a.starts_with("job-1-replay-") && a.len() == "job-1-replay-".len() + 32);
+        let long = "j".repeat(128);
+        let c = replay_id(&long);
+        assert!(c.starts_with("replay-"), "{c}");
+        for id in [a, c] {
+            cynode_protocol::worker_api::check_id("job_id", &id).unwrap();
+        }
     }
 }

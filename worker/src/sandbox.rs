@@ -58,7 +58,10 @@ pub const PROXY_URL: &str = "http+unix://%2Fjob%2Finference.sock";
 /// Binds the socket `<dir>/<name>` a sandbox reaches under [`JOB_MOUNT`], replacing a
 /// stale one. It binds through `/proc/self/fd/<dir fd>/<name>`, so a long state path still
 /// fits in a socket address. `owner`: the uid/gid the socket is given when the node may
-/// chown (otherwise it keeps the node's, logged); then its mode is `mode`. Must be called
+/// chown (otherwise it keeps the node's, logged); then its mode is `mode`. The job
+/// directory is the sandbox's: the name is unlinked, re-owned and re-moded beneath the
+/// directory's fd and never through a link (the bound socket is reopened `O_PATH |
+/// O_NOFOLLOW`, checked to be a socket, and changed through that fd). Must be called
 /// within the node's tokio runtime.
 pub fn bind_job_socket(
     dir: &Path,
@@ -66,22 +69,47 @@ pub fn bind_job_socket(
     owner: Option<u32>,
     mode: u32,
 ) -> std::io::Result<(PathBuf, tokio::net::UnixListener)> {
+    use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags};
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::PermissionsExt;
-    let path = dir.join(name);
-    let _ = std::fs::remove_file(&path);
-    let dir_fd = std::fs::File::open(dir)?;
+    let dir_fd = rfs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    match rfs::unlinkat(&dir_fd, name, AtFlags::empty()) {
+        Ok(()) | Err(rustix::io::Errno::NOENT) => {}
+        Err(e) => return Err(e.into()),
+    }
     let short = format!("/proc/self/fd/{}/{name}", dir_fd.as_raw_fd());
     let listener = std::os::unix::net::UnixListener::bind(&short)?;
-    drop(dir_fd);
+    let sock = rfs::openat(
+        &dir_fd,
+        name,
+        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )?;
+    let st = rfs::fstat(&sock)?;
+    if FileType::from_raw_mode(st.st_mode) != FileType::Socket {
+        return Err(std::io::Error::other(format!(
+            "{name} was replaced while it was bound"
+        )));
+    }
     if let Some(id) = owner {
-        if let Err(e) = std::os::unix::fs::chown(&path, Some(id), Some(id)) {
+        let (uid, gid) = (rfs::Uid::from_raw(id), rfs::Gid::from_raw(id));
+        if let Err(e) = rfs::chownat(&sock, "", Some(uid), Some(gid), AtFlags::EMPTY_PATH) {
             tracing::debug!(error = %e, socket = name, "socket keeps the node's owner");
         }
     }
-    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode))?;
+    // chmod through the O_PATH fd's /proc entry: that is the socket's own inode.
+    rfs::chmod(
+        format!("/proc/self/fd/{}", sock.as_raw_fd()).as_str(),
+        Mode::from_raw_mode(mode),
+    )?;
     listener.set_nonblocking(true)?;
-    Ok((path, tokio::net::UnixListener::from_std(listener)?))
+    Ok((
+        dir.join(name),
+        tokio::net::UnixListener::from_std(listener)?,
+    ))
 }
 
 /// A bind mount into the sandbox.
@@ -245,6 +273,22 @@ pub fn example_spec(image: &str, command: &[&str]) -> SandboxSpec {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_planted_link_at_the_socket_name_is_replaced_not_followed() {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        let t = tempfile::tempdir().unwrap();
+        let canary = tempfile::NamedTempFile::new().unwrap();
+        std::fs::set_permissions(canary.path(), std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::os::unix::fs::symlink(canary.path(), t.path().join("s.sock")).unwrap();
+        let (path, _l) = bind_job_socket(t.path(), "s.sock", Some(4321), 0o660).unwrap();
+        let m = std::fs::symlink_metadata(&path).unwrap();
+        assert!(std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()));
+        assert_eq!(m.mode() & 0o777, 0o660);
+        let c = std::fs::metadata(canary.path()).unwrap();
+        assert_eq!(c.mode() & 0o777, 0o600);
+        assert_ne!(c.uid(), 4321);
+    }
 
     #[test]
     fn uid_texts_agree() {

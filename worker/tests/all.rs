@@ -28,6 +28,7 @@ mod backends;
 mod cases;
 mod harness;
 mod host_reads;
+mod host_writes;
 mod inference;
 mod sandbox_escapes;
 mod sessions;
