@@ -73,16 +73,19 @@ deny contains {"rule": "step_malformed", "message": msg} if {
 	msg := sprintf("step %v: run_command needs a command", [step.id])
 }
 
-# Type guards. Engines differ on a builtin called with the wrong type (OPA and the
-# regorus VM make the rule body fail, which could silently drop a denial; the strict
-# interpreter errors), so every value a builtin below receives is checked here first
-# and a mistyped one is denied.
+# Type guards. A builtin called with the wrong type fails the whole evaluation (the
+# gate runs with strict builtin errors and then denies with policy_evaluation_failed;
+# OPA by default would instead make the rule body fail and silently drop a denial), so
+# a mistyped run_command is denied here and kept out of run_steps, which every rule
+# below reads: their builtins only ever see the types checked here.
 deny contains {"rule": "step_malformed", "message": msg} if {
-	some s in run_steps
-	not run_arguments_well_typed(s.args)
+	some step in steps
+	step.type == "run_command"
+	_ = step.arguments.command
+	not run_arguments_well_typed(step.arguments)
 	msg := sprintf(
 		"step %v: run_command needs a string command, string args, string env values and a numeric timeout_seconds",
-		[s.id],
+		[step.id],
 	)
 }
 
@@ -108,10 +111,12 @@ deny contains {"rule": "step_malformed", "message": msg} if {
 	msg := sprintf("step %v: apply_unified_diff needs a string diff", [step.id])
 }
 
-# Every run_command step as {"id", "args", "command"}.
+# Every well-typed run_command step as {"id", "args", "command"} (a mistyped one is
+# denied as step_malformed above).
 run_steps := [{"id": step.id, "args": step.arguments, "command": step.arguments.command} |
 	some step in steps
 	step.type == "run_command"
+	run_arguments_well_typed(step.arguments)
 ]
 
 basename(path) := parts[count(parts) - 1] if parts := split(path, "/")

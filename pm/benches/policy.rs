@@ -2,9 +2,9 @@
 //!
 //! `cargo bench -p cynode-pm --bench policy` runs criterion over three jobs (a typical
 //! skill job, a job the policy denies on several rules, a large job with 40 steps and a
-//! 400-line diff), on the gate's default engine (the regorus VM, `evaluate/…`) and on the
-//! interpreter it falls back to (`interpreter/…`), then times 5,000 single evaluations of
-//! each and prints p50/p90/p99. Criterion's own report is in target/criterion.
+//! 400-line diff) on the gate's engine (regorus' strict interpreter, `evaluate/…`), then
+//! times 5,000 single evaluations of each and prints p50/p90/p99. Criterion's own report
+//! is in target/criterion.
 
 use std::hint::black_box;
 use std::path::Path;
@@ -125,9 +125,6 @@ fn bench(c: &mut Criterion, gate: &LocalGate) {
         group.bench_function(format!("evaluate/{name}"), |b| {
             b.iter(|| gate.evaluate_sync(black_box(&input)))
         });
-        group.bench_function(format!("interpreter/{name}"), |b| {
-            b.iter(|| gate.evaluate_interpreted(black_box(&input)))
-        });
     }
     group.bench_function("load_default_policy", |b| b.iter(load_gate));
     group.finish();
@@ -138,10 +135,7 @@ type Evaluate = fn(&LocalGate, &PolicyInput) -> Decision;
 /// Times single evaluations (not batched) and prints their percentiles.
 fn percentiles(gate: &LocalGate) {
     const RUNS: usize = 5_000;
-    let engines: [(&str, Evaluate); 2] = [
-        ("evaluate", LocalGate::evaluate_sync),
-        ("interpreter", LocalGate::evaluate_interpreted),
-    ];
+    let engines: [(&str, Evaluate); 1] = [("evaluate", LocalGate::evaluate_sync)];
     for (engine, evaluate) in engines {
         for (name, input) in inputs() {
             for _ in 0..200 {

@@ -914,16 +914,28 @@ fn corpus() -> Vec<PolicyInput> {
         json!("not a manifest"),
         TenantPolicy::default(),
     ));
+    // Steps of other shapes and types than the job schema allows (`policy check` reads a
+    // hand-written job): still a decision (step_malformed, path_invalid), not an error.
+    inputs.push(input(job_with(json!([
+        {"id": "a", "type": "run_command", "arguments": {"command": "git", "args": ["-C", 7, "push"]}},
+        {"id": "b", "type": "run_command", "arguments": {"command": ["go"], "env": ["A=1"]}},
+        {"id": "c", "type": "run_command", "arguments": {"command": "git", "args": {"0": "push"}}},
+        {"id": "d", "type": "run_command", "arguments": {"command": "go", "working_dir": 7}},
+        {"id": "e", "type": "write_file", "arguments": {"path": ["x"], "content": 1}},
+        {"id": "f", "type": "apply_unified_diff", "arguments": {"diff": "--- \n+++ \t\n"}},
+        {"id": 7, "type": 8, "arguments": []},
+        "not a step",
+    ]))));
     inputs
 }
 
 #[test]
-fn the_vm_and_the_interpreter_agree() {
-    assert!(GATE.uses_vm());
+fn the_default_policy_evaluates_every_input_of_the_corpus() {
+    // The gate fails closed on any evaluation error: the default policy must never hit one
+    // (it type-checks what its builtins receive), or it would deny with the wrong reason.
     for input in corpus() {
         let decision = GATE.evaluate_sync(&input);
-        assert!(!decision.is_engine_failure(), "{decision:?}");
-        assert_eq!(decision, GATE.evaluate_interpreted(&input), "{input:?}");
+        assert!(!decision.is_engine_failure(), "{input:?}: {decision:?}");
     }
 }
 
@@ -966,10 +978,9 @@ fn a_builtin_error_fails_closed_instead_of_passing() {
         tenant_id: "(unclosed".into(),
         ..TenantPolicy::default()
     };
-    // The strict interpreter fails closed. (The VM, like OPA, lets such a rule body
-    // fail instead, which is why the default policy type-checks what builtins receive:
-    // see mistyped_arguments_are_denied.)
-    let decision = gate.evaluate_interpreted(&PolicyInput::new(clean_job(), skill(), tenant));
+    // The strict interpreter fails closed (OPA by default, and regorus' VM even in strict
+    // mode, would make the rule body undefined and deny nothing).
+    let decision = gate.evaluate_sync(&PolicyInput::new(clean_job(), skill(), tenant));
     assert!(!decision.allowed, "{decision:?}");
     assert_eq!(decision.deny.len(), 1);
     assert_eq!(decision.deny[0].rule, RULE_EVALUATION_FAILED);
@@ -1241,4 +1252,176 @@ async fn remote_engine_fails_closed_when_it_never_answers() {
         "{:?}",
         decision.deny[0].message
     );
+}
+
+// ---------------------------------------------------------------------------
+// A policy that errors while it evaluates denies (fail closed), in both modes, locally
+// and through the external engine.
+// ---------------------------------------------------------------------------
+
+/// `(what, policy text, job fields that make it fail, what the error names)`. Each policy
+/// loads (an empty input evaluates) and allows the clean job; the listed job fields make
+/// its evaluation fail.
+const ERRORING_POLICIES: &[(&str, &str, &str, &str)] = &[
+    (
+        "a complete rule with two values",
+        "package cynode.policy\n\nimport rego.v1\n\nlevel := 1 if input.job.a\n\nlevel := 2 if input.job.b\n\ndeny contains \"too high\" if level > 5\n",
+        r#"{"a": true, "b": true}"#,
+        "",
+    ),
+    (
+        "a function with two values",
+        "package cynode.policy\n\nimport rego.v1\n\nf(x) := 1 if x\n\nf(x) := 2 if x\n\ndeny contains \"never\" if f(input.job.a) == 3\n",
+        r#"{"a": true}"#,
+        "",
+    ),
+    (
+        "an object rule with two values for one key",
+        "package cynode.policy\n\nimport rego.v1\n\nlevels[\"k\"] := 1 if input.job.a\n\nlevels[\"k\"] := 2 if input.job.b\n\ndeny contains \"never\" if levels.k == 3\n",
+        r#"{"a": true, "b": true}"#,
+        "",
+    ),
+    (
+        "to_number of a non-number",
+        "package cynode.policy\n\nimport rego.v1\n\ndeny contains \"too many\" if to_number(input.job.n) > 5\n",
+        r#"{"n": "x"}"#,
+        "to_number",
+    ),
+    (
+        "an invalid regex from the input",
+        "package cynode.policy\n\nimport rego.v1\n\ndeny contains \"matched\" if regex.match(input.job.pattern, \"x\")\n",
+        r#"{"pattern": "(unclosed"}"#,
+        "regex",
+    ),
+];
+
+fn erroring_job(fields: &str) -> Value {
+    let mut job = clean_job();
+    let extra: serde_json::Map<String, Value> = serde_json::from_str(fields).unwrap();
+    job.as_object_mut().unwrap().extend(extra);
+    job
+}
+
+fn assert_evaluation_failed(decision: &Decision, mode: Mode, names: &str, what: &str) {
+    assert!(!decision.allowed, "{what}: {decision:?}");
+    assert_eq!(decision.mode, mode, "{what}");
+    assert_eq!(decision.deny.len(), 1, "{what}: {decision:?}");
+    assert_eq!(decision.deny[0].rule, RULE_EVALUATION_FAILED, "{what}");
+    assert!(
+        decision.deny[0].message.contains(names),
+        "{what}: {:?} does not name {names:?}",
+        decision.deny[0].message
+    );
+    assert!(decision.is_engine_failure(), "{what}");
+}
+
+#[test]
+fn a_policy_that_errors_at_evaluation_denies() {
+    for (what, policy, fields, names) in ERRORING_POLICIES {
+        let dir = policy_dir_with(&[("p.rego", policy)]);
+        for mode in [Mode::Enforce, Mode::DryRun] {
+            let gate = LocalGate::from_dir(dir.path(), mode)
+                .unwrap_or_else(|e| panic!("{what}: the policy loads: {e}"));
+            assert_eq!(
+                gate.evaluate_sync(&input(clean_job())),
+                allowed_silently(mode),
+                "{what}: the clean job passes"
+            );
+            let failing = input(erroring_job(fields));
+            assert_evaluation_failed(&gate.evaluate_sync(&failing), mode, names, what);
+        }
+    }
+}
+
+/// The gate an [`erroring_opa`] evaluates with, and the query strings it was asked with.
+type ErroringOpa = (Arc<LocalGate>, Arc<Mutex<Vec<Option<String>>>>);
+
+/// An OPA stand-in for a policy of [`ERRORING_POLICIES`]: evaluates with the local gate
+/// and, as OPA does for `?strict-builtin-errors=true` or an eval conflict, answers 500
+/// `{"code": "internal_error", "message": …}` when the evaluation fails. Without the
+/// strict query a builtin error is OPA's default: the rule is undefined (no denial).
+async fn erroring_opa(
+    State((gate, queries)): State<ErroringOpa>,
+    axum::extract::RawQuery(query): axum::extract::RawQuery,
+    Json(body): Json<Value>,
+) -> (StatusCode, Json<Value>) {
+    queries.lock().unwrap().push(query.clone());
+    let input: PolicyInput = serde_json::from_value(body["input"].clone()).unwrap();
+    let decision = gate.evaluate_sync(&input);
+    let strict = query.as_deref().is_some_and(|q| {
+        q.split('&')
+            .any(|kv| kv == "strict-builtin-errors=true" || kv == "strict-builtin-errors")
+    });
+    match decision.deny.first() {
+        Some(d) if d.rule == RULE_EVALUATION_FAILED => {
+            let conflict = !d.message.contains("to_number") && !d.message.contains("regex");
+            if strict || conflict {
+                let message = if conflict {
+                    format!(
+                        "1 error occurred: p.rego:5: eval_conflict_error: {}",
+                        d.message
+                    )
+                } else {
+                    format!(
+                        "1 error occurred: p.rego:5: eval_builtin_error: {}",
+                        d.message
+                    )
+                };
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    Json(json!({"code": "internal_error", "message": message})),
+                )
+            } else {
+                (
+                    StatusCode::OK,
+                    Json(json!({"result": {"deny": [], "warn": []}})),
+                )
+            }
+        }
+        _ => (
+            StatusCode::OK,
+            Json(json!({"result": {"deny": decision.deny, "warn": decision.warn}})),
+        ),
+    }
+}
+
+#[tokio::test]
+async fn a_remote_policy_that_errors_at_evaluation_denies() {
+    for (what, policy, fields, names) in ERRORING_POLICIES {
+        let dir = policy_dir_with(&[("p.rego", policy)]);
+        let local = Arc::new(LocalGate::from_dir(dir.path(), Mode::Enforce).unwrap());
+        let queries = Arc::new(Mutex::new(Vec::new()));
+        let base = serve(
+            Router::new()
+                .route("/v1/data/{*path}", post(erroring_opa))
+                .with_state((local, queries.clone())),
+        )
+        .await;
+        for mode in [Mode::Enforce, Mode::DryRun] {
+            let gate = PolicyGate::remote(&base, "cynode/policy", mode);
+            assert_eq!(
+                gate.evaluate(&input(clean_job())).await,
+                allowed_silently(mode),
+                "{what}: the clean job passes"
+            );
+            let decision = gate.evaluate(&input(erroring_job(fields))).await;
+            assert_evaluation_failed(&decision, mode, names, what);
+            assert!(
+                decision.deny[0].message.starts_with(&format!(
+                    "policy engine at {base}/v1/data/cynode/policy failed to evaluate the policy: "
+                )),
+                "{what}: {:?}",
+                decision.deny[0].message
+            );
+        }
+        // Every request asked for strict builtin errors.
+        let queries = queries.lock().unwrap().clone();
+        assert_eq!(queries.len(), 4);
+        assert!(
+            queries
+                .iter()
+                .all(|q| q.as_deref() == Some("strict-builtin-errors=true")),
+            "{queries:?}"
+        );
+    }
 }

@@ -1,23 +1,24 @@
-//! The in-process gate: Rego evaluated by regorus.
+//! The in-process gate: Rego evaluated by regorus' interpreter.
 //!
-//! The policies are parsed, analysed and compiled once, when the gate is built, to
-//! bytecode for regorus' register VM (RVM); each evaluation runs that program in a fresh
-//! VM (about 4x faster than the tree-walking interpreter on the default policy). A policy
-//! the RVM compiler does not support falls back to the interpreter: a prepared engine
-//! cloned per evaluation. Either way the gate is `Send + Sync`, so one instance serves
-//! every task. Builtin errors are strict (an invalid regex or a type error fails the
-//! evaluation, hence denies) instead of OPA's default of silently making the rule
-//! undefined, which would let a broken deny rule pass everything.
+//! The policies are parsed and analysed once, when the gate is built; each evaluation
+//! runs a clone of that prepared engine, so the gate is `Send + Sync` and one instance
+//! serves every task.
+//!
+//! Fail closed: any error while evaluating is a denial ([`RULE_EVALUATION_FAILED`]).
+//! Builtin errors are strict (`to_number("x")`, an invalid regex, a type error fail the
+//! evaluation) instead of OPA's default of silently making the rule body undefined, and
+//! a complete rule or function that produces two different values is an error, not an
+//! undefined value: either way a broken deny rule would otherwise let everything pass.
+//! That is why the gate does not run regorus' register VM, although it is about 4x
+//! faster: the VM swallows every non-resource error inside a rule body (strict or not)
+//! and turns conflicting values into "undefined", so it cannot fail closed.
 
 use std::num::NonZeroU32;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::time::Duration;
 
-use regorus::languages::rego::compiler::Compiler;
-use regorus::rvm::{Program, RegoVM};
 use regorus::utils::limits::ExecutionTimerConfig;
-use regorus::{CompiledPolicy, Engine};
+use regorus::Engine;
 use serde::Deserialize;
 use tracing::{debug, warn};
 
@@ -32,9 +33,6 @@ pub const BUILTIN_POLICY_NAME: &str = "builtin:policies/cynode.rego";
 
 /// Wall-clock budget of one evaluation; a policy or input that needs more is denied.
 const EVALUATION_TIME_LIMIT: Duration = Duration::from_secs(2);
-/// Instruction budget of one VM evaluation (the default policy needs about 10^4 for a
-/// 40-step job); the wall-clock budget above is the real bound.
-const VM_MAX_INSTRUCTIONS: usize = 50_000_000;
 
 fn timer_config() -> ExecutionTimerConfig {
     ExecutionTimerConfig {
@@ -43,21 +41,11 @@ fn timer_config() -> ExecutionTimerConfig {
     }
 }
 
-/// The policy compiled for the RVM.
-#[derive(Debug, Clone)]
-struct VmProgram {
-    program: Arc<Program>,
-    /// Kept for the VM's default-rule support.
-    policy: CompiledPolicy,
-}
-
 /// Rego policies evaluated in-process.
 #[derive(Debug, Clone)]
 pub struct LocalGate {
     /// Parsed, analysed and warmed up: the interpreter, ready to clone per evaluation.
     engine: Engine,
-    /// The same policy as VM bytecode, when the RVM compiler supports it.
-    vm: Option<VmProgram>,
     /// `data.<package>.deny` / `.warn`, for messages.
     deny_rule: String,
     /// The internal rule that evaluates `deny` and `warn` together (helper rules the two
@@ -175,33 +163,14 @@ impl LocalGate {
                 rule: deny_rule.clone(),
                 message: format!("{e:#}"),
             })?;
-        let vm = match compile_vm_program(&engine, &decision_rule) {
-            Ok(vm) => Some(vm),
-            Err(e) => {
-                debug!(error = %e, "the rvm cannot compile this policy; using the interpreter");
-                None
-            }
-        };
         let gate = Self {
             engine,
-            vm,
             deny_rule,
             decision_rule,
             mode,
             sources: names,
         };
-        // The VM must run the policy too; otherwise stay with the interpreter.
-        let gate = match &gate.vm {
-            Some(vm) => match run_vm(vm, regorus::Value::new_object()) {
-                Ok(_) => gate,
-                Err(e) => {
-                    debug!(error = %e, "the rvm cannot run this policy; using the interpreter");
-                    Self { vm: None, ..gate }
-                }
-            },
-            None => gate,
-        };
-        debug!(package = %package, sources = ?gate.sources, vm = gate.vm.is_some(), "policy loaded");
+        debug!(package = %package, sources = ?gate.sources, "policy loaded");
         Ok(gate)
     }
 
@@ -221,26 +190,10 @@ impl LocalGate {
         &self.sources
     }
 
-    /// Whether evaluations run on the RVM (else on the interpreter).
-    pub fn uses_vm(&self) -> bool {
-        self.vm.is_some()
-    }
-
     /// Evaluates the policy for one job. Never fails: an evaluation error is a denial
     /// with rule [`RULE_EVALUATION_FAILED`].
     pub fn evaluate_sync(&self, input: &PolicyInput) -> Decision {
-        self.decide(input, self.vm.as_ref())
-    }
-
-    /// Evaluates with the interpreter even when the VM is available: for differential
-    /// tests and the benchmark.
-    #[doc(hidden)]
-    pub fn evaluate_interpreted(&self, input: &PolicyInput) -> Decision {
-        self.decide(input, None)
-    }
-
-    fn decide(&self, input: &PolicyInput, vm: Option<&VmProgram>) -> Decision {
-        match self.findings(input, vm) {
+        match self.findings(input) {
             Ok((deny, warn)) => Decision::from_findings(deny, warn, self.mode),
             Err(message) => {
                 warn!(error = %message, "policy evaluation failed; denying (fail closed)");
@@ -253,23 +206,13 @@ impl LocalGate {
         }
     }
 
-    fn findings(
-        &self,
-        input: &PolicyInput,
-        vm: Option<&VmProgram>,
-    ) -> Result<(Vec<Violation>, Vec<Violation>), String> {
+    fn findings(&self, input: &PolicyInput) -> Result<(Vec<Violation>, Vec<Violation>), String> {
         let input = to_rego_value(input)?;
-        let value = match vm {
-            Some(vm) => run_vm(vm, input),
-            None => {
-                let mut engine = self.engine.clone();
-                engine.set_input(input);
-                engine
-                    .eval_rule(self.decision_rule.clone())
-                    .map_err(|e| format!("{e:#}"))
-            }
-        }
-        .map_err(|e| format!("{}: {e}", self.deny_rule))?;
+        let mut engine = self.engine.clone();
+        engine.set_input(input);
+        let value = engine
+            .eval_rule(self.decision_rule.clone())
+            .map_err(|e| format!("{}: {e:#}", self.deny_rule))?;
         let json = serde_json::to_value(&value).map_err(|e| format!("{}: {e}", self.deny_rule))?;
         // Both keys always exist (defaults); anything else means the engine misbehaved.
         let (Some(deny), Some(warn)) = (json.get("deny"), json.get("warn")) else {
@@ -279,26 +222,6 @@ impl LocalGate {
         let warn = parse_violations("warn", warn)?;
         Ok((deny, warn))
     }
-}
-
-fn compile_vm_program(engine: &Engine, rule: &str) -> Result<VmProgram, String> {
-    // Compiling changes engine state (print gathering); keep the interpreter's copy clean.
-    let mut engine = engine.clone();
-    let policy = engine
-        .compile_with_entrypoint(&rule.into())
-        .map_err(|e| format!("{e:#}"))?;
-    let program = Compiler::compile_from_policy(&policy, &[rule]).map_err(|e| format!("{e:#}"))?;
-    Ok(VmProgram { program, policy })
-}
-
-fn run_vm(vm: &VmProgram, input: regorus::Value) -> Result<regorus::Value, String> {
-    let mut machine = RegoVM::new_with_policy(vm.policy.clone());
-    machine.set_strict_builtin_errors(true);
-    machine.set_max_instructions(VM_MAX_INSTRUCTIONS);
-    machine.set_execution_timer_config(Some(timer_config()));
-    machine.load_program(vm.program.clone());
-    machine.set_input(input);
-    machine.execute().map_err(|e| format!("{e:#}"))
 }
 
 /// Package of the internal module that gathers `deny` and `warn` in one evaluation.

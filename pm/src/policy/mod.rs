@@ -6,13 +6,14 @@
 //!
 //! Two engines answer the same question with the same input:
 //! - [`LocalGate`]: Rego (`policies/*.rego`, package `cynode.policy`) evaluated in-process
-//!   by regorus: compiled once to regorus VM bytecode, about 0.1–0.2 ms per typical job
-//!   (`cargo bench -p cynode-pm --bench policy`).
+//!   by regorus' interpreter with strict builtin errors (`cargo bench -p cynode-pm --bench
+//!   policy` times it).
 //! - [`RemoteGate`]: an OPA-compatible server (`POST /v1/data/cynode/policy`).
 //!
-//! Either way the gate fails closed: when no verdict can be obtained the job is denied
-//! with rule `policy_engine_unavailable` (external) or `policy_evaluation_failed`
-//! (in-process), in both modes.
+//! Either way the gate fails closed, in both modes: a policy whose evaluation errors (a
+//! builtin error such as `to_number("x")` or an invalid regex, a complete rule or function
+//! with two different values) denies the job with rule `policy_evaluation_failed`, and an
+//! external engine that gives no verdict at all denies it with `policy_engine_unavailable`.
 
 mod decision;
 mod input;
