@@ -18,6 +18,7 @@ use super::{Node, NodeError};
 use crate::callback;
 use crate::executor::{self, JobPaths};
 use crate::inference::{self, Proxy};
+use crate::remove_tree::remove_tree_async;
 use crate::store::{request_digest, JobRecord, Mode};
 
 /// Attempts at recording a job's final state (about a minute with the backoff).
@@ -255,12 +256,11 @@ impl Node {
     pub async fn ack(&self, job_id: &str) -> Result<(), NodeError> {
         let rec = self.finished_record(job_id).await?;
         let paths = JobPaths::new(&self.cfg, &rec.request);
-        if let Err(e) = std::fs::remove_dir_all(&paths.root) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                return Err(NodeError::Internal(format!(
-                    "cannot remove job directory: {e}"
-                )));
-            }
+        // Iterative and link-safe: a job can leave a tree far deeper than any stack.
+        if let Err(e) = remove_tree_async(paths.root).await {
+            return Err(NodeError::Internal(format!(
+                "cannot remove job directory: {e}"
+            )));
         }
         self.store.delete(job_id).await?;
         Ok(())
