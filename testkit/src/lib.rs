@@ -9,7 +9,9 @@
 //!
 //! [`LocalModel`] is the local model server as a test-owned resource, [`scripted_model`]
 //! the one scripted OpenAI-compatible server of the tests, and [`TestCa`]
-//! makes the certificates of the TLS tests; [`mod@tar`] writes hostile tar archives raw. [`postgres_url`] starts the test PostgreSQL.
+//! makes the certificates of the TLS tests; [`flood`] opens the stalled connections of the
+//! listener tests and reads what the flooded process holds; [`mod@tar`] writes hostile
+//! tar archives raw. [`postgres_url`] starts the test PostgreSQL.
 //! [`upstream`] mirrors upstream CyNodeAI's
 //! contract types with Go's JSON semantics, for the interoperability tests.
 //!
@@ -17,6 +19,7 @@
 //! a child subreaper and fails when anything the run started is still alive afterwards.
 
 pub mod certs;
+pub mod flood;
 pub mod model;
 pub mod postgres;
 pub mod proc;

@@ -8,6 +8,7 @@ mod api_input;
 mod architecture;
 mod deploy;
 mod e2e;
+mod listeners;
 mod otel;
 mod reliability;
 mod service;

@@ -25,6 +25,13 @@ pub(crate) struct Replica {
     pub(crate) base: String,
 }
 
+impl Replica {
+    /// The replica's process id.
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

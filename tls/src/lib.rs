@@ -3,14 +3,22 @@
 //! - [`ServerTls`]: a certificate and key, and optionally a client CA that makes client
 //!   certificates (mutual TLS) required; [`serve`] serves an axum app over it and reloads
 //!   the files when they change or on SIGHUP, without dropping the listener.
+//! - [`ListenerLimits`]: the bounds of every listener of the workspace (connections, head
+//!   and idle timeouts, head size, TLS handshake time), enforced by the one accept loop
+//!   behind [`serve_with`] (TCP, with or without TLS) and [`serve_unix`] (the per-job
+//!   sockets).
 //! - [`ClientTls`]: extra trusted roots (beside the system's, which honour `SSL_CERT_FILE`
 //!   and `SSL_CERT_DIR`) and an optional client identity, applied to a reqwest builder.
 
+mod accept;
 mod client;
+mod limits;
 mod server;
+mod slots;
 
 pub use client::ClientTls;
-pub use server::{serve, server_config, ServerTls};
+pub use limits::ListenerLimits;
+pub use server::{serve, serve_unix, serve_with, server_config, ServerTls};
 
 /// A TLS set-up problem, naming the file.
 #[derive(Debug, thiserror::Error)]

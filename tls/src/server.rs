@@ -1,18 +1,19 @@
 //! Server side: rustls configs from PEM files, optional required client certificates, and
-//! HTTPS serving that reloads the files without a restart.
+//! serving (HTTP, HTTPS that reloads the files without a restart, Unix sockets) through
+//! the one bounded accept loop of [`crate::accept`].
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, SystemTime};
 
-use axum_server::tls_rustls::RustlsConfig;
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use serde::{Deserialize, Serialize};
 
+use crate::accept::{self, TlsConfig};
+use crate::limits::ListenerLimits;
 use crate::{read, Result, TlsError};
 
 /// How often the certificate files are checked for changes.
@@ -92,44 +93,67 @@ fn mtimes(tls: &ServerTls) -> Vec<Option<SystemTime>> {
         .collect()
 }
 
-/// Serves `app` on `listener` until `shutdown` resolves: plain HTTP without `tls`, else
-/// HTTPS whose certificate, key and client CA are reloaded when a file changes or on
-/// SIGHUP. A reload that fails keeps the previous config and logs why.
+/// How long in-flight requests may take to finish once a TCP server is told to stop.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// Serves `app` on `listener` until `shutdown` resolves, with the default
+/// [`ListenerLimits`] (see [`serve_with`]).
 pub async fn serve(
     listener: std::net::TcpListener,
     app: axum::Router,
     tls: Option<ServerTls>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
+    serve_with(listener, app, tls, ListenerLimits::default(), shutdown).await
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves: plain HTTP without `tls`, else
+/// HTTPS whose certificate, key and client CA are reloaded when a file changes or on
+/// SIGHUP (a reload that fails keeps the previous config and logs why). Connections are
+/// bounded by `limits` (see [`ListenerLimits`]); on shutdown, requests in flight get 10 s.
+pub async fn serve_with(
+    listener: std::net::TcpListener,
+    app: axum::Router,
+    tls: Option<ServerTls>,
+    limits: ListenerLimits,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
     listener.set_nonblocking(true).map_err(TlsError::Serve)?;
-    let handle = axum_server::Handle::new();
-    let h = handle.clone();
-    tokio::spawn(async move {
-        shutdown.await;
-        h.graceful_shutdown(Some(Duration::from_secs(10)));
-    });
-    let make = app.into_make_service_with_connect_info::<SocketAddr>();
-    match tls {
-        None => axum_server::from_tcp(listener)
-            .map_err(TlsError::Serve)?
-            .handle(handle)
-            .serve(make)
-            .await
-            .map_err(TlsError::Serve),
+    let listener = tokio::net::TcpListener::from_std(listener).map_err(TlsError::Serve)?;
+    let config = match tls {
+        None => None,
         Some(tls) => {
-            let rustls = RustlsConfig::from_config(server_config(&tls)?);
-            tokio::spawn(reload_loop(tls, rustls.clone()));
-            axum_server::from_tcp_rustls(listener, rustls)
-                .map_err(TlsError::Serve)?
-                .handle(handle)
-                .serve(make)
-                .await
-                .map_err(TlsError::Serve)
+            let config: TlsConfig = Arc::new(RwLock::new(server_config(&tls)?));
+            let reload = tokio::spawn(reload_loop(tls, Arc::clone(&config)));
+            Some((config, AbortOnDrop(reload)))
         }
+    };
+    let tls = config.as_ref().map(|(c, _)| Arc::clone(c));
+    accept::run(listener, app, tls, limits, SHUTDOWN_GRACE, shutdown).await;
+    Ok(())
+}
+
+/// Serves `app` on a Unix socket until `shutdown` resolves (or the future is dropped),
+/// with connections bounded by `limits`; what is in flight at shutdown is closed.
+pub async fn serve_unix(
+    listener: tokio::net::UnixListener,
+    app: axum::Router,
+    limits: ListenerLimits,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    accept::run(listener, app, None, limits, Duration::ZERO, shutdown).await;
+}
+
+/// Aborts the task when dropped (the reload loop ends with its server).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
-async fn reload_loop(tls: ServerTls, rustls: RustlsConfig) {
+async fn reload_loop(tls: ServerTls, config: TlsConfig) {
     let mut seen = mtimes(&tls);
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
     loop {
@@ -149,7 +173,7 @@ async fn reload_loop(tls: ServerTls, rustls: RustlsConfig) {
         seen = now;
         match server_config(&tls) {
             Ok(cfg) => {
-                rustls.reload_from_config(cfg);
+                *config.write().unwrap_or_else(PoisonError::into_inner) = cfg;
                 tracing::info!(cert = %tls.cert_file.display(), signalled, "tls configuration reloaded");
             }
             Err(e) => {

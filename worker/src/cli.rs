@@ -221,6 +221,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     let token = cfg.token()?;
     let listen = cfg.listen;
     let tls = cfg.tls.clone();
+    let limits = cfg.listener.clone();
     if tls.is_none() && !listen.ip().is_loopback() && !cfg.allow_plain_http {
         anyhow::bail!(
             "refusing to serve the Worker API (and its bearer token) over plain http on the non-loopback address {listen}: configure tls.cert_file and tls.key_file, or set allow_plain_http: true when a TLS-terminating proxy on this host fronts it"
@@ -240,7 +241,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     let scheme = if tls.is_some() { "https" } else { "http" };
     tracing::info!(addr = %listener.local_addr()?, scheme, mutual_tls = tls.as_ref().is_some_and(|t| t.client_ca_file.is_some()), backend = node.backend.kind().as_str(), ready = ready.ready, detail = %ready.detail, "cynode-worker listening");
     let app = cynode_worker::http::app(Arc::clone(&node));
-    cynode_tls::serve(listener, app, tls, shutdown_signal())
+    cynode_tls::serve_with(listener, app, tls, limits, shutdown_signal())
         .await
         .context("server failed")?;
     // Stop accepting is done; give running jobs a grace period, then stop them. Results

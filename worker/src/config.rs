@@ -73,6 +73,11 @@ pub struct Config {
     /// Serve plain http on a non-loopback address anyway (e.g. behind a TLS-terminating
     /// proxy on the same host).
     pub allow_plain_http: bool,
+    /// Bounds on the Worker API listener's connections (`max_connections`,
+    /// `header_read_timeout_seconds`, `idle_timeout_seconds`, `max_header_bytes`,
+    /// `tls_handshake_timeout_seconds`); the per-job sockets use the same timeouts and
+    /// header cap with `limits.job_socket_connections` connections.
+    pub listener: cynode_tls::ListenerLimits,
     /// The egress proxy: where jobs with `network_policy: restricted` may go.
     pub egress: EgressConfig,
 }
@@ -238,6 +243,9 @@ pub struct Limits {
     pub artifact_max_file_mb: u64,
     pub artifact_max_total_mb: u64,
     pub artifact_hash_seconds: u64,
+    /// Connections each per-job socket (`/job/status.sock`, `/job/inference.sock`) holds
+    /// at once.
+    pub job_socket_connections: usize,
 }
 
 /// Async job backpressure.
@@ -292,6 +300,7 @@ impl Default for Config {
             tls: None,
             default_image: None,
             allow_plain_http: false,
+            listener: cynode_tls::ListenerLimits::default(),
             egress: EgressConfig::default(),
         }
     }
@@ -325,6 +334,7 @@ impl Default for Limits {
             artifact_max_file_mb: 1024,
             artifact_max_total_mb: 2048,
             artifact_hash_seconds: 60,
+            job_socket_connections: 16,
         }
     }
 }

@@ -7,8 +7,14 @@
 //! - A chat request must name one of the job's allowed models (403 otherwise); it is
 //!   re-serialised from its parsed form, so the upstream sees exactly what was checked.
 //!   Streaming is refused (400).
-//! - Request and response bodies are capped (413 / 502); the model list is filtered to
-//!   the allowed models.
+//! - Request and response bodies are capped (413 / 502: `inference.max_request_bytes`,
+//!   1 MiB by default, and `max_response_bytes`, 4 MiB); a request body must arrive within
+//!   [`BODY_READ_TIMEOUT`] (408); the model list is filtered to the allowed models.
+//! - The job is the only client and may be hostile: the socket is served by the bounded
+//!   accept loop (`cynode_tls::serve_unix`: the node's `listener` timeouts and header
+//!   cap, and `limits.job_socket_connections` connections, 16 by default; beyond them, with
+//!   every connection mid-request, a new one is answered 503 at once). So the node's
+//!   descriptors and memory spent on one job's proxy stay bounded.
 //! - The upstream API key is added here, on the upstream request only: it never enters
 //!   the sandbox, job.json or a log line.
 //! - Token usage is logged per request and in total per job (`job_id`, `prompt_tokens`,
@@ -26,6 +32,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use serde_json::{json, Value};
+
+use cynode_tls::ListenerLimits;
+use tokio_util::sync::CancellationToken;
 
 use crate::config::InferenceConfig;
 use crate::sandbox::{bind_job_socket, INFERENCE_SOCKET as SOCKET_NAME, SANDBOX_UID};
@@ -157,16 +166,20 @@ pub fn app(proxy: Arc<Proxy>) -> Router {
         .with_state(proxy)
 }
 
-/// A running proxy; dropping it stops serving, removes the socket and logs the totals.
+/// A request body must arrive within this time (408 otherwise).
+pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A running proxy; dropping it stops serving (closing every connection), removes the
+/// socket and logs the totals.
 pub struct ProxyServer {
-    task: tokio::task::JoinHandle<()>,
+    stop: CancellationToken,
     path: PathBuf,
     proxy: Arc<Proxy>,
 }
 
 impl Drop for ProxyServer {
     fn drop(&mut self) {
-        self.task.abort();
+        self.stop.cancel();
         let _ = std::fs::remove_file(&self.path);
         let p = &self.proxy;
         tracing::info!(
@@ -179,15 +192,25 @@ impl Drop for ProxyServer {
     }
 }
 
-/// Binds `<dir>/inference.sock` for `proxy` and serves it. The socket belongs to the
-/// sandbox uid (when the node may chown) with mode 0600: only the sandbox and root reach it.
-pub fn listen(dir: &Path, proxy: Arc<Proxy>) -> std::io::Result<ProxyServer> {
+/// Binds `<dir>/inference.sock` for `proxy` and serves it, with connections bounded by
+/// `limits`. The socket belongs to the sandbox uid (when the node may chown) with mode
+/// 0600: only the sandbox and root reach it.
+pub fn listen(
+    dir: &Path,
+    proxy: Arc<Proxy>,
+    limits: &ListenerLimits,
+) -> std::io::Result<ProxyServer> {
     let (path, listener) = bind_job_socket(dir, SOCKET_NAME, Some(SANDBOX_UID), 0o600)?;
     let router = app(Arc::clone(&proxy));
-    let task = tokio::spawn(async move {
-        let _ = axum::serve(listener, router).await;
-    });
-    Ok(ProxyServer { task, path, proxy })
+    let stop = CancellationToken::new();
+    let done = stop.clone();
+    tokio::spawn(cynode_tls::serve_unix(
+        listener,
+        router,
+        limits.clone(),
+        async move { done.cancelled().await },
+    ));
+    Ok(ProxyServer { stop, path, proxy })
 }
 
 fn error(status: StatusCode, kind: &str, message: &str) -> Response {
@@ -222,12 +245,26 @@ async fn ollama_tags(State(p): State<Arc<Proxy>>) -> Response {
 /// false when absent), and usage logged per job.
 async fn forward_completion(p: Arc<Proxy>, body: Body, path: &'static str) -> Response {
     let cap = p.upstream.max_request_bytes;
-    let Ok(bytes) = axum::body::to_bytes(body, cap).await else {
-        return error(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            "request_too_large",
-            &format!("request body over the proxy's cap of {cap} bytes"),
-        );
+    let read = tokio::time::timeout(BODY_READ_TIMEOUT, axum::body::to_bytes(body, cap)).await;
+    let bytes = match read {
+        Ok(Ok(b)) => b,
+        Ok(Err(_)) => {
+            return error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "request_too_large",
+                &format!("request body over the proxy's cap of {cap} bytes"),
+            )
+        }
+        Err(_) => {
+            return error(
+                StatusCode::REQUEST_TIMEOUT,
+                "request_timeout",
+                &format!(
+                    "the request body did not arrive within {} s",
+                    BODY_READ_TIMEOUT.as_secs()
+                ),
+            )
+        }
     };
     let Ok(Value::Object(mut req)) = serde_json::from_slice::<Value>(&bytes) else {
         return error(

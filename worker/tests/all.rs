@@ -30,6 +30,7 @@ mod harness;
 mod host_reads;
 mod host_writes;
 mod inference;
+mod listeners;
 mod sandbox_escapes;
 mod sessions;
 mod tls;

@@ -143,6 +143,11 @@ impl Server {
         launch(self.backend, self.dir.path(), &self.extra_config, &self.env)
     }
 
+    /// The worker's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }

@@ -54,6 +54,22 @@ pub struct ServeArgs {
     /// PEM CA: every client must then present a certificate issued by it (mutual TLS).
     #[arg(long, env = "CYNODE_PM_TLS_CLIENT_CA_FILE", requires = "tls_cert_file")]
     pub tls_client_ca_file: Option<PathBuf>,
+    /// Connections held at once. When full, a new connection displaces the one idle (or
+    /// mid-head) the longest; when every one has a request in flight it is refused (503).
+    #[arg(long, default_value_t = 512)]
+    pub max_connections: usize,
+    /// A request head must arrive within this time.
+    #[arg(long, default_value_t = 10)]
+    pub header_read_timeout_seconds: u64,
+    /// A connection with no request in flight for this long is closed.
+    #[arg(long, default_value_t = 60)]
+    pub idle_timeout_seconds: u64,
+    /// Largest request head (431 above).
+    #[arg(long, default_value_t = 64 * 1024)]
+    pub max_header_bytes: usize,
+    /// A TLS handshake must finish within this time.
+    #[arg(long, default_value_t = 10)]
+    pub tls_handshake_timeout_seconds: u64,
     #[command(flatten)]
     pub pm: PmArgs,
 }
@@ -91,6 +107,13 @@ pub async fn serve(args: &ServeArgs, g: &Global) -> anyhow::Result<i32> {
         shutdown_grace: Duration::from_secs(args.shutdown_grace_seconds),
         replica_id: args.replica_id.clone(),
         tls: args.server_tls(),
+        listener: cynode_tls::ListenerLimits {
+            max_connections: args.max_connections,
+            header_read_timeout_seconds: args.header_read_timeout_seconds,
+            idle_timeout_seconds: args.idle_timeout_seconds,
+            max_header_bytes: args.max_header_bytes,
+            tls_handshake_timeout_seconds: args.tls_handshake_timeout_seconds,
+        },
     };
     cynode_pm::service::serve(pm, cfg).await?;
     Ok(0)

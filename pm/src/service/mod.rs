@@ -62,6 +62,9 @@ pub struct ServeConfig {
     pub replica_id: Option<String>,
     /// HTTPS instead of plain HTTP.
     pub tls: Option<cynode_tls::ServerTls>,
+    /// Bounds on the listener's connections (count, head and idle timeouts, head size,
+    /// TLS handshake time), plain or HTTPS alike.
+    pub listener: cynode_tls::ListenerLimits,
 }
 
 /// Why the service stopped with an error.
@@ -266,20 +269,17 @@ pub async fn serve(pm: Pm, cfg: ServeConfig) -> Result<(), ServeError> {
     let addr = listener.local_addr().map_err(listen_error)?;
     let scheme = if cfg.tls.is_some() { "https" } else { "http" };
     tracing::info!(addr = %addr, scheme, replica = %owner, "cynode-pm listening");
-    match cfg.tls {
-        // HTTPS: the certificate, key and client CA are reloaded on change or SIGHUP.
-        Some(t) => cynode_tls::serve(listener, app, Some(t), shutdown_signal(stop.clone()))
-            .await
-            .map_err(|e| ServeError::Server(format!("https: {e}")))?,
-        None => {
-            listener.set_nonblocking(true).map_err(listen_error)?;
-            let listener = tokio::net::TcpListener::from_std(listener).map_err(listen_error)?;
-            axum::serve(listener, app)
-                .with_graceful_shutdown(shutdown_signal(stop.clone()))
-                .await
-                .map_err(|e| ServeError::Server(e.to_string()))?
-        }
-    }
+    // HTTPS: the certificate, key and client CA are reloaded on change or SIGHUP. Plain or
+    // not, connections go through the one bounded accept loop.
+    cynode_tls::serve_with(
+        listener,
+        app,
+        cfg.tls,
+        cfg.listener,
+        shutdown_signal(stop.clone()),
+    )
+    .await
+    .map_err(|e| ServeError::Server(format!("{scheme}: {e}")))?;
     if let Err(e) = scheduler.await {
         tracing::warn!(error = %e, "the scheduler ended abnormally");
     }

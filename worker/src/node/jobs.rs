@@ -199,7 +199,7 @@ impl Node {
                     });
                 }
             });
-            match callback::listen(&paths.mount, &req.job_id, on_status) {
+            match callback::listen(&paths.mount, &req.job_id, on_status, &self.job_sockets()) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     tracing::warn!(job_id = %req.job_id, error = %e, "no lifecycle socket; in_progress will not be reported");
@@ -216,7 +216,7 @@ impl Node {
         let _proxy = match (executor::inference_models(&self.cfg, req), &self.inference) {
             (Ok(Some(models)), Some(upstream)) => {
                 let proxy = Proxy::new(&req.job_id, models, Arc::clone(upstream));
-                match inference::listen(&paths.mount, proxy) {
+                match inference::listen(&paths.mount, proxy, &self.job_sockets()) {
                     Ok(s) => Some(s),
                     Err(e) => {
                         let mut resp = restarted_response_for(req);

@@ -228,6 +228,14 @@ impl Node {
         Ok(rec)
     }
 
+    /// The bounds of a job's sockets (status and inference): the API listener's timeouts
+    /// and header cap, `limits.job_socket_connections` connections.
+    pub(crate) fn job_sockets(&self) -> cynode_tls::ListenerLimits {
+        self.cfg
+            .listener
+            .with_max_connections(self.cfg.limits.job_socket_connections)
+    }
+
     /// Jobs currently waiting or running.
     pub fn active(&self) -> usize {
         self.waiting.load(Ordering::SeqCst)
