@@ -6,7 +6,9 @@
 //!   methods 405).
 //! - A chat request must name one of the job's allowed models (403 otherwise); it is
 //!   re-serialised from its parsed form, so the upstream sees exactly what was checked.
-//!   Streaming is refused (400).
+//!   Streaming is refused (400), and so is a request carrying any field of
+//!   [`MODEL_SELECTORS`] (400): fields by which routers (OpenRouter, LiteLLM) pick another
+//!   model or upstream than `model` names.
 //! - Request and response bodies are capped (413 / 502: `inference.max_request_bytes`,
 //!   1 MiB by default, and `max_response_bytes`, 4 MiB); a request body must arrive within
 //!   [`BODY_READ_TIMEOUT`] (408); the model list is filtered to the allowed models.
@@ -166,6 +168,33 @@ pub fn app(proxy: Arc<Proxy>) -> Router {
         .with_state(proxy)
 }
 
+/// Request fields other than `model` that choose the model or the upstream a request goes
+/// to, in the routers the upstream may be: OpenRouter's fallback list (`models`,
+/// `route: "fallback"`) and provider routing (`provider`, `preset`); LiteLLM's fallbacks
+/// (`fallbacks`, `context_window_fallbacks`, `content_policy_fallbacks`), its
+/// per-request deployments (`model_list`, `litellm_params`, `custom_llm_provider`) and
+/// client-side upstream (`api_base`, `base_url`, `api_key`, `api_version`); Azure's
+/// `deployment_id` and the legacy `engine`. The allowlist is checked on `model` alone, so
+/// a request carrying any of these is refused (400 `model_selector_refused`).
+pub const MODEL_SELECTORS: &[&str] = &[
+    "models",
+    "route",
+    "provider",
+    "preset",
+    "fallbacks",
+    "context_window_fallbacks",
+    "content_policy_fallbacks",
+    "model_list",
+    "litellm_params",
+    "custom_llm_provider",
+    "api_base",
+    "base_url",
+    "api_key",
+    "api_version",
+    "deployment_id",
+    "engine",
+];
+
 /// A request body must arrive within this time (408 otherwise).
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -273,6 +302,17 @@ async fn forward_completion(p: Arc<Proxy>, body: Body, path: &'static str) -> Re
             "the body must be a JSON object",
         );
     };
+    if let Some(field) = MODEL_SELECTORS.iter().find(|f| req.contains_key(**f)) {
+        tracing::warn!(job_id = %p.job_id, field = %field, "inference request with a model selector beside `model` refused");
+        return error(
+            StatusCode::BAD_REQUEST,
+            "model_selector_refused",
+            &format!(
+                "field `{field}` is not accepted: the proxy allows a model by `model` alone (refused fields: {})",
+                MODEL_SELECTORS.join(", ")
+            ),
+        );
+    }
     let model = req.get("model").and_then(Value::as_str).unwrap_or_default();
     if !p.allowed.iter().any(|m| m == model) {
         tracing::warn!(job_id = %p.job_id, model = %model, "inference request for a model the job may not use");

@@ -621,3 +621,66 @@ async fn a_real_model_drives_an_agent_job_through_the_proxy() {
         .count();
     assert!(usage >= 1, "no inference usage logged");
 }
+
+/// Issue 24, item 9: the job's model allowlist is checked on `model`, so a request that
+/// names a model (or an upstream) in another field is refused (400) and never reaches the
+/// upstream: OpenRouter's `models`, `route: fallback` and `provider`, LiteLLM's
+/// `fallbacks` and its client-side `api_base`, on the OpenAI and the Ollama routes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_refuses_model_selectors_beside_model() {
+    env();
+    let model = cynode_testkit::ScriptedModel::new([], cynode_testkit::Reply::Content("ok".into()));
+    let url = model.serve();
+    let sv = worker(url.trim_end_matches("/v1"), "  models: [m1]\n");
+    let id = unique("sel");
+    let body = json!({
+        "version": 1, "task_id": "t", "job_id": id,
+        "sandbox": { "image": env().image, "command": ["sleep", "60"], "use_inference": true }
+    });
+    let (code, _) = sv.post("/v1/worker/jobs", &body).await;
+    assert_eq!(code, 202);
+    let sock = socket_of(&sv, &id);
+    wait_until(Duration::from_secs(30), || sock.exists()).await;
+    let messages = json!([{ "role": "user", "content": "hi" }]);
+    for (field, value) in [
+        ("models", json!(["m1", "m3"])),
+        ("route", json!("fallback")),
+        ("fallbacks", json!(["m3"])),
+        ("provider", json!({ "order": ["m3"] })),
+        ("context_window_fallbacks", json!([{ "m1": ["m3"] }])),
+        ("api_base", json!("http://127.0.0.1:9")),
+    ] {
+        let mut req = json!({ "model": "m1", "messages": messages });
+        req[field] = value;
+        for path in ["/v1/chat/completions", "/api/chat"] {
+            let (code, v) = unix_http(
+                &sock,
+                "POST",
+                path,
+                Some(&serde_json::to_vec(&req).unwrap()),
+            );
+            assert_eq!(code, 400, "{field} on {path}: {v}");
+            assert_eq!(v["error"]["type"], "model_selector_refused", "{v}");
+            assert!(
+                v["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains(&format!("`{field}`")),
+                "{v}"
+            );
+        }
+    }
+    assert!(
+        model.chat_bodies().is_empty(),
+        "a request with a model selector reached the upstream: {:?}",
+        model.chat_bodies()
+    );
+    // `model` alone goes through.
+    let plain = json!({ "model": "m1", "messages": messages });
+    let (code, v) = post_chat(&sock, &serde_json::to_vec(&plain).unwrap());
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(model.chat_bodies(), vec![plain]);
+    let _ = sv
+        .post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
+        .await;
+}
