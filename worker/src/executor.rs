@@ -385,6 +385,7 @@ pub fn artifacts_reason(e: &TreeError) -> String {
         TreeError::TotalTooLarge { .. } => "limits.artifact_max_total_mb",
         TreeError::TooSlow(_) => "limits.artifact_hash_seconds",
         TreeError::Read(r) => return format!("cannot collect artifacts: {r}"),
+        TreeError::NotUtf8 { .. } => return format!("artifacts refused: {e}"),
     };
     format!("resource_limit_exceeded: artifacts: {e} ({key})")
 }

@@ -7,7 +7,8 @@
 
 use std::io::Read;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::path::Path;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags, ResolveFlags};
@@ -81,6 +82,16 @@ fn resolve() -> ResolveFlags {
 
 /// Opens `rel` beneath `dir` without following any link; `extra` adds open flags.
 pub fn open_beneath(dir: BorrowedFd<'_>, rel: &str, extra: OFlags) -> Result<OwnedFd, ReadError> {
+    open_beneath_raw(dir, Path::new(rel), rel, extra)
+}
+
+/// [`open_beneath`] of a path that may not be UTF-8; `shown` names it in errors.
+fn open_beneath_raw(
+    dir: BorrowedFd<'_>,
+    rel: &Path,
+    shown: &str,
+    extra: OFlags,
+) -> Result<OwnedFd, ReadError> {
     rustix::fs::openat2(
         dir,
         rel,
@@ -99,9 +110,9 @@ pub fn open_beneath(dir: BorrowedFd<'_>, rel: &str, extra: OFlags) -> Result<Own
             if rustix::fs::statat(dir, rel, AtFlags::SYMLINK_NOFOLLOW)
                 .is_ok_and(|st| FileType::from_raw_mode(st.st_mode) == FileType::Symlink) =>
         {
-            ReadError::Link { path: rel.into() }
+            ReadError::Link { path: shown.into() }
         }
-        other => io_err(rel, other),
+        other => io_err(shown, other),
     })
 }
 
@@ -112,7 +123,17 @@ pub fn open_regular(
     rel: &str,
     cap: u64,
 ) -> Result<(std::fs::File, u64), ReadError> {
-    let fd = open_beneath(dir, rel, OFlags::empty())?;
+    open_regular_raw(dir, Path::new(rel), rel, cap)
+}
+
+/// [`open_regular`] of a path that may not be UTF-8; `shown` names it in errors.
+fn open_regular_raw(
+    dir: BorrowedFd<'_>,
+    raw: &Path,
+    rel: &str,
+    cap: u64,
+) -> Result<(std::fs::File, u64), ReadError> {
+    let fd = open_beneath_raw(dir, raw, rel, OFlags::empty())?;
     let st = rustix::fs::fstat(&fd).map_err(|e| io_err(rel, e))?;
     let kind = FileType::from_raw_mode(st.st_mode);
     if kind != FileType::RegularFile {
@@ -209,12 +230,29 @@ pub fn read_file_beneath(
 /// One entry met by [`walk`].
 #[derive(Debug, Clone)]
 pub struct Entry {
-    /// Path relative to the walked directory, `/`-separated.
+    /// Path relative to the walked directory, `/`-separated, for showing: bytes of a name
+    /// that are not UTF-8 are written `\xNN` (see [`escape_name`]).
     pub rel: String,
+    /// The same path as it is on disk, for opening.
+    pub path: PathBuf,
+    /// Whether every name on the path is UTF-8 (then `rel` is the path exactly).
+    pub utf8: bool,
     pub kind: FileType,
     pub size: u64,
     /// Bytes allocated on disk (`st_blocks * 512`).
     pub allocated: u64,
+}
+
+/// `bytes` as text: UTF-8 as it is, every other byte as `\xNN`.
+pub fn escape_name(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        out.push_str(chunk.valid());
+        for b in chunk.invalid() {
+            out.push_str(&format!("\\x{b:02x}"));
+        }
+    }
+    out
 }
 
 /// Why a walk stopped.
@@ -239,13 +277,14 @@ pub fn walk<E: std::error::Error + 'static>(
     limit: Duration,
     mut visit: impl FnMut(BorrowedFd<'_>, &Entry) -> Result<(), E>,
 ) -> Result<u64, WalkError<E>> {
-    let mut stack: Vec<String> = vec![String::new()];
+    // (path on disk, path shown, all UTF-8)
+    let mut stack: Vec<(PathBuf, String, bool)> = vec![(PathBuf::new(), String::new(), true)];
     let mut seen = 0u64;
-    while let Some(dir_rel) = stack.pop() {
+    while let Some((dir_path, dir_rel, dir_utf8)) = stack.pop() {
         let fd = if dir_rel.is_empty() {
             open_beneath(root, ".", OFlags::DIRECTORY)?
         } else {
-            match open_beneath(root, &dir_rel, OFlags::DIRECTORY) {
+            match open_beneath_raw(root, &dir_path, &dir_rel, OFlags::DIRECTORY) {
                 Ok(fd) => fd,
                 // Removed or swapped for a link since it was listed (a sandbox still
                 // running): nothing to walk there, and a link is never followed.
@@ -268,12 +307,17 @@ pub fn walk<E: std::error::Error + 'static>(
             if Instant::now() > deadline {
                 return Err(WalkError::TooSlow(limit));
             }
-            let name_str = String::from_utf8_lossy(bytes);
+            let (name_str, name_utf8) = match std::str::from_utf8(bytes) {
+                Ok(s) => (s.to_string(), true),
+                Err(_) => (escape_name(bytes), false),
+            };
             let rel = if dir_rel.is_empty() {
-                name_str.into_owned()
+                name_str
             } else {
                 format!("{dir_rel}/{name_str}")
             };
+            let path = dir_path.join(std::ffi::OsStr::from_bytes(bytes));
+            let utf8 = dir_utf8 && name_utf8;
             let dfd = dir.fd().map_err(|e| io_err(&rel, e))?;
             let st = match rustix::fs::statat(dfd, name, AtFlags::SYMLINK_NOFOLLOW) {
                 Ok(st) => st,
@@ -284,13 +328,15 @@ pub fn walk<E: std::error::Error + 'static>(
             let kind = FileType::from_raw_mode(st.st_mode);
             let entry = Entry {
                 rel: rel.clone(),
+                path: path.clone(),
+                utf8,
                 kind,
                 size: u64::try_from(st.st_size).unwrap_or(0),
                 allocated: u64::try_from(st.st_blocks).unwrap_or(0).saturating_mul(512),
             };
             visit(root, &entry).map_err(WalkError::Visit)?;
             if kind == FileType::Directory {
-                stack.push(rel);
+                stack.push((path, rel, utf8));
             }
         }
     }
@@ -317,6 +363,11 @@ pub enum TreeError {
     TotalTooLarge { cap: u64 },
     #[error("hashing took longer than the bound of {}s", .0.as_secs_f64())]
     TooSlow(Duration),
+    /// A file whose name (or a directory's on its path) is not UTF-8: artifact paths are
+    /// UTF-8 text on the wire, and no lossy spelling may stand for it (`x\xff` would be
+    /// listed as `x\u{fffd}`, the name of another file).
+    #[error("{path}: the name is not UTF-8 (its other bytes shown as \\xNN); artifact names must be UTF-8")]
+    NotUtf8 { path: String },
     #[error("{0}")]
     Read(ReadError),
 }
@@ -352,7 +403,9 @@ pub struct Hashed {
 
 /// sha256 and size of every regular file under `rel` beneath the node's directory `base`,
 /// sorted by path. Links, FIFOs and other special files are never opened nor listed; `rel`
-/// itself being a link is an error. A missing `rel` is an empty tree.
+/// itself being a link is an error. A missing `rel` is an empty tree. A regular file whose
+/// path is not UTF-8 refuses the whole tree ([`TreeError::NotUtf8`], the name escaped):
+/// it is never listed under a lossy name nor left out unsaid.
 pub fn hash_tree(base: &Path, rel: &str, b: TreeBounds) -> Result<Vec<Hashed>, TreeError> {
     let base_fd = open_dir(base).map_err(|e| {
         TreeError::Read(ReadError::Io {
@@ -372,6 +425,11 @@ pub fn hash_tree(base: &Path, rel: &str, b: TreeBounds) -> Result<Vec<Hashed>, T
         if e.kind != FileType::RegularFile {
             return Ok(());
         }
+        if !e.utf8 {
+            return Err(TreeError::NotUtf8 {
+                path: e.rel.clone(),
+            });
+        }
         if e.size > b.max_file_bytes {
             return Err(TreeError::FileTooLarge {
                 path: e.rel.clone(),
@@ -384,7 +442,7 @@ pub fn hash_tree(base: &Path, rel: &str, b: TreeBounds) -> Result<Vec<Hashed>, T
                 cap: b.max_total_bytes,
             });
         }
-        let (mut f, _) = open_regular(root, &e.rel, b.max_file_bytes)?;
+        let (mut f, _) = open_regular_raw(root, &e.path, &e.rel, b.max_file_bytes)?;
         let mut h = Sha256::new();
         let n = read_chunks(&mut f, &e.rel, b.max_file_bytes, deadline, b.time, |c| {
             h.update(c)
@@ -519,6 +577,35 @@ mod tests {
         // The tree's own directory being a link is refused, not followed.
         let e = hash_tree(d.path(), "ld", bounds()).unwrap_err();
         assert!(matches!(e, TreeError::Read(ReadError::Link { .. })), "{e}");
+    }
+
+    #[test]
+    fn a_name_that_is_not_utf8_refuses_the_tree_and_never_collides() {
+        use std::os::unix::ffi::OsStrExt;
+        let d = tempfile::tempdir().unwrap();
+        let raw = d.path().join(std::ffi::OsStr::from_bytes(b"x\xff"));
+        std::fs::write(&raw, b"raw").unwrap();
+        std::fs::write(d.path().join("x\u{fffd}"), b"lossy").unwrap();
+        let e = hash_tree(d.path(), ".", bounds()).unwrap_err();
+        assert!(
+            matches!(&e, TreeError::NotUtf8 { path } if path == "x\\xff"),
+            "{e}"
+        );
+        // Under a directory whose name is not UTF-8, too.
+        std::fs::remove_file(&raw).unwrap();
+        let sub = d.path().join(std::ffi::OsStr::from_bytes(b"d\xfe"));
+        std::fs::create_dir(&sub).unwrap();
+        std::fs::write(sub.join("f"), b"").unwrap();
+        let e = hash_tree(d.path(), ".", bounds()).unwrap_err();
+        assert!(
+            matches!(&e, TreeError::NotUtf8 { path } if path == "d\\xfe/f"),
+            "{e}"
+        );
+        std::fs::remove_file(sub.join("f")).unwrap();
+        let got = hash_tree(d.path(), ".", bounds()).unwrap();
+        assert_eq!(got.len(), 1);
+        assert_eq!((got[0].rel.as_str(), got[0].size), ("x\u{fffd}", 5));
+        assert_eq!(escape_name(b"a\xffb\xc3"), "a\\xffb\\xc3");
     }
 
     #[test]
