@@ -581,3 +581,59 @@ fn real_llm_drives_the_loop() {
         );
     }
 }
+
+/// The tenant's `allowed_images` are checked against the image the job will actually run
+/// in (the one its worker gives its purpose): a tenant whose list excludes it gets
+/// `image_not_allowed` fed back and nothing runs; one whose list includes it runs the job.
+#[test]
+fn the_tenants_allowed_images_are_checked_against_the_image_the_job_runs_in() {
+    const IMAGE: &str = "localhost/cynode-sba-test:latest";
+    let script = || {
+        vec![
+            json!({ "type": "job_request", "state_patch": [
+                { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write a file", "status": "pending" } }
+            ], "payload": { "task_id": "t1", "skill_id": "write-files",
+                "inputs": { "files": [{ "path": "ok.txt", "content": "x" }] } } }),
+            json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
+        ]
+    };
+    for (allowed, dispatched) in [
+        ("docker.io/library/*", 0),
+        ("localhost/cynode-sba-test:*", 1),
+    ] {
+        let state = tempfile::tempdir().unwrap();
+        let tenant = state.path().join("tenant.yaml");
+        std::fs::write(
+            &tenant,
+            format!("tenant_id: acme\nallowed_images: [\"{allowed}\"]\n"),
+        )
+        .unwrap();
+        let (url, model) = model_server(script());
+        let tenant_arg = tenant.display().to_string();
+        let out = pm(
+            state.path(),
+            &url,
+            &[
+                "--tenant",
+                &tenant_arg,
+                "run",
+                "write a file",
+                "--sandbox-image",
+                IMAGE,
+            ],
+            None,
+        );
+        let v = final_state(&out);
+        assert_eq!(out.status.code(), Some(0), "{allowed}: {v}");
+        assert_eq!(v["jobs_dispatched"], dispatched, "{allowed}: {v}");
+        let second = model.requests()[1].to_string();
+        let denied = format!(
+            "image_not_allowed: skill `write-files`: image `{IMAGE}` is not in the tenant's allowed_images"
+        );
+        assert_eq!(
+            second.contains(&denied),
+            dispatched == 0,
+            "{allowed}: {second}"
+        );
+    }
+}

@@ -1,6 +1,7 @@
 //! Act: carry out an accepted reply. A plan_update patches the plan and notes; a
-//! job_request is built from its skill, checked by the policy gate, placed on a worker
-//! and journaled before it is submitted; a message parks the session for an answer; a
+//! job_request is built from its skill, placed on a worker (which fixes the sandbox
+//! image), checked by the policy gate with that image, and journaled before it is
+//! submitted; a message parks the session for an answer; a
 //! final ends it with its verified deliverable.
 
 use cynode_protocol::llm::{LlmOutput, TypedPayload};
@@ -138,36 +139,6 @@ impl Pm {
                 return Ok(());
             }
         };
-        let input = PolicyInput {
-            job: built.value.clone(),
-            skill: serde_json::to_value(&skill.manifest).unwrap_or(Value::Null),
-            tenant: self.tenant.clone(),
-        };
-        let decision = self.gate.evaluate(&input).await;
-        if !decision.allowed {
-            let reasons: Vec<String> = decision
-                .deny
-                .iter()
-                .map(|v| format!("{}: {}", v.rule, v.message))
-                .collect();
-            crate::metrics::metrics().policy_denials.inc();
-            rec.attempts.insert(j.task_id.clone(), attempt + 1);
-            rec.event(
-                "policy_denied",
-                json!({ "task_id": j.task_id, "skill_id": j.skill_id, "reasons": reasons }),
-            );
-            rec.feedback.push(format!(
-                "policy_violation: the job for task {} was denied and not run: {}. Choose different inputs or another skill.",
-                j.task_id,
-                reasons.join("; ")
-            ));
-            progress(Progress::PolicyDenied {
-                task_id: j.task_id.clone(),
-                reasons,
-            });
-            self.store.save(rec, version, &[]).await?;
-            return Ok(());
-        }
         let purpose = skill.manifest.purpose.clone();
         let placement = match self.placement(rec, &purpose).await {
             Ok(p) => p,
@@ -195,6 +166,38 @@ impl Pm {
                 return Ok(());
             }
         };
+        // The policy judges the job as it will run: on the placed worker's image.
+        let input = PolicyInput::for_job(
+            built.value.clone(),
+            &skill.manifest,
+            Some(&placement.image),
+            self.tenant.clone(),
+        );
+        let decision = self.gate.evaluate(&input).await;
+        if !decision.allowed {
+            let reasons: Vec<String> = decision
+                .deny
+                .iter()
+                .map(|v| format!("{}: {}", v.rule, v.message))
+                .collect();
+            crate::metrics::metrics().policy_denials.inc();
+            rec.attempts.insert(j.task_id.clone(), attempt + 1);
+            rec.event(
+                "policy_denied",
+                json!({ "task_id": j.task_id, "skill_id": j.skill_id, "reasons": reasons }),
+            );
+            rec.feedback.push(format!(
+                "policy_violation: the job for task {} was denied and not run: {}. Choose different inputs or another skill.",
+                j.task_id,
+                reasons.join("; ")
+            ));
+            progress(Progress::PolicyDenied {
+                task_id: j.task_id.clone(),
+                reasons,
+            });
+            self.store.save(rec, version, &[]).await?;
+            return Ok(());
+        }
         let new_workspace = rec.worker_id.is_none();
         rec.worker_id = Some(placement.worker_id.clone());
         let dispatch = Dispatch {

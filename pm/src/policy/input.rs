@@ -49,7 +49,8 @@ impl Default for TenantPolicy {
 ///
 /// `job` is the rendered job.json; `skill` is the skill manifest as JSON
 /// (`skill_id`, `version`, `description`, `purpose`, `allowed_commands`, `network`,
-/// `limits {max_runtime_seconds, max_output_bytes}`, `inputs_schema`, optional `image`).
+/// `limits {max_runtime_seconds, max_output_bytes}`, `inputs_schema`) plus `image`, the
+/// sandbox image the job runs in, once a worker is chosen ([`PolicyInput::for_job`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct PolicyInput {
     /// The rendered job.json.
@@ -63,6 +64,22 @@ pub struct PolicyInput {
 impl PolicyInput {
     /// Bundles the three parts.
     pub fn new(job: serde_json::Value, skill: serde_json::Value, tenant: TenantPolicy) -> Self {
+        Self { job, skill, tenant }
+    }
+
+    /// The input for `job` of the skill `manifest`, with `skill.image` set to the sandbox
+    /// image the job will run in when it is known (the worker it is placed on decides it;
+    /// the tenant's `allowed_images` are checked against it).
+    pub fn for_job(
+        job: serde_json::Value,
+        manifest: &impl Serialize,
+        image: Option<&str>,
+        tenant: TenantPolicy,
+    ) -> Self {
+        let mut skill = serde_json::to_value(manifest).unwrap_or(serde_json::Value::Null);
+        if let (Some(image), Some(fields)) = (image, skill.as_object_mut()) {
+            fields.insert("image".to_string(), image.into());
+        }
         Self { job, skill, tenant }
     }
 }
