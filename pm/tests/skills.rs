@@ -442,3 +442,175 @@ fn dotdot_and_absolute_paths_through_inputs_are_denied_by_policy() {
         assert!(!d.allowed, "{path}: {d:?}");
     }
 }
+
+// ---------------------------------------------------------------------------
+// Templates cannot switch escaping off, and render under a budget.
+// ---------------------------------------------------------------------------
+
+/// A skill package (write-files' manifest) whose template is `template`, on disk.
+fn package_with_template(template: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let pkg = dir.path().join("write-files");
+    std::fs::create_dir_all(pkg.join("examples")).unwrap();
+    let src = repo().join("skills/write-files");
+    std::fs::copy(src.join("skill.yaml"), pkg.join("skill.yaml")).unwrap();
+    std::fs::copy(
+        src.join("examples/basic.json"),
+        pkg.join("examples/basic.json"),
+    )
+    .unwrap();
+    std::fs::write(pkg.join("job.json.j2"), template).unwrap();
+    dir
+}
+
+/// A skill loaded without validation: the manifest of write-files, `template` as is.
+fn unvalidated(template: &str) -> cynode_pm::skills::Skill {
+    let mut skill = registry().get("write-files").unwrap().clone();
+    skill.template = template.to_string();
+    skill
+}
+
+/// The step an input tries to add by closing the string it lands in.
+const SMUGGLED: &str = r#"x"}}, {"id": "evil", "type": "run_command", "arguments": {"command": "sh", "args": ["-c", "id"]}}, {"id": "y", "type": "write_file", "arguments": {"path": "b", "content": "y"#;
+
+/// Templates that would print an input unescaped, and the line they do it on.
+const UNESCAPING_TEMPLATES: &[(&str, usize)] = &[
+    (
+        "{\"steps\": [{\"id\": \"w\", \"type\": \"write_file\", \"arguments\": {\"path\": \"a\", \"content\": \"{{ inputs.files[0].content|safe }}\"}}]}",
+        1,
+    ),
+    (
+        "{\"steps\": [\n{\"id\": \"w\", \"type\": \"write_file\", \"arguments\": {\"path\": \"a\", \"content\": \"{{ inputs.files[0].content | safe() }}\"}}]}",
+        2,
+    ),
+    (
+        "{\"steps\": [\n\n{% autoescape false %}{\"id\": \"w\", \"type\": \"write_file\", \"arguments\": {\"path\": \"a\", \"content\": \"{{ inputs.files[0].content }}\"}}{% endautoescape %}]}",
+        3,
+    ),
+    (
+        "{\"steps\": [{%- autoescape true -%}{\"id\": \"w\", \"type\": \"write_file\", \"arguments\": {\"path\": \"a\", \"content\": \"{{ inputs.files[0].content }}\"}}{% endautoescape %}]}",
+        1,
+    ),
+    (
+        "{\"steps\": [{\"id\": \"w\", \"type\": \"write_file\", \"arguments\": {\"path\": \"a\", \"content\": \"{% filter safe %}{{ inputs.files[0].content }}{% endfilter %}\"}}]}",
+        1,
+    ),
+];
+
+#[test]
+fn skills_validate_refuses_templates_that_switch_escaping_off() {
+    for (template, line) in UNESCAPING_TEMPLATES {
+        let dir = package_with_template(template);
+        let (code, out, err) = pm(&[
+            "--output",
+            "json",
+            "skills",
+            "validate",
+            dir.path().to_str().unwrap(),
+        ]);
+        assert_ne!(code, 0, "{template}: {out}{err}");
+        let report: Value = serde_json::from_str(&out).unwrap();
+        let file = dir.path().join("write-files/job.json.j2");
+        assert!(
+            report["errors"].as_array().unwrap().iter().any(|e| {
+                e["file"].as_str() == file.to_str()
+                    && e["line"] == json!(line)
+                    && e["message"]
+                        .as_str()
+                        .unwrap()
+                        .contains("would switch off JSON escaping")
+            }),
+            "{template}: {report}"
+        );
+    }
+}
+
+#[test]
+fn rendering_refuses_templates_that_switch_escaping_off() {
+    let inputs = json!({ "files": [{ "path": "a.txt", "content": SMUGGLED }] });
+    for (template, line) in UNESCAPING_TEMPLATES {
+        let err = build_job(&unvalidated(template), &inputs, &r()).unwrap_err();
+        assert!(
+            matches!(&err, BuildError::Template { message, .. }
+                if message.starts_with(&format!("line {line}: "))
+                    && message.contains("would switch off JSON escaping")),
+            "{template}: {err}"
+        );
+    }
+}
+
+/// Even a value marked safe some other way (a captured block, `tojson`), then rewritten
+/// by filters that keep it safe (here: its backslashes dropped, which would unescape its
+/// quotes), is printed as one JSON string: the smuggled step never becomes a step.
+#[test]
+fn values_marked_safe_otherwise_still_print_as_one_json_value() {
+    let inputs = json!({ "files": [{ "path": "a.txt", "content": SMUGGLED }] });
+    for template in [
+        "{% set c %}{{ inputs.files[0].content }}{% endset %}{\"steps\": [{\"id\": \"w\", \"type\": \"write_file\", \"arguments\": {\"path\": \"a\", \"content\": {{ c|split('\\\\')|join }}}}]}",
+        "{\"steps\": [{\"id\": \"w\", \"type\": \"write_file\", \"arguments\": {\"path\": \"a\", \"content\": {{ inputs.files[0].content|tojson|split('\\\\')|join }}}}]}",
+    ] {
+        let built = build_job(&unvalidated(template), &inputs, &r())
+            .unwrap_or_else(|e| panic!("{template}: {e}"));
+        let steps = built.value["steps"].as_array().unwrap();
+        assert_eq!(steps.len(), 1, "{template}: {}", built.value);
+        assert_eq!(steps[0]["id"], "w");
+        assert!(
+            steps[0]["arguments"]["content"]
+                .as_str()
+                .unwrap()
+                .contains("\"id\": \"evil\""),
+            "{}",
+            built.value
+        );
+    }
+}
+
+/// `(template, what the error names)`: each would run away without a budget.
+const RUNAWAY_TEMPLATES: &[(&str, &str)] = &[
+    (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}{}",
+        "template instructions",
+    ),
+    (
+        "{\"steps\": [], \"x\": [{% for i in range(100000) %}{% for j in range(100000) %}{{ \"xxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxxx\" }},{% endfor %}{% endfor %}0]}",
+        "",
+    ),
+    (
+        "{\"a\": {{ \"x\" * 10000000 }}, \"b\": {{ \"x\" * 10000000 }}}",
+        "over 16777216 bytes",
+    ),
+    (
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{\"a\": {{ f(0) }}}",
+        "nested deeper than",
+    ),
+];
+
+/// Peak resident memory of this process (nextest runs each test in its own process).
+fn peak_rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap();
+    kib * 1024
+}
+
+#[test]
+fn templates_render_under_a_budget() {
+    let inputs = json!({ "files": [{ "path": "a.txt", "content": "x" }] });
+    for (template, names) in RUNAWAY_TEMPLATES {
+        let err = build_job(&unvalidated(template), &inputs, &r()).unwrap_err();
+        assert!(
+            matches!(&err, BuildError::Budget { skill, message }
+                if skill == "write-files" && message.contains(names)),
+            "{template}: {err:?}"
+        );
+        assert!(
+            err.to_string().starts_with("template write-files: "),
+            "{err}"
+        );
+    }
+    let peak = peak_rss_bytes();
+    assert!(peak < 512 * 1024 * 1024, "peak rss {peak} bytes");
+}

@@ -1,11 +1,13 @@
 //! The deterministic job builder: skill + inputs → canonical job.json.
 //!
 //! 1. Inputs are validated against the skill's input schema.
-//! 2. The template renders with minijinja under JSON auto-escaping: every `{{ value }}`
-//!    becomes one JSON value (a string is quoted and escaped). An input therefore lands
+//! 2. The template renders with minijinja ([`super::template`]): every `{{ value }}`
+//!    becomes one JSON value (a string is quoted and escaped), and escaping cannot be
+//!    switched off (`|safe` and `{% autoescape %}` are refused). An input therefore lands
 //!    as exactly one argv element or one file content; it can never close a string, add
 //!    a step or splice into a shell command line (a template that tries to interpolate
-//!    inside a string literal produces invalid JSON and fails to build).
+//!    inside a string literal produces invalid JSON and fails to build). The render runs
+//!    under a budget of instructions, output bytes and nesting.
 //! 3. The PM's fields are set (`protocol_version`, `job_id`, `task_id`, `skill_id`); a
 //!    template may not set them itself.
 //! 4. The result is serialised canonically (object keys sorted at every level, no
@@ -18,6 +20,7 @@ use serde_json::Value;
 use uuid::Uuid;
 
 use super::registry::Skill;
+use super::template::TemplateError;
 
 /// Namespace of job ids: UUIDv5(namespace, "session/task/attempt").
 pub const JOB_ID_NAMESPACE: Uuid = Uuid::from_u128(0x6a1f_3c2e_9b4d_4e8a_a5c7_0d2b_8e9f_1c34);
@@ -53,6 +56,9 @@ pub enum BuildError {
     Inputs { path: String, message: String },
     #[error("template {skill}: {message}")]
     Template { skill: String, message: String },
+    /// The render went over its budget (instructions, output size or nesting).
+    #[error("template {skill}: {message}")]
+    Budget { skill: String, message: String },
     #[error("rendered job is not valid JSON at line {line} column {column}: {message}")]
     NotJson {
         line: usize,
@@ -138,20 +144,20 @@ pub fn check_inputs(skill: &Skill, inputs: &Value) -> Result<(), BuildError> {
 }
 
 fn render(skill: &Skill, ctx: &Value) -> Result<String, BuildError> {
-    let mut env = minijinja::Environment::new();
-    env.set_auto_escape_callback(|_| minijinja::AutoEscape::Json);
-    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
-    env.set_recursion_limit(32);
-    let terr = |e: minijinja::Error| BuildError::Template {
-        skill: skill.manifest.skill_id.clone(),
-        message: match e.line() {
-            Some(l) => format!("line {l}: {e}"),
-            None => e.to_string(),
+    super::template::render(&skill.template, ctx).map_err(|e| match &e {
+        TemplateError::Budget(message) => BuildError::Budget {
+            skill: skill.manifest.skill_id.clone(),
+            message: message.clone(),
         },
-    };
-    env.add_template("job", &skill.template).map_err(terr)?;
-    let tmpl = env.get_template("job").map_err(terr)?;
-    tmpl.render(ctx).map_err(terr)
+        TemplateError::Unescaped { line, .. } => BuildError::Template {
+            skill: skill.manifest.skill_id.clone(),
+            message: format!("line {line}: {e}"),
+        },
+        TemplateError::Other(message) => BuildError::Template {
+            skill: skill.manifest.skill_id.clone(),
+            message: message.clone(),
+        },
+    })
 }
 
 /// Sorts object keys at every level, so the bytes depend only on the content.

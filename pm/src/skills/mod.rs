@@ -15,6 +15,7 @@ pub mod build;
 pub mod builtin;
 pub mod manifest;
 pub mod registry;
+pub mod template;
 
 pub use build::{build_job, job_id, BuildError, BuiltJob, JobRef};
 pub use manifest::SkillManifest;

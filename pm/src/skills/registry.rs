@@ -8,6 +8,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::manifest::SkillManifest;
+use super::template::TemplateError;
 
 /// One loaded skill package.
 #[derive(Debug, Clone)]
@@ -280,7 +281,14 @@ pub fn load_files(files: &dyn PackageFiles) -> Result<Skill, Vec<SkillError>> {
     let tpath = dir.join(TEMPLATE_FILE);
     let template = match files.read(TEMPLATE_FILE) {
         Ok(t) => {
-            let mut env = minijinja::Environment::new();
+            if let Err(e) = super::template::check_escaping(&t) {
+                let line = match &e {
+                    TemplateError::Unescaped { line, .. } => Some(*line),
+                    _ => None,
+                };
+                errors.push(SkillError::new(&tpath, line, e.to_string()));
+            }
+            let mut env = super::template::environment();
             if let Err(e) = env.add_template("job", &t) {
                 errors.push(SkillError::new(&tpath, e.line(), e.to_string()));
             }
