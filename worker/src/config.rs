@@ -139,7 +139,9 @@ impl EgressConfig {
     }
 
     /// The proxy's resolver: `nameservers`, or the host's configuration.
-    pub fn resolver(&self) -> Result<crate::egress::Resolver, crate::egress::resolve::ResolveError> {
+    pub fn resolver(
+        &self,
+    ) -> Result<crate::egress::Resolver, crate::egress::resolve::ResolveError> {
         if self.nameservers.is_empty() {
             crate::egress::Resolver::system()
         } else {

@@ -26,6 +26,7 @@ macro_rules! on_both_backends {
 
 mod backends;
 mod cases;
+mod egress;
 mod harness;
 mod host_reads;
 mod host_writes;

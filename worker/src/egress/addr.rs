@@ -15,7 +15,11 @@ pub fn special(ip: IpAddr) -> Option<&'static str> {
 }
 
 fn in_v4(ip: Ipv4Addr, net: [u8; 4], bits: u32) -> bool {
-    let mask = if bits == 0 { 0 } else { u32::MAX << (32 - bits) };
+    let mask = if bits == 0 {
+        0
+    } else {
+        u32::MAX << (32 - bits)
+    };
     u32::from(ip) & mask == u32::from(Ipv4Addr::from(net)) & mask
 }
 
@@ -52,7 +56,11 @@ fn special_v4(ip: Ipv4Addr) -> Option<&'static str> {
 }
 
 fn in_v6(ip: Ipv6Addr, net: [u16; 8], bits: u32) -> bool {
-    let mask = if bits == 0 { 0 } else { u128::MAX << (128 - bits) };
+    let mask = if bits == 0 {
+        0
+    } else {
+        u128::MAX << (128 - bits)
+    };
     u128::from(ip) & mask == u128::from(Ipv6Addr::from(net)) & mask
 }
 

@@ -21,7 +21,9 @@ pub const DEFAULT_PORTS: [u16; 2] = [80, 443];
 pub enum PatternError {
     #[error("empty host")]
     Empty,
-    #[error("`{0}`: only ASCII names are accepted (write internationalised names in their xn-- form)")]
+    #[error(
+        "`{0}`: only ASCII names are accepted (write internationalised names in their xn-- form)"
+    )]
     NonAscii(String),
     #[error("`{0}`: not a valid host name")]
     BadName(String),
@@ -296,7 +298,9 @@ impl From<Pattern> for String {
 pub enum NarrowError {
     #[error("egress_allow entry {0}")]
     Invalid(#[source] PatternError),
-    #[error("egress_allow entry `{pattern}` goes beyond this node's egress allowlist (port {port})")]
+    #[error(
+        "egress_allow entry `{pattern}` goes beyond this node's egress allowlist (port {port})"
+    )]
     Widens { pattern: String, port: u16 },
 }
 
@@ -463,7 +467,12 @@ mod tests {
 
     #[test]
     fn matching_is_by_name_port_and_case() {
-        let l = list(&["pypi.org", "*.pythonhosted.org", "git.example:8443", "10.1.2.3"]);
+        let l = list(&[
+            "pypi.org",
+            "*.pythonhosted.org",
+            "git.example:8443",
+            "10.1.2.3",
+        ]);
         assert_eq!(l.check(&host("PYPI.ORG."), 443), Verdict::Allowed);
         assert_eq!(l.check(&host("pypi.org"), 80), Verdict::Allowed);
         assert_eq!(l.check(&host("pypi.org"), 8080), Verdict::PortNotAllowed);
@@ -473,7 +482,10 @@ mod tests {
             l.check(&host("files.pythonhosted.org"), 443),
             Verdict::Allowed
         );
-        assert_eq!(l.check(&host("a.b.pythonhosted.org"), 443), Verdict::Allowed);
+        assert_eq!(
+            l.check(&host("a.b.pythonhosted.org"), 443),
+            Verdict::Allowed
+        );
         assert_eq!(
             l.check(&host("pythonhosted.org"), 443),
             Verdict::NotListed,
@@ -485,7 +497,10 @@ mod tests {
         assert_eq!(l.check(&host("10.1.2.3"), 443), Verdict::Allowed);
         assert_eq!(l.check(&host("[::ffff:10.1.2.3]"), 443), Verdict::Allowed);
         assert_eq!(l.check(&host("10.1.2.4"), 443), Verdict::NotListed);
-        assert_eq!(Allowlist::default().check(&host("a.com"), 443), Verdict::NotListed);
+        assert_eq!(
+            Allowlist::default().check(&host("a.com"), 443),
+            Verdict::NotListed
+        );
         assert_eq!(
             l.listed_ips().into_iter().collect::<Vec<_>>(),
             vec!["10.1.2.3".parse::<IpAddr>().unwrap()]
@@ -497,7 +512,13 @@ mod tests {
         let ceiling = list(&["*.com", "pypi.org", "git.example:8443", "10.0.0.5"]);
         let ok = |job: &[&str]| ceiling.narrow(Some(job)).unwrap();
         assert_eq!(ok(&["*.a.com"]).patterns.len(), 1);
-        ok(&["x.a.com:443", "A.COM", "pypi.org:80", "git.example:8443", "10.0.0.5:443"]);
+        ok(&[
+            "x.a.com:443",
+            "A.COM",
+            "pypi.org:80",
+            "git.example:8443",
+            "10.0.0.5:443",
+        ]);
         ok(&[]);
         assert_eq!(ceiling.narrow::<&str>(None).unwrap(), ceiling);
         for widening in [
@@ -536,7 +557,10 @@ mod tests {
     #[test]
     fn serde_round_trips_and_refuses_bad_entries() {
         let l: Allowlist = serde_yaml::from_str("[\"*.a.com:8443\", \"b.com\"]").unwrap();
-        assert_eq!(serde_json::to_string(&l).unwrap(), r#"["*.a.com:8443","b.com"]"#);
+        assert_eq!(
+            serde_json::to_string(&l).unwrap(),
+            r#"["*.a.com:8443","b.com"]"#
+        );
         assert!(serde_yaml::from_str::<Allowlist>("[\"a.*.com\"]").is_err());
     }
 }

@@ -85,7 +85,10 @@ mod tests {
             log.record(rec(n));
         }
         let a = log.snapshot();
-        assert_eq!(a.records.iter().map(|r| r.port).collect::<Vec<_>>(), [0, 1, 2]);
+        assert_eq!(
+            a.records.iter().map(|r| r.port).collect::<Vec<_>>(),
+            [0, 1, 2]
+        );
         assert_eq!(a.dropped, 7);
         let json = serde_json::to_value(&a.records[0]).unwrap();
         assert_eq!(json["decision"], "denied");

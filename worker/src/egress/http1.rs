@@ -58,7 +58,11 @@ impl<S: AsyncRead + Unpin> BufConn<S> {
 
     /// Reads a head (through the blank line) of at most `max` bytes and takes it out of
     /// `pending`; what follows stays there. `deadline` bounds the whole head.
-    pub async fn read_head(&mut self, max: usize, deadline: Duration) -> Result<Vec<u8>, HeadError> {
+    pub async fn read_head(
+        &mut self,
+        max: usize,
+        deadline: Duration,
+    ) -> Result<Vec<u8>, HeadError> {
         let until = tokio::time::Instant::now() + deadline;
         let mut searched = 0;
         loop {
@@ -71,6 +75,9 @@ impl<S: AsyncRead + Unpin> BufConn<S> {
             }
             if self.pending.len() > max {
                 return Err(HeadError::TooLarge);
+            }
+            if bare_lf(&self.pending) {
+                return Err(HeadError::Malformed("bare LF line end".into()));
             }
             searched = self.pending.len().saturating_sub(3);
             let left = until.saturating_duration_since(tokio::time::Instant::now());
@@ -100,6 +107,14 @@ impl<S: AsyncRead + Unpin> BufConn<S> {
             }
         }
     }
+}
+
+/// A LF not preceded by CR (which a head ending in bare LFs would never get past).
+fn bare_lf(bytes: &[u8]) -> bool {
+    bytes
+        .iter()
+        .enumerate()
+        .any(|(i, b)| *b == b'\n' && (i == 0 || bytes[i - 1] != b'\r'))
 }
 
 fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
@@ -294,7 +309,12 @@ const HOP_BY_HOP: &[&str] = &[
 pub fn upstream_request(head: &RequestHead, target: &Target) -> Vec<u8> {
     let named: Vec<String> = head
         .values("connection")
-        .flat_map(|v| String::from_utf8_lossy(v).into_owned().split(',').map(|t| t.trim().to_ascii_lowercase()).collect::<Vec<_>>())
+        .flat_map(|v| {
+            String::from_utf8_lossy(v)
+                .split(',')
+                .map(|t| t.trim().to_ascii_lowercase())
+                .collect::<Vec<_>>()
+        })
         .filter(|t| !t.is_empty())
         .collect();
     let mut out = Vec::with_capacity(512);
@@ -381,7 +401,8 @@ mod tests {
         let ok = parse("POST http://a.com/x HTTP/1.1\r\nHost: a.com\r\nContent-Length: 5\r\n\r\n")
             .unwrap();
         assert_eq!(ok.framing, Framing::Length(5));
-        let ok = parse("POST http://a.com/ HTTP/1.1\r\nTransfer-Encoding: Chunked\r\n\r\n").unwrap();
+        let ok =
+            parse("POST http://a.com/ HTTP/1.1\r\nTransfer-Encoding: Chunked\r\n\r\n").unwrap();
         assert_eq!(ok.framing, Framing::Chunked);
         for (bad, expected) in [
             (
@@ -425,7 +446,9 @@ mod tests {
         ));
         let many = format!(
             "GET http://a.com/ HTTP/1.1\r\n{}\r\n",
-            (0..200).map(|i| format!("X-{i}: v\r\n")).collect::<String>()
+            (0..200)
+                .map(|i| format!("X-{i}: v\r\n"))
+                .collect::<String>()
         );
         assert_eq!(parse(&many).unwrap_err(), HeadError::TooLarge);
     }
@@ -441,7 +464,10 @@ mod tests {
         assert_eq!(absolute_target("/x"), Err(TargetError::NotAbsolute));
         assert_eq!(absolute_target("https://a.com/"), Err(TargetError::Https));
         assert_eq!(absolute_target("ftp://a.com/"), Err(TargetError::Scheme));
-        assert_eq!(absolute_target("http://a.com/#f"), Err(TargetError::Fragment));
+        assert_eq!(
+            absolute_target("http://a.com/#f"),
+            Err(TargetError::Fragment)
+        );
         assert!(matches!(
             absolute_target("http://u:p@a.com/"),
             Err(TargetError::Host(PatternError::UserInfo(_)))
@@ -472,7 +498,13 @@ mod tests {
     fn chunk_sizes_are_strict() {
         assert_eq!(chunk_size(b"1a\r\n").unwrap(), 26);
         assert_eq!(chunk_size(b"0;ext=1\r\n").unwrap(), 0);
-        for bad in [&b"\r\n"[..], b"-1\r\n", b"1a\n", b"0x1\r\n", b"ffffffffffffffff\r\n"] {
+        for bad in [
+            &b"\r\n"[..],
+            b"-1\r\n",
+            b"1a\n",
+            b"0x1\r\n",
+            b"ffffffffffffffff\r\n",
+        ] {
             assert!(chunk_size(bad).is_err(), "{bad:?}");
         }
     }

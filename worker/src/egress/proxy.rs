@@ -19,7 +19,7 @@ use tokio_util::task::TaskTracker;
 
 use super::allowlist::{Host, Verdict};
 use super::audit::AuditLog;
-use super::http1::{self, BufConn, Framing, HeadError, TargetError};
+use super::http1::{self, BufConn, Framing, HeadError};
 use super::resolve::{ResolveError, Resolver};
 use super::{EgressLimits, Policy};
 
@@ -27,6 +27,8 @@ use super::{EgressLimits, Policy};
 const RESPONSE_HEAD_MAX: usize = 64 * 1024;
 /// Bound on a chunk-size or trailer line.
 const CHUNK_LINE_MAX: usize = 4096;
+/// What a refused client may still send before the connection is dropped.
+const LINGER_BYTES: usize = 256 * 1024;
 
 struct Shared {
     policy: Policy,
@@ -191,14 +193,13 @@ async fn connection(
 ) {
     let _ = stream.set_nodelay(true);
     let mut client = BufConn::new(stream);
-    let attempt = Attempt {
+    let mut attempt = Attempt {
         host: String::new(),
         port: 0,
         method: String::new(),
         up: AtomicU64::new(0),
         down: AtomicU64::new(0),
     };
-    let mut attempt = attempt;
     let outcome = match permit {
         None => denied(503, "too many connections for this job"),
         Some(_) if shared.spent() => denied(429, "byte budget exhausted"),
@@ -256,7 +257,18 @@ async fn write_refusal(stream: &mut TcpStream, status: u16, reason: &str) -> io:
     );
     stream.write_all(head.as_bytes()).await?;
     stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
+    stream.shutdown().await?;
+    // A lingering close: read (and drop) what the client is still sending, so closing
+    // with unread data does not reset the connection before it has read the refusal.
+    let mut sink = [0u8; 8192];
+    let mut left = LINGER_BYTES;
+    while left > 0 {
+        match stream.read(&mut sink).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => left = left.saturating_sub(n),
+        }
+    }
+    Ok(())
 }
 
 fn head_refusal(e: HeadError) -> Outcome {
@@ -269,7 +281,11 @@ fn head_refusal(e: HeadError) -> Outcome {
     }
 }
 
-async fn handle(shared: &Shared, client: &mut BufConn<TcpStream>, attempt: &mut Attempt) -> Outcome {
+async fn handle(
+    shared: &Shared,
+    client: &mut BufConn<TcpStream>,
+    attempt: &mut Attempt,
+) -> Outcome {
     let limits = &shared.limits;
     let head = match client
         .read_head(limits.max_header_bytes, limits.idle_timeout)
@@ -295,7 +311,6 @@ async fn handle(shared: &Shared, client: &mut BufConn<TcpStream>, attempt: &mut 
     };
     let target = match target {
         Ok(t) => t,
-        Err(e @ TargetError::Host(_)) => return denied(400, e.to_string()),
         Err(e) => return denied(400, e.to_string()),
     };
     attempt.host = target.host.to_string();
@@ -304,7 +319,10 @@ async fn handle(shared: &Shared, client: &mut BufConn<TcpStream>, attempt: &mut 
     match shared.policy.allow.check(&target.host, target.port) {
         Verdict::Allowed => {}
         Verdict::PortNotAllowed => {
-            return denied(403, format!("port {} is not allowed for this host", target.port))
+            return denied(
+                403,
+                format!("port {} is not allowed for this host", target.port),
+            )
         }
         Verdict::NotListed => {
             let what = match target.host {
@@ -501,9 +519,20 @@ async fn forward(
         .values("expect")
         .any(|v| v.eq_ignore_ascii_case(b"100-continue"));
     if expects_continue && request.framing != Framing::None {
-        let _ = client.stream.write_all(b"HTTP/1.1 100 Continue\r\n\r\n").await;
+        let _ = client
+            .stream
+            .write_all(b"HTTP/1.1 100 Continue\r\n\r\n")
+            .await;
     }
-    if let Err(stop) = relay_body(shared, client, &mut upstream.stream, request.framing, attempt).await {
+    if let Err(stop) = relay_body(
+        shared,
+        client,
+        &mut upstream.stream,
+        request.framing,
+        attempt,
+    )
+    .await
+    {
         return match stop {
             BodyStop::Refused(why) => denied(400, why),
             BodyStop::Stop(s) => Outcome::Allowed(s.reason()),
@@ -586,7 +615,10 @@ async fn copy_exact(
         {
             return Err(BodyStop::Stop(Stop::Io("client closed mid-body".into())));
         }
-        let take = client.pending.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+        let take = client
+            .pending
+            .len()
+            .min(usize::try_from(n).unwrap_or(usize::MAX));
         let chunk: Vec<u8> = client.pending.drain(..take).collect();
         send(shared, upstream, &chunk, &attempt.up).await?;
         n -= take as u64;

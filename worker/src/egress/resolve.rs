@@ -76,10 +76,9 @@ impl Resolver {
         let config = ResolverConfig::from_parts(None, Vec::new(), group);
         let mut opts = options();
         opts.use_hosts_file = ResolveHosts::Never;
-        let inner =
-            TokioResolver::builder_with_config(config, TokioConnectionProvider::default())
-                .with_options(opts)
-                .build();
+        let inner = TokioResolver::builder_with_config(config, TokioConnectionProvider::default())
+            .with_options(opts)
+            .build();
         Resolver { inner }
     }
 
