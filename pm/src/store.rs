@@ -11,6 +11,14 @@
 //! (WAL switch and migrations) runs under an exclusive `flock` on `<db>.lock` next to the
 //! file, with a busy timeout on every connection; PostgreSQL's migrations run under a
 //! session-level `pg_advisory_lock` held on the connection that migrates.
+//!
+//! A PostgreSQL that stops answering fails fast: a call waits at most
+//! [`acquire_timeout`] (default [`DEFAULT_ACQUIRE_TIMEOUT`], 5 s; set
+//! `CYNODE_DATASTORE_ACQUIRE_TIMEOUT_MS` to change it) for a connection, then fails with
+//! [`StoreError::Db`], which the HTTP service answers with 503 problem+json naming the
+//! datastore, instead of holding the request until its own timeout (408).
+
+use std::time::Duration;
 
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
@@ -94,6 +102,23 @@ fn now() -> String {
         "[year]-[month]-[day]T[hour]:[minute]:[second].[subsecond digits:3]Z"
     );
     t.format(&fmt).unwrap_or_default()
+}
+
+/// How long a call waits for a database connection by default.
+pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Environment variable overriding [`DEFAULT_ACQUIRE_TIMEOUT`], in milliseconds.
+pub const ACQUIRE_TIMEOUT_ENV: &str = "CYNODE_DATASTORE_ACQUIRE_TIMEOUT_MS";
+
+/// How long a call waits for a database connection (a reachable database hands one out
+/// in milliseconds): `CYNODE_DATASTORE_ACQUIRE_TIMEOUT_MS` when it is a positive number,
+/// else [`DEFAULT_ACQUIRE_TIMEOUT`].
+pub fn acquire_timeout() -> Duration {
+    std::env::var(ACQUIRE_TIMEOUT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|&ms| ms > 0)
+        .map(Duration::from_millis)
+        .unwrap_or(DEFAULT_ACQUIRE_TIMEOUT)
 }
 
 /// The `pg_advisory_lock` key the PM's migrations run under ("cynode" in ASCII).
@@ -194,8 +219,13 @@ impl Store {
             return Err(StoreError::Unsupported(url.to_string()));
         };
         let sqlite = url.starts_with("sqlite://");
-        let pool = AnyPoolOptions::new()
-            .max_connections(8)
+        let mut options = AnyPoolOptions::new().max_connections(8);
+        if !sqlite {
+            // A PostgreSQL that stops answering fails calls fast (SQLite keeps sqlx's 30 s:
+            // its connections wait on each other's write locks under load, not on a server).
+            options = options.acquire_timeout(acquire_timeout());
+        }
+        let pool = options
             // Per connection: a PRAGMA run once on the pool reaches only one connection,
             // and the others then fail with "database is locked" under write contention
             // (200 concurrent sessions showed it).

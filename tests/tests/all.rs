@@ -6,6 +6,7 @@
 
 mod api_input;
 mod architecture;
+mod datastore_outage;
 mod deploy;
 mod e2e;
 mod listeners;
