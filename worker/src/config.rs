@@ -107,6 +107,10 @@ pub struct EgressConfig {
     pub connect_timeout_seconds: u64,
     /// Audit records kept per job; later attempts are only counted (all are logged).
     pub max_audit_records: usize,
+    /// Credentialed routes: `<name>: {upstream: "https://…", headers: {"Header": {env:
+    /// NODE_VAR}}, ca_file?}`, reached from the sandbox at
+    /// `$CYNODE_EGRESS_ROUTES_URL/<name>/…`; the values never enter the sandbox.
+    pub routes: BTreeMap<String, crate::egress::RouteConfig>,
 }
 
 impl Default for EgressConfig {
@@ -121,6 +125,7 @@ impl Default for EgressConfig {
             idle_timeout_seconds: l.idle_timeout.as_secs(),
             connect_timeout_seconds: l.connect_timeout.as_secs(),
             max_audit_records: l.max_audit_records,
+            routes: BTreeMap::new(),
         }
     }
 }
@@ -136,6 +141,15 @@ impl EgressConfig {
             connect_timeout: std::time::Duration::from_secs(self.connect_timeout_seconds.max(1)),
             max_audit_records: self.max_audit_records,
         }
+    }
+
+    /// The routes, their header values read from the node's environment.
+    pub fn build_routes(&self) -> Result<crate::egress::Routes, crate::egress::routes::RouteError> {
+        crate::egress::Routes::build(
+            &self.routes,
+            |name| std::env::var(name).ok(),
+            std::time::Duration::from_secs(self.connect_timeout_seconds.max(1)),
+        )
     }
 
     /// The proxy's resolver: `nameservers`, or the host's configuration.
@@ -479,6 +493,14 @@ mod tests {
         let bad = serde_yaml::from_str::<Config>("egress:\n  allow: [\"a.*.com\"]\n");
         assert!(bad.unwrap_err().to_string().contains("wildcard"));
         assert!(serde_yaml::from_str::<Config>("egress:\n  alow: []\n").is_err());
+        let routes: Config = serde_yaml::from_str(
+            "egress:\n  routes:\n    git:\n      upstream: https://git.example/api\n      headers:\n        PRIVATE-TOKEN: {env: GIT_TOKEN}\n",
+        )
+        .unwrap();
+        assert_eq!(
+            routes.egress.routes["git"].headers["PRIVATE-TOKEN"].env,
+            "GIT_TOKEN"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cynode_protocol::egress::{EgressAudit, EgressDecision, EgressRecord};
-use cynode_worker::egress::{Allowlist, EgressLimits, EgressProxy, Policy, Resolver};
+use cynode_worker::egress::{Allowlist, EgressLimits, EgressProxy, Policy, Resolver, Routes};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
 
@@ -143,6 +143,21 @@ fn origin_app(hits: Arc<AtomicUsize>) -> axum::Router {
         .route("/echo", post(|body: axum::body::Bytes| async move { body }))
         .route("/big", get(|| async { vec![b'x'; 100_000] }))
         .route(
+            "/api/whoami",
+            get(|h: axum::http::HeaderMap| async move {
+                let auth = h.get("authorization").and_then(|v| v.to_str().ok());
+                if auth == Some(&format!("Bearer {ROUTE_SECRET}")) {
+                    (axum::http::StatusCode::OK, "authorized")
+                } else {
+                    (axum::http::StatusCode::UNAUTHORIZED, "no credential")
+                }
+            }),
+        )
+        .route(
+            "/api/echo",
+            post(|body: axum::body::Bytes| async move { body }),
+        )
+        .route(
             "/headers",
             get(|h: axum::http::HeaderMap| async move {
                 let mut names: Vec<String> = h
@@ -217,6 +232,15 @@ fn certificates(name: &str) -> (String, String, String) {
 // --- the proxy -------------------------------------------------------------------------
 
 fn start_proxy(ceiling: &[String], dns: &Dns, limits: EgressLimits) -> EgressProxy {
+    start_proxy_with_routes(ceiling, dns, limits, Routes::default())
+}
+
+fn start_proxy_with_routes(
+    ceiling: &[String],
+    dns: &Dns,
+    limits: EgressLimits,
+    routes: Routes,
+) -> EgressProxy {
     let ceiling = Allowlist::parse(ceiling).unwrap();
     let policy = Policy::for_job::<&str>(&ceiling, None).unwrap();
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -225,6 +249,7 @@ fn start_proxy(ceiling: &[String], dns: &Dns, limits: EgressLimits) -> EgressPro
         "job-egress-test",
         policy,
         Resolver::with_nameservers(&[dns.addr]),
+        Arc::new(routes),
         limits,
     )
     .unwrap()
@@ -267,6 +292,9 @@ fn denied_because(audit: &EgressAudit, host: &str, method: &str, reason: &str) {
 }
 
 const LOCAL: Ipv4Addr = Ipv4Addr::LOCALHOST;
+
+/// The credential a route adds; the sandbox side must never see it.
+const ROUTE_SECRET: &str = "s3cret-route-token-7f3a9c";
 
 // --- the tests -------------------------------------------------------------------------
 
@@ -787,6 +815,86 @@ async fn connections_bytes_and_idle_time_are_bounded() {
             audit.records.last().unwrap().decision,
             EgressDecision::Denied
         );
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_adds_its_secret_which_never_reaches_the_sandbox_side() {
+    use cynode_worker::egress::routes::{HeaderSource, RouteConfig};
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (origin, ca) = Origin::https(dir.path(), "localhost").await;
+        let ca_file = dir.path().join("route-ca.pem");
+        std::fs::write(&ca_file, ca).unwrap();
+        let headers = [(
+            "Authorization".to_string(),
+            HeaderSource {
+                env: "ROUTE_TOKEN".into(),
+            },
+        )]
+        .into();
+        let config = [(
+            "api".to_string(),
+            RouteConfig {
+                upstream: format!("https://localhost:{}/api", origin.port),
+                headers,
+                ca_file: Some(ca_file),
+            },
+        )]
+        .into();
+        let routes = Routes::build(
+            &config,
+            |n| (n == "ROUTE_TOKEN").then(|| format!("Bearer {ROUTE_SECRET}")),
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        assert!(!format!("{routes:?}").contains(ROUTE_SECRET));
+        let dns = Dns::start(&[]).await;
+        // No destination is allowlisted: routes do not need the allowlist.
+        let proxy = start_proxy_with_routes(&[], &dns, EgressLimits::default(), routes);
+        let base = format!("http://{}/routes/api", proxy.local_addr());
+        let plain = reqwest::Client::builder().no_proxy().build().unwrap();
+        // The sandbox's own Authorization is replaced by the route's.
+        let r = plain
+            .get(format!("{base}/whoami"))
+            .header("Authorization", "Bearer forged")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let shown = format!("{:?}", r.headers());
+        assert!(!shown.contains(ROUTE_SECRET), "{shown}");
+        assert_eq!(r.text().await.unwrap(), "authorized");
+        let r = plain
+            .post(format!("{base}/echo"))
+            .body("payload")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.text().await.unwrap(), "payload");
+        // Nothing leaves the base path (/headers would echo the credential back).
+        for path in [
+            "/routes/api/../headers",
+            "/routes/api/%2e%2e/headers",
+            "/routes/api/%2E%2E%2Fheaders",
+        ] {
+            let resp = raw(&proxy, format!("GET {path} HTTP/1.1\r\n\r\n").as_bytes()).await;
+            assert!(resp.starts_with("HTTP/1.1 400"), "{path}: {resp}");
+            assert!(!resp.contains(ROUTE_SECRET));
+        }
+        let resp = raw(&proxy, b"GET /routes/nope/x HTTP/1.1\r\n\r\n").await;
+        assert!(resp.starts_with("HTTP/1.1 404"), "{resp}");
+        assert_eq!(origin.hits(), 2);
+        let audit = proxy.finish().await;
+        let json = serde_json::to_string(&audit).unwrap();
+        assert!(!json.contains(ROUTE_SECRET), "{json}");
+        let get = find(&audit, "route:api", "GET");
+        assert_eq!(get.decision, EgressDecision::Allowed);
+        assert_eq!((get.port, get.reason.as_str()), (origin.port, "ok"));
+        assert!(get.bytes_down > 0);
+        denied_because(&audit, "route:nope", "GET", "no such route");
     })
     .await
     .unwrap();

@@ -10,6 +10,7 @@
 //! - [`http1`]: the strict HTTP/1.1 request heads the proxy accepts.
 //! - [`proxy`]: the server: plain HTTP forwarding and CONNECT tunnels, bounded per job.
 //! - [`audit`]: one record per attempt, logged, and kept up to a bound for the job.
+//! - [`routes`]: credentialed routes; the node adds the secret headers and speaks TLS.
 
 pub mod addr;
 pub mod allowlist;
@@ -17,6 +18,7 @@ pub mod audit;
 pub mod http1;
 pub mod proxy;
 pub mod resolve;
+pub mod routes;
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -25,6 +27,7 @@ use std::time::Duration;
 pub use allowlist::{Allowlist, NarrowError, Pattern};
 pub use proxy::EgressProxy;
 pub use resolve::Resolver;
+pub use routes::{RouteConfig, Routes};
 
 /// What one job's proxy lets through.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -21,6 +21,7 @@ use super::allowlist::{Host, Verdict};
 use super::audit::AuditLog;
 use super::http1::{self, BufConn, Framing, HeadError};
 use super::resolve::{ResolveError, Resolver};
+use super::routes::{self, Routes, ROUTES_PREFIX};
 use super::{EgressLimits, Policy};
 
 /// Bound on an upstream response head.
@@ -29,10 +30,13 @@ const RESPONSE_HEAD_MAX: usize = 64 * 1024;
 const CHUNK_LINE_MAX: usize = 4096;
 /// What a refused client may still send before the connection is dropped.
 const LINGER_BYTES: usize = 256 * 1024;
+/// Bound on a request body sent on a credentialed route (it is read whole first).
+const ROUTE_BODY_MAX: u64 = 16 * 1024 * 1024;
 
 struct Shared {
     policy: Policy,
     resolver: Resolver,
+    routes: Arc<Routes>,
     limits: EgressLimits,
     audit: AuditLog,
     /// Bytes carried so far, both ways, all connections.
@@ -70,12 +74,14 @@ impl std::fmt::Debug for EgressProxy {
 
 impl EgressProxy {
     /// Serves `listener` (already bound, e.g. inside a sandbox's network namespace) until
-    /// [`EgressProxy::finish`]. Must be called inside a tokio runtime.
+    /// [`EgressProxy::finish`]: forward proxy for `policy`, and `routes` under
+    /// `/routes/<name>/`. Must be called inside a tokio runtime.
     pub fn start(
         listener: std::net::TcpListener,
         job_id: &str,
         policy: Policy,
         resolver: Resolver,
+        routes: Arc<Routes>,
         limits: EgressLimits,
     ) -> io::Result<EgressProxy> {
         listener.set_nonblocking(true)?;
@@ -87,6 +93,7 @@ impl EgressProxy {
             used: AtomicU64::new(0),
             policy,
             resolver,
+            routes,
             limits,
         });
         let cancel = CancellationToken::new();
@@ -238,6 +245,9 @@ fn status_text(status: u16) -> &'static str {
     match status {
         400 => "Bad Request",
         403 => "Forbidden",
+        404 => "Not Found",
+        411 => "Length Required",
+        413 => "Content Too Large",
         408 => "Request Timeout",
         429 => "Too Many Requests",
         431 => "Request Header Fields Too Large",
@@ -300,6 +310,9 @@ async fn handle(
     };
     attempt.method = request.method.clone();
     let is_connect = request.method.eq_ignore_ascii_case("CONNECT");
+    if !is_connect && request.target.starts_with(ROUTES_PREFIX) && !shared.routes.is_empty() {
+        return route(shared, client, &request, attempt).await;
+    }
     let target = if is_connect {
         http1::connect_target(&request.target).map(|(host, port)| http1::Target {
             host,
@@ -598,10 +611,10 @@ fn body_err(e: HeadError) -> BodyStop {
 }
 
 /// Copies exactly `n` bytes of body from the client.
-async fn copy_exact(
+async fn copy_exact<W: AsyncWrite + Unpin>(
     shared: &Shared,
     client: &mut BufConn<TcpStream>,
-    upstream: &mut TcpStream,
+    upstream: &mut W,
     mut n: u64,
     attempt: &Attempt,
 ) -> Result<(), BodyStop> {
@@ -664,4 +677,120 @@ async fn relay_body(
             send(shared, upstream, &end, &attempt.up).await?;
         },
     }
+}
+
+/// Hop-by-hop headers, and those the node decides, that a route never takes from the
+/// sandbox or passes back to it.
+fn route_skips(name: &str) -> bool {
+    matches!(
+        name,
+        "connection"
+            | "keep-alive"
+            | "te"
+            | "trailer"
+            | "upgrade"
+            | "host"
+            | "expect"
+            | "content-length"
+            | "transfer-encoding"
+    ) || name.starts_with("proxy-")
+}
+
+/// A request on a credentialed route: read whole (bounded), sent upstream over TLS with the
+/// route's headers, the answer streamed back. The audit names the route, never a value.
+async fn route(
+    shared: &Shared,
+    client: &mut BufConn<TcpStream>,
+    request: &http1::RequestHead,
+    attempt: &mut Attempt,
+) -> Outcome {
+    let (name, rest) = match routes::split_route_path(&request.target) {
+        Ok(p) => p,
+        Err(e) => {
+            attempt.host = "route".into();
+            return denied(400, e.to_string());
+        }
+    };
+    attempt.host = format!("route:{name}");
+    let Some(route) = shared.routes.get(name) else {
+        return denied(404, "no such route");
+    };
+    attempt.port = route.port;
+    let len = match request.framing {
+        Framing::None => 0,
+        Framing::Length(n) if n <= ROUTE_BODY_MAX => n,
+        Framing::Length(_) => return denied(413, "route request body too large"),
+        Framing::Chunked => return denied(411, "route requests need a Content-Length"),
+    };
+    let Ok(method) = reqwest::Method::from_bytes(request.method.as_bytes()) else {
+        return denied(400, "bad method");
+    };
+    let mut body = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+    if let Err(stop) = copy_exact(shared, client, &mut body, len, attempt).await {
+        return match stop {
+            BodyStop::Refused(why) => denied(400, why),
+            BodyStop::Stop(s) => Outcome::Allowed(s.reason()),
+        };
+    }
+    let mut headers = reqwest::header::HeaderMap::new();
+    for (n, v) in &request.headers {
+        let lower = n.to_ascii_lowercase();
+        if route_skips(&lower) || route.headers().iter().any(|(h, _)| h.as_str() == lower) {
+            continue;
+        }
+        if let (Ok(hn), Ok(hv)) = (
+            reqwest::header::HeaderName::from_bytes(lower.as_bytes()),
+            reqwest::header::HeaderValue::from_bytes(v),
+        ) {
+            headers.append(hn, hv);
+        }
+    }
+    for (h, v) in route.headers() {
+        headers.insert(h.clone(), v.clone());
+    }
+    let upstream_call = route
+        .client
+        .request(method, route.url(rest))
+        .headers(headers)
+        .body(body)
+        .send();
+    let mut response = match tokio::time::timeout(shared.limits.idle_timeout, upstream_call).await {
+        Err(_) => return denied(504, "route upstream timed out"),
+        // The error names the URL, never a header.
+        Ok(Err(e)) => return denied(502, format!("route upstream failed: {e}")),
+        Ok(Ok(r)) => r,
+    };
+    let status = response.status();
+    let mut head = format!(
+        "HTTP/1.1 {} {}\r\n",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or("")
+    )
+    .into_bytes();
+    for (n, v) in response.headers() {
+        if route_skips(n.as_str()) && n.as_str() != "content-length" {
+            continue;
+        }
+        head.extend_from_slice(n.as_str().as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(v.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"Connection: close\r\n\r\n");
+    if let Err(stop) = send(shared, &mut client.stream, &head, &attempt.down).await {
+        return Outcome::Allowed(stop.reason());
+    }
+    loop {
+        let chunk = match tokio::time::timeout(shared.limits.idle_timeout, response.chunk()).await {
+            Err(_) => return Outcome::Allowed(Stop::Idle.reason()),
+            Ok(Err(e)) => return Outcome::Allowed(format!("route upstream failed: {e}")),
+            Ok(Ok(None)) => break,
+            Ok(Ok(Some(c))) => c,
+        };
+        if let Err(stop) = send(shared, &mut client.stream, &chunk, &attempt.down).await {
+            return Outcome::Allowed(stop.reason());
+        }
+    }
+    let _ = client.stream.shutdown().await;
+    Outcome::Allowed("ok".into())
 }
