@@ -614,3 +614,203 @@ fn templates_render_under_a_budget() {
     let peak = peak_rss_bytes();
     assert!(peak < 512 * 1024 * 1024, "peak rss {peak} bytes");
 }
+
+// ---------------------------------------------------------------------------
+// Skill-author feedback
+// ---------------------------------------------------------------------------
+
+/// `skills validate DIR --output json` on a write-files package changed by `edit`
+/// (manifest text, template text): its exit code and errors as `(line, message)`.
+fn validate_changed(
+    edit: impl Fn(String, String) -> (String, String),
+    extra: &[&str],
+) -> (i32, Vec<(Option<u64>, String)>, PathBuf) {
+    let dir = package_with_template("");
+    let pkg = dir.path().join("write-files");
+    let src = repo().join("skills/write-files");
+    let (manifest, template) = edit(
+        std::fs::read_to_string(src.join("skill.yaml")).unwrap(),
+        std::fs::read_to_string(src.join("job.json.j2")).unwrap(),
+    );
+    std::fs::write(pkg.join("skill.yaml"), manifest).unwrap();
+    std::fs::write(pkg.join("job.json.j2"), template).unwrap();
+    let mut args = vec!["--output", "json"];
+    args.extend_from_slice(extra);
+    args.extend(["skills", "validate", dir.path().to_str().unwrap()]);
+    let (code, out, err) = pm(&args);
+    let report: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
+    let errors = report["errors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["line"].as_u64(),
+                e["message"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    // The temp dir goes with the test: keep it alive until here.
+    let kept = dir.path().to_path_buf();
+    drop(dir);
+    (code, errors, kept)
+}
+
+#[test]
+fn skills_validate_refuses_template_variables_the_schema_does_not_declare() {
+    let (code, errors, _) = validate_changed(
+        |m, t| {
+            (
+                m,
+                t.replacen(
+                    "\"constraints\": {",
+                    "\"notes\": {{ inputs.colour }}, \"who\": {{ user }}, \"j\": {{ job.secret }},\n  \"constraints\": {",
+                    1,
+                ),
+            )
+        },
+        &[],
+    );
+    assert_eq!(code, 1, "{errors:?}");
+    let messages: Vec<&str> = errors.iter().map(|(_, m)| m.as_str()).collect();
+    assert!(
+        messages.iter().any(|m| m.starts_with(
+            "`inputs.colour` is not declared in inputs_schema.properties (declared: "
+        )),
+        "{errors:?}"
+    );
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.starts_with("`user` is not defined")),
+        "{errors:?}"
+    );
+    assert!(
+        messages
+            .iter()
+            .any(|m| m.starts_with("`job.secret` is not set by the PM")),
+        "{errors:?}"
+    );
+    assert!(errors.iter().all(|(line, _)| line.is_some()), "{errors:?}");
+    // Every built-in skill passes the same check.
+    let (code, out, err) = pm(&["skills", "validate"]);
+    assert_eq!(code, 0, "{out}{err}");
+}
+
+#[test]
+fn manifest_errors_name_their_line_and_schema_errors_their_pointer() {
+    let (code, errors, _) = validate_changed(
+        |m, t| (m.replacen("version: 1.0.0", "version: \"1.0\"", 1), t),
+        &[],
+    );
+    assert_eq!(code, 1);
+    assert!(
+        errors
+            .iter()
+            .any(|(line, m)| *line == Some(2) && m.starts_with("version `1.0`")),
+        "{errors:?}"
+    );
+
+    let (code, errors, _) = validate_changed(
+        |m, t| {
+            (
+                m.replacen(
+                    "    overwrite: { type: boolean }",
+                    "    overwrite: { type: boolish }",
+                    1,
+                ),
+                t,
+            )
+        },
+        &[],
+    );
+    assert_eq!(code, 1);
+    let manifest = std::fs::read_to_string(repo().join("skills/write-files/skill.yaml")).unwrap();
+    let schema_line = manifest
+        .lines()
+        .position(|l| l.starts_with("inputs_schema:"))
+        .unwrap() as u64
+        + 1;
+    assert!(
+        errors.iter().any(|(line, m)| *line == Some(schema_line)
+            && m.starts_with("inputs_schema/properties/overwrite/type is not a valid JSON Schema")),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn test_skills_end_options_before_model_inputs() {
+    let job = build(
+        "python-test",
+        json!({ "target": "tests/unit", "keyword": "fast" }),
+    )
+    .unwrap();
+    assert_eq!(
+        job["steps"][0]["arguments"]["args"],
+        json!([
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-k",
+            "fast",
+            "--",
+            "tests/unit"
+        ])
+    );
+    let job = build("rust-test", json!({ "package": "core", "filter": "parse" })).unwrap();
+    let args = job["steps"][0]["arguments"]["args"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(args[args.len() - 2..], [json!("--"), json!("parse")]);
+    // An input that would be read as an option is refused by the schema.
+    for (skill, inputs) in [
+        ("python-test", json!({ "target": "-pmyplugin" })),
+        ("go-test", json!({ "packages": "-exec" })),
+        ("rust-test", json!({ "package": "-Zunstable" })),
+    ] {
+        assert!(
+            matches!(build(skill, inputs.clone()), Err(BuildError::Inputs { .. })),
+            "{skill} {inputs}"
+        );
+    }
+}
+
+#[test]
+fn skills_validate_checks_against_a_tenant() {
+    let dir = tempfile::tempdir().unwrap();
+    let strict = dir.path().join("strict.yaml");
+    std::fs::write(
+        &strict,
+        "tenant_id: acme\nmax_runtime_seconds: 30\nallowed_purposes: [go-tools]\n",
+    )
+    .unwrap();
+    let (code, errors, pkg) =
+        validate_changed(|m, t| (m, t), &["--tenant", strict.to_str().unwrap()]);
+    assert_eq!(code, 1, "{errors:?}");
+    let manifest = pkg.join("write-files/skill.yaml");
+    assert!(
+        errors.iter().any(|(_, m)| m
+            == "tenant `acme`: limits.max_runtime_seconds 60 exceeds the tenant's max_runtime_seconds 30"),
+        "{errors:?} ({})",
+        manifest.display()
+    );
+    assert!(
+        errors.iter().any(|(_, m)| m
+            == "tenant `acme`: purpose `base-tools` is not in the tenant's allowed_purposes"),
+        "{errors:?}"
+    );
+    // The examples go through the policy with that tenant too.
+    assert!(
+        errors
+            .iter()
+            .any(|(_, m)| m.starts_with("policy denies (runtime_ceiling)")),
+        "{errors:?}"
+    );
+    let easy = dir.path().join("easy.yaml");
+    std::fs::write(&easy, "tenant_id: easy\nmax_runtime_seconds: 600\n").unwrap();
+    let (code, errors, _) = validate_changed(|m, t| (m, t), &["--tenant", easy.to_str().unwrap()]);
+    assert_eq!((code, errors), (0, vec![]));
+}

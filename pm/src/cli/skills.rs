@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use clap::Subcommand;
-use cynode_pm::bootstrap::{gate, load_registry, registry};
+use cynode_pm::bootstrap::{gate, load_registry, registry, tenant};
 use cynode_pm::policy::{Mode, PolicyGate, PolicyInput, TenantPolicy};
 use cynode_pm::skills::{build_job, JobRef, Registry, Skill, SkillError};
 use serde_json::json;
@@ -20,8 +20,10 @@ pub enum SkillsCmd {
     List,
     /// Show one skill: manifest, input schema, examples.
     Show { id: String },
-    /// Check packages: manifest, schema, template, and that every example validates,
-    /// renders, and passes the protocol and the policy.
+    /// Check packages: manifest, schema, template (every variable it uses declared in the
+    /// input schema), and that every example validates, renders, and passes the protocol
+    /// and the policy. With `--tenant FILE` the skill is checked against that tenant (its
+    /// ceilings, network, purposes); without, as if its tenant allowed all it declares.
     Validate { dirs: Vec<PathBuf> },
     /// Print what the model is sent for these skills: the system prompt and the response
     /// schema of a first turn (`--output json`: both in one object).
@@ -141,11 +143,17 @@ fn validate(g: &Global, loaded: Result<Registry, Vec<SkillError>>) -> anyhow::Re
     };
     let mut ok = Vec::new();
     if !reg.is_empty() {
-        // The skill is checked as if its tenant allowed everything the skill declares.
         let gate = gate(&policy_source(g), Mode::Enforce)?;
+        let tenant = match &g.tenant {
+            Some(path) => Some(tenant(Some(path))?),
+            None => None,
+        };
         for s in reg.iter() {
             let before = errors.len();
-            check_examples(s, &gate, &mut errors)?;
+            if let Some(t) = &tenant {
+                check_against_tenant(s, t, &mut errors);
+            }
+            check_examples(s, &gate, tenant.as_ref(), &mut errors)?;
             if errors.len() == before {
                 ok.push(json!({ "skill_id": s.manifest.skill_id, "version": s.manifest.version, "examples": s.examples.len() }));
             }
@@ -174,15 +182,51 @@ fn validate(g: &Global, loaded: Result<Registry, Vec<SkillError>>) -> anyhow::Re
     Ok(if errors.is_empty() { 0 } else { 1 })
 }
 
+/// The manifest against a tenant's settings: what no job of the skill could get past.
+fn check_against_tenant(s: &Skill, t: &TenantPolicy, errors: &mut Vec<SkillError>) {
+    let m = &s.manifest;
+    let file = s.dir.join(cynode_pm::skills::registry::MANIFEST_FILE);
+    let mut refuse = |message: String| {
+        errors.push(SkillError {
+            file: file.clone(),
+            line: None,
+            message: format!("tenant `{}`: {message}", t.tenant_id),
+        })
+    };
+    if m.limits.max_runtime_seconds > t.max_runtime_seconds {
+        refuse(format!(
+            "limits.max_runtime_seconds {} exceeds the tenant's max_runtime_seconds {}",
+            m.limits.max_runtime_seconds, t.max_runtime_seconds
+        ));
+    }
+    if m.limits.max_output_bytes > t.max_output_bytes {
+        refuse(format!(
+            "limits.max_output_bytes {} exceeds the tenant's max_output_bytes {}",
+            m.limits.max_output_bytes, t.max_output_bytes
+        ));
+    }
+    if m.network && !t.allow_network {
+        refuse("the skill declares network, which the tenant does not allow".into());
+    }
+    if !t.allowed_purposes.is_empty() && !t.allowed_purposes.contains(&m.purpose) {
+        refuse(format!(
+            "purpose `{}` is not in the tenant's allowed_purposes",
+            m.purpose
+        ));
+    }
+}
+
 fn check_examples(
     s: &Skill,
     gate: &PolicyGate,
+    tenant: Option<&TenantPolicy>,
     errors: &mut Vec<SkillError>,
 ) -> anyhow::Result<()> {
-    let tenant = TenantPolicy {
+    // Without a tenant, as if the tenant allowed everything the skill declares.
+    let tenant = tenant.cloned().unwrap_or_else(|| TenantPolicy {
         allow_network: s.manifest.network,
         ..TenantPolicy::default()
-    };
+    });
     for (i, (name, inputs)) in s.examples.iter().enumerate() {
         let file = s.dir.join("examples").join(name);
         let r = JobRef {

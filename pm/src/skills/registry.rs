@@ -252,15 +252,23 @@ pub fn load_files(files: &dyn PackageFiles) -> Result<Skill, Vec<SkillError>> {
             None
         }
     };
+    let manifest_text = files.read(MANIFEST_FILE).unwrap_or_default();
     if let Some(m) = &manifest {
         if let Err(e) = m.check() {
-            errors.push(SkillError::new(&mpath, None, e.to_string()));
-        }
-        if let Err(e) = jsonschema::meta::validate(&m.inputs_schema) {
+            // The message opens with the field it is about.
+            let field = e.0.split([' ', ':', '.']).next().unwrap_or_default();
             errors.push(SkillError::new(
                 &mpath,
-                None,
-                format!("inputs_schema is not a valid JSON Schema: {e}"),
+                key_line(&manifest_text, field),
+                e.to_string(),
+            ));
+        }
+        if let Err(e) = jsonschema::meta::validate(&m.inputs_schema) {
+            let pointer = e.instance_path().to_string();
+            errors.push(SkillError::new(
+                &mpath,
+                key_line(&manifest_text, "inputs_schema"),
+                format!("inputs_schema{pointer} is not a valid JSON Schema: {e}"),
             ));
         }
         let expected = dir
@@ -289,8 +297,15 @@ pub fn load_files(files: &dyn PackageFiles) -> Result<Skill, Vec<SkillError>> {
                 errors.push(SkillError::new(&tpath, line, e.to_string()));
             }
             let mut env = super::template::environment();
-            if let Err(e) = env.add_template("job", &t) {
-                errors.push(SkillError::new(&tpath, e.line(), e.to_string()));
+            match env.add_template("job", &t) {
+                Err(e) => errors.push(SkillError::new(&tpath, e.line(), e.to_string())),
+                Ok(()) => {
+                    if let (Ok(tmpl), Some(m)) = (env.get_template("job"), &manifest) {
+                        for (line, message) in undeclared(&t, &tmpl, &m.inputs_schema) {
+                            errors.push(SkillError::new(&tpath, line, message));
+                        }
+                    }
+                }
             }
             t
         }
@@ -325,6 +340,72 @@ pub fn load_files(files: &dyn PackageFiles) -> Result<Skill, Vec<SkillError>> {
         }),
         _ => Err(errors),
     }
+}
+
+/// The variables `tmpl` reads that its render context does not give: a top-level name
+/// other than `inputs`, `job` and `skill`, an `inputs.X` whose `X` the input schema's
+/// `properties` do not declare, a `job.X` or `skill.X` the PM does not set. Each with the
+/// first line of `source` that names it.
+fn undeclared(
+    source: &str,
+    tmpl: &minijinja::Template<'_, '_>,
+    inputs_schema: &Value,
+) -> Vec<(Option<usize>, String)> {
+    const JOB: &[&str] = &["job_id", "task_id", "session_id", "attempt"];
+    const SKILL: &[&str] = &["skill_id", "version", "limits"];
+    let declared = inputs_schema.get("properties").and_then(Value::as_object);
+    let mut used: Vec<String> = tmpl.undeclared_variables(true).into_iter().collect();
+    used.sort();
+    let mut out = Vec::new();
+    for name in used {
+        let mut parts = name.splitn(3, '.');
+        let (root, field) = (parts.next().unwrap_or_default(), parts.next());
+        let problem = match (root, field) {
+            ("inputs", Some(f)) if declared.is_some_and(|d| !d.contains_key(f)) => Some(format!(
+                "`{root}.{f}` is not declared in inputs_schema.properties (declared: {})",
+                declared
+                    .map(|d| d.keys().cloned().collect::<Vec<_>>().join(", "))
+                    .unwrap_or_default()
+            )),
+            ("job", Some(f)) if !JOB.contains(&f) => Some(format!(
+                "`job.{f}` is not set by the PM (it sets job.{})",
+                JOB.join(", job.")
+            )),
+            ("skill", Some(f)) if !SKILL.contains(&f) => Some(format!(
+                "`skill.{f}` is not set by the PM (it sets skill.{})",
+                SKILL.join(", skill.")
+            )),
+            ("inputs" | "job" | "skill", _) => None,
+            _ => Some(format!(
+                "`{root}` is not defined: a template reads inputs, job and skill"
+            )),
+        };
+        if let Some(message) = problem {
+            let needle = match field {
+                Some(f) if root != "inputs" || declared.is_some() => format!("{root}.{f}"),
+                _ => root.to_string(),
+            };
+            let line = source
+                .lines()
+                .position(|l| l.contains(&needle))
+                .map(|i| i + 1);
+            out.push((line, message));
+        }
+    }
+    out
+}
+
+/// The 1-based line of the top-level `key:` in a YAML document, when it has one.
+fn key_line(yaml: &str, key: &str) -> Option<usize> {
+    if key.is_empty() {
+        return None;
+    }
+    yaml.lines()
+        .position(|l| {
+            l.strip_prefix(key)
+                .is_some_and(|rest| rest.trim_start().starts_with(':'))
+        })
+        .map(|i| i + 1)
 }
 
 /// serde_yaml appends " at line L column C"; the location is printed as `file:line`.
