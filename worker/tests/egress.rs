@@ -899,3 +899,113 @@ async fn a_route_adds_its_secret_which_never_reaches_the_sandbox_side() {
     .await
     .unwrap();
 }
+
+/// The pid bwrap reports on its `--info-fd` (`{"child-pid": N}`).
+fn read_child_pid(info: std::os::fd::OwnedFd) -> u32 {
+    use std::io::Read;
+    let mut f = std::fs::File::from(info);
+    let mut text = Vec::new();
+    let mut buf = [0u8; 256];
+    while !text.contains(&b'}') {
+        let n = f.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "bwrap closed its info fd: {}",
+            String::from_utf8_lossy(&text)
+        );
+        text.extend_from_slice(&buf[..n]);
+    }
+    let v: serde_json::Value = serde_json::from_slice(&text).unwrap();
+    v["child-pid"].as_u64().unwrap() as u32
+}
+
+/// A pipe whose first end (`keep`: 0 read, 1 write) stays in this process and whose other
+/// end a child inherits.
+fn pipe_for_child(keep: usize) -> (std::os::fd::OwnedFd, std::os::fd::OwnedFd) {
+    use rustix::io::{fcntl_setfd, FdFlags};
+    use rustix::pipe::{pipe_with, PipeFlags};
+    let (r, w) = pipe_with(PipeFlags::CLOEXEC).unwrap();
+    let (mine, theirs) = if keep == 0 { (r, w) } else { (w, r) };
+    fcntl_setfd(&theirs, FdFlags::empty()).unwrap();
+    (mine, theirs)
+}
+
+/// A real bubblewrap sandbox with its own network namespace: the proxy's listener is
+/// bound inside it (setns on a dedicated thread) before its command runs. Inside, curl
+/// reaches an HTTPS origin through `HTTPS_PROXY`, and a direct connection to the host's
+/// 127.0.0.1 fails: the sandbox has no route out but the proxy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bwrap_sandbox_gets_out_only_through_the_proxy_bound_in_its_namespace() {
+    use std::os::fd::AsRawFd;
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (secure, ca) = Origin::https(dir.path(), "secure.test").await;
+        let bypass = Origin::http().await;
+        let ca_file = dir.path().join("ca.pem");
+        std::fs::write(&ca_file, ca).unwrap();
+        let dns = Dns::start(&[("secure.test", &[LOCAL])]).await;
+        let script = format!(
+            "curl -sS --max-time 10 --cacert {} https://secure.test:{}/hello; echo; \
+             if curl -sS --noproxy '*' --max-time 3 http://127.0.0.1:{}/hello; \
+             then echo BYPASSED; else echo bypass-refused; fi",
+            ca_file.display(),
+            secure.port,
+            bypass.port
+        );
+        let (info_r, info_w) = pipe_for_child(0);
+        let (block_w, block_r) = pipe_for_child(1);
+        let proxy_url = "http://127.0.0.1:3128";
+        let mut cmd = tokio::process::Command::new("bwrap");
+        cmd.env_clear()
+            .args(["--unshare-all", "--die-with-parent", "--new-session"])
+            .args(["--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"])
+            .args(["--clearenv", "--setenv", "PATH", "/usr/bin:/bin"])
+            .args(["--setenv", "HTTPS_PROXY", proxy_url])
+            .args(["--setenv", "https_proxy", proxy_url])
+            .args(["--setenv", "NO_PROXY", "localhost,127.0.0.1"])
+            .args(["--info-fd", &info_w.as_raw_fd().to_string()])
+            .args(["--block-fd", &block_r.as_raw_fd().to_string()])
+            .args(["--", "sh", "-c", &script])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true);
+        let child = cmd.spawn().unwrap();
+        drop((info_w, block_r));
+        let pid = tokio::task::spawn_blocking(move || read_child_pid(info_r))
+            .await
+            .unwrap();
+        let listener =
+            cynode_worker::egress::netns::bind_in_netns(pid, "127.0.0.1:3128".parse().unwrap())
+                .unwrap();
+        let ceiling =
+            Allowlist::parse(&[format!("secure.test:{}", secure.port), "127.0.0.1".into()])
+                .unwrap();
+        let proxy = EgressProxy::start(
+            listener,
+            "job-bwrap",
+            Policy::for_job::<&str>(&ceiling, None).unwrap(),
+            Resolver::with_nameservers(&[dns.addr]),
+            Arc::new(Routes::default()),
+            EgressLimits::default(),
+        )
+        .unwrap();
+        // Only now may the sandbox's command run.
+        std::io::Write::write_all(&mut std::fs::File::from(block_w), b"x").unwrap();
+        let out = child.wait_with_output().await.unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{out:?}");
+        assert_eq!(
+            stdout.lines().collect::<Vec<_>>(),
+            ["hello from origin", "bypass-refused"],
+            "{out:?}"
+        );
+        assert_eq!(bypass.hits(), 0);
+        assert_eq!(secure.hits(), 1);
+        let audit = proxy.finish().await;
+        let connect = find(&audit, "secure.test", "CONNECT");
+        assert_eq!(connect.decision, EgressDecision::Allowed);
+        assert_eq!(audit.records.len(), 1, "{audit:#?}");
+    })
+    .await
+    .unwrap();
+}

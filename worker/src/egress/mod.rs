@@ -9,6 +9,7 @@
 //! - [`resolve`]: the proxy's own resolver; answers checked, then pinned per connection.
 //! - [`http1`]: the strict HTTP/1.1 request heads the proxy accepts.
 //! - [`proxy`]: the server: plain HTTP forwarding and CONNECT tunnels, bounded per job.
+//! - [`netns`]: binding the listener inside a sandbox's network namespace.
 //! - [`audit`]: one record per attempt, logged, and kept up to a bound for the job.
 //! - [`routes`]: credentialed routes; the node adds the secret headers and speaks TLS.
 
@@ -16,6 +17,7 @@ pub mod addr;
 pub mod allowlist;
 pub mod audit;
 pub mod http1;
+pub mod netns;
 pub mod proxy;
 pub mod resolve;
 pub mod routes;
