@@ -1009,3 +1009,97 @@ async fn a_bwrap_sandbox_gets_out_only_through_the_proxy_bound_in_its_namespace(
     .await
     .unwrap();
 }
+
+/// Removes a container when the test ends, also on a panic.
+struct RemoveContainer(String);
+
+impl Drop for RemoveContainer {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("podman")
+            .args(["rm", "-f", "-t", "0", &self.0])
+            .output();
+    }
+}
+
+async fn podman(args: &[&str]) -> std::process::Output {
+    let out = tokio::process::Command::new("podman")
+        .args(args)
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    assert!(out.status.success(), "podman {args:?}: {out:?}");
+    out
+}
+
+/// The same with a Podman container (`--network=none`): created and initialised (its
+/// namespaces exist, its command has not started), the listener bound in its network
+/// namespace, then started. Inside, a request through the proxy gets its answer; a direct
+/// connection to the host fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_podman_container_gets_out_only_through_the_proxy_bound_in_its_namespace() {
+    tokio::time::timeout(TEST_TIME, async {
+        let origin = Origin::http().await;
+        let bypass = Origin::http().await;
+        let dns = Dns::start(&[("origin.test", &[LOCAL])]).await;
+        let name = format!("cynode-egress-test-{}", std::process::id());
+        let _guard = RemoveContainer(name.clone());
+        // busybox wget crashes in the test image; nc speaks to the proxy directly.
+        let script = format!(
+            "printf 'GET http://origin.test:{}/hello HTTP/1.1\\r\\n\\r\\n' \
+             | nc -w 10 127.0.0.1 3128 | tail -n 1; echo; \
+             if nc -w 3 127.0.0.1 {} </dev/null; \
+             then echo BYPASSED; else echo bypass-refused; fi",
+            origin.port, bypass.port
+        );
+        podman(&[
+            "create",
+            "--name",
+            &name,
+            "--network=none",
+            "--runtime",
+            "runc",
+            "--pull=never",
+            "--env",
+            "http_proxy=http://127.0.0.1:3128",
+            "--entrypoint",
+            "sh",
+            "localhost/cynode-sba-test:latest",
+            "-c",
+            &script,
+        ])
+        .await;
+        podman(&["init", &name]).await;
+        let pid = podman(&["inspect", "--format", "{{.State.Pid}}", &name]).await;
+        let pid: u32 = String::from_utf8_lossy(&pid.stdout).trim().parse().unwrap();
+        let listener =
+            cynode_worker::egress::netns::bind_in_netns(pid, "127.0.0.1:3128".parse().unwrap())
+                .unwrap();
+        let ceiling =
+            Allowlist::parse(&[format!("origin.test:{}", origin.port), "127.0.0.1".into()])
+                .unwrap();
+        let proxy = EgressProxy::start(
+            listener,
+            "job-podman",
+            Policy::for_job::<&str>(&ceiling, None).unwrap(),
+            Resolver::with_nameservers(&[dns.addr]),
+            Arc::new(Routes::default()),
+            EgressLimits::default(),
+        )
+        .unwrap();
+        let out = podman(&["start", "--attach", &name]).await;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(
+            stdout.lines().collect::<Vec<_>>(),
+            ["hello from origin", "bypass-refused"],
+            "{out:?}"
+        );
+        assert_eq!((origin.hits(), bypass.hits()), (1, 0));
+        let audit = proxy.finish().await;
+        let get = find(&audit, "origin.test", "GET");
+        assert_eq!(get.decision, EgressDecision::Allowed);
+        assert_eq!(audit.records.len(), 1, "{audit:#?}");
+    })
+    .await
+    .unwrap();
+}
