@@ -128,7 +128,16 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
     (
         "worker",
         &[
-            &["sandbox", "sandbox_files", "config", "image_ref", "trace"],
+            &[
+                "sandbox",
+                "sandbox_files",
+                "config",
+                "image_ref",
+                "trace",
+                "egress",
+                "job_dir",
+                "remove_tree",
+            ],
             &["backend", "inference", "callback", "store", "disk_guard"],
             &["sessions", "workspace", "executor"],
             &["node", "replay"],
