@@ -1,6 +1,7 @@
 //! Integration tests of cynode-pm.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod cli;
 mod llm;
 mod policy;
 mod skills;

@@ -17,6 +17,7 @@ use super::Global;
 
 /// The OpenAI-compatible model.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Model")]
 pub struct ModelArgs {
     /// OpenAI-compatible endpoint, e.g. http://127.0.0.1:8089/v1.
     #[arg(
@@ -48,6 +49,7 @@ pub struct ModelArgs {
 
 /// The workers jobs go to.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Worker")]
 pub struct WorkerArgs {
     /// A running worker; without it (and without --workers-file) `run` starts and stops a
     /// local cynode-worker.
@@ -94,6 +96,7 @@ pub struct WorkerArgs {
 
 /// Where the PM keeps its state.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "State")]
 pub struct StoreArgs {
     /// Where the PM keeps its database and artifacts.
     #[arg(long, env = "CYNODE_STATE_DIR", default_value = ".cynode")]
@@ -105,6 +108,7 @@ pub struct StoreArgs {
 
 /// The worker `run` starts itself when none is given.
 #[derive(Debug, Clone, Args)]
+#[command(next_help_heading = "Local worker")]
 pub struct LocalWorkerArgs {
     /// Backend of the local worker.
     #[arg(long, default_value = "podman")]
@@ -132,11 +136,20 @@ pub struct RunArgs {
     pub pm: PmArgs,
     #[command(flatten)]
     pub local: LocalWorkerArgs,
-    #[arg(long, env = "CYNODE_TENANT_ID", default_value = "default")]
+    // Explicit headings: a struct-level one would be overridden by the flattened groups.
+    /// The tenant the session runs as (its policy settings: --tenant).
+    #[arg(
+        long,
+        env = "CYNODE_TENANT_ID",
+        default_value = "default",
+        help_heading = "Session"
+    )]
     pub tenant_id: String,
-    #[arg(long, default_value_t = 30)]
+    /// Model turns the session may take.
+    #[arg(long, default_value_t = 30, help_heading = "Session")]
     pub max_turns: u32,
-    #[arg(long, default_value_t = 20)]
+    /// Jobs the session may dispatch.
+    #[arg(long, default_value_t = 20, help_heading = "Session")]
     pub max_jobs: u32,
 }
 

@@ -8,13 +8,31 @@
 //! - [`serve`]: `serve`, the HTTP API; `openapi` prints its description;
 //! - [`args`]: the flag groups several commands share, turned into plain settings.
 //!
+//! `--help` groups a command's flags: its own under "Options" first, then the shared
+//! groups of [`args`] ("Model", "Worker", "Local worker", "State", "Session"), then the
+//! global flags ("Skills & policy", "Global options"), which every command takes.
+//!
 //! Human-readable output by default, `--output json` for scripts. Exit codes: 0 ok,
 //! allowed, or a completed session; 1 invalid, denied, or a failed or canceled session;
 //! 2 usage or load errors; 3 a session waiting for an answer no terminal can give.
 //!
+//! Everything a command prints to stdout goes through [`outln!`] ([`stdout::line`]): a
+//! reader that went away (`cynode-pm … | head`) ends the command quietly with status 0,
+//! as a complete run would, without a panic or a message. SIGPIPE itself stays ignored
+//! (Rust's default) since the same binary serves HTTP, where a closed socket is an error
+//! of that one connection.
+//!
 //! Architecture invariant: this is the binary's only layer. It parses flags into
 //! [`cynode_pm::config`] values and calls the library (bootstrap, driver, service);
 //! nothing in the library imports from it, and only here is an error an `anyhow::Error`.
+
+/// `println!` for command output: a closed stdout ends the command quietly (see
+/// [`stdout::line`]).
+macro_rules! outln {
+    ($($arg:tt)*) => {
+        $crate::cli::stdout::line(format_args!($($arg)*))
+    };
+}
 
 mod args;
 mod policy;
@@ -23,6 +41,7 @@ mod run;
 mod serve;
 mod sessions;
 mod skills;
+mod stdout;
 
 use std::path::{Path, PathBuf};
 
@@ -40,35 +59,42 @@ pub struct Cli {
     pub command: Command,
 }
 
-/// Options every command takes.
+/// Options every command takes: the skills and the policy they are checked against,
+/// then the output (its own heading, last in every command's `--help`).
 #[derive(Debug, Args)]
 pub struct Global {
-    /// Output format.
-    #[arg(long, value_enum, default_value_t = Output::Human, global = true)]
-    pub output: Output,
     /// A directory of skill packages (repeatable): its skills are added to the built-in
     /// ones, and replace a built-in skill with the same id.
-    #[arg(long = "skill-dir", global = true)]
+    #[arg(long = "skill-dir", global = true, help_heading = SKILLS_HEADING)]
     pub skill_dirs: Vec<PathBuf>,
     /// Offer only the skills of --skill-dir, none of the built-in ones.
-    #[arg(long, global = true, requires = "skill_dirs")]
+    #[arg(long, global = true, requires = "skill_dirs", help_heading = SKILLS_HEADING)]
     pub no_builtin_skills: bool,
     /// Directory of the Rego policy (default: the built-in policy, policies/cynode.rego).
-    #[arg(long, global = true)]
+    #[arg(long, global = true, help_heading = SKILLS_HEADING)]
     pub policy_dir: Option<PathBuf>,
     /// An external OPA-compatible policy engine to ask instead (fails closed).
-    #[arg(long, global = true)]
+    #[arg(long, global = true, help_heading = SKILLS_HEADING)]
     pub policy_endpoint: Option<String>,
     /// Tenant policy settings (YAML or JSON); default: no network, default ceilings.
-    #[arg(long, global = true)]
+    #[arg(long, global = true, help_heading = SKILLS_HEADING)]
     pub tenant: Option<PathBuf>,
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Output::Human, global = true,
+          help_heading = GLOBAL_HEADING)]
+    pub output: Output,
     /// Export traces over OTLP/HTTP (protobuf) to this collector, e.g.
     /// http://127.0.0.1:4318 or https://collector:4318 (`/v1/traces` is appended; https
     /// trusts the system's roots, or the bundle in SSL_CERT_FILE); Worker API calls then
     /// carry a W3C `traceparent` header.
-    #[arg(long, env = "CYNODE_OTLP_ENDPOINT", global = true)]
+    #[arg(long, env = "CYNODE_OTLP_ENDPOINT", global = true, help_heading = GLOBAL_HEADING)]
     pub otlp_endpoint: Option<String>,
 }
+
+/// `--help` heading of the global skill and policy flags.
+pub const SKILLS_HEADING: &str = "Skills & policy";
+/// `--help` heading of the other global flags (output, traces).
+pub const GLOBAL_HEADING: &str = "Global options";
 
 /// How results are printed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -106,7 +132,7 @@ pub fn main() -> i32 {
         Err(e) => {
             match output {
                 Output::Human => eprintln!("cynode-pm: {e:#}"),
-                Output::Json => println!("{}", json!({ "ok": false, "error": format!("{e:#}") })),
+                Output::Json => outln!("{}", json!({ "ok": false, "error": format!("{e:#}") })),
             }
             2
         }
@@ -121,7 +147,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<i32> {
         // The service logs at info: its lines are its audit trail.
         Command::Serve(args) => with_runtime(g, "info", serve::serve(args, g)),
         Command::Openapi => {
-            println!("{}", cynode_pm::service::openapi_json());
+            outln!("{}", cynode_pm::service::openapi_json());
             Ok(0)
         }
         Command::Skills(cmd) => skills::skills(cmd, g),
@@ -175,7 +201,7 @@ fn read_json(p: &Path) -> anyhow::Result<Value> {
 }
 
 fn print_json(v: &Value) {
-    println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+    outln!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
 }
 
 /// The skill `id` of `reg`, or an error naming it.

@@ -69,12 +69,12 @@ fn print_decision(output: Output, d: &Decision) {
     match output {
         Output::Json => print_json(&serde_json::to_value(d).unwrap_or(Value::Null)),
         Output::Human => {
-            println!("{}", if d.allowed { "allowed" } else { "denied" });
+            outln!("{}", if d.allowed { "allowed" } else { "denied" });
             for v in &d.deny {
-                println!("  deny  {}: {}", v.rule, v.message);
+                outln!("  deny  {}: {}", v.rule, v.message);
             }
             for v in &d.warn {
-                println!("  warn  {}: {}", v.rule, v.message);
+                outln!("  warn  {}: {}", v.rule, v.message);
             }
         }
     }

@@ -162,21 +162,23 @@ async fn drive_session(
 /// Prints the deliverable or the failure; returns the exit code.
 fn print_outcome(rec: &SessionRecord, json_out: bool) -> i32 {
     if json_out {
-        println!("{}", serde_json::to_string_pretty(rec).unwrap_or_default());
+        outln!("{}", serde_json::to_string_pretty(rec).unwrap_or_default());
     }
     match rec.status {
         SessionStatus::Completed => {
             if !json_out {
                 if let Some(d) = &rec.deliverable {
-                    println!("deliverable: {}", d.summary);
+                    outln!("deliverable: {}", d.summary);
                     for a in &d.artifacts {
-                        println!(
+                        outln!(
                             "  artifact {} sha256:{} ({} bytes, verified)",
-                            a.path, a.sha256, a.size_bytes
+                            a.path,
+                            a.sha256,
+                            a.size_bytes
                         );
                     }
                     if let Some(c) = &d.changeset {
-                        println!("\n{c}");
+                        outln!("\n{c}");
                     }
                 }
             }
@@ -185,8 +187,8 @@ fn print_outcome(rec: &SessionRecord, json_out: bool) -> i32 {
         SessionStatus::AwaitingInput => {
             if !json_out {
                 if let Phase::AwaitInput { question } = &rec.phase {
-                    println!("awaiting input: {question}");
-                    println!(
+                    outln!("awaiting input: {question}");
+                    outln!(
                         "answer with: cynode-pm sessions resume {} --answer TEXT",
                         rec.state.session_id
                     );

@@ -50,7 +50,7 @@ pub async fn sessions(cmd: &SessionsCmd, g: &Global) -> anyhow::Result<i32> {
                 Output::Json => print_json(&serde_json::to_value(&list)?),
                 Output::Human => {
                     for r in &list {
-                        println!(
+                        outln!(
                             "{}  {:<15} {}",
                             r.state.session_id,
                             r.status.as_str(),
@@ -69,7 +69,7 @@ pub async fn sessions(cmd: &SessionsCmd, g: &Global) -> anyhow::Result<i32> {
                 .with_context(|| format!("no session {id}"))?;
             match g.output {
                 Output::Json => print_json(&serde_json::to_value(&rec)?),
-                Output::Human => println!("{}", serde_yaml::to_string(&rec)?),
+                Output::Human => outln!("{}", serde_yaml::to_string(&rec)?),
             }
             Ok(0)
         }

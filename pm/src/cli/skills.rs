@@ -51,7 +51,7 @@ pub fn skills(cmd: &SkillsCmd, g: &Global) -> anyhow::Result<i32> {
                 Output::Human => {
                     for s in reg.iter() {
                         let m = &s.manifest;
-                        println!(
+                        outln!(
                             "{:<22} {:<8} {}",
                             m.skill_id,
                             m.version,
@@ -72,7 +72,7 @@ pub fn skills(cmd: &SkillsCmd, g: &Global) -> anyhow::Result<i32> {
                 "examples": s.examples.iter().map(|(n, v)| json!({ "file": n, "inputs": v })).collect::<Vec<_>>(),
             });
             match g.output {
-                Output::Human => println!("{}", serde_yaml::to_string(&v)?),
+                Output::Human => outln!("{}", serde_yaml::to_string(&v)?),
                 Output::Json => print_json(&v),
             }
             Ok(0)
@@ -82,7 +82,7 @@ pub fn skills(cmd: &SkillsCmd, g: &Global) -> anyhow::Result<i32> {
                 cynode_pm::llm::Contract::new(load_registry(&skill_sources(g))?.catalog())?;
             let schema = cynode_pm::llm::TurnRules::first_turn(true).schema(&contract.catalog, &[]);
             match g.output {
-                Output::Human => println!(
+                Output::Human => outln!(
                     "{}\n# Response schema (first turn)\n{}",
                     contract.system_prompt,
                     cynode_pm::llm::ordered_json(&schema, true)
@@ -119,7 +119,7 @@ pub fn skills(cmd: &SkillsCmd, g: &Global) -> anyhow::Result<i32> {
             };
             match build_job(s, &inputs, &r) {
                 Ok(built) => {
-                    println!("{}", String::from_utf8_lossy(&built.canonical));
+                    outln!("{}", String::from_utf8_lossy(&built.canonical));
                     Ok(0)
                 }
                 Err(e) => {
@@ -162,7 +162,7 @@ fn validate(g: &Global, loaded: Result<Registry, Vec<SkillError>>) -> anyhow::Re
     match g.output {
         Output::Human => {
             for s in &ok {
-                println!(
+                outln!(
                     "ok    {} {} ({} examples)",
                     s["skill_id"].as_str().unwrap_or(""),
                     s["version"].as_str().unwrap_or(""),
@@ -170,7 +170,7 @@ fn validate(g: &Global, loaded: Result<Registry, Vec<SkillError>>) -> anyhow::Re
                 );
             }
             for e in &errors {
-                println!("{e}");
+                outln!("{e}");
             }
         }
         Output::Json => print_json(&json!({
