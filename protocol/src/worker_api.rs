@@ -55,6 +55,9 @@ fn null_as_empty<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<String>, 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct SandboxSpec {
+    /// The image to run in. Absent is the same as empty: the node's `default_image`, or a
+    /// 400 naming `sandbox.image` when it has none (as upstream CyNodeAI).
+    #[serde(default)]
     pub image: String,
     /// argv; may be empty for SBA jobs, where the image's entrypoint runs. `null` (what
     /// upstream CyNodeAI sends on every SBA dispatch) means absent.
@@ -150,6 +153,36 @@ impl RunJobRequest {
             }
         }
         Ok(())
+    }
+}
+
+/// Reads a Worker API request body: its top-level `version` first, so a request of
+/// another version is refused as such ("version: unsupported version 2: expected 1")
+/// rather than by whichever of its fields this version does not know; then the whole
+/// body strictly ([`crate::error::parse_strict`]), errors naming the field.
+pub fn parse_request<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ValidationError> {
+    check_body_version(bytes)?;
+    crate::error::parse_strict(bytes)
+}
+
+/// An integer `version` other than [`API_VERSION`] is refused. Anything else (no JSON
+/// object, no `version`, one that is not an integer) is left to the strict parse, which
+/// says where the body is wrong.
+fn check_body_version(bytes: &[u8]) -> Result<(), ValidationError> {
+    #[derive(Deserialize)]
+    struct Probe {
+        #[serde(default)]
+        version: Option<serde_json::Value>,
+    }
+    let Ok(Probe { version: Some(v) }) = serde_json::from_slice::<Probe>(bytes) else {
+        return Ok(());
+    };
+    match v.as_u64() {
+        Some(n) if n != u64::from(API_VERSION) => Err(ValidationError::new(
+            "version",
+            format!("unsupported version {n}: expected {API_VERSION}"),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -331,6 +364,24 @@ pub use crate::problem::Problem;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_version_is_read_before_any_field() {
+        let e = parse_request::<RunJobRequest>(br#"{"version":2,"sandbox":{"x":1}}"#).unwrap_err();
+        assert_eq!(e.to_string(), "version: unsupported version 2: expected 1");
+        // Not an integer: the strict parse names it.
+        let e = parse_request::<RunJobRequest>(br#"{"version":"2"}"#).unwrap_err();
+        assert!(e.to_string().starts_with("version: invalid type"), "{e}");
+        let r: RunJobRequest = parse_request(
+            br#"{"version":1,"task_id":"t","job_id":"j","sandbox":{"command":["true"]}}"#,
+        )
+        .unwrap();
+        assert_eq!(r.sandbox.image, "");
+        assert_eq!(
+            r.validate().unwrap_err().to_string(),
+            "sandbox.image: must not be empty"
+        );
+    }
 
     fn req() -> serde_json::Value {
         serde_json::json!({

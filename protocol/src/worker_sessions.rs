@@ -17,6 +17,8 @@ pub struct CreateSessionRequest {
     pub version: u32,
     pub session_id: String,
     pub task_id: String,
+    /// Absent is the same as empty, which is refused naming `image`.
+    #[serde(default)]
     pub image: String,
     /// The workspace mounted at /workspace; defaults to `task_id`.
     #[serde(default, skip_serializing_if = "Option::is_none")]

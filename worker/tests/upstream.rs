@@ -52,6 +52,70 @@ async fn an_empty_image_without_a_default_is_refused_by_field() {
     );
 }
 
+/// The same dispatch with no `image` at all: read as an empty one (issue 27 #6).
+fn dispatch_without_image(id: &str) -> Value {
+    let mut req = upstream_dispatch(id);
+    req["sandbox"].as_object_mut().unwrap().remove("image");
+    req
+}
+
+#[tokio::test]
+async fn worker_node_sba_a_dispatch_without_image_runs_in_the_default_image() {
+    let sv = Server::start("bwrap", &format!("default_image: {}\n", env().image));
+    let id = unique("up");
+    let (code, v) = sv
+        .post("/v1/worker/jobs", &dispatch_without_image(&id))
+        .await;
+    assert_eq!(code, 202, "{v}");
+    let (code, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &dispatch_without_image(&unique("up")),
+        )
+        .await;
+    assert_eq!(
+        (code, v["status"].clone(), v["sba_result"]["status"].clone()),
+        (200, json!("completed"), json!("success")),
+        "{v}"
+    );
+}
+
+#[tokio::test]
+async fn a_missing_image_without_a_default_is_refused_by_field() {
+    let sv = Server::start("bwrap", "");
+    for path in ["/v1/worker/jobs:run", "/v1/worker/jobs"] {
+        let (code, v) = sv.post(path, &dispatch_without_image(&unique("up"))).await;
+        assert_eq!(
+            (code, v["detail"].clone()),
+            (400, json!("sandbox.image: must not be empty")),
+            "{path}: {v}"
+        );
+    }
+}
+
+/// A request of another `version` is refused as such, before any field of it is read:
+/// not "missing field image" nor "unknown field" of a shape this node does not speak.
+#[tokio::test]
+async fn an_unsupported_version_is_named_before_any_field() {
+    let sv = Server::start("bwrap", "");
+    let mut surprise = upstream_dispatch(&unique("up"));
+    surprise["sandbox"]["from_v2"] = json!(true);
+    surprise["priority"] = json!(1);
+    let mut bad_id = dispatch_without_image(&unique("up"));
+    bad_id["task_id"] = json!("../x");
+    for mut body in [dispatch_without_image(&unique("up")), surprise, bad_id] {
+        body["version"] = json!(2);
+        for path in ["/v1/worker/jobs:run", "/v1/worker/jobs"] {
+            let (code, v) = sv.post(path, &body).await;
+            assert_eq!(
+                (code, v["detail"].clone()),
+                (400, json!("version: unsupported version 2: expected 1")),
+                "{path}: {v}"
+            );
+        }
+    }
+}
+
 /// An upstream orchestrator's SBA dispatch, marshalled from the mirror of its
 /// `workerapi.RunJobRequest` (Go's encoding: `command: null`, zero fields omitted) with a
 /// job.json marshalled from the mirror of `sbajob.JobSpec` (steps `{type, args}`).

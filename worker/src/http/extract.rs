@@ -1,5 +1,6 @@
 //! Request extractors: [`StrictJson`], a body within the node's limit parsed strictly
-//! (unknown fields refused), its errors naming the field.
+//! (unknown fields refused), its errors naming the field; an unsupported `version` is
+//! refused as such before any other field is read.
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -32,7 +33,7 @@ where
             BytesRejection::FailedToBufferBody(_) => ApiError::TooLarge(limit),
             other => ApiError::Invalid(ValidationError::new(".", other.body_text())),
         })?;
-        let v = cynode_protocol::error::parse_strict(&bytes).map_err(ApiError::Invalid)?;
+        let v = cynode_protocol::worker_api::parse_request(&bytes).map_err(ApiError::Invalid)?;
         Ok(StrictJson(v))
     }
 }
