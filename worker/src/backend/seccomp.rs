@@ -11,6 +11,20 @@
 //! syscalls). Denied calls fail with `EPERM`; `clone3` fails with `ENOSYS` (its flags live
 //! in memory a filter cannot read), so libc falls back to `clone`, whose flags it can.
 //!
+//! Sockets: only the families a build or test job uses can be made (`socket` and
+//! `socketpair` with `AF_UNIX`, `AF_INET`, `AF_INET6` or `AF_NETLINK`); every other family
+//! fails with `EPERM`. Above all `AF_VSOCK`: a network namespace does not separate vsock,
+//! so on a VM host (`/dev/vsock`) a sandbox with `--network none` would otherwise share the
+//! VM's vsock port space with the host. The OCI profile also refuses the i386 `socketcall`
+//! multiplexer, whose arguments live in memory no filter can read.
+//!
+//! On x86_64 the whole x32 ABI (syscall numbers with `__X32_SYSCALL_BIT` set) fails with
+//! `EPERM`: a separate BPF program for bwrap, and no `SCMP_ARCH_X32` in the OCI profile
+//! (its x32 calls then take the profile's bad-architecture action). x32 has numbers of
+//! its own (512–547: `kexec_load` is 528, `move_pages` 533…) that a by-number deny list
+//! would have to repeat; refusing the ABI needs no list. i386 calls are killed by the
+//! bwrap filter's architecture check.
+//!
 //! Everything else is allowed: the sandbox's other walls (namespaces, uid 1000, no
 //! capabilities, no-new-privileges, read-only root) stay what they were.
 
@@ -55,7 +69,21 @@ pub enum When {
     },
     /// personality(2) with an unsafe flag (the query value excepted).
     UnsafePersonality,
+    /// Argument `arg` (an `int`: its low 32 bits) is none of `allowed`.
+    NoneOf {
+        arg: u8,
+        allowed: &'static [u64],
+    },
 }
+
+/// The socket families a job may use: local sockets, IPv4/IPv6 (loopback only, without a
+/// network) and netlink (glibc's `getaddrinfo` asks the kernel for its addresses).
+pub const ALLOWED_SOCKET_FAMILIES: [u64; 4] = [
+    libc::AF_UNIX as u64,
+    libc::AF_INET as u64,
+    libc::AF_INET6 as u64,
+    libc::AF_NETLINK as u64,
+];
 
 /// One denied syscall.
 #[derive(Debug, Clone, Copy)]
@@ -188,6 +216,24 @@ pub fn deny_list() -> Vec<Deny> {
             errno: libc::EPERM,
             when: When::UnsafePersonality,
         },
+        Deny {
+            name: "socket",
+            nr: libc::SYS_socket,
+            errno: libc::EPERM,
+            when: When::NoneOf {
+                arg: 0,
+                allowed: &ALLOWED_SOCKET_FAMILIES,
+            },
+        },
+        Deny {
+            name: "socketpair",
+            nr: libc::SYS_socketpair,
+            errno: libc::EPERM,
+            when: When::NoneOf {
+                arg: 0,
+                allowed: &ALLOWED_SOCKET_FAMILIES,
+            },
+        },
     ]);
     list
 }
@@ -227,34 +273,63 @@ fn rules_for(when: When) -> Result<Vec<SeccompRule>, SeccompError> {
                 ])?)
             })
             .collect::<Result<_, SeccompError>>()?,
+        // One rule, all conditions required: the low 32 bits (the kernel reads an `int`)
+        // differ from every allowed value.
+        When::NoneOf { arg, allowed } => vec![SeccompRule::new(
+            allowed
+                .iter()
+                .map(|v| SeccompCondition::new(arg, SeccompCmpArgLen::Dword, SeccompCmpOp::Ne, *v))
+                .collect::<Result<_, _>>()?,
+        )?],
     })
 }
 
 /// x32 syscalls reach the x86_64 filter with this bit set in the number.
-#[cfg(target_arch = "x86_64")]
-const X32_SYSCALL_BIT: i64 = 0x4000_0000;
+pub const X32_SYSCALL_BIT: u32 = 0x4000_0000;
+
+/// The x86_64 audit architecture (`AUDIT_ARCH_X86_64`).
+const AUDIT_ARCH_X86_64: u32 = 0xC000_003E;
+
+/// One classic BPF instruction as the kernel's `struct sock_filter` bytes.
+fn insn(code: u16, jt: u8, jf: u8, k: u32) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[..2].copy_from_slice(&code.to_ne_bytes());
+    b[2] = jt;
+    b[3] = jf;
+    b[4..].copy_from_slice(&k.to_ne_bytes());
+    b
+}
+
+/// A program that refuses every x32 syscall with `EPERM`: on the x86_64 architecture, a
+/// number with [`X32_SYSCALL_BIT`] set. Anything else it allows (the other programs
+/// decide).
+pub fn x32_program() -> Vec<u8> {
+    const LD_W_ABS: u16 = 0x20;
+    const JEQ_K: u16 = 0x15;
+    const JSET_K: u16 = 0x45;
+    const RET_K: u16 = 0x06;
+    [
+        insn(LD_W_ABS, 0, 0, 4), // seccomp_data.arch
+        insn(JEQ_K, 0, 3, AUDIT_ARCH_X86_64),
+        insn(LD_W_ABS, 0, 0, 0), // seccomp_data.nr
+        insn(JSET_K, 0, 1, X32_SYSCALL_BIT),
+        insn(RET_K, 0, 0, libc::SECCOMP_RET_ERRNO | libc::EPERM as u32),
+        insn(RET_K, 0, 0, libc::SECCOMP_RET_ALLOW),
+    ]
+    .concat()
+}
 
 /// The deny list compiled to BPF programs, one per errno, each as the raw bytes of its
-/// `struct sock_filter` array (what bwrap's `--add-seccomp-fd` reads).
+/// `struct sock_filter` array (what bwrap's `--add-seccomp-fd` reads); on x86_64 also
+/// [`x32_program`].
 pub fn bpf_programs() -> Result<Vec<Vec<u8>>, SeccompError> {
     let arch = target_arch()?;
     let mut by_errno: BTreeMap<i32, BTreeMap<i64, Vec<SeccompRule>>> = BTreeMap::new();
     for d in deny_list() {
         let rules = rules_for(d.when)?;
-        let group = by_errno.entry(d.errno).or_default();
-        #[cfg(target_arch = "x86_64")]
-        group.insert(d.nr | X32_SYSCALL_BIT, rules.clone());
-        group.insert(d.nr, rules);
+        by_errno.entry(d.errno).or_default().insert(d.nr, rules);
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        // x32 has its own numbers for these (arch/x86/entry/syscalls/syscall_64.tbl).
-        let eperm = by_errno.entry(libc::EPERM).or_default();
-        for nr in [521, 539, 540] {
-            eperm.insert(X32_SYSCALL_BIT | nr, Vec::new());
-        }
-    }
-    by_errno
+    let mut programs = by_errno
         .into_iter()
         .map(|(errno, rules)| {
             let filter = SeccompFilter::new(
@@ -266,17 +341,14 @@ pub fn bpf_programs() -> Result<Vec<Vec<u8>>, SeccompError> {
             let program: BpfProgram = filter.try_into()?;
             Ok(program
                 .iter()
-                .flat_map(|i| {
-                    let mut b = Vec::with_capacity(8);
-                    b.extend_from_slice(&i.code.to_ne_bytes());
-                    b.push(i.jt);
-                    b.push(i.jf);
-                    b.extend_from_slice(&i.k.to_ne_bytes());
-                    b
-                })
+                .flat_map(|i| insn(i.code, i.jt, i.jf, i.k))
                 .collect())
         })
-        .collect()
+        .collect::<Result<Vec<Vec<u8>>, SeccompError>>()?;
+    if cfg!(target_arch = "x86_64") {
+        programs.push(x32_program());
+    }
+    Ok(programs)
 }
 
 /// The same deny list as an OCI runtime seccomp profile (the JSON that
@@ -288,7 +360,8 @@ pub fn oci_profile() -> serde_json::Value {
     let arches = if cfg!(target_arch = "aarch64") {
         json!(["SCMP_ARCH_AARCH64", "SCMP_ARCH_ARM"])
     } else {
-        json!(["SCMP_ARCH_X86_64", "SCMP_ARCH_X86", "SCMP_ARCH_X32"])
+        // No SCMP_ARCH_X32: the x32 ABI is refused (see the module doc).
+        json!(["SCMP_ARCH_X86_64", "SCMP_ARCH_X86"])
     };
     for d in deny_list() {
         let entry = |args: serde_json::Value| json!({ "names": [d.name], "action": "SCMP_ACT_ERRNO", "errnoRet": d.errno, "args": args });
@@ -311,7 +384,24 @@ pub fn oci_profile() -> serde_json::Value {
                     ])));
                 }
             }
+            When::NoneOf { arg, allowed } => {
+                // One condition per rule again: every value below the largest allowed one
+                // that is not allowed, then everything above it.
+                let max = allowed.iter().copied().max().unwrap_or(0);
+                for v in (0..=max).filter(|v| !allowed.contains(v)) {
+                    syscalls.push(entry(json!([
+                        { "index": arg, "value": v, "op": "SCMP_CMP_EQ" }
+                    ])));
+                }
+                syscalls.push(entry(json!([
+                    { "index": arg, "value": max + 1, "op": "SCMP_CMP_GE" }
+                ])));
+            }
         }
+    }
+    if cfg!(target_arch = "x86_64") {
+        // i386's socket multiplexer: its arguments are in memory.
+        syscalls.push(json!({ "names": ["socketcall"], "action": "SCMP_ACT_ERRNO", "errnoRet": libc::EPERM, "args": [] }));
     }
     json!({
         "defaultAction": "SCMP_ACT_ALLOW",
@@ -328,7 +418,7 @@ mod tests {
     #[test]
     fn compiles_one_program_per_errno() {
         let progs = bpf_programs().unwrap();
-        assert_eq!(progs.len(), 2, "EPERM and ENOSYS");
+        assert_eq!(progs.len(), 3, "EPERM, ENOSYS and x32");
         for p in &progs {
             assert_eq!(p.len() % 8, 0);
             assert!(p.len() / 8 < 4096, "within BPF_MAXINSNS");
@@ -425,6 +515,22 @@ mod tests {
                     if libc::personality(0xffff_ffff) == -1 {
                         return 16;
                     }
+                    // Refused by the filter, so EPERM even on kernels without x32 (ENOSYS).
+                    if libc::syscall(X32_SYSCALL_BIT as i64 | libc::SYS_getpid) != -1
+                        || errno() != libc::EPERM
+                    {
+                        return 18;
+                    }
+                    if libc::socket(libc::AF_VSOCK, libc::SOCK_STREAM, 0) != -1
+                        || errno() != libc::EPERM
+                    {
+                        return 19;
+                    }
+                    let s = libc::socket(libc::AF_UNIX, libc::SOCK_STREAM, 0);
+                    if s < 0 {
+                        return 20;
+                    }
+                    libc::close(s);
                     let child = libc::fork();
                     if child == 0 {
                         libc::_exit(0);
@@ -444,5 +550,141 @@ mod tests {
         unsafe { libc::waitpid(pid, &mut status, 0) };
         assert!(libc::WIFEXITED(status));
         assert_eq!(libc::WEXITSTATUS(status), 0);
+    }
+
+    /// Runs one classic BPF program (the instructions seccompiler and [`x32_program`]
+    /// emit) on a `seccomp_data` of `arch`, `nr` and `args`.
+    fn run_bpf(prog: &[u8], arch: u32, nr: u32, args: [u64; 6]) -> u32 {
+        let mut data = Vec::new();
+        data.extend_from_slice(&nr.to_ne_bytes());
+        data.extend_from_slice(&arch.to_ne_bytes());
+        data.extend_from_slice(&0u64.to_ne_bytes());
+        for a in args {
+            data.extend_from_slice(&a.to_ne_bytes());
+        }
+        let insns: Vec<(u16, u8, u8, u32)> = prog
+            .chunks(8)
+            .map(|c| {
+                (
+                    u16::from_ne_bytes([c[0], c[1]]),
+                    c[2],
+                    c[3],
+                    u32::from_ne_bytes([c[4], c[5], c[6], c[7]]),
+                )
+            })
+            .collect();
+        let (mut a, mut pc) = (0u32, 0usize);
+        loop {
+            let (code, jt, jf, k) = insns[pc];
+            pc += 1;
+            let jump = |cond: bool| if cond { jt as usize } else { jf as usize };
+            match code {
+                0x20 => {
+                    let o = k as usize;
+                    a = u32::from_ne_bytes(data[o..o + 4].try_into().unwrap());
+                }
+                0x00 => a = k,
+                0x54 => a &= k,
+                0x05 => pc += k as usize,
+                0x15 => pc += jump(a == k),
+                0x25 => pc += jump(a > k),
+                0x35 => pc += jump(a >= k),
+                0x45 => pc += jump(a & k != 0),
+                0x06 => return k,
+                other => panic!("instruction {other:#x} not interpreted"),
+            }
+        }
+    }
+
+    /// What the kernel returns for all programs together: the action of highest
+    /// precedence.
+    fn verdict(nr: u32, args: [u64; 6]) -> u32 {
+        let arch = if cfg!(target_arch = "x86_64") {
+            AUDIT_ARCH_X86_64
+        } else {
+            0xC000_00B7
+        };
+        bpf_programs()
+            .unwrap()
+            .iter()
+            .map(|p| run_bpf(p, arch, nr, args))
+            .min_by_key(|r| (r & libc::SECCOMP_RET_ACTION_FULL) as i32)
+            .unwrap()
+    }
+
+    const EPERM: u32 = libc::SECCOMP_RET_ERRNO | libc::EPERM as u32;
+
+    #[test]
+    fn sockets_of_unused_families_are_refused() {
+        let sock = |nr: i64, family: u64| verdict(nr as u32, [family, 1, 0, 0, 0, 0]);
+        for nr in [libc::SYS_socket, libc::SYS_socketpair] {
+            for family in [
+                libc::AF_VSOCK as u64,
+                0,
+                3,
+                17,
+                38,
+                44,
+                0xffff_ffff,
+                1 << 32 | 40,
+            ] {
+                assert_eq!(sock(nr, family), EPERM, "nr {nr} family {family:#x}");
+            }
+            for family in ALLOWED_SOCKET_FAMILIES {
+                assert_eq!(sock(nr, family), libc::SECCOMP_RET_ALLOW, "{family}");
+            }
+        }
+        let p = oci_profile();
+        let socket_rules: Vec<_> = p["syscalls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["names"][0] == "socket")
+            .collect();
+        let refused = |v: u64| {
+            socket_rules.iter().any(|r| {
+                let c = &r["args"][0];
+                let value = c["value"].as_u64().unwrap();
+                match c["op"].as_str().unwrap() {
+                    "SCMP_CMP_EQ" => v == value,
+                    "SCMP_CMP_GE" => v >= value,
+                    op => panic!("{op}"),
+                }
+            })
+        };
+        for v in 0..64u64 {
+            assert_eq!(refused(v), !ALLOWED_SOCKET_FAMILIES.contains(&v), "{v}");
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_x32_abi_is_refused_whole() {
+        for nr in [
+            libc::SYS_getpid as u32,
+            521,
+            528,
+            533,
+            539,
+            540,
+            547,
+            0x3fff_ffff,
+        ] {
+            assert_eq!(verdict(X32_SYSCALL_BIT | nr, [0; 6]), EPERM, "x32 {nr}");
+        }
+        assert_eq!(
+            verdict(libc::SYS_getpid as u32, [0; 6]),
+            libc::SECCOMP_RET_ALLOW
+        );
+        assert_eq!(verdict(libc::SYS_kexec_load as u32, [0; 6]), EPERM);
+        let p = oci_profile();
+        assert!(
+            !p["architectures"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|a| a == "SCMP_ARCH_X32"),
+            "{p}"
+        );
     }
 }
