@@ -27,6 +27,7 @@ macro_rules! on_both_backends {
 mod backends;
 mod cases;
 mod egress;
+mod hardening;
 mod harness;
 mod host_reads;
 mod host_writes;
@@ -34,6 +35,7 @@ mod inference;
 mod listeners;
 mod sandbox_escapes;
 mod sessions;
+mod syscall_probe;
 mod tls;
 mod upstream;
 mod workspace_attacks;

@@ -84,22 +84,142 @@ fn memfd_with(bytes: &[u8]) -> std::io::Result<std::os::fd::OwnedFd> {
     Ok(file.into())
 }
 
+/// Whether `binary` knows `--disable-userns` (bwrap 0.8 and later); asked once per binary.
+pub fn has_disable_userns(binary: &str) -> bool {
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+    static SEEN: Mutex<Option<HashMap<String, bool>>> = Mutex::new(None);
+    if let Some(known) = SEEN
+        .lock()
+        .ok()
+        .and_then(|g| g.as_ref().and_then(|m| m.get(binary).copied()))
+    {
+        return known;
+    }
+    let has = std::process::Command::new(binary)
+        .arg("--help")
+        .env_clear()
+        .env(
+            "PATH",
+            std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
+        )
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("--disable-userns"))
+        .unwrap_or(false);
+    if let Ok(mut g) = SEEN.lock() {
+        g.get_or_insert_with(HashMap::new)
+            .insert(binary.to_string(), has);
+    }
+    has
+}
+
+/// What confines one bwrap sandbox besides its namespaces, the same for a job, a session
+/// command and a changeset: the seccomp programs (memfds bwrap reads through
+/// `--add-seccomp-fd`), `--disable-userns` where bwrap has it, and a cgroup of its own with
+/// the node's memory, pids and CPU limits, which bwrap joins before it executes (so even
+/// its first child is inside). When the node is root, bwrap starts as the sandbox user.
+/// Dropping it kills whatever is still in the cgroup and removes the cgroup.
+pub struct Confinement {
+    memfds: Vec<std::os::fd::OwnedFd>,
+    fds: Vec<i32>,
+    cgroup: Cgroup,
+    disable_userns: bool,
+}
+
+impl Confinement {
+    /// The seccomp memfds and the cgroup `<node>/<name>` with `limits`.
+    pub fn new(
+        node: &str,
+        name: &str,
+        limits: &ResourceLimits,
+        disable_userns: bool,
+    ) -> Result<Confinement, BackendError> {
+        use std::os::fd::AsRawFd;
+        let memfds = seccomp_programs()?
+            .iter()
+            .map(|p| {
+                memfd_with(p).map_err(|e| {
+                    BackendError::Unavailable(format!("cannot pass the seccomp filter: {e}"))
+                })
+            })
+            .collect::<Result<Vec<_>, BackendError>>()?;
+        let fds = memfds.iter().map(AsRawFd::as_raw_fd).collect();
+        let cgroup = Cgroup::create(node, name, limits).map_err(|e| {
+            BackendError::Unavailable(format!("cannot create cgroup for limits: {e}"))
+        })?;
+        Ok(Confinement {
+            memfds,
+            fds,
+            cgroup,
+            disable_userns,
+        })
+    }
+
+    /// The bwrap options: `--disable-userns` (where known) and one `--add-seccomp-fd` per
+    /// program.
+    pub fn args(&self) -> Vec<String> {
+        let mut a = Vec::new();
+        if self.disable_userns {
+            a.push("--disable-userns".into());
+        }
+        for fd in &self.fds {
+            a.extend(["--add-seccomp-fd".into(), fd.to_string()]);
+        }
+        a
+    }
+
+    /// Makes `cmd`, between fork and exec, keep the seccomp fds open, join the cgroup,
+    /// become the sandbox user when the node is root, and die with the node.
+    pub fn apply(&self, cmd: &mut Command) {
+        let procs = self.cgroup.procs_files();
+        let inherit = self.fds.clone();
+        // SAFETY: geteuid has no preconditions.
+        let drop_to_sandbox_user = unsafe { libc::geteuid() } == 0;
+        // SAFETY: between fork and exec this only calls getpid/open/write/close on paths
+        // prepared before the fork, formats the pid into a stack buffer, clears
+        // close-on-exec on fds opened before the fork, and makes the async-signal-safe
+        // setgroups/setgid/setuid/prctl syscalls.
+        unsafe {
+            cmd.pre_exec(move || {
+                for fd in &inherit {
+                    if libc::fcntl(*fd, libc::F_SETFD, 0) != 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                join_cgroups(&procs)?;
+                if drop_to_sandbox_user {
+                    become_sandbox_user()?;
+                }
+                super::die_with_node()
+            });
+        }
+    }
+
+    /// After bwrap started (or failed to): the node's copies of the seccomp fds close.
+    pub fn started(&mut self) {
+        self.memfds.clear();
+    }
+
+    /// SIGKILLs every process still in the cgroup.
+    pub fn kill_all(&self) {
+        self.cgroup.kill_all();
+    }
+}
+
+impl Drop for Confinement {
+    fn drop(&mut self) {
+        self.cgroup.kill_all();
+        self.cgroup.destroy();
+    }
+}
+
 impl BwrapBackend {
     /// A backend with `cfg`.
     pub fn new(cfg: BwrapConfig, node: String) -> Self {
         let binary = cfg.binary.clone().unwrap_or_else(|| "bwrap".into());
-        let disable_userns = std::process::Command::new(&binary)
-            .arg("--help")
-            .env_clear()
-            .env(
-                "PATH",
-                std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into()),
-            )
-            .stdin(Stdio::null())
-            .stderr(Stdio::null())
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).contains("--disable-userns"))
-            .unwrap_or(false);
+        let disable_userns = has_disable_userns(&binary);
         Self {
             cfg,
             node,
@@ -154,16 +274,11 @@ impl BwrapBackend {
         ))
     }
 
-    /// The bwrap argv for `spec` with `rootfs` as `/`, the seccomp programs read from
-    /// `seccomp_fds`.
-    pub fn args(&self, spec: &SandboxSpec, rootfs: &Path, seccomp_fds: &[i32]) -> Vec<String> {
+    /// The bwrap argv for `spec` with `rootfs` as `/`, confined by `confinement` (its
+    /// [`Confinement::args`]).
+    pub fn args(&self, spec: &SandboxSpec, rootfs: &Path, confinement: &[String]) -> Vec<String> {
         let mut a = isolation_args("sandbox");
-        if self.disable_userns {
-            a.push("--disable-userns".into());
-        }
-        for fd in seccomp_fds {
-            a.extend(["--add-seccomp-fd".into(), fd.to_string()]);
-        }
+        a.extend(confinement.iter().cloned());
         a.extend(["--ro-bind".into(), rootfs.display().to_string(), "/".into()]);
         a.extend(["--dev", "/dev", "--proc", "/proc"].map(String::from));
         a.extend([
@@ -198,63 +313,25 @@ impl BwrapBackend {
                 spec.image
             ));
         };
-        let memfds = match seccomp_programs().and_then(|progs| {
-            progs
-                .iter()
-                .map(|p| {
-                    memfd_with(p).map_err(|e| {
-                        BackendError::Unavailable(format!("cannot pass the seccomp filter: {e}"))
-                    })
-                })
-                .collect::<Result<Vec<_>, BackendError>>()
-        }) {
-            Ok(f) => f,
-            Err(e) => return fail(e.to_string()),
-        };
-        use std::os::fd::AsRawFd;
-        let fds: Vec<i32> = memfds.iter().map(AsRawFd::as_raw_fd).collect();
-        let cgroup = match Cgroup::create(&self.node, &spec.name, &spec.limits) {
-            Ok(c) => c,
-            Err(e) => return fail(format!("cannot create cgroup for limits: {e}")),
-        };
+        let mut confinement =
+            match Confinement::new(&self.node, &spec.name, &spec.limits, self.disable_userns) {
+                Ok(c) => c,
+                Err(e) => return fail(e.to_string()),
+            };
         let mut cmd = Command::new(self.binary());
         super::client_env(&mut cmd)
-            .args(self.args(spec, rootfs, &fds))
+            .args(self.args(spec, rootfs, &confinement.args()))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
-        let procs = cgroup.procs_files();
-        let inherit = fds.clone();
-        // SAFETY: geteuid has no preconditions.
-        let drop_to_sandbox_user = unsafe { libc::geteuid() } == 0;
-        // SAFETY: between fork and exec this only calls getpid/open/write/close on paths
-        // prepared before the fork, formats the pid into a stack buffer, clears
-        // close-on-exec on fds opened before the fork, and makes the async-signal-safe
-        // setgroups/setgid/setuid/prctl syscalls.
-        unsafe {
-            cmd.pre_exec(move || {
-                for fd in &inherit {
-                    if libc::fcntl(*fd, libc::F_SETFD, 0) != 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                }
-                join_cgroups(&procs)?;
-                if drop_to_sandbox_user {
-                    become_sandbox_user()?;
-                }
-                super::die_with_node()
-            });
-        }
+        confinement.apply(&mut cmd);
         let spawned = cmd.spawn();
-        drop(memfds);
+        confinement.started();
         let mut child = match spawned {
             Ok(c) => c,
-            Err(e) => {
-                cgroup.destroy();
-                return fail(format!("cannot start {}: {e}", self.binary()));
-            }
+            Err(e) => return fail(format!("cannot start {}: {e}", self.binary())),
         };
         let pgid = child.id().map(|p| p as i32);
         let out = capture::spawn(child.stdout.take(), spec.output_cap);
@@ -269,15 +346,15 @@ impl BwrapBackend {
                         libc::kill(-pg, libc::SIGKILL);
                     }
                 }
-                cgroup.kill_all();
+                confinement.kill_all();
                 child.wait().await.ok()
             }
         };
-        cgroup.kill_all();
+        confinement.kill_all();
         use std::os::unix::process::ExitStatusExt;
         let exit_code = status.and_then(|s| s.code().or_else(|| s.signal().map(|sig| 128 + sig)));
         let outcome = SandboxOutcome::collected(exit_code, out, err, end, started).await;
-        cgroup.destroy();
+        drop(confinement);
         outcome
     }
 

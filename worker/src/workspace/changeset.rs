@@ -5,11 +5,15 @@
 //! the node is root) in new user, pid, network, ipc, uts and cgroup namespaces, with a
 //! cleared environment, every capability dropped, only the host's `/usr` (with the
 //! `/bin`, `/lib`, `/lib64`, `/sbin` links or read-only binds) plus the workspace and
-//! baseline read-only, a small tmpfs `/tmp`, and bounds on time, output and address space. The invocation
+//! baseline read-only, a small tmpfs `/tmp`, a read-only `/dev` with a 1 MiB `/dev/shm`,
+//! and bounds on time, output and address space. It is confined exactly as a job's bwrap
+//! sandbox is ([`crate::backend::bwrap::Confinement`]): the node's seccomp filter (no new
+//! namespaces, no keyring, io_uring, userfaultfd, perf, ptrace, vsock…), `--disable-userns`,
+//! and a cgroup of its own with the node's memory, pids and CPU limits. The invocation
 //! is hardened as well: no system or global config, command-line overrides of every
 //! config key known to run a program, `--no-ext-diff --no-textconv`, no protocols.
 //! Whatever a repository still makes git run (a clean filter, say) runs inside that
-//! sandbox, sees nothing of the host and can write nothing.
+//! sandbox, sees nothing of the host, can write nothing and is held to a job's limits.
 
 use std::path::Path;
 use std::process::Stdio;
@@ -18,7 +22,33 @@ use std::time::Duration;
 use tokio::io::AsyncReadExt;
 use tokio::process::Command;
 
-use crate::sandbox::WORKSPACE_MOUNT;
+use crate::backend::bwrap::{has_disable_userns, Confinement};
+use crate::config::Config;
+use crate::sandbox::{ResourceLimits, WORKSPACE_MOUNT};
+
+/// Where and how a changeset's sandbox runs: the bwrap binary, the node (whose cgroup
+/// tree holds the sandbox's cgroup) and the limits of that cgroup.
+#[derive(Debug, Clone)]
+pub struct ChangesetSandbox {
+    pub bwrap: String,
+    pub node: String,
+    pub limits: ResourceLimits,
+    /// This bwrap knows `--disable-userns`.
+    pub disable_userns: bool,
+}
+
+impl ChangesetSandbox {
+    /// The node's bwrap, id and job limits.
+    pub fn for_node(cfg: &Config) -> Self {
+        let bwrap = cfg.bwrap.binary.clone().unwrap_or_else(|| "bwrap".into());
+        ChangesetSandbox {
+            disable_userns: has_disable_userns(&bwrap),
+            bwrap,
+            node: crate::backend::node_id(cfg),
+            limits: ResourceLimits::from_limits(&cfg.limits),
+        }
+    }
+}
 
 /// Bounds on one changeset.
 #[derive(Debug, Clone, Copy)]
@@ -89,13 +119,20 @@ xargs -0 -r -n 1 sh -c 'git diff --no-index --no-ext-diff --no-textconv --no-col
 /// The changeset of `workspace`: a git diff against HEAD when it has `.git`, else against
 /// `baseline` (`git diff --no-index`), paths as `a/…` and `b/…`.
 pub async fn changeset(
-    bwrap: &str,
+    sandbox: &ChangesetSandbox,
     workspace: &Path,
     baseline: &Path,
     has_git: bool,
     limits: ChangesetLimits,
 ) -> Result<String, ChangesetError> {
-    let mut args = sandbox_args();
+    let confinement = Confinement::new(
+        &sandbox.node,
+        &cgroup_name(),
+        &sandbox.limits,
+        sandbox.disable_userns,
+    )
+    .map_err(|e| ChangesetError::Sandbox(e.to_string()))?;
+    let mut args = sandbox_args(&confinement);
     if has_git {
         args.extend(ro_bind(workspace, WORKSPACE_MOUNT));
         args.extend(["--chdir".into(), WORKSPACE_MOUNT.into()]);
@@ -116,7 +153,7 @@ pub async fn changeset(
         args.extend(DIFF_FLAGS.split(' ').map(String::from));
         args.extend(["--", "a", "b"].map(String::from));
     }
-    let (code, out, err) = run(bwrap, &args, limits).await?;
+    let (code, out, err) = run(&sandbox.bwrap, &args, confinement, limits).await?;
     // git diff --no-index exits 1 when there are differences.
     let ok = code == 0 || (code == 1 && !has_git);
     if !ok {
@@ -129,8 +166,20 @@ pub async fn changeset(
     }
 }
 
-fn sandbox_args() -> Vec<String> {
+/// A cgroup name no other changeset of this node uses.
+fn cgroup_name() -> String {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "changeset-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+fn sandbox_args(confinement: &Confinement) -> Vec<String> {
     let mut a = crate::backend::bwrap::isolation_args("changeset");
+    a.extend(confinement.args());
     a.extend(
         [
             "--ro-bind",
@@ -139,6 +188,12 @@ fn sandbox_args() -> Vec<String> {
             "--proc",
             "/proc",
             "--dev",
+            "/dev",
+            "--size",
+            "1048576",
+            "--tmpfs",
+            "/dev/shm",
+            "--remount-ro",
             "/dev",
             "--size",
             "67108864",
@@ -243,10 +298,12 @@ fn fix_no_index_headers(text: &str) -> String {
     out
 }
 
-/// Runs bwrap with `args` as the sandbox user, bounded in time and output.
+/// Runs bwrap with `args` as the sandbox user under `confinement`, bounded in time and
+/// output; whatever is left of it is killed when this returns.
 async fn run(
     bwrap: &str,
     args: &[String],
+    mut confinement: Confinement,
     limits: ChangesetLimits,
 ) -> Result<(i32, String, String), ChangesetError> {
     let mut cmd = Command::new(bwrap);
@@ -257,9 +314,9 @@ async fn run(
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
-    let drop_root = rustix::process::geteuid().is_root();
-    // SAFETY: between fork and exec this only makes async-signal-safe syscalls
-    // (setrlimit, setgroups, setgid, setuid) on integers and stack values.
+    confinement.apply(&mut cmd);
+    // SAFETY: between fork and exec this only makes the async-signal-safe setrlimit on
+    // stack values (after the confinement's own steps, so as the sandbox user).
     unsafe {
         cmd.pre_exec(move || {
             let core = libc::rlimit {
@@ -272,21 +329,13 @@ async fn run(
                 rlim_max: MAX_ADDRESS_SPACE,
             };
             libc::setrlimit(libc::RLIMIT_AS, &space);
-            if drop_root {
-                let id = crate::sandbox::SANDBOX_UID;
-                if libc::setgroups(0, std::ptr::null()) != 0
-                    || libc::setgid(id) != 0
-                    || libc::setuid(id) != 0
-                {
-                    return Err(std::io::Error::last_os_error());
-                }
-            }
             Ok(())
         });
     }
-    let mut child = cmd
-        .spawn()
-        .map_err(|e| ChangesetError::Sandbox(format!("cannot start {bwrap}: {e}")))?;
+    let spawned = cmd.spawn();
+    confinement.started();
+    let mut child =
+        spawned.map_err(|e| ChangesetError::Sandbox(format!("cannot start {bwrap}: {e}")))?;
     let pgid = child.id();
     let mut stdout = child.stdout.take();
     let mut stderr = child.stderr.take();
@@ -353,15 +402,30 @@ async fn run(
 mod tests {
     use super::*;
 
+    fn sandbox(bwrap: &str) -> ChangesetSandbox {
+        ChangesetSandbox {
+            bwrap: bwrap.into(),
+            node: "changeset-unit-test".into(),
+            limits: ResourceLimits::from_limits(&crate::config::Limits::default()),
+            disable_userns: false,
+        }
+    }
+
     #[tokio::test]
     async fn unusable_bwrap_is_a_clear_error_never_an_empty_diff() {
         use std::os::unix::fs::PermissionsExt;
         let t = tempfile::tempdir().unwrap();
         std::fs::set_permissions(t.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
         let lim = ChangesetLimits::default();
-        let e = changeset("/nonexistent/bwrap", t.path(), t.path(), false, lim)
-            .await
-            .unwrap_err();
+        let e = changeset(
+            &sandbox("/nonexistent/bwrap"),
+            t.path(),
+            t.path(),
+            false,
+            lim,
+        )
+        .await
+        .unwrap_err();
         assert!(e.to_string().starts_with("bubblewrap is unusable"), "{e}");
         // bwrap fails with exit 1, which a no-index diff also uses for "differences".
         let fake = t.path().join("bwrap");
@@ -371,9 +435,15 @@ mod tests {
         )
         .unwrap();
         std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let e = changeset(fake.to_str().unwrap(), t.path(), t.path(), false, lim)
-            .await
-            .unwrap_err();
+        let e = changeset(
+            &sandbox(fake.to_str().unwrap()),
+            t.path(),
+            t.path(),
+            false,
+            lim,
+        )
+        .await
+        .unwrap_err();
         assert!(e.to_string().contains("bwrap: setting up uid map"), "{e}");
     }
 
@@ -394,7 +464,7 @@ mod tests {
             max_output: 1 << 20,
         };
         let started = std::time::Instant::now();
-        let e = changeset(&slow, t.path(), t.path(), true, lim)
+        let e = changeset(&sandbox(&slow), t.path(), t.path(), true, lim)
             .await
             .unwrap_err();
         assert!(matches!(e, ChangesetError::Timeout(1)), "{e}");
@@ -404,7 +474,7 @@ mod tests {
             started.elapsed()
         );
         let loud = script("loud", "exec yes");
-        let e = changeset(&loud, t.path(), t.path(), true, lim)
+        let e = changeset(&sandbox(&loud), t.path(), t.path(), true, lim)
             .await
             .unwrap_err();
         assert!(matches!(e, ChangesetError::TooLarge(_)), "{e}");

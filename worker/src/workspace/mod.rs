@@ -242,8 +242,8 @@ pub async fn changeset(cfg: &Config, id: &str) -> Result<String, WorkspaceError>
     if !has_git && !baseline.exists() {
         make_sandbox_dir(&baseline).map_err(|e| WorkspaceError::Internal(e.to_string()))?;
     }
-    let bwrap = cfg.bwrap.binary.clone().unwrap_or_else(|| "bwrap".into());
-    changeset::changeset(&bwrap, &dir, &baseline, has_git, ChangesetLimits::default())
+    let sandbox = changeset::ChangesetSandbox::for_node(cfg);
+    changeset::changeset(&sandbox, &dir, &baseline, has_git, ChangesetLimits::default())
         .await
         .map_err(|e| {
             tracing::warn!(workspace_id = %id, error = %e, "changeset failed");
