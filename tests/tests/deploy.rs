@@ -422,3 +422,91 @@ fn systemd_worker_registry_uses_the_units_credential() {
     );
     check_offers(rel, &reg, &worker_cfg);
 }
+
+/// `deploy/llm/stop.sh PORT` stops the llama-server start.sh recorded for PORT (a fake
+/// one here: `sleep` under that name) and removes its pid file; a pid file naming some
+/// other process (a recycled pid) leaves that process alone.
+#[test]
+fn llm_stop_stops_the_recorded_server_and_nothing_else() {
+    use cynode_testkit::OwnedChild;
+    use std::time::Duration;
+    let dir = tempfile::tempdir().unwrap();
+    let fake = dir.path().join("llama-server");
+    std::fs::copy("/bin/sleep", &fake).unwrap();
+    let run = dir.path().join("run");
+    std::fs::create_dir_all(&run).unwrap();
+    let pid_file = run.join("llama-server-18089.pid");
+    let stop = || {
+        let mut c = Command::new("bash");
+        c.arg(repo().join("deploy/llm/stop.sh"))
+            .arg("18089")
+            .env("CYNODE_LLM_CACHE", dir.path());
+        let out = cynode_testkit::output_bounded(c, Duration::from_secs(30));
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+
+    let mut server = OwnedChild::spawn({
+        let mut c = Command::new(&fake);
+        c.arg("300");
+        c
+    });
+    std::fs::write(&pid_file, server.id().to_string()).unwrap();
+    let said = stop();
+    assert!(
+        said.contains(&format!("stopped llama-server pid {}", server.id())),
+        "{said}"
+    );
+    assert!(server.wait_timeout(Duration::from_secs(10)).is_some());
+    assert!(!pid_file.exists());
+    assert!(stop().contains("no llama-server"), "nothing left to stop");
+
+    let mut other = OwnedChild::spawn({
+        let mut c = Command::new("/bin/sleep");
+        c.arg("300");
+        c
+    });
+    std::fs::write(&pid_file, other.id().to_string()).unwrap();
+    assert!(stop().contains("no llama-server"));
+    assert!(
+        other.try_wait().is_none(),
+        "a process not named llama-server was signalled"
+    );
+    other.kill();
+}
+
+/// `deploy/run-demo.sh --help` (which builds nothing) documents how the model server it
+/// starts is stopped or kept; the script runs cynode-pm as a child (not `exec`), so its
+/// EXIT trap reports and stops the model server after the session.
+#[test]
+fn run_demo_stops_its_model_server_unless_kept() {
+    let mut c = Command::new("bash");
+    c.arg(repo().join("deploy/run-demo.sh")).arg("--help");
+    let out = cynode_testkit::output_bounded(c, std::time::Duration::from_secs(30));
+    assert!(out.status.success(), "{out:?}");
+    let help = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "--keep-model",
+        "CYNODE_DEMO_KEEP_MODEL",
+        "deploy/llm/stop.sh",
+    ] {
+        assert!(help.contains(needle), "{needle} not in:\n{help}");
+    }
+    let mut c = Command::new("bash");
+    c.arg(repo().join("deploy/run-demo.sh"))
+        .arg("--no-such-flag");
+    let out = cynode_testkit::output_bounded(c, std::time::Duration::from_secs(30));
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let script = read("deploy/run-demo.sh");
+    assert!(script.contains("trap model_note EXIT"), "no EXIT trap");
+    assert!(
+        !script.lines().any(|l| l.trim_start().starts_with("exec ")),
+        "an exec would skip the EXIT trap"
+    );
+    let check = Command::new("bash")
+        .arg("-n")
+        .arg(repo().join("deploy/run-demo.sh"))
+        .output()
+        .unwrap();
+    assert!(check.status.success(), "{check:?}");
+}
