@@ -23,7 +23,7 @@ use crate::sandbox_files::{self, WalkError};
 
 /// Pause between two checks.
 pub const INTERVAL: Duration = Duration::from_millis(200);
-/// A walk slower than this is given up (and counts as no breach).
+/// A walk slower than this is given up, and counts as a breach.
 const WALK_BOUND: Duration = Duration::from_secs(30);
 
 /// The limit for one job.
@@ -50,6 +50,10 @@ pub enum Breach {
     Bytes { limit: u64 },
     #[error("resource_limit_exceeded: /workspace and /job hold more than {0} files and directories (limits.disk_max_files); the sandbox was stopped")]
     Files(u64),
+    /// The walk failed (a path past PATH_MAX, a walk over its time bound…): what cannot
+    /// be measured counts as over the limit.
+    #[error("resource_limit_exceeded: the disk use of /workspace and /job could not be measured ({0}), so it counts as over the disk limit (limits.disk_mb); the sandbox was stopped")]
+    Unmeasured(String),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -58,8 +62,9 @@ enum Over {
     Bytes,
 }
 
-/// Checks `dirs` once against `limit`. Directories that cannot be walked (missing, or a
-/// walk over its time bound) count as no breach.
+/// Checks `dirs` once against `limit`. A missing directory counts as empty; one that
+/// cannot be walked (a walk error, a walk over its time bound) is a breach: a guard that
+/// fails open is no limit.
 pub fn check(dirs: &[PathBuf], limit: DiskLimit) -> Result<(), Breach> {
     let mut used = 0u64;
     let mut entries = 0u64;
@@ -85,7 +90,10 @@ pub fn check(dirs: &[PathBuf], limit: DiskLimit) -> Result<(), Breach> {
             Ok(n) => entries += n,
             Err(WalkError::Visit(Over::Bytes)) => return Err(Breach::Bytes { limit: limit.bytes }),
             Err(WalkError::TooManyEntries(_)) => return Err(Breach::Files(limit.max_files)),
-            Err(e) => tracing::warn!(dir = %d.display(), error = %e, "disk usage walk gave up"),
+            Err(e) => {
+                tracing::warn!(dir = %d.display(), error = %e, "disk usage walk failed: a breach");
+                return Err(Breach::Unmeasured(e.to_string()));
+            }
         }
     }
     Ok(())
@@ -183,6 +191,32 @@ mod tests {
             max_files: 10,
         };
         assert_eq!(check(&[d2.path().to_path_buf()], lim), Ok(()));
+    }
+
+    /// A tree deeper than PATH_MAX cannot be walked by relative paths: that is a breach,
+    /// never "no breach".
+    #[test]
+    fn an_unwalkable_tree_is_a_breach() {
+        use rustix::fs::{mkdirat, openat, Mode, OFlags};
+        let d = tempfile::tempdir().unwrap();
+        let name = "d".repeat(200);
+        let mut fd = sandbox_files::open_dir(d.path()).unwrap();
+        for _ in 0..30 {
+            mkdirat(&fd, name.as_str(), Mode::from_raw_mode(0o755)).unwrap();
+            fd = openat(
+                &fd,
+                name.as_str(),
+                OFlags::DIRECTORY | OFlags::RDONLY,
+                Mode::empty(),
+            )
+            .unwrap();
+        }
+        let lim = DiskLimit {
+            bytes: 1 << 30,
+            max_files: 1000,
+        };
+        let got = check(&[d.path().to_path_buf()], lim);
+        assert!(matches!(got, Err(Breach::Unmeasured(_))), "{got:?}");
     }
 
     #[tokio::test]
