@@ -26,6 +26,7 @@ macro_rules! on_both_backends {
 
 mod backends;
 mod cases;
+mod disk_attacks;
 mod egress;
 mod hardening;
 mod harness;

@@ -15,6 +15,7 @@ use super::validate::validate_exec;
 use super::{SessionError, Sessions};
 use crate::backend::session_ops::SessionOps;
 use crate::backend::{EndReason, SandboxOutcome};
+use crate::disk_guard::{Breach, DiskGuard, DiskLimit};
 use crate::sandbox::SandboxSpec;
 
 impl Sessions {
@@ -29,7 +30,7 @@ impl Sessions {
         validate_exec(&req)?;
         let cfg = &self.inner.cfg;
         let timeout = Duration::from_secs(cfg.limits.effective_timeout(req.timeout_seconds));
-        let (sandbox, spec, cancel) = self.with_entry(session_id, |e| {
+        let (sandbox, spec, cancel, workspace) = self.with_entry(session_id, |e| {
             let sandbox = match &e.phase {
                 Phase::Running(sb) => sb.clone(),
                 Phase::Starting => {
@@ -61,13 +62,19 @@ impl Sessions {
                 sandbox_env(&e.info, &e.env, &req.env),
                 timeout,
             );
-            Ok((sandbox, spec, e.cancel.clone()))
+            Ok((sandbox, spec, e.cancel.clone(), e.workspace.clone()))
         })?;
+        let limit = DiskLimit::from_limits(&cfg.limits);
         let this = self.clone();
         let id = session_id.to_string();
         let task = tokio::spawn(async move {
             let started_at = now_rfc3339();
-            let out = this.inner.ops.exec(&sandbox, &spec, &cancel).await;
+            // The job's disk guard, over the workspace: a breach stops the command (a
+            // child token: not a cancel of the session).
+            let trip = cancel.child_token();
+            let guard = DiskGuard::start(vec![workspace], limit, trip.clone());
+            let out = this.inner.ops.exec(&sandbox, &spec, &trip).await;
+            let breach = guard.finish().await;
             let ended_at = now_rfc3339();
             let mut gone = None;
             if let Ok(mut map) = this.inner.map.lock() {
@@ -79,12 +86,17 @@ impl Sessions {
                     {
                         gone = e.end(SessionEndReason::SandboxExited);
                     }
+                    // Over the disk limit: the session's sandbox goes (with whatever a
+                    // command left running or holding open in it).
+                    if breach.is_some() {
+                        gone = gone.or_else(|| e.end(SessionEndReason::SandboxExited));
+                    }
                 }
             }
             if let Some(sb) = gone {
                 this.inner.ops.remove(&sb).await;
             }
-            exec_response(&id, &spec, out, started_at, ended_at)
+            exec_response(&id, &spec, out, breach, started_at, ended_at)
         });
         task.await
             .map_err(|e| SessionError::Internal(format!("exec task failed: {e}")))
@@ -95,11 +107,18 @@ fn exec_response(
     session_id: &str,
     spec: &SandboxSpec,
     out: SandboxOutcome,
+    breach: Option<Breach>,
     started_at: String,
     ended_at: String,
 ) -> ExecResponse {
     let mut exit_code = out.exit_code.unwrap_or(-1);
     let (status, failure_reason) = match out.end {
+        _ if breach.is_some() => {
+            if out.end != EndReason::Exited {
+                exit_code = -1;
+            }
+            (WorkerJobStatus::Failed, breach.map(|b| b.to_string()))
+        }
         EndReason::Exited if exit_code == 0 => (WorkerJobStatus::Completed, None),
         EndReason::Exited if exit_code == 137 => (
             WorkerJobStatus::Failed,

@@ -1,0 +1,38 @@
+//! Disk-limit attacks (issue 24, item 3): a session command writing past `disk_mb` is
+//! stopped like a job, on both backends.
+
+use serde_json::json;
+
+use crate::harness::{env, session_guard, unique, Server};
+
+on_both_backends!(disk_attacks: disk_session_command_over_the_limit_is_stopped);
+
+/// A session command writing 200 MiB under `disk_mb: 48` fails `resource_limit_exceeded`
+/// and does not write it all; the session ends.
+pub async fn disk_session_command_over_the_limit_is_stopped(backend: &'static str) {
+    let sv = Server::start(backend, "limits:\n  disk_mb: 48\n");
+    let sid = unique("s");
+    let _guard = session_guard(backend, &sid);
+    let body =
+        json!({ "version": 1, "session_id": sid, "task_id": unique("t"), "image": env().image });
+    let (code, v) = sv.post("/v1/worker/sessions", &body).await;
+    assert_eq!(code, 201, "{v}");
+    let script = "dd if=/dev/zero of=/workspace/fill bs=1048576 count=200 && echo wrote-all";
+    let (code, v) = sv
+        .post(
+            &format!("/v1/worker/sessions/{sid}/exec"),
+            &json!({ "version": 1, "command": ["sh", "-c", script] }),
+        )
+        .await;
+    assert_eq!(code, 200, "{v}");
+    eprintln!("{backend}: {v}");
+    assert_eq!(v["status"], "failed", "{backend}: {v}");
+    assert!(
+        v["failure_reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("resource_limit_exceeded")),
+        "{backend}: {v}"
+    );
+    let (_, info) = sv.get(&format!("/v1/worker/sessions/{sid}")).await;
+    assert_eq!(info["status"], "ended", "{backend}: {info}");
+}
