@@ -40,7 +40,7 @@ objective="${objective:-List the files in the workspace, then finish with a one-
 # The model server's fate, said last whatever happens: none (an endpoint of the user's,
 # or not reached yet), running before the demo (left alone), or started here (stopped
 # unless kept).
-model_port=8089
+model_port="${CYNODE_DEMO_MODEL_PORT:-8089}"
 model_server=none
 model_note() {
   local pid

@@ -510,3 +510,117 @@ fn run_demo_stops_its_model_server_unless_kept() {
         .unwrap();
     assert!(check.status.success(), "{check:?}");
 }
+
+/// Runs a copy of `deploy/run-demo.sh` whose build steps, model start and `cynode-pm` are
+/// stand-ins (the real `deploy/llm/stop.sh`; a fake llama-server: `sleep` under that name,
+/// detached as start.sh does); returns the script's stderr and the fake server's pid.
+fn demo_with_stand_ins(dir: &Path, extra: &[&str], envs: &[(&str, &str)]) -> (String, u32) {
+    use std::os::unix::fs::PermissionsExt;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .to_string();
+    let root = dir.join("repo");
+    let script = |rel: &str, text: &str| {
+        let p = root.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+    };
+    std::fs::create_dir_all(root.join("examples/workspace")).unwrap();
+    std::fs::copy(
+        repo().join("deploy/run-demo.sh"),
+        root.join("run-demo.sh.tmp"),
+    )
+    .ok();
+    script("deploy/run-demo.sh", &read("deploy/run-demo.sh"));
+    script("deploy/llm/stop.sh", &read("deploy/llm/stop.sh"));
+    script("deploy/install-deps.sh", "true\n");
+    script("deploy/sba/build-static.sh", "echo /bin/true\n");
+    script("deploy/sba/build-test-image.sh", "true\n");
+    script("bin/cargo", "true\n");
+    std::fs::copy("/bin/sleep", dir.join("llama-server")).unwrap();
+    script(
+        "deploy/llm/start.sh",
+        &format!(
+            "mkdir -p \"$CYNODE_LLM_CACHE/run\"\nsetsid {} 120 </dev/null >/dev/null 2>&1 &\n\
+             echo $! | tee \"$CYNODE_LLM_CACHE/started.pid\" >\"$CYNODE_LLM_CACHE/run/llama-server-$1.pid\"\n\
+             echo CYNODE_MODEL_BASE_URL=http://127.0.0.1:$1/v1\n",
+            dir.join("llama-server").display()
+        ),
+    );
+    script("target/release/cynode-pm", "echo session completed >&2\n");
+    let path = format!(
+        "{}:{}",
+        root.join("bin").display(),
+        std::env::var("PATH").unwrap()
+    );
+    let cache = dir.join("cache");
+    let mut c = Command::new("bash");
+    c.arg(root.join("deploy/run-demo.sh"))
+        .args(extra)
+        .env_remove("CYNODE_MODEL_BASE_URL")
+        .env_remove("CYNODE_DEMO_KEEP_MODEL")
+        .env("PATH", path)
+        .env("CARGO_TARGET_DIR", root.join("target"))
+        .env("CYNODE_LLM_CACHE", &cache)
+        .env("CYNODE_DEMO_MODEL_PORT", &port)
+        .envs(envs.iter().copied());
+    let out = cynode_testkit::output_bounded(c, std::time::Duration::from_secs(60));
+    let pid: u32 = std::fs::read_to_string(cache.join("started.pid"))
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(0);
+    assert!(out.status.success(), "{out:?}");
+    (String::from_utf8_lossy(&out.stderr).into_owned(), pid)
+}
+
+/// Whether `pid` runs (not a zombie).
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit(") ").next().map(|r| !r.starts_with('Z')))
+        .unwrap_or(false)
+}
+
+#[test]
+fn run_demo_stops_the_model_server_it_started_and_keeps_it_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let (said, pid) = demo_with_stand_ins(dir.path(), &[], &[]);
+    assert_ne!(pid, 0, "no model server was started: {said}");
+    let stopped = !running(pid);
+    if !stopped {
+        let _ = Command::new("kill").arg(pid.to_string()).status();
+    }
+    assert!(
+        stopped,
+        "the server {pid} the demo started still runs: {said}"
+    );
+    let last = said.lines().last().unwrap_or("");
+    assert!(
+        last.starts_with("run-demo: stopped the model server the demo started"),
+        "{said}"
+    );
+    // The pid file is gone: the server was stopped by stop.sh.
+    let left: Vec<_> = std::fs::read_dir(dir.path().join("cache/run"))
+        .unwrap()
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let (said, pid) = demo_with_stand_ins(dir.path(), &["--keep-model"], &[]);
+    let kept = running(pid);
+    // Stop it before asserting, so a failure leaves nothing behind.
+    let _ = Command::new("kill").arg(pid.to_string()).status();
+    let last = said.lines().last().unwrap_or("");
+    assert!(
+        kept,
+        "--keep-model: the server {pid} is not running: {said}"
+    );
+    assert!(
+        last.contains("is left running") && last.contains("bash deploy/llm/stop.sh"),
+        "{said}"
+    );
+}
