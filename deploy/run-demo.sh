@@ -12,7 +12,8 @@
 # failure or Ctrl-C) unless --keep-model is given or CYNODE_DEMO_KEEP_MODEL=1 is set; one
 # that was already running before (or an endpoint named by CYNODE_MODEL_BASE_URL) is left
 # alone. Its last line on stderr always says whether a model server is left running, on
-# which port, and how to stop it (bash deploy/llm/stop.sh PORT).
+# which port, and how to stop it (bash deploy/llm/stop.sh PORT). The port is 8089, or
+# CYNODE_DEMO_MODEL_PORT.
 #
 # SmolLM2-135M is tiny: it drives the real loop (schema-valid replies, jobs in a real
 # sandbox) but is not clever; point CYNODE_MODEL_BASE_URL / CYNODE_MODEL_NAME at a larger
