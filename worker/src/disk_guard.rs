@@ -142,22 +142,54 @@ impl DiskGuard {
         }
     }
 
-    /// Stops the guard and checks once more: the breach, if any.
+    /// Stops the guard and checks once more: the breach, if any. On a breach the
+    /// contents of the guarded directories are removed (links never followed), so the
+    /// space is returned at once; call this after the sandbox has ended.
     pub async fn finish(mut self) -> Option<Breach> {
         self.stop.take();
-        if let Some(b) = self.breach.lock().ok().and_then(|g| g.clone()) {
-            return Some(b);
-        }
         let (dirs, limit) = (std::mem::take(&mut self.dirs), self.limit);
-        match tokio::task::spawn_blocking(move || check(&dirs, limit)).await {
-            Ok(Ok(())) => None,
-            Ok(Err(b)) => Some(b),
+        let tripped = self.breach.lock().ok().and_then(|g| g.clone());
+        let res = tokio::task::spawn_blocking(move || {
+            let breach = tripped.or_else(|| check(&dirs, limit).err());
+            if breach.is_some() {
+                for d in &dirs {
+                    if let Err(e) = purge(d) {
+                        tracing::warn!(dir = %d.display(), error = %e, "cannot empty a directory over the disk limit");
+                    }
+                }
+            }
+            breach
+        })
+        .await;
+        match res {
+            Ok(b) => b,
             Err(e) => {
                 tracing::warn!(error = %e, "final disk check failed");
-                None
+                Some(Breach::Unmeasured(e.to_string()))
             }
         }
     }
+}
+
+/// Removes everything inside `dir` (the node's own directory), keeping `dir`. Each entry
+/// goes by `std::fs::remove_dir_all`, which works beneath directory fds and never follows
+/// a link.
+pub fn purge(dir: &std::path::Path) -> std::io::Result<()> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for e in entries {
+        let e = e?;
+        let p = e.path();
+        if e.file_type()?.is_dir() {
+            std::fs::remove_dir_all(&p)?;
+        } else {
+            std::fs::remove_file(&p)?;
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -233,5 +265,8 @@ mod tests {
             .await
             .expect("the guard never tripped");
         assert_eq!(g.finish().await, Some(Breach::Bytes { limit: 1 << 20 }));
+        // The data is gone, the directory stays.
+        assert!(d.path().is_dir());
+        assert_eq!(std::fs::read_dir(d.path()).unwrap().count(), 0);
     }
 }

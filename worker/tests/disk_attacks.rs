@@ -12,9 +12,9 @@ on_both_backends!(disk_attacks: disk_session_command_over_the_limit_is_stopped);
 pub async fn disk_session_command_over_the_limit_is_stopped(backend: &'static str) {
     let sv = Server::start(backend, "limits:\n  disk_mb: 48\n");
     let sid = unique("s");
+    let task = unique("t");
     let _guard = session_guard(backend, &sid);
-    let body =
-        json!({ "version": 1, "session_id": sid, "task_id": unique("t"), "image": env().image });
+    let body = json!({ "version": 1, "session_id": sid, "task_id": task, "image": env().image });
     let (code, v) = sv.post("/v1/worker/sessions", &body).await;
     assert_eq!(code, 201, "{v}");
     let script = "dd if=/dev/zero of=/workspace/fill bs=1048576 count=200 && echo wrote-all";
@@ -33,6 +33,9 @@ pub async fn disk_session_command_over_the_limit_is_stopped(backend: &'static st
             .is_some_and(|r| r.starts_with("resource_limit_exceeded")),
         "{backend}: {v}"
     );
+    let ws = sv.state_dir().join("workspaces").join(&task);
+    assert!(ws.is_dir(), "{backend}: the workspace went");
+    assert!(!ws.join("fill").exists(), "{backend}: the data stayed");
     let (_, info) = sv.get(&format!("/v1/worker/sessions/{sid}")).await;
     assert_eq!(info["status"], "ended", "{backend}: {info}");
 }
