@@ -92,7 +92,9 @@ pub fn check(dirs: &[PathBuf], limit: DiskLimit) -> Result<(), Breach> {
             Err(WalkError::TooManyEntries(_)) => return Err(Breach::Files(limit.max_files)),
             Err(e) => {
                 tracing::warn!(dir = %d.display(), error = %e, "disk usage walk failed: a breach");
-                return Err(Breach::Unmeasured(e.to_string()));
+                // The error may name a path of any length: a short reason.
+                let why: String = e.to_string().chars().take(160).collect();
+                return Err(Breach::Unmeasured(why));
             }
         }
     }

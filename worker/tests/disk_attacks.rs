@@ -5,7 +5,50 @@ use serde_json::json;
 
 use crate::harness::{env, session_guard, unique, Server};
 
-on_both_backends!(disk_attacks: disk_session_command_over_the_limit_is_stopped);
+on_both_backends!(
+    disk_attacks:
+    disk_session_command_over_the_limit_is_stopped,
+    disk_deep_tree_and_fallocate_are_breaches,
+);
+
+/// A job's workspace dir on the host (the workspace of task `task`).
+fn workspace(sv: &Server, task: &str) -> std::path::PathBuf {
+    sv.state_dir().join("workspaces").join(task)
+}
+
+/// A tree deeper than PATH_MAX (the guard cannot measure it by paths: a breach, never "no
+/// breach"), and one `fallocate` of 1 GiB under `disk_mb: 48`: both fail the job
+/// `resource_limit_exceeded`, and the data is removed.
+pub async fn disk_deep_tree_and_fallocate_are_breaches(backend: &'static str) {
+    let sv = Server::start(backend, "limits:\n  disk_mb: 48\n  disk_max_files: 4000\n");
+    let deep = "d=$(printf 'd%.0s' $(seq 200)); i=0; while [ $i -lt 30 ]; do mkdir $d && cd $d || exit 9; i=$((i+1)); done; echo made";
+    let big = "fallocate -l 1073741824 /workspace/big; echo made";
+    for (what, script) in [("deep tree", deep), ("fallocate", big)] {
+        let task = unique("t");
+        let (code, v) = sv.run_job(&unique("j"), &task, &["sh", "-c", script]).await;
+        assert_eq!(code, 200, "{v}");
+        eprintln!("{backend}: {what}: {}", v["failure_reason"]);
+        assert_eq!(v["status"], "failed", "{backend} {what}: {v}");
+        assert!(
+            v["failure_reason"]
+                .as_str()
+                .is_some_and(|r| r.starts_with("resource_limit_exceeded")),
+            "{backend} {what}: {v}"
+        );
+        let ws = workspace(&sv, &task);
+        assert!(
+            ws.is_dir(),
+            "{backend} {what}: no workspace at {}",
+            ws.display()
+        );
+        assert_eq!(
+            std::fs::read_dir(&ws).map(|d| d.count()).unwrap_or(0),
+            0,
+            "{backend} {what}: the data stayed in {}",
+            ws.display()
+        );
+    }
+}
 
 /// A session command writing 200 MiB under `disk_mb: 48` fails `resource_limit_exceeded`
 /// and does not write it all; the session ends.
