@@ -8,8 +8,16 @@
 //! least twice the last walk) plus the backend's stop latency (bwrap: a cgroup kill;
 //! podman: `podman rm --force`, up to a second or more on a loaded host). Measured with
 //! `dd` into /workspace and a 64 MiB limit: ~75 MiB on bwrap, ~100 MiB on podman idle,
-//! ~540 MiB on podman under heavy load. Sparse files count what they allocate. Residual: a file the job unlinks while
-//! keeping it open is not seen by a walk; its space is freed when the sandbox ends.
+//! ~540 MiB on podman under heavy load. Sparse files count what they allocate, and a
+//! `fallocate` counts what it reserves (blocks, not sizes).
+//!
+//! The guard fails closed: a walk that fails (a tree past PATH_MAX, a walk over its time
+//! bound) is a breach ([`Breach::Unmeasured`]). On a breach, once the sandbox ended,
+//! [`DiskGuard::finish`] empties the guarded directories, so the space comes back at once.
+//! Session commands run under the same guard (over the workspace); a breach ends the
+//! session. Residual: a file the job unlinks while keeping it open is not seen by a walk;
+//! its space is freed when the sandbox ends (at once for a job, with the session's end
+//! for a session command).
 
 use std::os::fd::AsFd;
 use std::path::PathBuf;
