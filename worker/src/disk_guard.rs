@@ -182,22 +182,32 @@ impl DiskGuard {
 }
 
 /// Removes everything inside `dir` (the node's own directory), keeping `dir`. Each entry
-/// goes by `std::fs::remove_dir_all`, which works beneath directory fds and never follows
-/// a link.
+/// goes by [`crate::remove_tree::remove_beneath`] on `dir`'s fd: no link is followed and
+/// no recursion happens, so a tree of any depth cannot overflow the stack.
 pub fn purge(dir: &std::path::Path) -> std::io::Result<()> {
-    let entries = match std::fs::read_dir(dir) {
-        Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
+    use std::os::unix::ffi::OsStrExt;
+    let fd = match rustix::fs::open(
+        dir,
+        rustix::fs::OFlags::RDONLY
+            | rustix::fs::OFlags::DIRECTORY
+            | rustix::fs::OFlags::NOFOLLOW
+            | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(rustix::io::Errno::NOENT) => return Ok(()),
+        Err(e) => return Err(e.into()),
     };
-    for e in entries {
-        let e = e?;
-        let p = e.path();
-        if e.file_type()?.is_dir() {
-            std::fs::remove_dir_all(&p)?;
-        } else {
-            std::fs::remove_file(&p)?;
+    let mut names = Vec::new();
+    for e in rustix::fs::Dir::read_from(&fd)? {
+        let name = e?.file_name().to_bytes().to_vec();
+        if name != b"." && name != b".." {
+            names.push(name);
         }
+    }
+    for name in names {
+        crate::remove_tree::remove_beneath(fd.as_fd(), std::ffi::OsStr::from_bytes(&name))
+            .map_err(std::io::Error::other)?;
     }
     Ok(())
 }
