@@ -243,12 +243,18 @@ pub async fn changeset(cfg: &Config, id: &str) -> Result<String, WorkspaceError>
         make_sandbox_dir(&baseline).map_err(|e| WorkspaceError::Internal(e.to_string()))?;
     }
     let sandbox = changeset::ChangesetSandbox::for_node(cfg);
-    changeset::changeset(&sandbox, &dir, &baseline, has_git, ChangesetLimits::default())
-        .await
-        .map_err(|e| {
-            tracing::warn!(workspace_id = %id, error = %e, "changeset failed");
-            e.into()
-        })
+    changeset::changeset(
+        &sandbox,
+        &dir,
+        &baseline,
+        has_git,
+        ChangesetLimits::default(),
+    )
+    .await
+    .map_err(|e| {
+        tracing::warn!(workspace_id = %id, error = %e, "changeset failed");
+        e.into()
+    })
 }
 
 #[cfg(test)]
