@@ -137,6 +137,7 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
                 "egress",
                 "job_dir",
                 "remove_tree",
+                "disk_usage",
             ],
             &["backend", "inference", "callback", "store", "disk_guard"],
             &["sessions", "workspace", "executor"],

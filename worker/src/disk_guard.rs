@@ -11,7 +11,8 @@
 //! ~540 MiB on podman under heavy load. Sparse files count what they allocate, and a
 //! `fallocate` counts what it reserves (blocks, not sizes).
 //!
-//! The guard fails closed: a walk that fails (a tree past PATH_MAX, a walk over its time
+//! The walk goes by directory fds (`disk_usage`), so a tree past PATH_MAX is measured. The
+//! guard fails closed: a walk that fails (a directory moved under it, a walk over its time
 //! bound) is a breach ([`Breach::Unmeasured`]). On a breach, once the sandbox ended,
 //! [`DiskGuard::finish`] empties the guarded directories, so the space comes back at once.
 //! Session commands run under the same guard (over the workspace); a breach ends the
@@ -27,10 +28,13 @@ use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Limits;
-use crate::sandbox_files::{self, WalkError};
+use crate::disk_usage::{self, Bounds, Unmeasured, Usage};
+use crate::sandbox_files;
 
 /// Pause between two checks.
 pub const INTERVAL: Duration = Duration::from_millis(200);
+/// How often a walk that met a moved directory starts again before that is a breach.
+const MOVED_RETRIES: u32 = 8;
 /// A walk slower than this is given up, and counts as a breach.
 const WALK_BOUND: Duration = Duration::from_secs(30);
 
@@ -64,45 +68,44 @@ pub enum Breach {
     Unmeasured(String),
 }
 
-#[derive(Debug, thiserror::Error)]
-enum Over {
-    #[error("over")]
-    Bytes,
-}
-
 /// Checks `dirs` once against `limit`. A missing directory counts as empty; one that
 /// cannot be walked (a walk error, a walk over its time bound) is a breach: a guard that
 /// fails open is no limit.
 pub fn check(dirs: &[PathBuf], limit: DiskLimit) -> Result<(), Breach> {
-    let mut used = 0u64;
-    let mut entries = 0u64;
+    let mut used = Usage::default();
+    let deadline = Instant::now() + WALK_BOUND;
     for d in dirs {
         let Ok(fd) = sandbox_files::open_dir(d) else {
             continue;
         };
-        let left = limit.max_files.saturating_sub(entries);
-        let res = sandbox_files::walk(
-            fd.as_fd(),
-            left,
-            Instant::now() + WALK_BOUND,
-            WALK_BOUND,
-            |_, e| {
-                used = used.saturating_add(e.allocated);
-                if used > limit.bytes {
-                    return Err(Over::Bytes);
-                }
-                Ok(())
-            },
-        );
+        let bounds = Bounds {
+            max_entries: limit.max_files.saturating_sub(used.entries),
+            max_bytes: limit.bytes.saturating_sub(used.bytes),
+            deadline,
+        };
+        // A directory moved under the walk (a build renaming its output) restarts it; one
+        // that keeps moving is a breach, so moving trees cannot hide what they hold.
+        let mut res = disk_usage::measure(fd, bounds);
+        for _ in 0..MOVED_RETRIES {
+            if res != Err(Unmeasured::Moved) {
+                break;
+            }
+            let Ok(fd) = sandbox_files::open_dir(d) else {
+                res = Ok(Usage::default());
+                break;
+            };
+            res = disk_usage::measure(fd, bounds);
+        }
         match res {
-            Ok(n) => entries += n,
-            Err(WalkError::Visit(Over::Bytes)) => return Err(Breach::Bytes { limit: limit.bytes }),
-            Err(WalkError::TooManyEntries(_)) => return Err(Breach::Files(limit.max_files)),
+            Ok(u) => {
+                used.entries += u.entries;
+                used.bytes += u.bytes;
+            }
+            Err(Unmeasured::TooManyBytes(_)) => return Err(Breach::Bytes { limit: limit.bytes }),
+            Err(Unmeasured::TooManyEntries(_)) => return Err(Breach::Files(limit.max_files)),
             Err(e) => {
                 tracing::warn!(dir = %d.display(), error = %e, "disk usage walk failed: a breach");
-                // The error may name a path of any length: a short reason.
-                let why: String = e.to_string().chars().take(160).collect();
-                return Err(Breach::Unmeasured(why));
+                return Err(Breach::Unmeasured(e.to_string()));
             }
         }
     }
@@ -245,10 +248,10 @@ mod tests {
         assert_eq!(check(&[d2.path().to_path_buf()], lim), Ok(()));
     }
 
-    /// A tree deeper than PATH_MAX cannot be walked by relative paths: that is a breach,
-    /// never "no breach".
+    /// A tree deeper than PATH_MAX is measured (the walk goes by directory fds), so what it
+    /// holds counts: over the entry limit it is a breach, under it none.
     #[test]
-    fn an_unwalkable_tree_is_a_breach() {
+    fn a_tree_deeper_than_path_max_is_measured() {
         use rustix::fs::{mkdirat, openat, Mode, OFlags};
         let d = tempfile::tempdir().unwrap();
         let name = "d".repeat(200);
@@ -263,12 +266,16 @@ mod tests {
             )
             .unwrap();
         }
-        let lim = DiskLimit {
+        let lim = |max_files| DiskLimit {
             bytes: 1 << 30,
-            max_files: 1000,
+            max_files,
         };
-        let got = check(&[d.path().to_path_buf()], lim);
-        assert!(matches!(got, Err(Breach::Unmeasured(_))), "{got:?}");
+        assert_eq!(check(&[d.path().to_path_buf()], lim(1000)), Ok(()));
+        assert_eq!(
+            check(&[d.path().to_path_buf()], lim(20)),
+            Err(Breach::Files(20))
+        );
+        crate::remove_tree::remove_tree(&d.path().join(&name)).unwrap();
     }
 
     #[tokio::test]

@@ -24,6 +24,7 @@ pub mod backend;
 pub mod callback;
 pub mod config;
 pub mod disk_guard;
+pub mod disk_usage;
 pub mod egress;
 pub mod executor;
 pub mod http;

@@ -21,7 +21,11 @@ fn workspace(sv: &Server, task: &str) -> std::path::PathBuf {
 /// `resource_limit_exceeded`, and the data is removed.
 pub async fn disk_deep_tree_and_fallocate_are_breaches(backend: &'static str) {
     let sv = Server::start(backend, "limits:\n  disk_mb: 48\n  disk_max_files: 4000\n");
-    let deep = "d=$(printf 'd%.0s' $(seq 200)); i=0; while [ $i -lt 30 ]; do mkdir $d && cd $d || exit 9; i=$((i+1)); done; echo made";
+    // 100 MiB written into a file 31 levels of 200-byte names deep (past PATH_MAX, so a
+    // walk by path cannot reach it): the file is opened at depth 15, its tree moved under
+    // another 15 levels, then written through the open descriptor. The fd walk measures it,
+    // so the breach is on bytes, not "could not be measured".
+    let deep = "d=$(printf 'd%.0s' $(seq 200)); p=A; q=B; i=0; while [ $i -lt 15 ]; do p=$p/$d; q=$q/$d; i=$((i+1)); done; mkdir -p $p $q || exit 9; exec 3>$q/big || exit 9; mv B $p/ || exit 9; dd if=/dev/zero bs=1048576 count=100 >&3 2>/dev/null; echo made";
     let big = "fallocate -l 1073741824 /workspace/big; echo made";
     for (what, script) in [("deep tree", deep), ("fallocate", big)] {
         let task = unique("t");
@@ -34,6 +38,13 @@ pub async fn disk_deep_tree_and_fallocate_are_breaches(backend: &'static str) {
                 .as_str()
                 .is_some_and(|r| r.starts_with("resource_limit_exceeded")),
             "{backend} {what}: {v}"
+        );
+        assert!(
+            !v["failure_reason"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("could not be measured"),
+            "{backend} {what}: measured, not refused: {v}"
         );
         let ws = workspace(&sv, &task);
         assert!(
