@@ -95,6 +95,24 @@ pub fn tcp_closed_within(streams: Vec<TcpStream>, limit: Duration) -> usize {
     })
 }
 
+/// Asks `/healthz` once on a kept-alive connection to `addr`, then nothing more: whether the
+/// server closed it within `limit` (its idle timeout plus slack).
+///
+/// # Panics
+/// When the connection or its first answer fails.
+pub fn idle_keepalive_closed_within(addr: &str, limit: Duration) -> bool {
+    let mut idle = TcpStream::connect(addr).unwrap_or_else(|e| panic!("connect to {addr}: {e}"));
+    idle.write_all(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        .unwrap_or_else(|e| panic!("send the request: {e}"));
+    idle.set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap_or_else(|e| panic!("read timeout: {e}"));
+    let mut first = [0u8; 12];
+    idle.read_exact(&mut first)
+        .unwrap_or_else(|e| panic!("the first answer: {e}"));
+    assert_eq!(&first, b"HTTP/1.1 200");
+    tcp_closed_within(vec![idle], limit) == 1
+}
+
 /// The number of descriptors process `pid` holds open.
 ///
 /// # Panics
