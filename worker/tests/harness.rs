@@ -454,6 +454,16 @@ fn launch(
 
 /// A plain command job request.
 /// Asserts that `v[field]` is a string starting with `prefix`, showing `v` when not.
+/// The status code and the body of a raw HTTP/1.1 response (0 and "" when unreadable).
+pub fn status_and_body(text: &str) -> (u16, &str) {
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, text.split_once("\r\n\r\n").map_or("", |(_, b)| b))
+}
+
 pub fn assert_field_starts(v: &Value, field: &str, prefix: &str) {
     assert!(
         v[field].as_str().is_some_and(|s| s.starts_with(prefix)),

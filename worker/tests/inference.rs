@@ -144,13 +144,8 @@ fn unix_http(sock: &Path, method: &str, path: &str, body: Option<&[u8]>) -> (u16
     s.write_all(body).unwrap();
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
-    let text = String::from_utf8_lossy(&out).to_string();
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+    let text = String::from_utf8_lossy(&out);
+    let (status, body) = crate::harness::status_and_body(&text);
     (
         status,
         serde_json::from_str(body).unwrap_or(Value::String(body.into())),

@@ -63,17 +63,9 @@ fn unix_exchange(sock: &Path, request: &[u8]) -> (u16, String) {
     let _ = s.write_all(request);
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out);
-    let text = String::from_utf8_lossy(&out).to_string();
-    let status = text
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let body = text
-        .split_once("\r\n\r\n")
-        .map_or("", |(_, b)| b)
-        .to_string();
-    (status, body)
+    let text = String::from_utf8_lossy(&out);
+    let (status, body) = crate::harness::status_and_body(&text);
+    (status, body.to_string())
 }
 
 /// Connects to `sock` without ever blocking (a full backlog is an error, not a wait).
