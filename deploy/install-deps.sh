@@ -6,9 +6,11 @@
 # What it does, idempotently:
 #   1. installs podman, runc, catatonit (the init `podman run --init` needs for session
 #      sandboxes), bubblewrap, busybox-static, git (the worker's changesets), curl (the
-#      model server scripts), patch, debootstrap, uidmap, slirp4netns, fuse-overlayfs and
-#      hyperfine with apt (skipped in well under a second
-#      when dpkg-query says they are all installed already);
+#      model server scripts), patch, debootstrap, uidmap, slirp4netns, fuse-overlayfs,
+#      hyperfine, docker.io (a real Docker engine; it brings containerd and tini, whose
+#      docker-init session containers use), runsc (gVisor) and jq (step 3's merge) with apt
+#      (skipped in well under a second when dpkg-query says they are all installed
+#      already);
 #   2. configures podman for this kind of machine with the drop-in
 #      /etc/containers/containers.conf.d/50-cynode.conf (rewritten only when it changes):
 #        - runtime = "runc": crun refuses this kernel's hybrid cgroup v1/v2 layout;
@@ -17,12 +19,20 @@
 #          ("error setting rlimit type 7: operation not permitted") because root here
 #          lacks CAP_SYS_RESOURCE;
 #        - without systemd as PID 1: cgroup_manager = "cgroupfs", events_logger = "file";
-#   3. smoke-tests podman (a busybox root filesystem through `podman run --rootfs`, once
+#   3. registers gVisor with Docker in /etc/docker/daemon.json, merged into whatever the
+#      file holds and rewritten only when that changes: runtimes.runsc = /usr/bin/runsc
+#      with `--network=none` (runsc refuses to start a container whose network is not its
+#      own otherwise; CyNode's containers have no network anyway), and, without systemd
+#      as PID 1, the cgroupfs cgroup driver unless the file names one. A dockerd already
+#      running is sent SIGHUP to reload it. Nothing here starts dockerd: deploy/test-env.sh
+#      does, for the tests;
+#   4. smoke-tests podman (a busybox root filesystem through `podman run --rootfs`, once
 #      with the defaults above and once with the full sandbox flag set the worker uses)
-#      and bubblewrap, then prints the tool versions.
+#      and bubblewrap, and gVisor under podman (`--runtime /usr/bin/runsc --runtime-flag
+#      network=none`), then prints the tool versions.
 #
 # Environment:
-#   CYNODE_SKIP_SMOKE=1   skip step 3's smoke tests (versions are still printed)
+#   CYNODE_SKIP_SMOKE=1   skip step 4's smoke tests (versions are still printed)
 #
 # Package availability: every package below was checked with `apt-cache policy` on
 # Debian 12 (bookworm) and has an install candidate there, so none is dropped. Should a
@@ -32,9 +42,10 @@
 set -euo pipefail
 
 PACKAGES=(podman runc catatonit bubblewrap busybox-static git curl patch debootstrap uidmap
-  slirp4netns fuse-overlayfs hyperfine)
+  slirp4netns fuse-overlayfs hyperfine docker.io runsc jq)
 DROPIN_DIR=/etc/containers/containers.conf.d
 DROPIN="$DROPIN_DIR/50-cynode.conf"
+DOCKER_CONFIG_FILE=/etc/docker/daemon.json
 LOCK_FILE=/run/lock/cynode-install-deps.lock
 
 log() { printf 'install-deps: %s\n' "$*" >&2; }
@@ -133,7 +144,34 @@ fi
 runtime=$(podman info --format '{{.Host.OCIRuntime.Name}}')
 [[ $runtime == runc ]] || die "podman uses OCI runtime '$runtime', expected runc"
 
-# --- 3. smoke tests --------------------------------------------------------------------
+# --- 3. docker configuration: gVisor registered ---------------------------------------
+# The runsc entry is CyNode's; every other key of an existing file is kept as it is.
+docker_filter='.runtimes.runsc = {"path": "/usr/bin/runsc", "runtimeArgs": ["--network=none"]}'
+if [[ ! -d /run/systemd/system ]]; then
+  docker_filter+=' | if ((."exec-opts" // []) | any(startswith("native.cgroupdriver="))) then .
+    else ."exec-opts" = ((."exec-opts" // []) + ["native.cgroupdriver=cgroupfs"]) end'
+fi
+mkdir -p "$(dirname "$DOCKER_CONFIG_FILE")"
+docker_old=$(cat "$DOCKER_CONFIG_FILE" 2>/dev/null || echo '{}')
+[[ -n ${docker_old//[[:space:]]/} ]] || docker_old='{}'
+docker_new=$(jq "$docker_filter" <<<"$docker_old") ||
+  die "$DOCKER_CONFIG_FILE is not valid JSON; fix it and run again"
+if [[ $(jq -S . <<<"$docker_old") == "$(jq -S . <<<"$docker_new")" ]]; then
+  log "docker config $DOCKER_CONFIG_FILE is up to date"
+else
+  tmp=$(mktemp "$DOCKER_CONFIG_FILE.XXXXXX")
+  printf '%s\n' "$docker_new" >"$tmp"
+  chmod 0644 "$tmp"
+  mv -f "$tmp" "$DOCKER_CONFIG_FILE"
+  log "wrote docker config $DOCKER_CONFIG_FILE (runsc runtime registered)"
+  # A running daemon reloads its runtimes on SIGHUP.
+  if dockerd_pid=$(pidof dockerd); then
+    # shellcheck disable=SC2086 # one pid per word
+    kill -HUP $dockerd_pid && log "dockerd (pid $dockerd_pid) reloaded"
+  fi
+fi
+
+# --- 4. smoke tests --------------------------------------------------------------------
 if [[ ${CYNODE_SKIP_SMOKE:-0} != 1 ]]; then
   smoke_dir=$(mktemp -d /tmp/cynode-smoke.XXXXXX)
   trap 'rm -rf "$smoke_dir"' EXIT
@@ -158,9 +196,14 @@ if [[ ${CYNODE_SKIP_SMOKE:-0} != 1 ]]; then
   out=$(podman run --rm --init --rootfs "$smoke_dir/rootfs" /bin/sh -c 'echo init-ok')
   [[ $out == init-ok ]] || die "podman smoke test (--init) printed '$out'"
 
+  # gVisor: runsc needs its own network flag, or it refuses the root network namespace.
+  out=$(podman run --rm --runtime /usr/bin/runsc --runtime-flag network=none --network none \
+    --rootfs "$smoke_dir/rootfs" /bin/sh -c 'echo runsc-ok')
+  [[ $out == runsc-ok ]] || die "podman smoke test (runsc) printed '$out'"
+
   bwrap --ro-bind / / --dev /dev --proc /proc --unshare-all --die-with-parent true ||
     die "bubblewrap smoke test failed"
-  log "smoke tests passed (podman defaults, podman sandbox flags, podman --init, bubblewrap)"
+  log "smoke tests passed (podman defaults, podman sandbox flags, podman --init, podman runsc, bubblewrap)"
 fi
 
 # --- versions ------------------------------------------------------------------------
@@ -177,4 +220,7 @@ echo "newuidmap:      $(dpkg-query -W -f='${Version}' uidmap 2>/dev/null || echo
 echo "slirp4netns:    $(first_line slirp4netns --version)"
 echo "fuse-overlayfs: $(fuse-overlayfs --version 2>/dev/null | grep -m1 '^fuse-overlayfs' || true)"
 echo "hyperfine:      $(first_line hyperfine --version)"
+echo "docker:         $(first_line docker --version)"
+echo "dockerd:        $(first_line dockerd --version)"
+echo "runsc:          $(first_line runsc --version)"
 log "done in $(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN {printf "%.2f s", e - s}')"

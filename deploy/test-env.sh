@@ -5,6 +5,8 @@
 #   2. deploy/sba/build-static.sh the static cynode-sba
 #   3. deploy/sba/build-test-image.sh + export-rootfs.sh   the offline test image and its
 #      root filesystem for bwrap
+#   3b. deploy/docker/start.sh    a Docker daemon (started when none answers; its pid in
+#      /var/cache/cynode/dockerd/started.pid) with the same test image loaded from podman
 #   4. deploy/llm/setup.sh        llama-server and SmolLM2 (built, not started)
 #   5. deploy/postgres/start.sh   a local PostgreSQL cluster (started if it is not running)
 # Every step is cached and idempotent: a second run takes a few seconds. The tests call the
@@ -24,6 +26,8 @@ bin=$(bash deploy/sba/build-static.sh)
 log "test image"
 bash deploy/sba/build-test-image.sh "$bin" >/dev/null
 bash deploy/sba/export-rootfs.sh localhost/cynode-sba-test:latest >/dev/null
+log "Docker daemon and the test image in it"
+bash deploy/docker/start.sh localhost/cynode-sba-test:latest
 log "local model server (build only)"
 bash deploy/llm/setup.sh >/dev/null
 log "PostgreSQL"
