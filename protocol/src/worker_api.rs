@@ -15,6 +15,7 @@ use std::collections::BTreeMap;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::egress::EgressRecord;
 use crate::error::ValidationError;
 use crate::result::{ArtifactRecord, JobResult};
 
@@ -29,21 +30,43 @@ pub const DEFAULT_TIMEOUT_SECONDS: u64 = 3600;
 /// Largest timeout a request may get.
 pub const MAX_TIMEOUT_SECONDS: u64 = 10800;
 
-/// Env names the node sets in every sandbox; a request's env cannot override them.
-pub const RESERVED_ENV: [&str; 4] = [
+/// Env names the node sets in a sandbox; a request's env cannot set them (they are
+/// dropped). The proxy variables are the node's alone: a job with `restricted` network
+/// gets them pointing at its egress proxy, any other job has none.
+pub const RESERVED_ENV: [&str; 15] = [
     "CYNODE_TASK_ID",
     "CYNODE_JOB_ID",
     "CYNODE_WORKSPACE_DIR",
     "CYNODE_ARTIFACTS_DIR",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "ALL_PROXY",
+    "all_proxy",
+    "NO_PROXY",
+    "no_proxy",
+    "CYNODE_EGRESS_ROUTES_URL",
+    "CYNODE_EGRESS_PROXY",
+    "CYNODE_EGRESS_ALLOW",
 ];
 
-/// Network access for the sandbox. `restricted` is deny-all until an egress proxy exists.
+/// Most entries a request's `sandbox.egress_allow` may have.
+pub const MAX_EGRESS_ALLOW: usize = 256;
+/// Longest entry of `sandbox.egress_allow` (a DNS name is at most 253 bytes, then `:port`).
+pub const MAX_EGRESS_PATTERN_LEN: usize = 300;
+
+/// Network access for the sandbox, upstream's values. `none` (the default): no network at
+/// all. `restricted`: only the node's egress proxy, which lets through the destinations
+/// of the node's `egress.allow` (narrowed by `sandbox.egress_allow`). `allow`
+/// (unrestricted) is read but refused by [`RunJobRequest::validate`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum NetworkPolicy {
     #[default]
     None,
     Restricted,
+    Allow,
 }
 
 /// `null` or a list, read as a list (absent and `null` are the same).
@@ -70,6 +93,11 @@ pub struct SandboxSpec {
     pub timeout_seconds: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub network_policy: Option<NetworkPolicy>,
+    /// Extension: with `network_policy: restricted`, the destinations this job may reach
+    /// (`host`, `*.suffix`, an IP, each with an optional `:port`): a narrowing of the
+    /// node's `egress.allow`, never a widening. Absent: the node's whole list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_allow: Option<Vec<String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_inference: Option<bool>,
     /// The SBA job.json, as a string.
@@ -144,6 +172,7 @@ impl RunJobRequest {
                 "must be positive",
             ));
         }
+        self.validate_network()?;
         for key in self.sandbox.env.keys() {
             if key.is_empty() || key.contains('=') || key.contains('\0') {
                 return Err(ValidationError::new(
@@ -151,6 +180,51 @@ impl RunJobRequest {
                     format!("invalid variable name `{key}`"),
                 ));
             }
+        }
+        Ok(())
+    }
+}
+
+impl RunJobRequest {
+    /// `allow` is refused; `egress_allow` needs `restricted` and is bounded. Whether the
+    /// node offers `restricted`, and whether the list stays within its ceiling, is the
+    /// node's check.
+    fn validate_network(&self) -> Result<(), ValidationError> {
+        let policy = self.sandbox.network_policy.unwrap_or_default();
+        if policy == NetworkPolicy::Allow {
+            return Err(ValidationError::new(
+                "sandbox.network_policy",
+                "`allow` (unrestricted network) is not offered: use `restricted`, which \
+                 reaches the destinations of the node's egress allowlist through its egress \
+                 proxy (narrowed by sandbox.egress_allow)",
+            ));
+        }
+        let Some(list) = &self.sandbox.egress_allow else {
+            return Ok(());
+        };
+        if policy != NetworkPolicy::Restricted {
+            return Err(ValidationError::new(
+                "sandbox.egress_allow",
+                "needs sandbox.network_policy `restricted`",
+            ));
+        }
+        if list.len() > MAX_EGRESS_ALLOW {
+            return Err(ValidationError::new(
+                "sandbox.egress_allow",
+                format!("at most {MAX_EGRESS_ALLOW} entries"),
+            ));
+        }
+        if let Some(bad) = list
+            .iter()
+            .find(|p| p.is_empty() || p.len() > MAX_EGRESS_PATTERN_LEN)
+        {
+            return Err(ValidationError::new(
+                "sandbox.egress_allow",
+                format!(
+                    "entries are 1-{MAX_EGRESS_PATTERN_LEN} characters (`{}` is not)",
+                    bad.chars().take(40).collect::<String>()
+                ),
+            ));
         }
         Ok(())
     }
@@ -251,6 +325,18 @@ pub struct RunJobResponse {
     /// `result.json missing`, `worker_restarted`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_reason: Option<String>,
+    /// Extension: every attempt the sandbox made through the node's egress proxy (jobs
+    /// with `network_policy: restricted`), up to the node's bound
+    /// (`egress.max_audit_records`); absent when the job had no proxy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<Vec<EgressRecord>>,
+    /// Extension: attempts beyond that bound, counted but not listed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub egress_dropped: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 impl RunJobResponse {
@@ -272,6 +358,8 @@ impl RunJobResponse {
             sba_result: None,
             artifacts: None,
             failure_reason,
+            egress: None,
+            egress_dropped: 0,
         }
     }
 }
@@ -425,6 +513,74 @@ mod tests {
         v["sandbox"]["command"] = serde_json::json!([]);
         let r: RunJobRequest = serde_json::from_value(v).unwrap();
         assert_eq!(r.validate().unwrap_err().path, "sandbox.command");
+    }
+
+    #[test]
+    fn network_policies_are_upstreams_and_allow_is_refused() {
+        let with = |policy: &str, allow: Option<serde_json::Value>| {
+            let mut v = req();
+            v["sandbox"]["network_policy"] = policy.into();
+            if let Some(a) = allow {
+                v["sandbox"]["egress_allow"] = a;
+            }
+            serde_json::from_value::<RunJobRequest>(v)
+                .unwrap()
+                .validate()
+        };
+        with("none", None).unwrap();
+        with("restricted", None).unwrap();
+        with(
+            "restricted",
+            Some(serde_json::json!(["pypi.org", "*.example.com:8443"])),
+        )
+        .unwrap();
+        let e = with("allow", None).unwrap_err();
+        assert_eq!(e.path, "sandbox.network_policy");
+        assert!(
+            e.to_string()
+                .contains("`allow` (unrestricted network) is not offered"),
+            "{e}"
+        );
+        let e = with("none", Some(serde_json::json!(["pypi.org"]))).unwrap_err();
+        assert_eq!(e.path, "sandbox.egress_allow");
+        let many: Vec<String> = (0..=MAX_EGRESS_ALLOW)
+            .map(|i| format!("h{i}.example"))
+            .collect();
+        let e = with("restricted", Some(serde_json::json!(many))).unwrap_err();
+        assert_eq!(e.path, "sandbox.egress_allow");
+        let mut v = req();
+        v["sandbox"]["network_policy"] = "open".into();
+        assert!(serde_json::from_value::<RunJobRequest>(v).is_err());
+    }
+
+    #[test]
+    fn proxy_variables_are_reserved() {
+        for name in [
+            "HTTP_PROXY",
+            "https_proxy",
+            "NO_PROXY",
+            "no_proxy",
+            "CYNODE_EGRESS_ROUTES_URL",
+        ] {
+            assert!(RESERVED_ENV.contains(&name), "{name}");
+        }
+    }
+
+    #[test]
+    fn the_egress_audit_is_an_extension_of_the_response() {
+        let r = RunJobResponse::not_run(
+            &serde_json::from_value::<RunJobRequest>(req()).unwrap(),
+            None,
+        );
+        let v = serde_json::to_value(&r).unwrap();
+        assert!(v.get("egress").is_none() && v.get("egress_dropped").is_none());
+        let mut v = v;
+        v["egress"] = serde_json::json!([{"host": "pypi.org", "port": 443, "method": "CONNECT",
+            "decision": "allowed", "reason": "ok", "bytes_up": 1, "bytes_down": 2}]);
+        v["egress_dropped"] = 3.into();
+        let back: RunJobResponse = serde_json::from_value(v).unwrap();
+        assert_eq!(back.egress.unwrap()[0].host, "pypi.org");
+        assert_eq!(back.egress_dropped, 3);
     }
 
     #[test]

@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backend::{Backend, EndReason};
 use crate::config::{Config, Limits};
-use crate::disk_guard::{DiskGuard, DiskLimit};
+use crate::disk_guard::DiskLimit;
 use crate::job_dir;
 use crate::sandbox::{self, SandboxRequest, SandboxSpec, SANDBOX_UID};
 use crate::sandbox_files::{self, ReadError, TreeBounds, TreeError};
@@ -218,6 +218,9 @@ pub fn prepare(paths: &JobPaths, req: &RunJobRequest) -> std::io::Result<()> {
     )?;
     job_dir::own(&root, None, 0o755)?;
     let mount = job_dir::create_new_dir(root.as_fd(), OsStr::new("job"))?;
+    // The kernel's disk limit: a volume of its own on `job/`, before anything is in it.
+    let label = format!("job-{}", req.job_id);
+    let mount = crate::loopfs::cover(root.as_fd(), OsStr::new("job"), &label).unwrap_or(mount);
     let artifacts = job_dir::create_new_dir(mount.as_fd(), OsStr::new(ARTIFACTS_DIR))?;
     job_dir::own(&artifacts, Some(SANDBOX_UID), 0o755)?;
     if let Some(spec) = &req.sandbox.job_spec_json {
@@ -231,7 +234,11 @@ pub fn prepare(paths: &JobPaths, req: &RunJobRequest) -> std::io::Result<()> {
     }
     job_dir::own(&mount, Some(SANDBOX_UID), 0o755)?;
     let (spaces, ws) = job_dir::split(&paths.workspace)?;
-    job_dir::open_or_create_owned_dir(job_dir::open_node_dir(spaces)?.as_fd(), ws, SANDBOX_UID)?;
+    let spaces = job_dir::open_node_dir(spaces)?;
+    let label = format!("ws-{}", ws.to_string_lossy());
+    if !crate::loopfs::new_volume_dir(spaces.as_fd(), ws, &label, SANDBOX_UID)? {
+        job_dir::open_or_create_owned_dir(spaces.as_fd(), ws, SANDBOX_UID)?;
+    }
     Ok(())
 }
 
@@ -292,7 +299,7 @@ pub async fn run(
     let started_at = now_rfc3339();
     // The disk guard stops the sandbox through a child token: a breach is not a cancel.
     let trip = cancel.child_token();
-    let guard = DiskGuard::start(
+    let guard = crate::disk_limit::start(
         vec![paths.workspace.clone(), paths.mount.clone()],
         paths.bounds.disk,
         trip.clone(),
@@ -314,6 +321,8 @@ pub async fn run(
         sba_result: None,
         artifacts: None,
         failure_reason: None,
+        egress: None,
+        egress_dropped: 0,
     };
     let artifacts = collect_artifacts(paths).await;
     match &out.end {
