@@ -7,8 +7,10 @@
 #      root filesystem for bwrap
 #   3b. deploy/docker/start.sh    a Docker daemon (started when none answers; its pid in
 #      /var/cache/cynode/dockerd/started.pid) with the same test image loaded from podman
-#   4. deploy/llm/setup.sh        llama-server and SmolLM2 (built, not started)
-#   5. deploy/postgres/start.sh   a local PostgreSQL cluster (started if it is not running)
+#   4. deploy/microvm/build-kernel.sh + build-init.sh   QEMU, the microvm guest kernel
+#      (built from Debian's linux-source, cached) and the guest init
+#   5. deploy/llm/setup.sh        llama-server and SmolLM2 (built, not started)
+#   6. deploy/postgres/start.sh   a local PostgreSQL cluster (started if it is not running)
 # Every step is cached and idempotent: a second run takes a few seconds. The tests call the
 # same scripts themselves (cheap once this has run), so each still works on its own.
 #
@@ -28,6 +30,9 @@ bash deploy/sba/build-test-image.sh "$bin" >/dev/null
 bash deploy/sba/export-rootfs.sh localhost/cynode-sba-test:latest >/dev/null
 log "Docker daemon and the test image in it"
 bash deploy/docker/start.sh localhost/cynode-sba-test:latest
+log "microvm guest kernel, VMM and init"
+bash deploy/microvm/build-kernel.sh >/dev/null
+bash deploy/microvm/build-init.sh >/dev/null
 log "local model server (build only)"
 bash deploy/llm/setup.sh >/dev/null
 log "PostgreSQL"

@@ -19,6 +19,8 @@ pub enum BackendKind {
     Podman,
     Docker,
     Bwrap,
+    /// A KVM microVM per job (QEMU `microvm`, own kernel): see `backend::microvm`.
+    Microvm,
 }
 
 impl BackendKind {
@@ -28,6 +30,7 @@ impl BackendKind {
             BackendKind::Podman => "podman",
             BackendKind::Docker => "docker",
             BackendKind::Bwrap => "bwrap",
+            BackendKind::Microvm => "microvm",
         }
     }
 }
@@ -45,6 +48,7 @@ pub struct Config {
     pub podman: EngineConfig,
     pub docker: EngineConfig,
     pub bwrap: BwrapConfig,
+    pub microvm: crate::backend::microvm::MicrovmConfig,
     /// Images jobs and sessions may use. Whatever it says, an image must be a valid OCI
     /// reference (`name[:tag][@digest]`, see `image_ref`), so no request value can
     /// become an engine flag. Empty (the default): any valid reference the backend already
@@ -292,6 +296,7 @@ impl Default for Config {
                 init_path: None,
             },
             bwrap: BwrapConfig::default(),
+            microvm: crate::backend::microvm::MicrovmConfig::default(),
             images: Vec::new(),
             limits: Limits::default(),
             queue: QueueConfig::default(),

@@ -13,6 +13,7 @@ use crate::config::{BackendKind, Config};
 pub mod bwrap;
 pub mod capture;
 pub mod engine;
+pub mod microvm;
 pub mod seccomp;
 pub mod session_ops;
 
@@ -178,6 +179,7 @@ pub async fn wait_or_stop(
 pub enum Backend {
     Engine(engine::EngineBackend),
     Bwrap(bwrap::BwrapBackend),
+    Microvm(microvm::MicrovmBackend),
 }
 
 impl Backend {
@@ -198,6 +200,12 @@ impl Backend {
                 &cfg.state_dir,
             )),
             BackendKind::Bwrap => Backend::Bwrap(bwrap::BwrapBackend::new(cfg.bwrap.clone(), node)),
+            BackendKind::Microvm => Backend::Microvm(microvm::MicrovmBackend::new(
+                cfg.microvm.clone(),
+                &cfg.bwrap.rootfs,
+                ResourceLimits::from_limits(&cfg.limits),
+                &cfg.state_dir,
+            )),
         }
     }
 
@@ -206,6 +214,7 @@ impl Backend {
         match self {
             Backend::Engine(e) => e.kind(),
             Backend::Bwrap(_) => BackendKind::Bwrap,
+            Backend::Microvm(_) => BackendKind::Microvm,
         }
     }
 
@@ -214,6 +223,7 @@ impl Backend {
         match self {
             Backend::Engine(e) => e.check().await,
             Backend::Bwrap(b) => b.check().await,
+            Backend::Microvm(m) => m.check().await,
         }
     }
 
@@ -222,6 +232,7 @@ impl Backend {
         match self {
             Backend::Engine(e) => e.has_image(image).await,
             Backend::Bwrap(b) => b.rootfs_for(image).is_some(),
+            Backend::Microvm(m) => m.rootfs_for(image).is_some(),
         }
     }
 
@@ -230,6 +241,7 @@ impl Backend {
         match self {
             Backend::Engine(e) => e.run(spec, cancel).await,
             Backend::Bwrap(b) => b.run(spec, cancel).await,
+            Backend::Microvm(m) => m.run(spec, cancel).await,
         }
     }
 
@@ -238,6 +250,7 @@ impl Backend {
         match self {
             Backend::Engine(e) => e.remove_all_managed().await,
             Backend::Bwrap(b) => b.remove_all_managed().await,
+            Backend::Microvm(m) => m.remove_all_managed().await,
         }
     }
 }

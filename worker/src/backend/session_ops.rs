@@ -71,7 +71,9 @@ impl SessionOps {
     pub fn new(cfg: &Config, backend: Backend) -> Self {
         let binary = match cfg.backend {
             BackendKind::Docker => cfg.docker.binary.clone(),
-            BackendKind::Podman | BackendKind::Bwrap => cfg.podman.binary.clone(),
+            BackendKind::Podman | BackendKind::Bwrap | BackendKind::Microvm => {
+                cfg.podman.binary.clone()
+            }
         };
         Self { backend, binary }
     }
