@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::{Backend, EndReason};
 use crate::config::{Config, Limits};
 use crate::disk_guard::DiskLimit;
+use crate::egress::job::JobEgress;
 use crate::job_dir;
 use crate::sandbox::{self, SandboxRequest, SandboxSpec, SANDBOX_UID};
 use crate::sandbox_files::{self, ReadError, TreeBounds, TreeError};
@@ -33,6 +34,7 @@ use cynode_protocol::time::now_rfc3339;
 /// Validates a request completely before anything is created or started.
 pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, ValidationError> {
     req.validate()?;
+    let network = crate::egress::job::policy(cfg, req)?;
     if !cfg.image_allowed(&req.sandbox.image) {
         return Err(ValidationError::new(
             "sandbox.image",
@@ -72,10 +74,11 @@ pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, Va
         ));
     }
     inference_models(cfg, req)?;
-    if job.constraints.ext_net_allowed {
+    if job.constraints.ext_net_allowed && network.is_none() {
         return Err(ValidationError::new(
             "sandbox.job_spec_json.constraints.ext_net_allowed",
-            "this node gives sandboxes no network (network_policy none|restricted)",
+            "needs sandbox.network_policy `restricted` (the node's egress proxy); \
+             a sandbox has no other network",
         ));
     }
     Ok(Some(job))
@@ -262,6 +265,10 @@ pub fn sandbox_spec(cfg: &Config, req: &RunJobRequest, paths: &JobPaths) -> Sand
             node.push((sandbox::ENV_SBA_AGENT_MAX_TURNS, turns.to_string()));
         }
     }
+    node.extend(crate::egress::job::env(matches!(
+        crate::egress::job::policy(cfg, req),
+        Ok(Some(_))
+    )));
     let env = sandbox::env(
         &req.sandbox.env,
         |k| k == sandbox::ENV_INFERENCE_PROXY_URL || (is_sba && k.starts_with("SBA_")),
@@ -296,6 +303,19 @@ pub async fn run(
     paths: &JobPaths,
     cancel: &CancellationToken,
 ) -> RunJobResponse {
+    run_with_egress(backend, spec, req, paths, cancel, None).await
+}
+
+/// [`run`], with the job's egress proxy started inside the sandbox before its command
+/// runs; its audit goes into the response.
+pub async fn run_with_egress(
+    backend: &Backend,
+    spec: &SandboxSpec,
+    req: &RunJobRequest,
+    paths: &JobPaths,
+    cancel: &CancellationToken,
+    mut egress: Option<JobEgress>,
+) -> RunJobResponse {
     let started_at = now_rfc3339();
     // The disk guard stops the sandbox through a child token: a breach is not a cancel.
     let trip = cancel.child_token();
@@ -304,7 +324,12 @@ pub async fn run(
         paths.bounds.disk,
         trip.clone(),
     );
-    let out = backend.run(spec, &trip).await;
+    let hook = egress.as_mut().map(JobEgress::hook);
+    let out = backend.run_gated(spec, &trip, hook).await;
+    let audit = match egress {
+        Some(e) => e.finish().await,
+        None => None,
+    };
     let breach = guard.finish().await;
     let ended_at = now_rfc3339();
     let mut resp = RunJobResponse {
@@ -321,8 +346,8 @@ pub async fn run(
         sba_result: None,
         artifacts: None,
         failure_reason: None,
-        egress: None,
-        egress_dropped: 0,
+        egress_dropped: audit.as_ref().map_or(0, |a| a.dropped),
+        egress: audit.map(|a| a.records),
     };
     let artifacts = collect_artifacts(paths).await;
     match &out.end {

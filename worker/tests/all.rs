@@ -28,6 +28,7 @@ mod backends;
 mod cases;
 mod disk_attacks;
 mod egress;
+mod egress_jobs;
 mod hardening;
 mod harness;
 mod host_reads;

@@ -23,8 +23,8 @@ const TEST_TIME: Duration = Duration::from_secs(90);
 /// A UDP DNS responder on 127.0.0.1: A queries for a known name get that name's next
 /// answer (the last one repeats), with TTL 0; AAAA queries get no answer; unknown names
 /// NXDOMAIN. It counts A queries per name.
-struct Dns {
-    addr: SocketAddr,
+pub(crate) struct Dns {
+    pub(crate) addr: SocketAddr,
     queries: Arc<Mutex<HashMap<String, usize>>>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -36,7 +36,7 @@ impl Drop for Dns {
 }
 
 impl Dns {
-    async fn start(answers: &[(&str, &[Ipv4Addr])]) -> Dns {
+    pub(crate) async fn start(answers: &[(&str, &[Ipv4Addr])]) -> Dns {
         let sock = UdpSocket::bind("127.0.0.1:0").await.unwrap();
         let addr = sock.local_addr().unwrap();
         let answers: HashMap<String, Vec<Ipv4Addr>> = answers
@@ -63,7 +63,7 @@ impl Dns {
         }
     }
 
-    fn a_queries(&self, name: &str) -> usize {
+    pub(crate) fn a_queries(&self, name: &str) -> usize {
         self.queries.lock().unwrap().get(name).copied().unwrap_or(0)
     }
 }
@@ -117,8 +117,8 @@ fn answer(
 
 /// An HTTP origin on 127.0.0.1 counting the requests it gets: `/hello`, `/echo` (POST,
 /// echoes the body), `/big` (100 000 bytes), `/headers` (the request headers it saw).
-struct Origin {
-    port: u16,
+pub(crate) struct Origin {
+    pub(crate) port: u16,
     hits: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -172,7 +172,7 @@ fn origin_app(hits: Arc<AtomicUsize>) -> axum::Router {
 }
 
 impl Origin {
-    async fn http() -> Origin {
+    pub(crate) async fn http() -> Origin {
         let hits = Arc::new(AtomicUsize::new(0));
         let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = l.local_addr().unwrap().port();
@@ -185,7 +185,7 @@ impl Origin {
 
     /// An HTTPS origin whose certificate, for `name`, is issued by a CA made here; the
     /// CA's PEM is returned.
-    async fn https(dir: &Path, name: &str) -> (Origin, String) {
+    pub(crate) async fn https(dir: &Path, name: &str) -> (Origin, String) {
         let (ca_pem, cert, key) = certificates(name);
         let cert_file = dir.join("origin.pem");
         let key_file = dir.join("origin-key.pem");
@@ -206,7 +206,7 @@ impl Origin {
         (Origin { port, hits, task }, ca_pem)
     }
 
-    fn hits(&self) -> usize {
+    pub(crate) fn hits(&self) -> usize {
         self.hits.load(Ordering::SeqCst)
     }
 }
@@ -294,7 +294,7 @@ fn denied_because(audit: &EgressAudit, host: &str, method: &str, reason: &str) {
 const LOCAL: Ipv4Addr = Ipv4Addr::LOCALHOST;
 
 /// The credential a route adds; the sandbox side must never see it.
-const ROUTE_SECRET: &str = "s3cret-route-token-7f3a9c";
+pub(crate) const ROUTE_SECRET: &str = "s3cret-route-token-7f3a9c";
 
 // --- the tests -------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
+use super::netns_gate::{Gate, NetnsHook};
 use super::{capture, seccomp, BackendError, ResourceLimits, SandboxOutcome, SandboxSpec};
 use crate::config::BwrapConfig;
 use crate::sandbox::SANDBOX_UID_TEXT;
@@ -305,6 +306,17 @@ impl BwrapBackend {
 
     /// Runs the sandbox to the end.
     pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
+        self.run_with(spec, cancel, None).await
+    }
+
+    /// Runs the sandbox to the end; with a `hook`, bwrap reports the sandbox's pid and
+    /// waits ([`Gate`]) until the hook has run (a failed hook ends it unstarted).
+    pub async fn run_with(
+        &self,
+        spec: &SandboxSpec,
+        cancel: &CancellationToken,
+        hook: Option<NetnsHook>,
+    ) -> SandboxOutcome {
         let started = Instant::now();
         let fail = |msg: String| SandboxOutcome::start_failed(msg, started);
         let Some(rootfs) = self.rootfs_for(&spec.image) else {
@@ -318,22 +330,62 @@ impl BwrapBackend {
                 Ok(c) => c,
                 Err(e) => return fail(e.to_string()),
             };
+        let mut gate = match hook.as_ref().map(|_| Gate::new()).transpose() {
+            Ok(g) => g,
+            Err(e) => return fail(format!("cannot make bwrap's info and block pipes: {e}")),
+        };
+        let mut args = confinement.args();
+        args.extend(gate.iter().flat_map(Gate::args));
         let mut cmd = Command::new(self.binary());
         super::client_env(&mut cmd)
-            .args(self.args(spec, rootfs, &confinement.args()))
+            .args(self.args(spec, rootfs, &args))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
             .kill_on_drop(true);
         confinement.apply(&mut cmd);
+        if let Some(g) = &gate {
+            g.apply(&mut cmd);
+        }
         let spawned = cmd.spawn();
         confinement.started();
+        if let Some(g) = &mut gate {
+            g.spawned();
+        }
         let mut child = match spawned {
             Ok(c) => c,
             Err(e) => return fail(format!("cannot start {}: {e}", self.binary())),
         };
         let pgid = child.id().map(|p| p as i32);
+        if let (Some(gate), Some(hook)) = (gate, hook) {
+            let ready = match gate.child_pid().await {
+                Ok(pid) => hook(pid).await,
+                Err(e) => Err(e),
+            };
+            // On failure the gate stays open until the sandbox is dead: a closed block fd
+            // would let its command run.
+            let (released, gate) = match ready {
+                Ok(()) => (
+                    gate.release()
+                        .map_err(|e| format!("cannot release the sandbox: {e}")),
+                    None,
+                ),
+                Err(e) => (Err(e), Some(gate)),
+            };
+            if let Err(e) = released {
+                if let Some(pg) = pgid {
+                    // SAFETY: signalling the process group we created.
+                    unsafe {
+                        libc::kill(-pg, libc::SIGKILL);
+                    }
+                }
+                confinement.kill_all();
+                let _ = child.wait().await;
+                drop(gate);
+                return fail(e);
+            }
+        }
         let out = capture::spawn(child.stdout.take(), spec.output_cap);
         let err = capture::spawn(child.stderr.take(), spec.output_cap);
         let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;

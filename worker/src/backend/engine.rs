@@ -359,6 +359,8 @@ pub(super) fn engine_refused(mut o: SandboxOutcome, binary: &str, what: &str) ->
     o
 }
 
+mod gated;
+
 #[cfg(test)]
 mod tests {
     use super::*;

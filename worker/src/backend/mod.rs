@@ -14,6 +14,7 @@ pub mod bwrap;
 pub mod capture;
 pub mod engine;
 pub mod microvm;
+pub mod netns_gate;
 pub mod seccomp;
 pub mod session_ops;
 

@@ -12,11 +12,14 @@
 //! - [`netns`]: binding the listener inside a sandbox's network namespace.
 //! - [`audit`]: one record per attempt, logged, and kept up to a bound for the job.
 //! - [`routes`]: credentialed routes; the node adds the secret headers and speaks TLS.
+//! - [`job`]: one job's egress: the request checked against the node, the sandbox's
+//!   variables, the proxy started inside the sandbox before its command, the audit.
 
 pub mod addr;
 pub mod allowlist;
 pub mod audit;
 pub mod http1;
+pub mod job;
 pub mod netns;
 pub mod proxy;
 pub mod resolve;

@@ -228,9 +228,23 @@ impl Node {
             }
             _ => None,
         };
+        let egress = match (crate::egress::job::policy(&self.cfg, req), &self.egress) {
+            (Ok(Some(policy)), Some(node)) => Some(crate::egress::job::JobEgress::new(
+                Arc::clone(node),
+                &req.job_id,
+                policy,
+            )),
+            (Ok(None), _) => None,
+            (Ok(Some(_)), None) | (Err(_), _) => {
+                let mut resp = restarted_response_for(req);
+                resp.failure_reason =
+                    Some("the node no longer offers this job's egress (network_policy)".into());
+                return resp;
+            }
+        };
         let spec = executor::sandbox_spec(&self.cfg, req, &paths);
-        tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, "job started");
-        executor::run(&self.backend, &spec, req, &paths, cancel).await
+        tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, egress = egress.is_some(), "job started");
+        executor::run_with_egress(&self.backend, &spec, req, &paths, cancel, egress).await
     }
 
     /// `GET /jobs/{id}`.

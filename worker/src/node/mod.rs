@@ -65,6 +65,8 @@ pub enum StartError {
     Database(#[source] StoreError),
     #[error(transparent)]
     Inference(#[from] UpstreamError),
+    #[error(transparent)]
+    Egress(#[from] crate::egress::job::EgressStartError),
     /// Settling the jobs a previous run left failed.
     #[error(transparent)]
     Reconcile(#[from] StoreError),
@@ -81,6 +83,8 @@ pub struct Node {
     pub sessions: Sessions,
     /// The inference upstream, when configured.
     pub inference: Option<Arc<Upstream>>,
+    /// The egress proxies' shared parts, when the node allows any destination.
+    pub egress: Option<Arc<crate::egress::job::NodeEgress>>,
     running: Mutex<HashMap<String, CancellationToken>>,
     permits: Arc<Semaphore>,
     waiting: AtomicUsize,
@@ -113,8 +117,10 @@ impl Node {
             Some(i) => Some(Arc::new(Upstream::from_config(i)?)),
             None => None,
         };
+        let egress = crate::egress::job::NodeEgress::from_config(&cfg.egress)?;
         let node = Arc::new(Node {
             inference,
+            egress,
             sessions: Sessions::new(&cfg, backend.clone()),
             permits: Arc::new(Semaphore::new(cfg.queue.max_running.max(1))),
             cfg: Arc::new(cfg),

@@ -1,0 +1,201 @@
+//! One job's egress, from its request to its audit: [`policy`] checks the request against
+//! the node (`restricted` needs an allowlist on the node and a backend that can bind the
+//! proxy inside the sandbox; `sandbox.egress_allow` may narrow the node's ceiling, never
+//! widen it), [`env`] gives the variables the sandbox gets, and a [`JobEgress`] binds the
+//! proxy's listener at [`PROXY_ADDR`] inside the sandbox's network namespace (through the
+//! backend's [`NetnsHook`]) before the sandbox's command runs, and returns its audit when
+//! the job ends.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use cynode_protocol::egress::EgressAudit;
+use cynode_protocol::worker_api::{NetworkPolicy, RunJobRequest};
+use cynode_protocol::ValidationError;
+
+use super::{EgressLimits, EgressProxy, Policy, Resolver, Routes};
+use crate::backend::netns_gate::NetnsHook;
+use crate::config::{BackendKind, Config, EgressConfig, OciRuntime};
+
+/// Where the proxy listens inside the sandbox's own network namespace.
+pub const PROXY_ADDR: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 3128);
+/// `HTTP_PROXY` and friends inside the sandbox.
+pub const PROXY_URL: &str = "http://127.0.0.1:3128";
+/// `CYNODE_EGRESS_ROUTES_URL`: the credentialed routes, `<this>/<name>/…`.
+pub const ROUTES_URL: &str = "http://127.0.0.1:3128/routes";
+/// `NO_PROXY`: the sandbox's own loopback is never sent to the proxy.
+pub const NO_PROXY: &str = "localhost,127.0.0.1";
+
+/// What every job's proxy of a node shares: the resolver, the routes (their secrets read
+/// from the node's environment once, at start) and the bounds.
+#[derive(Debug)]
+pub struct NodeEgress {
+    resolver: Resolver,
+    routes: Arc<Routes>,
+    limits: EgressLimits,
+}
+
+/// Why the node cannot offer egress as configured.
+#[derive(Debug, thiserror::Error)]
+pub enum EgressStartError {
+    #[error("egress: {0}")]
+    Routes(#[from] super::routes::RouteError),
+    #[error("egress: {0}")]
+    Resolver(#[from] super::resolve::ResolveError),
+}
+
+impl NodeEgress {
+    /// `None` when the node allows no destination and has no route (egress is off).
+    pub fn from_config(cfg: &EgressConfig) -> Result<Option<Arc<NodeEgress>>, EgressStartError> {
+        if cfg.allow.patterns.is_empty() && cfg.routes.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(Arc::new(NodeEgress {
+            resolver: cfg.resolver()?,
+            routes: Arc::new(cfg.build_routes()?),
+            limits: cfg.limits(),
+        })))
+    }
+}
+
+/// The field every refusal names.
+const FIELD: &str = "sandbox.network_policy";
+
+/// The job's proxy policy: `None` for a job without network (`none`, the default);
+/// `restricted` is refused on a node with egress off or a backend that cannot bind the
+/// proxy inside its sandboxes, and an `egress_allow` that widens the node's ceiling is
+/// refused naming the entry.
+pub fn policy(cfg: &Config, req: &RunJobRequest) -> Result<Option<Policy>, ValidationError> {
+    if req.sandbox.network_policy.unwrap_or_default() != NetworkPolicy::Restricted {
+        return Ok(None);
+    }
+    if cfg.egress.allow.patterns.is_empty() && cfg.egress.routes.is_empty() {
+        return Err(ValidationError::new(
+            FIELD,
+            "`restricted` needs the node's egress proxy, and this node allows no destination \
+             (worker.yaml egress.allow is empty)",
+        ));
+    }
+    let backend_can = match cfg.backend {
+        BackendKind::Bwrap => true,
+        BackendKind::Podman => cfg.podman.runtime != OciRuntime::Runsc,
+        BackendKind::Docker | BackendKind::Microvm => false,
+    };
+    if !backend_can {
+        return Err(ValidationError::new(
+            FIELD,
+            format!(
+                "`restricted` is not offered on this node's backend ({}{}): its sandboxes \
+                 cannot reach the egress proxy; use bwrap or podman with runc/crun",
+                cfg.backend.as_str(),
+                if cfg.backend == BackendKind::Podman {
+                    " with gVisor"
+                } else {
+                    ""
+                }
+            ),
+        ));
+    }
+    Policy::for_job(&cfg.egress.allow, req.sandbox.egress_allow.as_deref())
+        .map(Some)
+        .map_err(|e| ValidationError::new("sandbox.egress_allow", e.to_string()))
+}
+
+/// The variables a job with a proxy gets (none for a job without).
+pub fn env(with_proxy: bool) -> Vec<(&'static str, String)> {
+    if !with_proxy {
+        return Vec::new();
+    }
+    let mut env: Vec<(&'static str, String)> =
+        ["HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy"]
+            .into_iter()
+            .map(|k| (k, PROXY_URL.to_string()))
+            .collect();
+    env.push(("NO_PROXY", NO_PROXY.into()));
+    env.push(("no_proxy", NO_PROXY.into()));
+    env.push(("CYNODE_EGRESS_ROUTES_URL", ROUTES_URL.into()));
+    env
+}
+
+/// One job's proxy: started by [`JobEgress::hook`] once the sandbox exists, its audit
+/// taken by [`JobEgress::finish`].
+#[derive(Debug)]
+pub struct JobEgress {
+    job_id: String,
+    slot: Arc<Mutex<Option<EgressProxy>>>,
+    policy: Option<Policy>,
+    node: Arc<NodeEgress>,
+}
+
+impl JobEgress {
+    pub fn new(node: Arc<NodeEgress>, job_id: &str, policy: Policy) -> JobEgress {
+        JobEgress {
+            job_id: job_id.into(),
+            slot: Arc::new(Mutex::new(None)),
+            policy: Some(policy),
+            node,
+        }
+    }
+
+    /// The backend's hook: binds [`PROXY_ADDR`] in the network namespace of the pid it is
+    /// given (on a blocking thread: [`super::netns::bind_in_netns`] joins the namespace on a
+    /// thread of its own) and starts the proxy there. Call once.
+    pub fn hook(&mut self) -> NetnsHook {
+        let slot = Arc::clone(&self.slot);
+        let policy = self.policy.take();
+        let node = Arc::clone(&self.node);
+        let job_id = self.job_id.clone();
+        Box::new(move |pid: u32| {
+            Box::pin(async move {
+                let policy = policy.ok_or("the egress hook ran twice")?;
+                let listener = tokio::task::spawn_blocking(move || {
+                    super::netns::bind_in_netns(pid, PROXY_ADDR)
+                })
+                .await
+                .map_err(|e| format!("egress proxy: the binding thread failed: {e}"))?
+                .map_err(|e| {
+                    format!("egress proxy: cannot listen inside the sandbox's network: {e}")
+                })?;
+                let proxy = EgressProxy::start(
+                    listener,
+                    &job_id,
+                    policy,
+                    node.resolver.clone(),
+                    Arc::clone(&node.routes),
+                    node.limits.clone(),
+                )
+                .map_err(|e| format!("egress proxy: cannot start: {e}"))?;
+                match slot.lock() {
+                    Ok(mut g) => *g = Some(proxy),
+                    Err(p) => *p.into_inner() = Some(proxy),
+                }
+                Ok(())
+            })
+        })
+    }
+
+    /// Ends the proxy (its open connections are cut) and returns its audit; `None` when
+    /// it never started (the sandbox did not).
+    pub async fn finish(self) -> Option<EgressAudit> {
+        let proxy = match self.slot.lock() {
+            Ok(mut g) => g.take(),
+            Err(p) => p.into_inner().take(),
+        }?;
+        let audit = proxy.finish().await;
+        let denied = audit
+            .records
+            .iter()
+            .filter(|r| r.decision == cynode_protocol::egress::EgressDecision::Denied)
+            .count();
+        tracing::info!(
+            target: "cynode_worker::egress",
+            job_id = %self.job_id,
+            attempts = audit.records.len() as u64 + audit.dropped,
+            denied,
+            dropped = audit.dropped,
+            "egress proxy closed"
+        );
+        Some(audit)
+    }
+}

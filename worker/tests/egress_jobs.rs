@@ -1,0 +1,286 @@
+//! Jobs with `network_policy: restricted` on the real node (issue 25), on every backend:
+//! bwrap and Podman bind the egress proxy inside the sandbox's own network namespace at
+//! 127.0.0.1:3128 and the job reaches allowlisted origins through it; every attack is
+//! denied with an audit record in the job's response; a direct connection fails; a flood
+//! of denied attempts leaves the node answering with a bounded audit; a route's secret is
+//! found nowhere in the sandbox, the response or the node's log. Docker and gVisor cannot
+//! bind the proxy inside their sandboxes: `restricted` is refused there with a 400. Only
+//! 127.0.0.1 (and 127.0.0.3, never listened on) is reached; names come from a DNS server of
+//! the test's own.
+
+use std::net::Ipv4Addr;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::egress::{Dns, Origin, ROUTE_SECRET};
+use crate::harness::{env, unique, Server};
+
+/// Every test's bound.
+const TEST_TIME: Duration = Duration::from_secs(240);
+/// A loopback address nothing listens on and no allowlist lists.
+const UNLISTED: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 3);
+
+/// Whether `backend` can bind the proxy inside its sandboxes (Docker and gVisor cannot).
+fn gates(backend: &str) -> bool {
+    matches!(backend, "bwrap" | "podman")
+}
+
+/// A command job with `network_policy: restricted`, its `egress_allow` and `env`.
+fn restricted_job(id: &str, script: &str, allow: Option<Value>, env_vars: Value) -> Value {
+    let mut sandbox = json!({
+        "image": env().image, "command": ["sh", "-c", script],
+        "network_policy": "restricted", "env": env_vars, "timeout_seconds": 120
+    });
+    if let Some(a) = allow {
+        sandbox["egress_allow"] = a;
+    }
+    json!({ "version": 1, "task_id": "t-egress", "job_id": id, "sandbox": sandbox })
+}
+
+/// The records of `resp`'s audit for `host` and `method`.
+fn records<'a>(resp: &'a Value, host: &str, method: &str) -> Vec<&'a Value> {
+    resp["egress"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter(|r| r["host"] == host && r["method"] == method)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn assert_denied(resp: &Value, host: &str, method: &str, reason: &str) {
+    let r = records(resp, host, method);
+    assert!(
+        r.iter()
+            .any(|r| r["decision"] == "denied"
+                && r["reason"].as_str().unwrap_or("").contains(reason)),
+        "no denied {method} {host} record saying {reason:?}: {}",
+        resp["egress"]
+    );
+}
+
+/// One raw request to the proxy from inside the sandbox; prints `<tag> <status line>`.
+fn ask(tag: &str, raw: &str) -> String {
+    format!("printf '{tag} '; printf '{raw}' | nc -w 10 127.0.0.1 3128 | head -n 1; echo; ")
+}
+
+/// Allowed plain HTTP and CONNECT through the proxy; denied: a name outside the
+/// allowlist, a listed name resolving to an unlisted loopback address, an IP literal, a
+/// rebinding name's second answer, CONNECT to a port not allowed, a smuggled and an
+/// oversized head; a direct connection fails; the proxy variables are the node's (a
+/// request's own are dropped); `egress_allow` beyond the node's list is a 400.
+pub async fn egress_restricted_job_reaches_only_its_allowlist(backend: &'static str) {
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let origin = Origin::http().await;
+        let (secure, _ca) = Origin::https(dir.path(), "secure.test").await;
+        let bypass = Origin::http().await;
+        let dns = Dns::start(&[
+            ("origin.test", &[Ipv4Addr::LOCALHOST]),
+            ("secure.test", &[Ipv4Addr::LOCALHOST]),
+            ("local.test", &[UNLISTED]),
+            ("rebind.test", &[Ipv4Addr::LOCALHOST, UNLISTED]),
+        ])
+        .await;
+        let p = origin.port;
+        let config = format!(
+            "egress:\n  allow: [\"origin.test:{p}\", \"rebind.test:{p}\", \"local.test:{p}\", \
+             \"secure.test:{s}\", \"127.0.0.1\"]\n  nameservers: [\"{ns}\"]\n",
+            s = secure.port,
+            ns = dns.addr
+        );
+        let server = Server::start(backend, &config);
+        let mut script = String::from("echo \"vars $HTTP_PROXY $https_proxy $NO_PROXY $CYNODE_EGRESS_ROUTES_URL\"; ");
+        script += &ask("allowed", &format!("GET http://origin.test:{p}/hello HTTP/1.1\\r\\nHost: origin.test:{p}\\r\\n\\r\\n"));
+        script += &ask("connect", &format!("CONNECT secure.test:{s} HTTP/1.1\\r\\nHost: secure.test:{s}\\r\\n\\r\\n", s = secure.port));
+        script += &ask("outside", &format!("GET http://elsewhere.test:{p}/hello HTTP/1.1\\r\\n\\r\\n"));
+        script += &ask("local", &format!("GET http://local.test:{p}/hello HTTP/1.1\\r\\n\\r\\n"));
+        script += &ask("literal", &format!("GET http://127.0.0.3:{p}/hello HTTP/1.1\\r\\n\\r\\n"));
+        script += &ask("rebind1", &format!("GET http://rebind.test:{p}/hello HTTP/1.1\\r\\n\\r\\n"));
+        script += &ask("rebind2", &format!("GET http://rebind.test:{p}/hello HTTP/1.1\\r\\n\\r\\n"));
+        script += &ask("port", &format!("CONNECT secure.test:{} HTTP/1.1\\r\\n\\r\\n", secure.port + 1));
+        script += &ask("smuggled", &format!("POST http://origin.test:{p}/echo HTTP/1.1\\r\\nContent-Length: 4\\r\\nTransfer-Encoding: chunked\\r\\n\\r\\n0\\r\\n\\r\\n"));
+        script += &format!(
+            "printf 'oversized '; (printf 'GET http://origin.test:{p}/hello HTTP/1.1\\r\\nX-Big: '; head -c 70000 /dev/zero | tr '\\0' a; printf '\\r\\n\\r\\n') | nc -w 10 127.0.0.1 3128 | head -n 1; echo; "
+        );
+        script += &format!(
+            "if nc -w 3 127.0.0.1 {} </dev/null; then echo BYPASSED; else echo bypass-refused; fi",
+            bypass.port
+        );
+        let allow = json!([format!("origin.test:{p}"), format!("rebind.test:{p}"),
+            format!("local.test:{p}"), format!("secure.test:{}", secure.port), "127.0.0.1"]);
+        let vars = json!({"HTTP_PROXY": "http://evil.example:1", "no_proxy": "*"});
+        let req = restricted_job(&unique("eg"), &script, Some(allow), vars);
+        let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
+        if !gates(backend) {
+            assert_eq!(code, 400, "{resp}");
+            assert!(resp["detail"].as_str().unwrap_or("").contains("sandbox.network_policy"), "{resp}");
+            return;
+        }
+        assert_eq!(code, 200, "{resp}");
+        assert_eq!(resp["status"], "completed", "{resp}");
+        let out = resp["stdout"].as_str().unwrap();
+        let line = |tag: &str| -> String {
+            out.lines()
+                .find(|l| l.starts_with(&format!("{tag} ")))
+                .unwrap_or_else(|| panic!("no {tag} line in {out}"))
+                .to_string()
+        };
+        assert_eq!(
+            line("vars"),
+            "vars http://127.0.0.1:3128 http://127.0.0.1:3128 localhost,127.0.0.1 http://127.0.0.1:3128/routes"
+        );
+        assert!(line("allowed").contains(" 200"), "{out}");
+        assert!(line("connect").contains(" 200"), "{out}");
+        assert!(line("rebind1").contains(" 200"), "{out}");
+        for tag in ["outside", "local", "literal", "rebind2", "port"] {
+            assert!(line(tag).contains(" 403"), "{tag}: {out}");
+        }
+        assert!(line("smuggled").contains(" 400"), "{out}");
+        assert!(line("oversized").contains(" 431"), "{out}");
+        assert!(out.lines().any(|l| l == "bypass-refused"), "{out}");
+        assert!(!out.contains("BYPASSED"), "{out}");
+        assert_eq!(bypass.hits(), 0);
+        assert_eq!(origin.hits(), 2, "the allowed GET and the first rebind.test GET only");
+        assert!(records(&resp, "origin.test", "GET").iter().any(|r| r["decision"] == "allowed" && r["bytes_down"].as_u64() > Some(0)), "{}", resp["egress"]);
+        assert!(records(&resp, "secure.test", "CONNECT").iter().any(|r| r["decision"] == "allowed"), "{}", resp["egress"]);
+        assert_denied(&resp, "elsewhere.test", "GET", "not in the egress allowlist");
+        assert_denied(&resp, "local.test", "GET", "127.0.0.3");
+        assert_denied(&resp, "127.0.0.3", "GET", "");
+        assert_denied(&resp, "rebind.test", "GET", "127.0.0.3");
+        assert_denied(&resp, "secure.test", "CONNECT", "port");
+        assert_eq!(dns.a_queries("rebind.test"), 2);
+        // A request's list may narrow the node's, never widen it.
+        let wide = restricted_job(&unique("eg"), "true", Some(json!(["pypi.org"])), json!({}));
+        let (code, resp) = server.post("/v1/worker/jobs:run", &wide).await;
+        assert_eq!(code, 400, "{resp}");
+        assert!(resp["detail"].as_str().unwrap_or("").contains("sandbox.egress_allow"), "{resp}");
+        // `allow` stays refused; `none` stays without any network or variable.
+        let mut open = restricted_job(&unique("eg"), "true", None, json!({}));
+        open["sandbox"]["network_policy"] = "allow".into();
+        let (code, resp) = server.post("/v1/worker/jobs:run", &open).await;
+        assert_eq!(code, 400, "{resp}");
+        assert!(resp["detail"].as_str().unwrap_or("").contains("`allow` (unrestricted network) is not offered"), "{resp}");
+        let none_script = format!(
+            "echo \"vars[$HTTP_PROXY]\"; if nc -w 3 127.0.0.1 3128 </dev/null; then echo REACHED; else echo no-proxy; fi; \
+             if nc -w 3 127.0.0.1 {p} </dev/null; then echo BYPASSED; else echo no-route; fi"
+        );
+        let (code, resp) = server.run_job(&unique("eg"), "t-egress", &["sh", "-c", &none_script]).await;
+        assert_eq!(code, 200, "{resp}");
+        assert_eq!(resp["stdout"], "vars[]\nno-proxy\nno-route\n", "{resp}");
+        assert!(resp.get("egress").is_none(), "{resp}");
+    })
+    .await
+    .unwrap();
+}
+
+/// 300 denied attempts from one job: `/healthz` keeps answering while they run, the
+/// response's audit holds at most the node's bound and counts the rest.
+pub async fn egress_flood_keeps_the_node_answering_and_the_audit_bounded(backend: &'static str) {
+    tokio::time::timeout(TEST_TIME, async {
+        let dns = Dns::start(&[]).await;
+        let config = format!(
+            "egress:\n  allow: [\"allowed.test\"]\n  nameservers: [\"{}\"]\n  max_audit_records: 40\n",
+            dns.addr
+        );
+        let server = Server::start(backend, &config);
+        let script = "i=0; while [ $i -lt 300 ]; do \
+             printf 'GET http://denied-%s.test/ HTTP/1.1\\r\\n\\r\\n' $i | nc -w 5 127.0.0.1 3128 >/dev/null; \
+             i=$((i+1)); done; echo flooded";
+        let id = unique("egf");
+        let req = restricted_job(&id, script, None, json!({}));
+        let (code, v) = server.post("/v1/worker/jobs", &req).await;
+        if !gates(backend) {
+            assert_eq!(code, 400, "{v}");
+            return;
+        }
+        assert_eq!(code, 202, "{v}");
+        // While the job floods its proxy, the node answers.
+        let mut health_checks = 0;
+        loop {
+            let r = server
+                .client
+                .get(server.url("/healthz"))
+                .timeout(Duration::from_secs(5))
+                .send()
+                .await
+                .expect("healthz answers during the flood");
+            assert!(r.status().is_success());
+            health_checks += 1;
+            let (_, s) = server.get(&format!("/v1/worker/jobs/{id}")).await;
+            if s["status"] != "accepted" && s["status"] != "in_progress" {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(health_checks > 0);
+        let done = server.wait_terminal(&id).await;
+        let resp = &done["result"];
+        assert_eq!(resp["status"], "completed", "{done}");
+        assert_eq!(resp["stdout"], "flooded\n");
+        let kept = resp["egress"].as_array().unwrap();
+        assert_eq!(kept.len(), 40);
+        assert!(kept.iter().all(|r| r["decision"] == "denied"));
+        assert_eq!(resp["egress_dropped"], 260, "{}", resp["egress_dropped"]);
+    })
+    .await
+    .unwrap();
+}
+
+/// A credentialed route: the sandbox reaches the upstream at
+/// `$CYNODE_EGRESS_ROUTES_URL/api/…` and the node adds the header; the secret is in no
+/// variable, no file and no process's environment inside the sandbox, nor in the response
+/// or the node's log.
+pub async fn egress_route_secret_never_enters_the_sandbox(backend: &'static str) {
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (origin, ca) = Origin::https(dir.path(), "localhost").await;
+        let ca_file = dir.path().join("route-ca.pem");
+        std::fs::write(&ca_file, ca).unwrap();
+        let config = format!(
+            "egress:\n  routes:\n    api:\n      upstream: \"https://localhost:{}/api\"\n      headers:\n        Authorization: {{env: ROUTE_TOKEN}}\n      ca_file: {}\n",
+            origin.port,
+            ca_file.display()
+        );
+        let server = Server::start_with_env(
+            backend,
+            &config,
+            &[("ROUTE_TOKEN", "Bearer s3cret-route-token-7f3a9c")],
+        );
+        // The pattern is split so this script itself does not hold it.
+        let script = "printf 'GET /routes/api/whoami HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' | nc -w 10 127.0.0.1 3128; echo; \
+             s1=s3cret-route; s2=token-7f3a9c; pat=\"$s1-$s2\"; \
+             env | grep -c \"$pat\"; \
+             for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do grep -l -F \"$pat\" \"$f\" 2>/dev/null; done \
+               | grep -v \"^/proc/$$/\" | grep -v '/proc/self/' ; \
+             grep -r -l -F \"$pat\" /job /workspace /tmp /etc 2>/dev/null; echo searched";
+        let id = unique("egr");
+        let req = restricted_job(&id, script, None, json!({}));
+        let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
+        if !gates(backend) {
+            assert_eq!(code, 400, "{resp}");
+            return;
+        }
+        assert_eq!(code, 200, "{resp}");
+        let out = resp["stdout"].as_str().unwrap();
+        assert!(out.contains("authorized"), "the route added its header: {out}");
+        let after: Vec<&str> = out.lines().skip_while(|l| !l.contains("authorized")).skip(1).collect();
+        assert_eq!(after, ["0", "searched"], "the secret was found in the sandbox: {out}");
+        assert!(origin.hits() >= 1);
+        let text = resp.to_string();
+        assert!(!text.contains(ROUTE_SECRET), "{text}");
+        let log = server.log.lock().unwrap().join("\n");
+        assert!(!log.contains(ROUTE_SECRET), "the node's log holds the secret");
+        assert!(log.contains("egress attempt"), "the attempt is in the node's log");
+    })
+    .await
+    .unwrap();
+}
+
+on_both_backends!(egress_jobs:
+    egress_restricted_job_reaches_only_its_allowlist,
+    egress_flood_keeps_the_node_answering_and_the_audit_bounded,
+    egress_route_secret_never_enters_the_sandbox,
+);
