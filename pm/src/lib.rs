@@ -9,7 +9,7 @@
 //! - [`config`]: the PM's settings as plain values; [`bootstrap`]: builds a PM from them;
 //!   [`local_worker`]: the worker `cynode-pm run` starts itself.
 //! - [`service`]: the HTTP API of `cynode-pm serve`; [`metrics`], [`telemetry`]: what it
-//!   exports.
+//!   exports; [`mcp`]: the same operations as MCP tools (`cynode-pm mcp`, `/v1/mcp`).
 //!
 //! The command line is the binary's (`src/cli/`): it turns flags into [`config`] values
 //! and is the only place an error is an `anyhow::Error`.
@@ -21,6 +21,7 @@ pub mod dispatch;
 pub mod driver;
 pub mod llm;
 pub mod local_worker;
+pub mod mcp;
 pub mod metrics;
 pub mod policy;
 pub mod service;

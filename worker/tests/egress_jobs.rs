@@ -284,3 +284,166 @@ on_both_backends!(egress_jobs:
     egress_flood_keeps_the_node_answering_and_the_audit_bounded,
     egress_route_secret_never_enters_the_sandbox,
 );
+
+/// The host's root filesystem with the `/job` and `/workspace` mount points a sandbox
+/// root needs: an overlay (lower `/`, upper a temp directory holding the two), unmounted
+/// when dropped.
+struct HostRoot {
+    dir: tempfile::TempDir,
+}
+
+impl HostRoot {
+    fn mount() -> HostRoot {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        for d in ["upper/job", "upper/workspace", "work", "merged"] {
+            std::fs::create_dir_all(dir.path().join(d)).unwrap();
+        }
+        for d in ["", "upper", "merged"] {
+            std::fs::set_permissions(dir.path().join(d), std::fs::Permissions::from_mode(0o755))
+                .unwrap();
+        }
+        let opts = format!(
+            "lowerdir=/,upperdir={},workdir={}",
+            dir.path().join("upper").display(),
+            dir.path().join("work").display()
+        );
+        let out = std::process::Command::new("mount")
+            .args(["-t", "overlay", "overlay", "-o", &opts])
+            .arg(dir.path().join("merged"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        HostRoot { dir }
+    }
+
+    fn merged(&self) -> std::path::PathBuf {
+        self.dir.path().join("merged")
+    }
+}
+
+impl Drop for HostRoot {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(self.merged())
+            .output();
+    }
+}
+
+/// A wheel of package `egresspkg` 0.1 (built with the host's python3 and its standard
+/// zipfile module, RECORD hashes included).
+fn build_wheel(dir: &std::path::Path) -> Vec<u8> {
+    let path = dir.join("egresspkg-0.1-py3-none-any.whl");
+    let script = r#"
+import base64, hashlib, sys, zipfile
+files = {
+    "egresspkg/__init__.py": b'VALUE = "fetched through the egress proxy"\n',
+    "egresspkg-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: egresspkg\nVersion: 0.1\n",
+    "egresspkg-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: cynode-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+record = ""
+for name, data in files.items():
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    record += f"{name},sha256={digest},{len(data)}\n"
+record += "egresspkg-0.1.dist-info/RECORD,,\n"
+with zipfile.ZipFile(sys.argv[1], "w") as z:
+    for name, data in files.items():
+        z.writestr(name, data)
+    z.writestr("egresspkg-0.1.dist-info/RECORD", record)
+"#;
+    let out = std::process::Command::new("python3")
+        .args(["-c", script])
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    std::fs::read(&path).unwrap()
+}
+
+/// A PEP 503 simple index on 127.0.0.1 serving one wheel; counts the wheel's downloads.
+async fn index_with(wheel: Vec<u8>) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use axum::routing::get;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let downloads = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = downloads.clone();
+    let name = "egresspkg-0.1-py3-none-any.whl";
+    let page =
+        format!("<!DOCTYPE html><html><body><a href=\"/files/{name}\">{name}</a></body></html>");
+    let app = axum::Router::new()
+        .route(
+            "/simple/egresspkg/",
+            get(move || async move { axum::response::Html(page) }),
+        )
+        .route(
+            &format!("/files/{name}"),
+            get(move || async move {
+                counted.fetch_add(1, Ordering::SeqCst);
+                wheel
+            }),
+        );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = l.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        let _ = axum::serve(l, app).await;
+    });
+    (port, downloads)
+}
+
+/// bwrap with the host's root filesystem as the image (it has python3, pip and curl; the
+/// busybox test image has neither): `pip install` of a wheel the test built, from a PEP
+/// 503 index on 127.0.0.1 reached by name through the proxy, and curl to an HTTPS origin
+/// with a CA made here through CONNECT. Only the proxy's variables tell the tools where
+/// to go. (Podman runs images only: no image with pip is built offline, so this case is
+/// bwrap's; the HTTP and CONNECT paths are the same code on both backends.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bwrap_pip_installs_a_wheel_and_curl_reaches_https_through_the_proxy() {
+    crate::cases::setup();
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (index_port, downloads) = index_with(build_wheel(dir.path())).await;
+        let (secure, ca) = Origin::https(dir.path(), "secure.test").await;
+        let dns = Dns::start(&[
+            ("pypi.test", &[Ipv4Addr::LOCALHOST]),
+            ("secure.test", &[Ipv4Addr::LOCALHOST]),
+        ])
+        .await;
+        let host_image = "localhost/cynode-host-root:latest";
+        let root = HostRoot::mount();
+        // Continues the harness's `bwrap.rootfs` map: the host's / as an image.
+        let config = format!(
+            "    \"{host_image}\": {}\negress:\n  allow: [\"pypi.test:{index_port}\", \"secure.test:{}\", \"127.0.0.1\"]\n  nameservers: [\"{}\"]\n",
+            root.merged().display(),
+            secure.port,
+            dns.addr
+        );
+        let server = Server::start("bwrap", &config);
+        let script = format!(
+            "set -e; printf '%s' \"$TEST_CA\" > /tmp/ca.pem; \
+             /usr/bin/python3 -m pip install --no-cache-dir --disable-pip-version-check -q \
+               --index-url http://pypi.test:{index_port}/simple/ --trusted-host pypi.test:{index_port} \
+               --target /workspace/site egresspkg; \
+             PYTHONPATH=/workspace/site /usr/bin/python3 -c 'import egresspkg; print(egresspkg.VALUE)'; \
+             curl -sS --max-time 20 --cacert /tmp/ca.pem https://secure.test:{}/hello; echo"
+            , secure.port
+        );
+        let mut req = restricted_job(&unique("pip"), &script, None, json!({ "TEST_CA": ca }));
+        req["sandbox"]["image"] = host_image.into();
+        let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
+        assert_eq!(code, 200, "{resp}");
+        assert_eq!(resp["status"], "completed", "{resp}");
+        assert_eq!(
+            resp["stdout"],
+            "fetched through the egress proxy\nhello from origin\n",
+            "{resp}"
+        );
+        assert_eq!(downloads.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(secure.hits(), 1);
+        let pip: Vec<&Value> = records(&resp, "pypi.test", "GET");
+        assert!(pip.len() >= 2 && pip.iter().all(|r| r["decision"] == "allowed"), "{}", resp["egress"]);
+        let tls = records(&resp, "secure.test", "CONNECT");
+        assert!(tls.len() == 1 && tls[0]["bytes_down"].as_u64() > Some(1000), "{}", resp["egress"]);
+    })
+    .await
+    .unwrap();
+}

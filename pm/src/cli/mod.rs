@@ -6,6 +6,7 @@
 //!   printing their progress;
 //! - [`sessions`]: `sessions list | show ID`;
 //! - [`serve`]: `serve`, the HTTP API; `openapi` prints its description;
+//! - [`mcp`]: `mcp`, the MCP server on stdio;
 //! - [`args`]: the flag groups several commands share, turned into plain settings.
 //!
 //! `--help` groups a command's flags: its own under "Options" first, then the shared
@@ -35,6 +36,7 @@ macro_rules! outln {
 }
 
 mod args;
+mod mcp;
 mod policy;
 mod report;
 mod run;
@@ -119,6 +121,8 @@ pub enum Command {
     Sessions(sessions::SessionsCmd),
     /// Serve the HTTP API for orchestrators (sessions, events, metrics).
     Serve(Box<serve::ServeArgs>),
+    /// Serve MCP on stdin/stdout (sessions, skills, artifacts as tools) for one tenant.
+    Mcp(Box<mcp::McpArgs>),
     /// Print the OpenAPI document of the HTTP API.
     Openapi,
 }
@@ -146,6 +150,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<i32> {
         Command::Sessions(cmd) => with_runtime(g, "warn", sessions::sessions(cmd, g)),
         // The service logs at info: its lines are its audit trail.
         Command::Serve(args) => with_runtime(g, "info", serve::serve(args, g)),
+        Command::Mcp(args) => with_runtime(g, "info", mcp::mcp(args, g)),
         Command::Openapi => {
             outln!("{}", cynode_pm::service::openapi_json());
             Ok(0)

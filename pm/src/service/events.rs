@@ -18,8 +18,8 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
 
-use super::api::owned;
 use super::auth::Tenant;
+use super::ops::owned;
 use super::problem::Problem;
 use super::AppState;
 
