@@ -212,19 +212,63 @@ fn default_inference_timeout() -> u64 {
     600
 }
 
+/// The OCI runtime an engine starts containers with. Only these names are accepted, so
+/// the setting can never carry an arbitrary engine flag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum OciRuntime {
+    /// The engine's own default (no `--runtime`): what the engine's configuration picks.
+    #[default]
+    #[serde(rename = "")]
+    Default,
+    /// runc (crun refuses hybrid cgroup v1/v2 layouts).
+    #[serde(rename = "runc")]
+    Runc,
+    #[serde(rename = "crun")]
+    Crun,
+    /// gVisor: the container's system calls are served by gVisor's own kernel in user
+    /// space, not the host's. Podman runs it as `--runtime <runsc_path> --runtime-flag
+    /// network=none`; Docker needs it registered as `runsc` in /etc/docker/daemon.json
+    /// (with `runtimeArgs: ["--network=none"]`, as deploy/install-deps.sh does).
+    #[serde(rename = "runsc")]
+    Runsc,
+}
+
+impl OciRuntime {
+    /// The name the config uses.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OciRuntime::Default => "",
+            OciRuntime::Runc => "runc",
+            OciRuntime::Crun => "crun",
+            OciRuntime::Runsc => "runsc",
+        }
+    }
+}
+
+/// Where Debian's `runsc` package installs gVisor's runtime.
+pub const DEFAULT_RUNSC_PATH: &str = "/usr/bin/runsc";
+
 /// Podman or Docker settings.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineConfig {
     pub binary: String,
-    /// OCI runtime (`runc`: crun refuses hybrid cgroup layouts); empty for the default.
-    pub runtime: String,
+    /// OCI runtime: `""` (the engine's default), `runc`, `crun` or `runsc` (gVisor).
+    pub runtime: OciRuntime,
+    /// The runsc binary Podman is given with `runtime: runsc` (Docker uses the runtime
+    /// registered as `runsc` in its daemon's configuration instead).
+    #[serde(default = "default_runsc_path")]
+    pub runsc_path: PathBuf,
     /// The init binary `run --init` starts as PID 1 of session containers. Unset: the
     /// engine's default (Podman: `/usr/libexec/podman/catatonit`, Debian package
     /// `catatonit`; Docker: `docker-init`, Debian package `tini`). Set, Podman is given it
     /// with `--init-path`.
     #[serde(default)]
     pub init_path: Option<PathBuf>,
+}
+
+fn default_runsc_path() -> PathBuf {
+    PathBuf::from(DEFAULT_RUNSC_PATH)
 }
 
 /// bubblewrap settings.
@@ -287,13 +331,12 @@ impl Default for Config {
             state_dir: PathBuf::from("/var/lib/cynode-worker"),
             podman: EngineConfig {
                 binary: "podman".into(),
-                runtime: "runc".into(),
-                init_path: None,
+                runtime: OciRuntime::Runc,
+                ..EngineConfig::default()
             },
             docker: EngineConfig {
                 binary: "docker".into(),
-                runtime: String::new(),
-                init_path: None,
+                ..EngineConfig::default()
             },
             bwrap: BwrapConfig::default(),
             microvm: crate::backend::microvm::MicrovmConfig::default(),
@@ -331,7 +374,8 @@ impl Default for EngineConfig {
     fn default() -> Self {
         Self {
             binary: "podman".into(),
-            runtime: String::new(),
+            runtime: OciRuntime::Default,
+            runsc_path: default_runsc_path(),
             init_path: None,
         }
     }
@@ -483,6 +527,20 @@ mod tests {
         assert_eq!(cfg.limits.pids, 32);
         assert_eq!(cfg.limits.memory_mb, 512);
         assert!(serde_yaml::from_str::<Config>("bakend: bwrap\n").is_err());
+    }
+
+    #[test]
+    fn runtime_is_one_of_the_known_names() {
+        let cfg: Config =
+            serde_yaml::from_str("podman:\n  runtime: runsc\ndocker:\n  runtime: \"\"\n").unwrap();
+        assert_eq!(cfg.podman.runtime, OciRuntime::Runsc);
+        assert_eq!(cfg.podman.runsc_path, Path::new(DEFAULT_RUNSC_PATH));
+        assert_eq!(cfg.docker.runtime, OciRuntime::Default);
+        assert_eq!(Config::default().podman.runtime, OciRuntime::Runc);
+        for bad in ["--privileged", "/usr/bin/runsc", "runsc --debug", "gvisor"] {
+            let text = format!("podman:\n  runtime: \"{bad}\"\n");
+            assert!(serde_yaml::from_str::<Config>(&text).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

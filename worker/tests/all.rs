@@ -4,12 +4,16 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 /// `on_both_backends!(module: case, …)`: one test per case and backend, named
-/// `podman::case` and `bwrap::case`, that runs `crate::module::case("podman" | "bwrap")`
-/// after the environment setup. Defined before the modules, so each can use it.
+/// `bwrap::case`, `podman::case`, `docker::case` and `runsc::case` (gVisor under Podman),
+/// that runs `crate::module::case("bwrap" | "podman" | "docker" | "runsc")` after the
+/// environment setup (the harness turns the name into the worker's config). Defined
+/// before the modules, so each can use it.
 macro_rules! on_both_backends {
     ($module:ident: $($case:ident),* $(,)?) => {
         on_both_backends!(@one $module podman: $($case),*);
         on_both_backends!(@one $module bwrap: $($case),*);
+        on_both_backends!(@one $module docker: $($case),*);
+        on_both_backends!(@one $module runsc: $($case),*);
     };
     (@one $module:ident $backend:ident: $($case:ident),*) => {
         mod $backend {

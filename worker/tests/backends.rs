@@ -13,6 +13,7 @@ on_both_backends!(
     in_progress_is_reported_from_the_sandbox,
     missing_result_is_failed_never_success,
     timeout_removes_the_sandbox,
+    sigterm_ignoring_job_ends_at_its_timeout,
     fork_bomb_is_contained,
     memory_hog_is_contained,
     resubmit_is_idempotent,

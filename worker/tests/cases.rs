@@ -5,15 +5,15 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::harness::{
-    assert_field_starts, command_job, env, mounts_with, podman_containers, process_with_arg,
-    sba_job, sha256_hex, unique, Server, TOKEN,
+    assert_field_starts, command_job, env, mounts_with, process_with_arg, sba_job, sha256_hex,
+    unique, Server, TOKEN,
 };
 
 /// No leftovers of `job_id`: no container, no process with `marker`, no mount.
 fn assert_no_leaks(sv: &Server, job_id: &str, marker: Option<&str>) {
-    if sv.backend == "podman" {
+    if crate::harness::is_engine(sv.backend) {
         assert_eq!(
-            podman_containers(job_id),
+            crate::harness::job_containers(sv.backend, job_id),
             Vec::<String>::new(),
             "container left for {job_id}"
         );
@@ -328,6 +328,31 @@ pub async fn timeout_removes_the_sandbox(backend: &'static str) {
     assert_no_leaks(&sv, &id, Some(marker));
 }
 
+/// A job that ignores SIGTERM (and its children with it: an ignored signal stays ignored
+/// across exec) still ends at its timeout: the node kills, it does not ask. On Docker it
+/// lived 64 s under a 4 s timeout while the node's `docker rm` was refused.
+pub async fn sigterm_ignoring_job_ends_at_its_timeout(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let id = unique("j");
+    let marker = &crate::harness::marker();
+    let script = format!("trap '' TERM INT HUP; sleep {marker}; sleep {marker}");
+    let mut body = command_job(&id, "t", &["sh", "-c", &script]);
+    body["sandbox"]["timeout_seconds"] = json!(4);
+    let t = Instant::now();
+    let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    eprintln!(
+        "{backend}: a 4 s timeout ended the job after {:?}",
+        t.elapsed()
+    );
+    assert!(t.elapsed() < Duration::from_secs(20), "{:?}", t.elapsed());
+    assert_eq!(
+        (v["status"].clone(), v["exit_code"].clone()),
+        (json!("timeout"), json!(-1)),
+        "{v}"
+    );
+    assert_no_leaks(&sv, &id, Some(marker));
+}
+
 pub async fn fork_bomb_is_contained(backend: &'static str) {
     let sv = Server::start(backend, "limits:\n  pids: 64\n  memory_mb: 256\n");
     let id = unique("j");
@@ -372,6 +397,12 @@ pub async fn memory_hog_is_contained(backend: &'static str) {
         "sandbox killed by SIGKILL: memory or pids limit reached"
     );
     assert_no_leaks(&sv, &id, None);
+    // Podman's conmon creates an empty `oom` in its working directory on an OOM kill:
+    // engine clients run in the node's own directory, never where the node was started.
+    assert!(
+        !sv.dir.path().join("oom").exists(),
+        "an engine helper wrote `oom` into the node's working directory"
+    );
 }
 
 pub async fn resubmit_is_idempotent(backend: &'static str) {
@@ -600,8 +631,11 @@ pub async fn kill9_restart_keeps_results_and_fails_the_interrupted(backend: &'st
     let (_, interrupted) = sv.get(&format!("/v1/worker/jobs/{long_id}")).await;
     assert_eq!(interrupted["status"], "failed", "{interrupted}");
     assert_eq!(interrupted["result"]["failure_reason"], "worker_restarted");
-    if backend == "podman" {
-        assert_eq!(podman_containers(&long_id), Vec::<String>::new());
+    if crate::harness::is_engine(backend) {
+        assert_eq!(
+            crate::harness::job_containers(backend, &long_id),
+            Vec::<String>::new()
+        );
     }
     // bwrap sandboxes die with the node (--die-with-parent).
     let until = std::time::Instant::now() + Duration::from_secs(10);

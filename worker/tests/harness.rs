@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use cynode_testkit::{output_bounded, OwnedChild};
+use cynode_testkit::{output_bounded, output_within, OwnedChild};
 use serde_json::{json, Value};
 
 pub const TOKEN: &str = "test-token-0123456789abcdef";
@@ -39,6 +39,50 @@ pub fn env() -> &'static Env {
         let rootfs = PathBuf::from(script(&["deploy/sba/export-rootfs.sh", &image]));
         Env { image, rootfs }
     })
+}
+
+/// The engine CLI of a test backend name: `podman` for podman and runsc (gVisor under
+/// Podman), `docker` for docker, `None` for bwrap.
+pub fn engine_cli(backend: &str) -> Option<&'static str> {
+    match backend {
+        "podman" | "runsc" => Some("podman"),
+        "docker" => Some("docker"),
+        _ => None,
+    }
+}
+
+/// Whether the backend runs containers through an engine (not bwrap).
+pub fn is_engine(backend: &str) -> bool {
+    engine_cli(backend).is_some()
+}
+
+/// The worker config lines that select a test backend: `bwrap`, `podman`, `docker`, or
+/// `runsc` (Podman with gVisor's runtime). Docker gets its daemon started and the test
+/// image loaded into it first (deploy/docker/start.sh, once per test binary).
+fn backend_config(backend: &str, extra: &str) -> String {
+    match backend {
+        "runsc" => {
+            assert!(
+                !extra.lines().any(|l| l.starts_with("podman:")),
+                "runsc sets the podman section itself"
+            );
+            "backend: podman\npodman:\n  runtime: runsc\n".to_string()
+        }
+        "docker" => {
+            docker_ready();
+            "backend: docker\n".to_string()
+        }
+        "podman" | "bwrap" => format!("backend: {backend}\n"),
+        other => panic!("unknown test backend {other}"),
+    }
+}
+
+/// Starts dockerd when none answers and loads the test image into it (once).
+fn docker_ready() {
+    static READY: OnceLock<()> = OnceLock::new();
+    READY.get_or_init(|| {
+        script(&["deploy/docker/start.sh", &env().image]);
+    });
 }
 
 /// A unique id for jobs and tasks of this test process.
@@ -254,13 +298,16 @@ impl Drop for Server {
     }
 }
 
-/// Removes the Podman containers of the worker whose state directory is `state` (by its
-/// node label), after that worker was killed. A container the killed worker was still
-/// creating can appear a moment later, so this looks again until two looks in a row, half
-/// a second apart, find none (at most ~10 s).
-pub fn remove_node_containers(state: &Path) {
-    remove_listed_containers(state);
-    kill_orphan_conmons();
+/// Removes the containers (engine CLI `cli`: podman or docker) of the worker whose state
+/// directory is `state` (by its node label), after that worker was killed. A container
+/// the killed worker was still creating can appear a moment later, so this looks again
+/// until two looks in a row, half a second apart, find none (at most ~10 s). Podman's
+/// orphaned conmons are killed too; Docker has none (its daemon owns the containers).
+pub fn remove_engine_containers(cli: &str, state: &Path) {
+    remove_listed_containers(cli, state);
+    if cli == "podman" {
+        kill_orphan_conmons();
+    }
 }
 
 /// Podman's monitors (`conmon`) of this test process's containers that outlived them, and
@@ -325,14 +372,14 @@ fn processes() -> Vec<(i32, i32, String)> {
 }
 
 /// The removal loop of [`remove_node_containers`].
-fn remove_listed_containers(state: &Path) {
+fn remove_listed_containers(cli: &str, state: &Path) {
     let Ok(state) = std::fs::canonicalize(state) else {
         return;
     };
     let node = &sha256_hex(state.display().to_string().as_bytes())[..12];
     let mut empty_looks = 0;
     for _ in 0..20 {
-        let mut ps = Command::new("podman");
+        let mut ps = Command::new(cli);
         ps.args(["ps", "--all", "--quiet", "--filter"])
             .arg(format!("label=io.cynode.node={node}"));
         let out = output_bounded(ps, Duration::from_secs(60));
@@ -350,8 +397,8 @@ fn remove_listed_containers(state: &Path) {
             }
         } else {
             empty_looks = 0;
-            let mut rm = Command::new("podman");
-            rm.args(["rm", "--force", "--time", "0"]).args(&ids);
+            let mut rm = Command::new(cli);
+            rm.args(["rm", "--force"]).args(&ids);
             let _ = output_bounded(rm, Duration::from_secs(120));
         }
         std::thread::sleep(Duration::from_millis(500));
@@ -368,23 +415,24 @@ pub async fn answer(r: reqwest::Response) -> (u16, Value) {
     )
 }
 
-/// Removes a podman container when the test ends, also by a panic: the harness SIGKILLs
-/// the node, which cannot remove it then.
-pub struct RemoveOnDrop(Option<String>);
+/// Removes an engine's container (engine CLI, name) when the test ends, also by a panic:
+/// the harness SIGKILLs the node, which cannot remove it then.
+pub struct RemoveOnDrop(Option<(&'static str, String)>);
 
 impl Drop for RemoveOnDrop {
     fn drop(&mut self) {
-        if let Some(name) = &self.0 {
-            let _ = Command::new("podman")
-                .args(["rm", "--force", "--ignore", "--time", "0", name])
-                .output();
+        if let Some((cli, name)) = &self.0 {
+            // `rm --force` of an absent container fails, which is fine here.
+            let mut rm = Command::new(cli);
+            rm.args(["rm", "--force", name]);
+            let _ = output_within(rm, Duration::from_secs(120));
         }
     }
 }
 
-/// The guard that removes session `session_id`'s container (podman only).
+/// The guard that removes session `session_id`'s container (engines only).
 pub fn session_guard(backend: &str, session_id: &str) -> RemoveOnDrop {
-    RemoveOnDrop((backend == "podman").then(|| format!("cynode-session-{session_id}")))
+    RemoveOnDrop(engine_cli(backend).map(|cli| (cli, format!("cynode-session-{session_id}"))))
 }
 
 fn launch(
@@ -406,7 +454,8 @@ fn launch(
     std::fs::write(
         &config,
         format!(
-            "listen: 127.0.0.1:0\nbackend: {backend}\nstate_dir: {}\n{token_line}bwrap:\n  rootfs:\n    \"{}\": {}\n{extra}\n",
+            "listen: 127.0.0.1:0\n{}state_dir: {}\n{token_line}bwrap:\n  rootfs:\n    \"{}\": {}\n{extra}\n",
+            backend_config(backend, extra),
             dir.join("state").display(),
             e.image,
             e.rootfs.display()
@@ -414,8 +463,11 @@ fn launch(
     )
     .expect("config");
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-worker"));
+    // The node runs in its test's directory: whatever lands in its working directory is
+    // seen there (and goes with it), never in the crate's source tree.
     cmd.args(["serve", "--config"])
         .arg(&config)
+        .current_dir(dir)
         .env_remove("WORKER_API_BEARER_TOKEN")
         .envs(vars.iter().copied())
         .stdout(Stdio::null())
@@ -492,21 +544,43 @@ pub fn sba_job(job_id: &str, task_id: &str, steps: Value, artifacts: Value) -> V
     })
 }
 
-/// Containers of this node's jobs still known to podman.
-pub fn podman_containers(job_id: &str) -> Vec<String> {
-    podman_names(&format!("label=cynodeai.job_id={job_id}"))
+/// Containers of job `job_id` still known to the engine of `backend` (none for bwrap).
+pub fn job_containers(backend: &str, job_id: &str) -> Vec<String> {
+    engine_cli(backend).map_or_else(Vec::new, |cli| {
+        engine_names(cli, &format!("label=cynodeai.job_id={job_id}"))
+    })
 }
 
-/// Names of the containers podman knows that match `filter` (`podman ps --filter`).
-pub fn podman_names(filter: &str) -> Vec<String> {
-    let out = Command::new("podman")
-        .args(["ps", "--all", "--format", "{{.Names}}", "--filter", filter])
-        .output()
-        .expect("podman ps");
+/// Names of the containers the engine CLI `cli` knows that match `filter`.
+pub fn engine_names(cli: &str, filter: &str) -> Vec<String> {
+    let mut ps = Command::new(cli);
+    ps.args(["ps", "--all", "--format", "{{.Names}}", "--filter", filter]);
+    let out = output_bounded(ps, Duration::from_secs(60));
+    assert!(
+        out.status.success(),
+        "{cli} ps failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .map(str::to_string)
         .collect()
+}
+
+/// The full id of container `name` on the engine of `backend` (`None` for bwrap). Engine
+/// helpers on the host (conmon, containerd's shim, gVisor's sandbox and gofer) name it in
+/// their command lines, so [`process_with_arg`] of it finds what the container left.
+pub fn container_id(backend: &str, name: &str) -> Option<String> {
+    let cli = engine_cli(backend)?;
+    let mut inspect = Command::new(cli);
+    inspect.args(["inspect", "--format", "{{.Id}}", name]);
+    let out = output_bounded(inspect, Duration::from_secs(60));
+    assert!(
+        out.status.success(),
+        "{cli} inspect {name}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Some(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
 /// Whether any process has `needle` in its command line.
@@ -514,7 +588,8 @@ pub fn process_with_arg(needle: &str) -> bool {
     processes().iter().any(|(_, _, cmd)| cmd.contains(needle))
 }
 
-/// Mounts whose path mentions `needle`.
+/// Mounts whose path mentions `needle`, but for the node's own disk volumes (ext4 on a
+/// loop device, mounted on job directories and workspaces for as long as they exist).
 pub fn mounts_with(needle: &str) -> Vec<String> {
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap_or_default()

@@ -1,5 +1,5 @@
 //! Attacks on what the node reads back from a sandbox, and on its idempotency (issue 13,
-//! findings 4–8 and 13). A real job in a real sandbox does each attack, on podman and bwrap;
+//! findings 4–8 and 13). A real job in a real sandbox does each attack, on every backend;
 //! the tests assert that nothing reached the host: no host file read through a link, the
 //! node answering while a FIFO sits at result.json, no RSS growth from a huge result, no
 //! unbounded hashing, no unbounded disk use, no stored result handed to another request.
@@ -11,30 +11,8 @@ use serde_json::{json, Value};
 
 use crate::harness::{command_job, sba_job, unique, Server};
 
-macro_rules! per_backend {
-    ($($case:ident),* $(,)?) => {
-        mod podman {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    crate::cases::setup();
-                    super::$case("podman").await;
-                }
-            )*
-        }
-        mod bwrap {
-            $(
-                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                async fn $case() {
-                    crate::cases::setup();
-                    super::$case("bwrap").await;
-                }
-            )*
-        }
-    };
-}
-
-per_backend!(
+on_both_backends!(
+    host_reads:
     symlinked_result_is_never_read,
     fifo_result_does_not_hang_the_node,
     huge_sparse_result_is_read_bounded,

@@ -210,8 +210,8 @@ async fn sandbox_cpu_quota(backend: &str, id: &str) -> Option<f64> {
     let until = std::time::Instant::now() + Duration::from_secs(60);
     let name = format!("cynode-{id}");
     loop {
-        let found = if backend == "podman" {
-            let out = Command::new("podman")
+        let found = if let Some(cli) = crate::harness::engine_cli(backend) {
+            let out = Command::new(cli)
                 .args(["inspect", "--format", "{{.HostConfig.NanoCpus}}", &name])
                 .output()
                 .ok()?;

@@ -19,6 +19,7 @@ on_both_backends!(
     max_lifetime_ends_a_running_command,
     one_command_at_a_time,
     killing_the_keepalive_ends_the_session,
+    background_process_ends_with_the_session,
     auth_is_required,
     invalid_requests_name_the_field,
 );
@@ -31,9 +32,11 @@ fn exec_body(command: &[&str]) -> Value {
     json!({ "version": 1, "command": command })
 }
 
-/// Containers named for the session, running or not.
-fn session_containers(session_id: &str) -> Vec<String> {
-    crate::harness::podman_names(&format!("name=^cynode-session-{session_id}$"))
+/// Containers named for the session, running or not, on the engine of `backend`.
+fn session_containers(backend: &str, session_id: &str) -> Vec<String> {
+    crate::harness::engine_cli(backend).map_or_else(Vec::new, |cli| {
+        crate::harness::engine_names(cli, &format!("name=^cynode-session-{session_id}$"))
+    })
 }
 
 /// A session a test created.
@@ -65,9 +68,9 @@ async fn create_session(sv: &Server, tweak: impl FnOnce(&mut Value)) -> Created 
 }
 
 fn assert_no_container(sv: &Server, session_id: &str) {
-    if sv.backend == "podman" {
+    if crate::harness::is_engine(sv.backend) {
         assert_eq!(
-            session_containers(session_id),
+            session_containers(sv.backend, session_id),
             Vec::<String>::new(),
             "container left for session {session_id}"
         );
@@ -115,9 +118,9 @@ pub async fn lifecycle_keeps_the_workspace_and_removes_the_sandbox(backend: &'st
         "idle_timeout_seconds": 600, "max_lifetime_seconds": 3600
     });
     assert_eq!(without_times(&created), running);
-    if backend == "podman" {
+    if crate::harness::is_engine(backend) {
         assert_eq!(
-            session_containers(&id),
+            session_containers(backend, &id),
             vec![format!("cynode-session-{id}")]
         );
     }
@@ -245,9 +248,9 @@ pub async fn idle_timeout_ends_the_session(backend: &'static str) {
         .await;
     assert_eq!(code, 409, "{v}");
     // The reaper removes the container right after marking the session ended.
-    if backend == "podman" {
+    if crate::harness::is_engine(backend) {
         let until = Instant::now() + Duration::from_secs(10);
-        while !session_containers(&id).is_empty() && Instant::now() < until {
+        while !session_containers(backend, &id).is_empty() && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -357,9 +360,9 @@ pub async fn max_lifetime_ends_a_running_command(backend: &'static str) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(!process_with_arg(&m), "the command survived its session");
-    if backend == "podman" {
+    if crate::harness::is_engine(backend) {
         let until = Instant::now() + Duration::from_secs(10);
-        while !session_containers(&id).is_empty() && Instant::now() < until {
+        while !session_containers(backend, &id).is_empty() && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
@@ -401,6 +404,47 @@ pub async fn one_command_at_a_time(backend: &'static str) {
     assert_no_container(&sv, &id);
 }
 
+/// A command that leaves a process running in the background (it ignores SIGTERM) does
+/// not outlive its session: once the session ends, no host process of the sandbox is left
+/// (for an engine, none that names its container: conmon, the shim, gVisor's sandbox)
+/// and no container. On Docker it survived while the node's `docker rm` was refused.
+pub async fn background_process_ends_with_the_session(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let Created {
+        id, exec, _cleanup, ..
+    } = create_session(&sv, |_| {}).await;
+    let container = crate::harness::container_id(backend, &format!("cynode-session-{id}"));
+    let m = marker();
+    let script = format!("trap '' TERM INT HUP; sleep {m} >/dev/null 2>&1 &");
+    let (code, v) = sv.post(&exec, &exec_body(&["sh", "-c", &script])).await;
+    assert_eq!(outcome(&v), ok(""), "{v}");
+    assert_eq!(code, 200);
+    let (code, v) = sv
+        .post(&format!("/v1/worker/sessions/{id}/end"), &json!({}))
+        .await;
+    assert_eq!(code, 200, "{v}");
+    assert!(
+        no_process_within(&m, Duration::from_secs(15)).await,
+        "the background process survived its session"
+    );
+    if let Some(cid) = container {
+        assert!(
+            no_process_within(&cid, Duration::from_secs(15)).await,
+            "a host process of container {cid} survived its session"
+        );
+    }
+    assert_no_container(&sv, &id);
+}
+
+/// Whether no process has `needle` in its command line, or none has any more within `limit`.
+async fn no_process_within(needle: &str, limit: Duration) -> bool {
+    let until = Instant::now() + limit;
+    while process_with_arg(needle) && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    !process_with_arg(needle)
+}
+
 /// A command that kills every process it can: in a container that includes the keep-alive
 /// `sleep`, so the container stops and the reaper ends the session; a bubblewrap command
 /// only reaches its own sandbox, so the session goes on.
@@ -413,13 +457,13 @@ pub async fn killing_the_keepalive_ends_the_session(backend: &'static str) {
         .post(&exec, &exec_body(&["sh", "-c", "kill -9 -1; true"]))
         .await;
     assert_eq!(code, 200, "{v}");
-    if backend == "podman" {
+    if crate::harness::is_engine(backend) {
         let ended = wait_ended(&sv, &id, Duration::from_secs(20)).await;
         assert_eq!(ended["end_reason"], "sandbox_exited", "{ended}");
         let (code, _) = sv.post(&exec, &exec_body(&["true"])).await;
         assert_eq!(code, 409);
         let until = Instant::now() + Duration::from_secs(10);
-        while !session_containers(&id).is_empty() && Instant::now() < until {
+        while !session_containers(backend, &id).is_empty() && Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         assert_no_container(&sv, &id);

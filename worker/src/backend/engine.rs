@@ -23,11 +23,13 @@ use tokio_util::sync::CancellationToken;
 use super::{
     capture, seccomp, BackendError, EndReason, SandboxOutcome, SandboxSpec, MANAGED_LABEL,
 };
-use crate::config::{BackendKind, EngineConfig};
+use crate::config::{BackendKind, EngineConfig, OciRuntime};
 use crate::sandbox::SANDBOX_USER;
 
 /// How long a stopped container's client may take to exit before it is killed.
 const STOP_BOUND: Duration = Duration::from_secs(60);
+/// Bound on the engine CLI calls of `check`.
+const CLI_BOUND: Duration = Duration::from_secs(30);
 
 /// Podman's default `init_path` (containers.conf), from the Debian package `catatonit`.
 pub const PODMAN_DEFAULT_INIT: &str = "/usr/libexec/podman/catatonit";
@@ -42,6 +44,10 @@ pub struct EngineBackend {
     node: String,
     /// The seccomp profile file every container is started with.
     profile: PathBuf,
+    /// The working directory of every engine client: the node's own, under its state
+    /// directory, so nothing an engine helper writes to its current directory (conmon
+    /// leaves an `oom` file there after an OOM kill) lands where the node was started.
+    workdir: PathBuf,
 }
 
 impl EngineBackend {
@@ -61,6 +67,7 @@ impl EngineBackend {
             cfg,
             node,
             profile,
+            workdir: client_workdir(state_dir),
         }
     }
 
@@ -117,30 +124,62 @@ impl EngineBackend {
         self.kind
     }
 
-    fn cmd(&self) -> Command {
+    /// A command of the engine's client: cleared environment, no stdin, killed when
+    /// dropped, run in the node's own working directory (created when missing).
+    pub fn command(&self) -> Command {
         let mut c = Command::new(&self.cfg.binary);
         super::client_env(&mut c)
             .stdin(Stdio::null())
             .kill_on_drop(true);
+        if std::fs::create_dir_all(&self.workdir).is_ok() {
+            c.current_dir(&self.workdir);
+        }
         c
     }
 
-    /// `podman version` answers, the seccomp profile is in place, and the init binary that
-    /// session containers need (`run --init`) exists.
-    pub async fn check(&self) -> Result<String, BackendError> {
-        let out = self
-            .cmd()
-            .args(["version", "--format", "{{.Client.Version}}"])
-            .output()
-            .await
-            .map_err(|e| BackendError::Client(format!("{} not runnable: {e}", self.cfg.binary)))?;
-        if !out.status.success() {
-            return Err(BackendError::Refused(format!(
-                "{} version failed: {}",
-                self.cfg.binary,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )));
+    /// The OCI runtime containers run with.
+    pub fn runtime(&self) -> OciRuntime {
+        self.cfg.runtime
+    }
+
+    /// The `--runtime` options of `run` (none for the engine's default). For gVisor,
+    /// Podman gets the runsc binary and its `network=none` flag (runsc refuses to start
+    /// in a network namespace it does not own otherwise), Docker the runtime registered
+    /// as `runsc` in its daemon's configuration (which carries that flag itself).
+    pub fn runtime_args(&self) -> Vec<String> {
+        match (self.cfg.runtime, self.kind) {
+            (OciRuntime::Default, _) => Vec::new(),
+            (OciRuntime::Runsc, BackendKind::Podman) => vec![
+                format!("--runtime={}", self.cfg.runsc_path.display()),
+                "--runtime-flag=network=none".into(),
+            ],
+            (r, _) => vec![format!("--runtime={}", r.as_str())],
         }
+    }
+
+    /// The engine answers (Docker: its daemon, not only the client), the OCI runtime is
+    /// there (runsc: Podman's `runsc_path` exists, Docker's daemon has `runsc`
+    /// registered), the seccomp profile is in place, and the init binary that session
+    /// containers need (`run --init`) exists. `Err` says what is missing and how to fix it.
+    pub async fn check(&self) -> Result<String, BackendError> {
+        let binary = &self.cfg.binary;
+        // Docker's client answers `version` without a daemon; the server's version needs one.
+        let side = match self.kind {
+            BackendKind::Docker => "{{.Server.Version}}",
+            _ => "{{.Client.Version}}",
+        };
+        let out = self.cli_output(&["version", "--format", side]).await?;
+        if !out.status.success() {
+            let said = last_line(&out.stderr);
+            return Err(BackendError::Refused(match self.kind {
+                BackendKind::Docker => format!(
+                    "no Docker daemon answers `{binary} version` ({said}): start dockerd (deploy/docker/start.sh does, without systemd) or set DOCKER_HOST"
+                ),
+                _ => format!("{binary} version failed: {said}"),
+            }));
+        }
+        let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        self.check_runtime().await?;
         self.ensure_profile()?;
         let (init, present) = self.init_binary();
         if !present {
@@ -149,17 +188,58 @@ impl EngineBackend {
                 _ => "catatonit",
             };
             return Err(BackendError::Unavailable(format!(
-                "{} {}; session sandboxes need the init binary {init} (`run --init`), which is missing: install the Debian package `{package}` or set {}.init_path",
+                "{} {version}; session sandboxes need the init binary {init} (`run --init`), which is missing: install the Debian package `{package}` or set {}.init_path",
                 self.kind.as_str(),
-                String::from_utf8_lossy(&out.stdout).trim(),
                 self.kind.as_str()
             )));
         }
-        Ok(format!(
-            "{} {}",
-            self.kind.as_str(),
-            String::from_utf8_lossy(&out.stdout).trim()
-        ))
+        let runtime = match self.cfg.runtime {
+            OciRuntime::Default => String::new(),
+            r => format!(" (runtime {})", r.as_str()),
+        };
+        Ok(format!("{} {version}{runtime}", self.kind.as_str()))
+    }
+
+    /// gVisor is there: Podman's `runsc_path` is a file; Docker's daemon lists a runtime
+    /// named `runsc`.
+    async fn check_runtime(&self) -> Result<(), BackendError> {
+        if self.cfg.runtime != OciRuntime::Runsc {
+            return Ok(());
+        }
+        let runsc = &self.cfg.runsc_path;
+        if self.kind == BackendKind::Docker {
+            let out = self
+                .cli_output(&["info", "--format", "{{json .Runtimes}}"])
+                .await?;
+            let runtimes: serde_json::Value =
+                serde_json::from_slice(&out.stdout).unwrap_or_default();
+            if runtimes.get("runsc").is_none() {
+                return Err(BackendError::Unavailable(format!(
+                    "docker.runtime is runsc, but the Docker daemon has no runtime named runsc: register it in /etc/docker/daemon.json (\"runtimes\": {{\"runsc\": {{\"path\": \"{}\", \"runtimeArgs\": [\"--network=none\"]}}}}, as deploy/install-deps.sh does) and reload dockerd (SIGHUP)",
+                    runsc.display()
+                )));
+            }
+        } else if !runsc.is_file() {
+            return Err(BackendError::Unavailable(format!(
+                "podman.runtime is runsc, but {} is missing: install the Debian package `runsc` (gVisor) or set podman.runsc_path",
+                runsc.display()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs the client with `args` to its end, bounded by [`CLI_BOUND`].
+    async fn cli_output(&self, args: &[&str]) -> Result<std::process::Output, BackendError> {
+        let binary = &self.cfg.binary;
+        match tokio::time::timeout(CLI_BOUND, self.command().args(args).output()).await {
+            Ok(Ok(out)) => Ok(out),
+            Ok(Err(e)) => Err(BackendError::Client(format!("{binary} not runnable: {e}"))),
+            Err(_) => Err(BackendError::Client(format!(
+                "{binary} {} did not answer within {} s",
+                args.first().copied().unwrap_or(""),
+                CLI_BOUND.as_secs()
+            ))),
+        }
     }
 
     /// Whether the image exists locally (nothing is ever pulled).
@@ -168,7 +248,7 @@ impl EngineBackend {
             BackendKind::Docker => ["image", "inspect"],
             _ => ["image", "exists"],
         };
-        self.cmd()
+        self.command()
             .args(sub)
             .arg("--")
             .arg(image)
@@ -195,10 +275,7 @@ impl EngineBackend {
             a.push("--label".into());
             a.push(format!("{k}={v}"));
         }
-        if !self.cfg.runtime.is_empty() {
-            a.push("--runtime".into());
-            a.push(self.cfg.runtime.clone());
-        }
+        a.extend(self.runtime_args());
         a.push("--pull=never".into());
         a.push(format!("--security-opt=seccomp={}", self.profile.display()));
         a.extend([
@@ -241,7 +318,7 @@ impl EngineBackend {
         if let Err(e) = self.ensure_profile() {
             return SandboxOutcome::start_failed(e.to_string(), started);
         }
-        let mut cmd = self.cmd();
+        let mut cmd = self.command();
         cmd.args(self.run_args(spec));
         let (mut child, out, err) = match spawn_client(cmd, &self.cfg.binary, spec.output_cap) {
             Ok(spawned) => spawned,
@@ -283,13 +360,10 @@ impl EngineBackend {
         status
     }
 
-    /// Kills and removes a container by name; absent is fine.
+    /// Kills (SIGKILL, no grace period) and removes a container by name; absent is fine.
     pub async fn force_remove(&self, name: &str) {
-        let mut c = self.cmd();
-        c.args(["rm", "--force", "--time", "0"]);
-        if self.kind == BackendKind::Podman {
-            c.arg("--ignore");
-        }
+        let mut c = self.command();
+        c.args(self.remove_args());
         let _ = c
             .arg(name)
             .stdout(Stdio::null())
@@ -298,10 +372,20 @@ impl EngineBackend {
             .await;
     }
 
+    /// `rm` and its options: Podman `rm --force --time 0 --ignore`; Docker has neither
+    /// `--time` nor `--ignore` (and refuses the whole command when given them), and its
+    /// `rm --force` kills with SIGKILL at once.
+    fn remove_args(&self) -> &'static [&'static str] {
+        match self.kind {
+            BackendKind::Docker => &["rm", "--force"],
+            _ => &["rm", "--force", "--time", "0", "--ignore"],
+        }
+    }
+
     /// Names of running or stopped containers of this node.
     pub async fn list_managed(&self) -> Vec<String> {
         let out = self
-            .cmd()
+            .command()
             .args(["ps", "--all", "--filter"])
             .arg(format!("label={MANAGED_LABEL}={}", self.node))
             .args(["--format", "{{.Names}}"])
@@ -325,6 +409,20 @@ impl EngineBackend {
         }
         names.len()
     }
+}
+
+fn last_line(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes)
+        .lines()
+        .last()
+        .unwrap_or("")
+        .trim()
+        .to_string()
+}
+
+/// The node's own working directory for engine clients, under its state directory.
+pub fn client_workdir(state_dir: &Path) -> PathBuf {
+    state_dir.join("engine-cwd")
 }
 
 /// Starts an engine client with piped output, drained from the start, that dies with the
@@ -386,6 +484,69 @@ mod tests {
                 .any(|x| x.starts_with("--security-opt=seccomp=/s/seccomp/profile-")));
             assert!(!a[..end].iter().any(|x| x.contains("--user=0")));
         }
+    }
+
+    /// gVisor under Podman is the runsc binary with its own `network=none` flag; under
+    /// Docker the registered runtime's name; runc and crun by name; the default, nothing.
+    #[test]
+    fn runtime_options_follow_the_engine() {
+        let args = |kind, runtime| {
+            let cfg = EngineConfig {
+                runtime,
+                ..EngineConfig::default()
+            };
+            let e = EngineBackend::new(kind, cfg, "n".into(), Path::new("/s"));
+            let a = e.run_args(&spec("img:1", &["true"]));
+            let end = a.iter().position(|x| x == "--").unwrap();
+            a[..end]
+                .iter()
+                .filter(|x| x.starts_with("--runtime"))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            args(BackendKind::Podman, OciRuntime::Runsc),
+            ["--runtime=/usr/bin/runsc", "--runtime-flag=network=none"]
+        );
+        assert_eq!(
+            args(BackendKind::Docker, OciRuntime::Runsc),
+            ["--runtime=runsc"]
+        );
+        assert_eq!(
+            args(BackendKind::Podman, OciRuntime::Runc),
+            ["--runtime=runc"]
+        );
+        assert!(args(BackendKind::Docker, OciRuntime::Default).is_empty());
+    }
+
+    /// Docker refuses `rm --time` and `--ignore` (the whole command fails, and the
+    /// container lived on): it gets plain `rm --force`, which kills at once.
+    #[test]
+    fn docker_rm_takes_only_force() {
+        let e =
+            |kind| EngineBackend::new(kind, EngineConfig::default(), "n".into(), Path::new("/s"));
+        assert_eq!(e(BackendKind::Docker).remove_args(), ["rm", "--force"]);
+        assert_eq!(
+            e(BackendKind::Podman).remove_args(),
+            ["rm", "--force", "--time", "0", "--ignore"]
+        );
+    }
+
+    /// Engine clients run in the node's own directory under its state directory.
+    #[test]
+    fn clients_run_in_the_nodes_directory() {
+        let state = tempfile::tempdir().unwrap();
+        let e = EngineBackend::new(
+            BackendKind::Podman,
+            EngineConfig::default(),
+            "n".into(),
+            state.path(),
+        );
+        let cmd = e.command();
+        assert_eq!(
+            cmd.as_std().get_current_dir(),
+            Some(state.path().join("engine-cwd").as_path())
+        );
     }
 
     #[test]

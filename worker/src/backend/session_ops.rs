@@ -84,6 +84,9 @@ impl SessionOps {
     }
 
     fn cmd(&self) -> Command {
+        if let Backend::Engine(engine) = &self.backend {
+            return engine.command();
+        }
         let mut c = Command::new(&self.binary);
         super::client_env(&mut c)
             .stdin(Stdio::null())
