@@ -148,6 +148,22 @@ async fn check(args: NodeArgs) -> anyhow::Result<i32> {
     if let Err(e) = std::fs::create_dir_all(&cfg.state_dir) {
         missing.push(format!("state dir {}: {e}", cfg.state_dir.display()));
     }
+    // Kernel-enforced disk limits, or the poller as the fallback (not a failure).
+    let (layout, shape, _) = cynode_worker::loopfs::plan(&cfg);
+    match tokio::task::spawn_blocking(move || {
+        cynode_worker::loopfs::probe(&layout.state_dir, shape)
+    })
+    .await?
+    {
+        Ok(()) => println!(
+            "ok   disk limits: {}",
+            cynode_worker::loopfs::Enforcement::Kernel
+        ),
+        Err(why) => println!(
+            "note disk limits: {}",
+            cynode_worker::loopfs::Enforcement::Poller(why)
+        ),
+    }
     for m in &missing {
         println!("MISSING {m}");
     }

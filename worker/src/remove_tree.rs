@@ -45,8 +45,11 @@ fn err(path: &OsStr, e: Errno) -> RemoveError {
 
 /// Removes `path` and everything beneath it; a missing `path` is fine. `path` is the
 /// node's own (its parent directories are trusted); its last component and everything
-/// below are not: a link there is removed, never followed. Blocking.
+/// below are not: a link there is removed, never followed. The disk volumes mounted at
+/// or beneath `path` are released first ([`crate::loopfs::release_beneath`]): their
+/// contents go with their images, and what is left is their empty mount points. Blocking.
 pub fn remove_tree(path: &Path) -> Result<(), RemoveError> {
+    crate::loopfs::release_beneath(path);
     let (Some(parent), Some(name)) = (path.parent(), path.file_name()) else {
         return Err(RemoveError::Io {
             path: path.display().to_string(),

@@ -31,6 +31,7 @@ macro_rules! on_both_backends {
 mod backends;
 mod cases;
 mod disk_attacks;
+mod disk_volumes;
 mod egress;
 mod egress_jobs;
 mod hardening;

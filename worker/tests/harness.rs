@@ -295,6 +295,9 @@ impl Drop for Server {
         if self.backend == "podman" {
             remove_node_containers(&self.state_dir());
         }
+        // The node's disk volumes outlive a killed node (mounts are the kernel's): they
+        // go before the state directory does.
+        cynode_worker::loopfs::unmount_all_beneath(self.dir.path());
     }
 }
 
@@ -594,7 +597,7 @@ pub fn mounts_with(needle: &str) -> Vec<String> {
     std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap_or_default()
         .lines()
-        .filter(|l| l.contains(needle))
+        .filter(|l| l.contains(needle) && !l.contains(" - ext4 /dev/loop"))
         .map(str::to_string)
         .collect()
 }

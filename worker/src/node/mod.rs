@@ -109,6 +109,9 @@ impl Node {
             std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755))
                 .map_err(|e| StartError::Permissions(d.clone(), e))?;
         }
+        // Before reconciliation reads what a previous run left: its volumes are back.
+        let (layout, shape, pool) = crate::loopfs::plan(&cfg);
+        let _ = tokio::task::spawn_blocking(move || crate::loopfs::init(layout, shape, pool)).await;
         let store = Store::open(&cfg.database_path())
             .await
             .map_err(StartError::Database)?;

@@ -1,0 +1,568 @@
+//! Disk limits the kernel enforces: each job directory and each new workspace is its own
+//! ext4 filesystem on a loop device, of the node's `limits.disk_mb` (at most 1.05 × it,
+//! the inode table included) with `limits.disk_max_files` inodes, mounted `nosuid,nodev`
+//! on the directory before the sandbox starts. A job that writes past it gets ENOSPC from
+//! the kernel, however fast it writes, through whatever kind of file (sparse, fallocated,
+//! unlinked and held open, a flood of small ones).
+//!
+//! - Images are made only by the node, in `<state>/volumes/`, which no sandbox mounts:
+//!   created with `O_EXCL`, formatted (`image`), bound to a loop device and mounted
+//!   detached (`fsmount`). A bounded pool of such detached mounts is kept ready by a
+//!   background thread, so a job start only moves one onto its directory (`move_mount`).
+//! - The image is renamed after its directory (`job-<job_id>.img`, `ws-<workspace>.img`),
+//!   so a node that starts after a reboot mounts it again ([`Volumes::reclaim`]); pool
+//!   images and images whose directory is gone are deleted then.
+//! - [`release_beneath`] unmounts (detached) the volumes under a directory about to be
+//!   removed and deletes their images; the loop device lets go of the image when its
+//!   last mount goes (autoclear). `remove_tree_async` calls it, so `:ack`, the retention
+//!   sweep and replay clean-up free them.
+//! - The volume's root is the root of its filesystem, so a sandbox's
+//!   `/proc/self/mountinfo` shows `/` as the root of `/job` and `/workspace`, not the
+//!   state directory's path.
+//!
+//! Where the node cannot do this (not root, no `/dev/loop-control`, no mke2fs, no ext4),
+//! [`init`] says why, [`enforcement`] names the fallback, and the disk poller
+//! (`disk_guard`) holds the limit as before.
+
+mod image;
+mod loopdev;
+pub mod mountinfo;
+
+use std::collections::VecDeque;
+use std::ffi::OsStr;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::Duration;
+
+use rustix::fs::{self as rfs, Mode, OFlags};
+use rustix::mount::{self as rmount, MoveMountFlags, UnmountFlags};
+
+pub use image::{MakeError, Shape};
+
+/// The loop block devices' major number.
+const LOOP_MAJOR: u32 = 7;
+/// The volumes directory under the state directory.
+pub const VOLUMES_DIR: &str = "volumes";
+/// Pool images' name prefix.
+const POOL_PREFIX: &str = "pool-";
+/// The longest pause of the pool's filler after a failure.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// How the node holds disk limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Enforcement {
+    /// Per-sandbox ext4 volumes on loop devices.
+    Kernel,
+    /// The disk poller, and why the kernel's limit is not available.
+    Poller(String),
+}
+
+impl std::fmt::Display for Enforcement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Enforcement::Kernel => write!(
+                f,
+                "kernel-enforced: an ext4 volume on a loop device per job directory and workspace"
+            ),
+            Enforcement::Poller(why) => {
+                write!(f, "fallback: the disk poller (disk_guard), because {why}")
+            }
+        }
+    }
+}
+
+/// The node's volumes: where they live, their shape, the pool.
+#[derive(Debug)]
+pub struct Volumes {
+    dir: PathBuf,
+    jobs: PathBuf,
+    workspaces: PathBuf,
+    shape: Shape,
+    target: usize,
+    pool: Mutex<VecDeque<Ready>>,
+    wake: Condvar,
+    seq: AtomicU64,
+    stats: Counters,
+}
+
+/// A formatted volume, mounted detached, and its image.
+#[derive(Debug)]
+struct Ready {
+    mnt: OwnedFd,
+    image: PathBuf,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    warm: AtomicU64,
+    cold: AtomicU64,
+    made: AtomicU64,
+    failed: AtomicU64,
+    released: AtomicU64,
+}
+
+/// What `/metrics` reports of the volumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Stats {
+    /// Volumes ready in the pool, and the pool's bound.
+    pub ready: u64,
+    pub target: u64,
+    /// Claims served from the pool, and those that had to make one first.
+    pub claimed_warm: u64,
+    pub claimed_cold: u64,
+    pub made: u64,
+    pub make_failures: u64,
+    pub released: u64,
+    /// Each volume's image size in bytes.
+    pub image_bytes: u64,
+}
+
+static VOLUMES: OnceLock<Arc<Volumes>> = OnceLock::new();
+static MODE: OnceLock<Enforcement> = OnceLock::new();
+
+/// How this process holds disk limits (the poller until [`init`] succeeded).
+pub fn enforcement() -> Enforcement {
+    MODE.get()
+        .cloned()
+        .unwrap_or_else(|| Enforcement::Poller("kernel-enforced volumes were not set up".into()))
+}
+
+/// The pool's counters, when volumes are in use.
+pub fn stats() -> Option<Stats> {
+    let v = VOLUMES.get()?;
+    let c = &v.stats;
+    Some(Stats {
+        ready: v.pool.lock().map(|p| p.len() as u64).unwrap_or(0),
+        target: v.target as u64,
+        claimed_warm: c.warm.load(Ordering::Relaxed),
+        claimed_cold: c.cold.load(Ordering::Relaxed),
+        made: c.made.load(Ordering::Relaxed),
+        make_failures: c.failed.load(Ordering::Relaxed),
+        released: c.released.load(Ordering::Relaxed),
+        image_bytes: v.shape.image_bytes,
+    })
+}
+
+/// The volume counters in Prometheus text format (empty without volumes).
+pub fn metrics_text() -> String {
+    let Some(s) = stats() else {
+        return String::new();
+    };
+    format!(
+        "# TYPE cynode_worker_disk_volumes_ready gauge\ncynode_worker_disk_volumes_ready {}\n\
+         # TYPE cynode_worker_disk_volumes_pool_target gauge\ncynode_worker_disk_volumes_pool_target {}\n\
+         # TYPE cynode_worker_disk_volumes_claimed_total counter\ncynode_worker_disk_volumes_claimed_total{{pool=\"warm\"}} {}\ncynode_worker_disk_volumes_claimed_total{{pool=\"cold\"}} {}\n\
+         # TYPE cynode_worker_disk_volumes_made_total counter\ncynode_worker_disk_volumes_made_total {}\n\
+         # TYPE cynode_worker_disk_volumes_make_failures_total counter\ncynode_worker_disk_volumes_make_failures_total {}\n\
+         # TYPE cynode_worker_disk_volumes_released_total counter\ncynode_worker_disk_volumes_released_total {}\n",
+        s.ready, s.target, s.claimed_warm, s.claimed_cold, s.made, s.make_failures, s.released
+    )
+}
+
+/// Where the node keeps its volumes, and for which directories.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    pub state_dir: PathBuf,
+    pub jobs_dir: PathBuf,
+    pub workspaces_dir: PathBuf,
+}
+
+/// Whether this host can give kernel-enforced disk limits: makes, mounts and drops one
+/// volume in `<state>/volumes`. `Ok` or why not.
+pub fn probe(state_dir: &Path, shape: Shape) -> Result<(), String> {
+    if !rustix::process::geteuid().is_root() {
+        return Err("the node is not root (loop devices and mounts need it)".into());
+    }
+    if !Path::new("/dev/loop-control").exists() {
+        return Err("this host has no /dev/loop-control".into());
+    }
+    if image::mke2fs().is_none() {
+        return Err("mke2fs is not installed (package e2fsprogs)".into());
+    }
+    let dir = state_dir.join(VOLUMES_DIR);
+    make_private_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let img = dir.join(format!("probe-{}.img", std::process::id()));
+    let _ = std::fs::remove_file(&img);
+    let made = image::create(&img, shape).and_then(|()| image::mount_detached(&img));
+    let _ = std::fs::remove_file(&img);
+    made.map(drop).map_err(|e| e.to_string())
+}
+
+fn make_private_dir(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+}
+
+/// Sets up kernel-enforced disk limits for this process: checks the host ([`probe`]),
+/// settles what a previous run left ([`Volumes::reclaim`]) and starts the pool's filler
+/// (at most `pool` ready volumes). Returns the mode; on any failure it is the poller's.
+pub fn init(layout: Layout, shape: Shape, pool: usize) -> Enforcement {
+    if let Some(m) = MODE.get() {
+        return m.clone();
+    }
+    let mode = match probe(&layout.state_dir, shape) {
+        Err(why) => Enforcement::Poller(why),
+        Ok(()) => {
+            let v = Arc::new(Volumes {
+                dir: layout.state_dir.join(VOLUMES_DIR),
+                jobs: layout.jobs_dir,
+                workspaces: layout.workspaces_dir,
+                shape,
+                target: pool.max(1),
+                pool: Mutex::new(VecDeque::new()),
+                wake: Condvar::new(),
+                seq: AtomicU64::new(0),
+                stats: Counters::default(),
+            });
+            v.reclaim();
+            let filler = Arc::clone(&v);
+            match std::thread::Builder::new()
+                .name("volume-pool".into())
+                .spawn(move || filler.fill())
+            {
+                Ok(_) => {
+                    let _ = VOLUMES.set(v);
+                    Enforcement::Kernel
+                }
+                Err(e) => Enforcement::Poller(format!("cannot start the volume pool: {e}")),
+            }
+        }
+    };
+    match &mode {
+        Enforcement::Kernel => tracing::info!(
+            image_bytes = shape.image_bytes,
+            inodes = shape.inodes,
+            pool,
+            "disk limits: {mode}"
+        ),
+        Enforcement::Poller(_) => tracing::warn!("disk limits: {mode}"),
+    }
+    let _ = MODE.set(mode.clone());
+    mode
+}
+
+impl Volumes {
+    fn make(&self, name: &str) -> Result<Ready, MakeError> {
+        let image = self.dir.join(name);
+        let made = image::create(&image, self.shape).and_then(|()| image::mount_detached(&image));
+        match made {
+            Ok(mnt) => {
+                self.stats.made.fetch_add(1, Ordering::Relaxed);
+                Ok(Ready { mnt, image })
+            }
+            Err(e) => {
+                self.stats.failed.fetch_add(1, Ordering::Relaxed);
+                let _ = std::fs::remove_file(&image);
+                Err(e)
+            }
+        }
+    }
+
+    fn pool_name(&self) -> String {
+        format!(
+            "{POOL_PREFIX}{}-{}.img",
+            std::process::id(),
+            self.seq.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    /// The filler: keeps the pool at its bound, pausing (up to [`MAX_BACKOFF`]) after
+    /// failures.
+    fn fill(&self) {
+        let mut backoff = Duration::from_millis(500);
+        loop {
+            {
+                let Ok(mut p) = self.pool.lock() else { return };
+                while p.len() >= self.target {
+                    p = match self.wake.wait(p) {
+                        Ok(p) => p,
+                        Err(_) => return,
+                    };
+                }
+            }
+            match self.make(&self.pool_name()) {
+                Ok(r) => {
+                    backoff = Duration::from_millis(500);
+                    if let Ok(mut p) = self.pool.lock() {
+                        p.push_back(r);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot make a disk volume for the pool");
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(MAX_BACKOFF);
+                }
+            }
+        }
+    }
+
+    /// A ready volume: from the pool, or made now when the pool is empty.
+    fn claim(&self) -> Result<Ready, MakeError> {
+        let got = self.pool.lock().ok().and_then(|mut p| p.pop_front());
+        self.wake.notify_one();
+        if let Some(r) = got {
+            self.stats.warm.fetch_add(1, Ordering::Relaxed);
+            return Ok(r);
+        }
+        self.stats.cold.fetch_add(1, Ordering::Relaxed);
+        self.make(&self.pool_name())
+    }
+
+    /// Mounts a volume named `label` on the empty directory `name` in `parent`, and
+    /// opens its root.
+    fn cover(&self, parent: BorrowedFd<'_>, name: &OsStr, label: &str) -> std::io::Result<OwnedFd> {
+        let r = self.claim().map_err(std::io::Error::other)?;
+        let image = self.dir.join(format!("{label}.img"));
+        if let Err(e) = std::fs::rename(&r.image, &image) {
+            let _ = std::fs::remove_file(&r.image);
+            return Err(e);
+        }
+        if let Err(e) = rmount::move_mount(
+            r.mnt.as_fd(),
+            "",
+            parent,
+            name,
+            MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+        ) {
+            let _ = std::fs::remove_file(&image);
+            return Err(e.into());
+        }
+        drop(r.mnt);
+        rfs::openat(
+            parent,
+            name,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(Into::into)
+    }
+
+    /// What a previous run left: pool images (their mounts died with it) and images
+    /// whose directory is gone are deleted; an image whose directory is still there but
+    /// no longer mounted (after a reboot) is mounted on it again.
+    fn reclaim(&self) {
+        let attached = attached_images();
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            let name = e.file_name().to_string_lossy().into_owned();
+            if attached.contains(&path) {
+                continue;
+            }
+            let target = name.strip_suffix(".img").and_then(|n| {
+                n.strip_prefix("job-")
+                    .map(|id| self.jobs.join(id).join("job"))
+                    .or_else(|| n.strip_prefix("ws-").map(|id| self.workspaces.join(id)))
+            });
+            let remounted = target.is_some_and(|t| self.remount(&path, &t));
+            if !remounted {
+                tracing::info!(image = %path.display(), "removing a disk volume a previous run left");
+                let _ = std::fs::remove_file(&path);
+            }
+        }
+    }
+
+    /// Mounts `image` again on `target` when that is an empty directory, not a mount.
+    fn remount(&self, image: &Path, target: &Path) -> bool {
+        let empty = std::fs::read_dir(target).is_ok_and(|mut d| d.next().is_none());
+        if !empty || is_volume(target) {
+            return false;
+        }
+        let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
+            return false;
+        };
+        let moved = image::mount_detached(image)
+            .map_err(std::io::Error::other)
+            .and_then(|mnt| {
+                let p = rfs::open(
+                    parent,
+                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )?;
+                rmount::move_mount(
+                    mnt.as_fd(),
+                    "",
+                    p.as_fd(),
+                    name,
+                    MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+                )
+                .map_err(std::io::Error::from)
+            });
+        match moved {
+            Ok(()) => {
+                tracing::info!(image = %image.display(), dir = %target.display(), "disk volume mounted again");
+                true
+            }
+            Err(e) => {
+                tracing::warn!(image = %image.display(), error = %e, "cannot mount a disk volume again");
+                false
+            }
+        }
+    }
+}
+
+/// The image files loop devices hold now (from sysfs).
+fn attached_images() -> Vec<PathBuf> {
+    let Ok(d) = std::fs::read_dir("/sys/block") else {
+        return Vec::new();
+    };
+    d.flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("loop"))
+        .filter_map(|e| std::fs::read_to_string(e.path().join("loop/backing_file")).ok())
+        .map(|s| PathBuf::from(s.trim_end_matches('\n')))
+        .collect()
+}
+
+/// The image behind `/dev/loopN`, from sysfs.
+fn backing_file(source: &str) -> Option<PathBuf> {
+    let n = source.strip_prefix("/dev/loop")?;
+    if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let s = std::fs::read_to_string(format!("/sys/block/loop{n}/loop/backing_file")).ok()?;
+    Some(PathBuf::from(s.trim_end_matches('\n')))
+}
+
+/// Mounts a fresh volume, labelled `label` (`job-<id>`, `ws-<id>`), on the directory
+/// `name` the caller just created (empty) in `parent`, and returns the volume's root
+/// opened; `None` when this node holds disk limits with the poller.
+/// A volume that cannot be had is logged and `None` too: the poller holds the limit.
+pub fn cover(parent: BorrowedFd<'_>, name: &OsStr, label: &str) -> Option<OwnedFd> {
+    let v = VOLUMES.get()?;
+    match v.cover(parent, name, label) {
+        Ok(fd) => Some(fd),
+        Err(e) => {
+            tracing::warn!(volume = label, error = %e, "no disk volume: the disk poller holds the limit");
+            None
+        }
+    }
+}
+
+/// Whether `dir` is the root of a loop-device filesystem (a volume).
+pub fn is_volume(dir: &Path) -> bool {
+    rfs::statx(
+        rfs::CWD,
+        dir,
+        rfs::AtFlags::SYMLINK_NOFOLLOW,
+        rfs::StatxFlags::BASIC_STATS,
+    )
+    .is_ok_and(|s| {
+        s.stx_attributes_mask
+            .contains(rfs::StatxAttributes::MOUNT_ROOT)
+            && s.stx_attributes.contains(rfs::StatxAttributes::MOUNT_ROOT)
+            && s.stx_dev_major == LOOP_MAJOR
+    })
+}
+
+/// Unmounts every volume at or beneath `root` (detached: a sandbox still holding one
+/// keeps it until it lets go) and deletes its image. A no-op without volumes.
+pub fn release_beneath(root: &Path) {
+    let Some(v) = VOLUMES.get() else { return };
+    let Ok(mounts) = mountinfo::read() else {
+        return;
+    };
+    for m in mountinfo::beneath(&mounts, root) {
+        if m.fstype != "ext4" {
+            continue;
+        }
+        let Some(image) = backing_file(&m.source) else {
+            continue;
+        };
+        if image.parent() != Some(v.dir.as_path()) {
+            continue;
+        }
+        let _ = std::fs::remove_file(&image);
+        match rmount::unmount(&m.point, UnmountFlags::DETACH | UnmountFlags::NOFOLLOW) {
+            Ok(()) => {
+                v.stats.released.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!(dir = %m.point.display(), error = %e, "cannot unmount a disk volume");
+            }
+        }
+    }
+}
+
+/// Creates the directory `name` in `parent` with a fresh volume (labelled `label`)
+/// mounted on it, its root given to `owner` with mode 0755: `true`. `false`, and nothing
+/// done, when `name` exists already or this node holds disk limits with the poller. A
+/// volume that cannot be had leaves a plain directory (logged; the poller holds the
+/// limit there).
+pub fn new_volume_dir(
+    parent: BorrowedFd<'_>,
+    name: &OsStr,
+    label: &str,
+    owner: u32,
+) -> std::io::Result<bool> {
+    let Some(v) = VOLUMES.get() else {
+        return Ok(false);
+    };
+    match rfs::mkdirat(parent, name, Mode::from_raw_mode(0o700)) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::EXIST) => return Ok(false),
+        Err(e) => return Err(e.into()),
+    }
+    let fd = match v.cover(parent, name, label) {
+        Ok(fd) => fd,
+        Err(e) => {
+            tracing::warn!(volume = label, error = %e, "no disk volume: the disk poller holds the limit");
+            rfs::openat(
+                parent,
+                name,
+                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )?
+        }
+    };
+    let id = Some(rfs::Uid::from_raw(owner));
+    rfs::fchown(&fd, id, Some(rfs::Gid::from_raw(owner)))?;
+    rfs::fchmod(&fd, Mode::from_raw_mode(0o755))?;
+    Ok(true)
+}
+
+/// The volumes of a node configured by `cfg`: where, what shape (from `limits.disk_mb`
+/// and `limits.disk_max_files`, the root owned by the sandbox user), and the pool's bound
+/// (two per running job, so a job and a new workspace both find one).
+pub fn plan(cfg: &crate::config::Config) -> (Layout, Shape, usize) {
+    (
+        Layout {
+            state_dir: cfg.state_dir.clone(),
+            jobs_dir: cfg.jobs_dir(),
+            workspaces_dir: cfg.workspaces_dir(),
+        },
+        Shape::new(
+            cfg.limits.disk_mb,
+            cfg.limits.disk_max_files,
+            crate::sandbox::SANDBOX_UID,
+        ),
+        cfg.queue.max_running.saturating_mul(2).clamp(2, 16),
+    )
+}
+
+/// Unmounts (detached) every loop-device filesystem mounted at or beneath `dir` and
+/// deletes its image when that lies beneath `dir` too: what a node killed without its
+/// clean-up leaves in a state directory about to be deleted (tests, `dir` a temporary
+/// state directory). Returns how many were unmounted.
+pub fn unmount_all_beneath(dir: &Path) -> usize {
+    let Ok(mounts) = mountinfo::read() else {
+        return 0;
+    };
+    let mut n = 0;
+    for m in mountinfo::beneath(&mounts, dir) {
+        let Some(image) = backing_file(&m.source) else {
+            continue;
+        };
+        if image.starts_with(dir) {
+            let _ = std::fs::remove_file(&image);
+        }
+        if rmount::unmount(&m.point, UnmountFlags::DETACH | UnmountFlags::NOFOLLOW).is_ok() {
+            n += 1;
+        }
+    }
+    n
+}
