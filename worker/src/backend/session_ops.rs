@@ -2,7 +2,7 @@
 //! kill what a timed-out command left, remove the sandbox.
 //!
 //! - Podman/Docker: one keep-alive container per session, started detached with exactly
-//!   the job flags ([`EngineBackend::run_args`]: no network, read-only root, uid 1000, all
+//!   the job flags ([`EngineBackend::run_args`]: no network, read-only root, the workspace's host uid, all
 //!   capabilities dropped, no-new-privileges, memory/CPU/pids limits, tmpfs /tmp, the node
 //!   label) plus `--init`, running `sleep` for the session's max lifetime plus a margin
 //!   (so a container outlives a node killed with SIGKILL by at most that, even if the node
@@ -21,6 +21,12 @@
 //! that double-forked or cleared their environment; it also ends background processes
 //! earlier commands left, which is why a session runs one command at a time. It needs the
 //! node to see the container's processes (rootful engine on the same host, node as root).
+//! Under gVisor (`runtime: runsc`) the container's processes live in gVisor's kernel and
+//! the engine reports gVisor's sandbox process, which sits in the host's own PID
+//! namespace: the node never kills "every process of the namespace" there (that would be
+//! the host's), but lists and kills the command's processes with `runsc ps` and
+//! `runsc kill --pid`. A container in the node's own PID namespace under any other
+//! runtime is refused.
 
 use std::path::Path;
 use std::process::Stdio;
@@ -56,7 +62,25 @@ pub struct KeepAlive {
     /// `pid:[inode]` of the container's PID namespace, as `/proc/<pid>/ns/pid` reads.
     pid_ns: String,
     /// Host pids of the init and the `sleep` it runs: never killed by [`kill_commands`].
+    /// Under gVisor only the host pid of its sandbox process.
     keep: Vec<i32>,
+    /// Set when the container runs under gVisor: its processes are not the host's.
+    gvisor: Option<Gvisor>,
+}
+
+/// A session container under gVisor (`runtime: runsc`). Its processes live in gVisor's
+/// own kernel: the host sees only gVisor's sandbox process, in the host's own PID
+/// namespace, so they are listed and killed through `runsc ps` / `runsc kill --pid`.
+#[derive(Debug, Clone)]
+struct Gvisor {
+    /// The runsc binary (the sandbox process's own executable).
+    runsc: std::path::PathBuf,
+    /// runsc's `--root` state directory the engine gave the sandbox.
+    root: String,
+    /// The container's full id.
+    id: String,
+    /// gVisor pids of the init and its `sleep`: never killed.
+    keep: Vec<u32>,
 }
 
 /// Session operations on the configured backend.
@@ -156,6 +180,17 @@ impl SessionOps {
         let pid_ns = pid_ns_of(init).ok_or_else(|| {
             BackendError::Unavailable(format!("cannot read the PID namespace of pid {init}"))
         })?;
+        if pid_ns_of(std::process::id() as i32).as_deref() == Some(pid_ns.as_str()) {
+            // Not a namespace of the container's own (gVisor's sandbox process runs in the
+            // host's): "every process in it" would be every process of the host.
+            let gvisor = self.gvisor_of(engine, init, &spec.name).await?;
+            return Ok(KeepAlive {
+                name: spec.name.clone(),
+                pid_ns,
+                keep: vec![init],
+                gvisor: Some(gvisor),
+            });
+        }
         // The init forks the keep-alive `sleep` right away; wait for it (bounded).
         let until = Instant::now() + Duration::from_secs(5);
         loop {
@@ -170,6 +205,7 @@ impl SessionOps {
                     name: spec.name.clone(),
                     pid_ns,
                     keep,
+                    gvisor: None,
                 });
             }
             if Instant::now() > until {
@@ -178,6 +214,74 @@ impl SessionOps {
                 ));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// gVisor's handle on the session container whose sandbox process is host pid
+    /// `sandbox`, once its init and `sleep` run (bounded). Refused for any other runtime:
+    /// a container in the host's own PID namespace cannot be confined by host pids.
+    async fn gvisor_of(
+        &self,
+        engine: &EngineBackend,
+        sandbox: i32,
+        name: &str,
+    ) -> Result<Gvisor, BackendError> {
+        if engine.runtime() != crate::config::OciRuntime::Runsc {
+            return Err(BackendError::Unavailable(format!(
+                "the session container {name} shares the node's PID namespace; refusing it"
+            )));
+        }
+        let proc = Path::new("/proc").join(sandbox.to_string());
+        let runsc = std::fs::read_link(proc.join("exe")).map_err(|e| {
+            BackendError::Unavailable(format!("cannot read gVisor's sandbox executable: {e}"))
+        })?;
+        let cmdline = std::fs::read(proc.join("cmdline")).unwrap_or_default();
+        let root = cmdline
+            .split(|b| *b == 0)
+            .filter_map(|a| std::str::from_utf8(a).ok())
+            .find_map(|a| a.strip_prefix("--root="))
+            .map(str::to_string)
+            .ok_or_else(|| {
+                BackendError::Unavailable("gVisor's sandbox process names no --root".into())
+            })?;
+        let out = self
+            .output(
+                self.cmd()
+                    .args(["inspect", "--format", "{{.Id}}"])
+                    .arg(name),
+            )
+            .await?;
+        let id = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        if id.is_empty() || !id.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(BackendError::Refused(format!(
+                "the session container has no id: {}",
+                last_line(&out.stderr)
+            )));
+        }
+        let mut g = Gvisor {
+            runsc,
+            root,
+            id,
+            keep: Vec::new(),
+        };
+        let until = Instant::now() + Duration::from_secs(5);
+        loop {
+            let procs = g.processes().await;
+            let children: Vec<u32> = procs
+                .iter()
+                .filter(|(_, ppid)| *ppid == 1)
+                .map(|(p, _)| *p)
+                .collect();
+            if procs.iter().any(|(p, _)| *p == 1) && !children.is_empty() {
+                g.keep = std::iter::once(1).chain(children).collect();
+                return Ok(g);
+            }
+            if Instant::now() > until {
+                return Err(BackendError::Refused(
+                    "the session container's keep-alive process did not start".into(),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -287,6 +391,9 @@ impl SessionOps {
 /// SIGKILLs every process of the container except the keep-alive pair, until none is left
 /// (bounded: the pids limit bounds how many can appear).
 async fn kill_commands(k: &KeepAlive) {
+    if let Some(g) = &k.gvisor {
+        return g.kill_commands().await;
+    }
     for _ in 0..100 {
         let victims: Vec<i32> = processes_in(&k.pid_ns)
             .into_iter()
@@ -304,6 +411,61 @@ async fn kill_commands(k: &KeepAlive) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tracing::warn!(container = %k.name, "processes of a timed-out command kept appearing");
+}
+
+impl Gvisor {
+    fn runsc(&self) -> Command {
+        let mut c = Command::new(&self.runsc);
+        super::client_env(&mut c)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true)
+            .arg(format!("--root={}", self.root));
+        c
+    }
+
+    /// (pid, parent pid) of every process in the container, as gVisor numbers them
+    /// (`runsc ps`: UID PID PPID …); empty when runsc does not answer within 10 s.
+    async fn processes(&self) -> Vec<(u32, u32)> {
+        let mut c = self.runsc();
+        c.arg("ps").arg(&self.id);
+        let Ok(Ok(out)) = tokio::time::timeout(Duration::from_secs(10), c.output()).await else {
+            return Vec::new();
+        };
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                Some((f.get(1)?.parse().ok()?, f.get(2)?.parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// SIGKILLs every process of the container but the init and its `sleep`, until none
+    /// is left (bounded).
+    async fn kill_commands(&self) {
+        for _ in 0..100 {
+            let victims: Vec<u32> = self
+                .processes()
+                .await
+                .into_iter()
+                .map(|(p, _)| p)
+                .filter(|p| !self.keep.contains(p))
+                .collect();
+            if victims.is_empty() {
+                return;
+            }
+            for pid in victims {
+                let mut c = self.runsc();
+                c.args(["kill", &format!("--pid={pid}"), &self.id, "KILL"])
+                    .stdout(Stdio::null());
+                let _ = tokio::time::timeout(Duration::from_secs(10), c.status()).await;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tracing::warn!(container = %self.id, "processes of a timed-out command kept appearing");
+    }
 }
 
 fn pid_ns_of(pid: i32) -> Option<String> {
