@@ -7,7 +7,8 @@
 #   "job":    the rendered job.json (design.md §3.1),
 #   "skill":  the skill manifest (skill_id, purpose, allowed_commands, network, limits, …),
 #   "tenant": the tenant policy (allow_network, allowed_purposes, allowed_images,
-#             global_allowed_commands, max_runtime_seconds, max_output_bytes)
+#             global_allowed_commands, max_runtime_seconds, max_output_bytes,
+#             egress {allow})
 # }
 #
 # Output: `deny` and `warn`, sets of {"rule": …, "message": …}. Any deny blocks the job
@@ -254,10 +255,38 @@ deny contains {"rule": "network_not_declared", "message": msg} if {
 	msg := sprintf("constraints.ext_net_allowed is true but skill %s does not declare network", [skill_name])
 }
 
+tenant_allows_network if tenant.allow_network == true
+
+tenant_allows_network if count(object.get(object.get(tenant, "egress", {}), "allow", [])) > 0
+
 deny contains {"rule": "network_not_allowed", "message": msg} if {
 	job_wants_network
-	not tenant.allow_network == true
+	not tenant_allows_network
 	msg := sprintf("constraints.ext_net_allowed is true but tenant `%v` does not allow network", [object.get(tenant, "tenant_id", "")])
+}
+
+# Egress: a job with network reaches only the skill's declared `egress` destinations (the
+# worker's proxy enforces them); each must be within the tenant's `egress.allow`: listed
+# as is, or under one of its `*.suffix` patterns.
+
+tenant_egress := object.get(object.get(tenant, "egress", {}), "allow", [])
+
+egress_covered(dest) if {
+	some p in tenant_egress
+	p == dest
+}
+
+egress_covered(dest) if {
+	some p in tenant_egress
+	startswith(p, "*.")
+	endswith(dest, substring(p, 1, -1))
+}
+
+deny contains {"rule": "egress_not_allowed", "message": msg} if {
+	job_wants_network
+	some dest in object.get(skill, "egress", [])
+	not egress_covered(dest)
+	msg := sprintf("skill %s needs egress to `%v`, which tenant `%v` does not allow (its egress.allow: %v)", [skill_name, dest, object.get(tenant, "tenant_id", ""), concat(", ", tenant_egress)])
 }
 
 # ---------------------------------------------------------------------------

@@ -281,6 +281,45 @@ fn denies_network_the_skill_does_not_declare() {
     );
 }
 
+/// A skill's declared egress must stay within the tenant's `egress.allow` (exact, or
+/// under a `*.suffix`); a tenant with an egress allowlist allows network.
+#[test]
+fn denies_egress_beyond_the_tenants_allowlist() {
+    let mut skill = skill();
+    skill["network"] = json!(true);
+    skill["egress"] = json!(["proxy.golang.org", "sum.golang.org", "evil.example:8443"]);
+    let tenant = TenantPolicy {
+        tenant_id: "acme".into(),
+        egress: cynode_pm::policy::TenantEgress {
+            allow: vec!["*.golang.org".into(), "pypi.org".into()],
+        },
+        ..TenantPolicy::default()
+    };
+    assert_eq!(
+        decide(&PolicyInput::new(networked_job(), skill.clone(), tenant.clone())).deny,
+        vec![v(
+            "egress_not_allowed",
+            "skill `go-test` needs egress to `evil.example:8443`, which tenant `acme` does not allow (its egress.allow: *.golang.org, pypi.org)"
+        )]
+    );
+    skill["egress"] = json!(["proxy.golang.org", "sum.golang.org"]);
+    assert_eq!(
+        decide(&PolicyInput::new(
+            networked_job(),
+            skill.clone(),
+            tenant.clone()
+        )),
+        allowed_silently(Mode::Enforce)
+    );
+    // Without network the declared egress is not used, so not checked.
+    skill["egress"] = json!(["evil.example"]);
+    let offline = job_with(json!([run("t", "go", &["test", "./..."])]));
+    assert_eq!(
+        decide(&PolicyInput::new(offline, skill, tenant)),
+        allowed_silently(Mode::Enforce)
+    );
+}
+
 #[test]
 fn denies_network_the_tenant_does_not_allow() {
     let mut skill = skill();
@@ -767,9 +806,13 @@ fn tenant_policy_defaults_are_safe() {
             global_allowed_commands: vec![],
             max_runtime_seconds: 3600,
             max_output_bytes: 16 * 1024 * 1024,
+            egress: Default::default(),
         }
     );
     assert!(serde_yaml::from_str::<TenantPolicy>("allow_netwrok: true\n").is_err());
+    let egress: TenantPolicy = serde_yaml::from_str("egress:\n  allow: [pypi.org]\n").unwrap();
+    assert_eq!(egress.egress.allow, ["pypi.org"]);
+    assert!(serde_yaml::from_str::<TenantPolicy>("egress:\n  alow: []\n").is_err());
 }
 
 #[test]

@@ -29,6 +29,19 @@ pub struct TenantPolicy {
     pub max_runtime_seconds: u64,
     /// Ceiling for `constraints.max_output_bytes`.
     pub max_output_bytes: u64,
+    /// Where this tenant's jobs may reach through a worker's egress proxy (a job with
+    /// network runs with `network_policy: restricted`). A non-empty `allow` also lets the
+    /// tenant's jobs have network, as `allow_network` does.
+    pub egress: TenantEgress,
+}
+
+/// A tenant's egress settings.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TenantEgress {
+    /// Destinations (`host`, `*.suffix`, each with an optional `:port`) a skill's
+    /// declared `egress` must stay within.
+    pub allow: Vec<String>,
 }
 
 impl Default for TenantPolicy {
@@ -41,6 +54,7 @@ impl Default for TenantPolicy {
             global_allowed_commands: Vec::new(),
             max_runtime_seconds: DEFAULT_MAX_RUNTIME_SECONDS,
             max_output_bytes: DEFAULT_MAX_OUTPUT_BYTES,
+            egress: TenantEgress::default(),
         }
     }
 }

@@ -26,7 +26,9 @@ pub use decision::{
     parse_violations, Decision, Mode, UnknownMode, Violation, RULE_ENGINE_UNAVAILABLE,
     RULE_EVALUATION_FAILED, RULE_UNNAMED,
 };
-pub use input::{PolicyInput, TenantPolicy, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_MAX_RUNTIME_SECONDS};
+pub use input::{
+    PolicyInput, TenantEgress, TenantPolicy, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_MAX_RUNTIME_SECONDS,
+};
 pub use local::{LocalGate, BUILTIN_POLICY, BUILTIN_POLICY_NAME};
 pub use remote::{RemoteGate, DEFAULT_TIMEOUT};
 

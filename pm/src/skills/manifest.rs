@@ -20,6 +20,12 @@ pub struct SkillManifest {
     /// Whether its jobs need external network.
     #[serde(default)]
     pub network: bool,
+    /// The destinations its jobs reach when they have network (`host`, `*.suffix`, each
+    /// with an optional `:port`): a job with network runs with `network_policy:
+    /// restricted` and this list as `egress_allow`, and the policy gate refuses it when
+    /// the list goes beyond the tenant's `egress.allow`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub egress: Vec<String>,
     pub limits: SkillLimits,
     /// JSON Schema of the inputs.
     pub inputs_schema: serde_json::Value,
