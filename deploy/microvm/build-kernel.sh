@@ -12,15 +12,17 @@
 # fragment is checked in the final .config.
 #
 # Cached under ${CYNODE_MICROVM_CACHE:-/var/cache/cynode/microvm}:
-#   kernel-<key>/bzImage   the guest kernel; <key> is the first 16 hex digits of the
-#                          sha256 of the fragment, this script and the source version;
+#   kernel-<key>/vmlinux   the guest kernel (ELF with a PVH entry, what the worker boots);
+#   kernel-<key>/bzImage   the same kernel compressed; <key> is the first 16 hex digits of
+#                          the sha256 of the fragment, this script and the source version;
 #   kernel-<key>/config    its .config; kernel-<key>/build-seconds how long it took;
-#   vmlinuz                a link to the newest bzImage (the worker's default kernel);
+#   vmlinux, vmlinuz       links to the newest vmlinux (the worker's default kernel) and
+#                          bzImage;
 #   .build.lock            flock(1) lock: concurrent callers take turns.
 # Idempotent: a repeat run with the same key prints the cached path in well under a
 # second. The first run takes several minutes (niced, CYNODE_MICROVM_JOBS=2 jobs).
 #
-# Output: `MICROVM_KERNEL=<path of bzImage>` on stdout; progress on stderr.
+# Output: `MICROVM_KERNEL=<path of vmlinux>` on stdout; progress on stderr.
 set -euo pipefail
 cd "$(dirname "$0")"
 HERE=$PWD
@@ -84,7 +86,7 @@ if ! flock -n 9; then
   flock 9
 fi
 
-if [[ ! -s $out/bzImage ]]; then
+if [[ ! -s $out/vmlinux ]]; then
   tarball=/usr/src/$SOURCE_PKG.tar.xz
   [[ -f $tarball ]] || die "$tarball missing (package $SOURCE_PKG)"
   work=$(mktemp -d "$CACHE/.work.XXXXXX")
@@ -135,13 +137,16 @@ if [[ ! -s $out/bzImage ]]; then
   kmake -j"$JOBS" bzImage
   mkdir -p "$work/out"
   cp "$tree/arch/x86/boot/bzImage" "$work/out/bzImage"
+  # The uncompressed ELF, booted through its PVH entry note (what the worker uses).
+  objcopy --strip-debug "$tree/vmlinux" "$work/out/vmlinux"
   cp "$tree/.config" "$work/out/config"
   echo $((SECONDS - build_start)) >"$work/out/build-seconds"
   rm -rf "$out"
   mv "$work/out" "$out"
   log "built $out/bzImage ($(stat -c %s "$out/bzImage") bytes) in $(cat "$out/build-seconds") s"
 else
-  log "kernel cached: $out/bzImage"
+  log "kernel cached: $out/vmlinux"
 fi
 ln -sfn "kernel-$key/bzImage" "$CACHE/vmlinuz"
-printf 'MICROVM_KERNEL=%s\n' "$out/bzImage"
+ln -sfn "kernel-$key/vmlinux" "$CACHE/vmlinux"
+printf 'MICROVM_KERNEL=%s\n' "$out/vmlinux"

@@ -40,7 +40,10 @@ const POWER_OFF_BOUND: Duration = Duration::from_secs(2);
 /// The microvm backend.
 #[derive(Debug, Clone)]
 pub struct MicrovmBackend {
+    /// The settings, `accel` resolved for this host.
     cfg: MicrovmConfig,
+    /// Why that accelerator.
+    accel_why: &'static str,
     /// Image → root filesystem directory (`microvm.rootfs`, then `bwrap.rootfs`).
     rootfs: BTreeMap<String, PathBuf>,
     /// The node's limits, which pooled VMs are booted with.
@@ -91,10 +94,14 @@ impl MicrovmBackend {
     ) -> Self {
         let mut rootfs = bwrap_rootfs.clone();
         rootfs.extend(cfg.rootfs.clone());
+        let mut cfg = cfg;
+        let (accel, accel_why) = cfg.accel.resolve();
+        cfg.accel = accel;
         let dir = state_dir.join("microvm");
         let pool = pool::Pool::new(cfg.pool_size, dir.join("vms"));
         Self {
             cfg,
+            accel_why,
             rootfs,
             limits,
             dir,
@@ -112,15 +119,22 @@ impl MicrovmBackend {
 
     /// KVM, the kernel, the init, the VMM, mksquashfs and the pool.
     pub async fn check(&self) -> Result<String, BackendError> {
-        let kvm = kvm_api_version()
-            .map_err(|e| BackendError::Unavailable(format!("/dev/kvm not usable: {e}")))?;
+        let kvm = match (kvm_api_version(), self.cfg.accel) {
+            (Ok(v), _) => format!("KVM API {v}"),
+            (Err(e), settings::Accel::Tcg) => format!("no KVM ({e})"),
+            (Err(e), _) => {
+                return Err(BackendError::Unavailable(format!(
+                    "/dev/kvm not usable: {e}"
+                )))
+            }
+        };
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             return Err(BackendError::Unavailable(
                 "microvm needs root: it bind-mounts the job's directories into the VM's share and starts QEMU as uid 1000".into(),
             ));
         }
-        if vm_group_missing() {
+        if self.cfg.accel == settings::Accel::Kvm && vm_group_missing() {
             return Err(BackendError::Unavailable(
                 "/dev/kvm is not group read-write (QEMU runs as uid 1000 with its group): run deploy/microvm/build-kernel.sh".into(),
             ));
@@ -154,8 +168,9 @@ impl MicrovmBackend {
             })?;
         seccomp_hex().map_err(BackendError::Unavailable)?;
         Ok(format!(
-            "KVM API {kvm}, accel {}, kernel {}, {qemu}, {squash}, pool {} idle of {} per image",
+            "{kvm}, accel {} ({}), kernel {}, {qemu}, {squash}, pool {} idle of {} per image",
             self.cfg.accel.as_str(),
+            self.accel_why,
             kernel.split_whitespace().next().unwrap_or(&kernel),
             self.pool.idle(),
             self.pool.size()
@@ -298,7 +313,7 @@ impl MicrovmBackend {
         } else {
             vm.kill().await;
         }
-        tracing::debug!(
+        tracing::info!(
             name = %spec.name,
             warm,
             boot_ms = vm.boot.as_millis() as u64,

@@ -127,7 +127,7 @@ impl Pool {
                 }
                 match booted {
                     Ok(vm) => {
-                        tracing::debug!(
+                        tracing::info!(
                             image,
                             boot_ms = vm.boot.as_millis() as u64,
                             "microvm ready in the pool"

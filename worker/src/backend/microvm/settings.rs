@@ -14,16 +14,50 @@ pub const DEFAULT_CACHE: &str = "/var/cache/cynode/microvm";
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Accel {
+    /// `kvm` where `/dev/kvm` can run an unmodified guest kernel, else `tcg`
+    /// ([`Accel::resolve`]).
+    Auto,
     Kvm,
     Tcg,
 }
 
+/// Present when the host's KVM is PVM (pagetable-based virtualisation without hardware
+/// support, used for nested guests in cloud VMs): it runs only PVM-enabled guest kernels,
+/// and an unmodified one stops with "emulation failure" at its first `xrstor` or `int3`.
+pub const PVM_MODULE: &str = "/sys/module/kvm_pvm";
+
 impl Accel {
-    /// The name QEMU's `-accel` takes.
+    /// The name QEMU's `-accel` takes (`auto` resolves first).
     pub fn as_str(self) -> &'static str {
         match self {
+            Accel::Auto => "auto",
             Accel::Kvm => "kvm",
             Accel::Tcg => "tcg",
+        }
+    }
+
+    /// `Auto` made concrete for this host: `kvm` when `/dev/kvm` opens read-write and the
+    /// host's KVM is not PVM, `tcg` otherwise. The reason goes with it, for `check`.
+    pub fn resolve(self) -> (Accel, &'static str) {
+        match self {
+            Accel::Auto => {
+                if std::path::Path::new(PVM_MODULE).exists() {
+                    (
+                        Accel::Tcg,
+                        "auto: this host's KVM is PVM, which cannot run an unmodified guest kernel",
+                    )
+                } else if std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open("/dev/kvm")
+                    .is_ok()
+                {
+                    (Accel::Kvm, "auto")
+                } else {
+                    (Accel::Tcg, "auto: /dev/kvm is not usable")
+                }
+            }
+            a => (a, "configured"),
         }
     }
 }
@@ -34,11 +68,11 @@ impl Accel {
 pub struct MicrovmConfig {
     /// The VMM: QEMU with the `microvm` machine type.
     pub qemu: String,
-    /// QEMU's accelerator: `kvm` (hardware virtualisation through `/dev/kvm`) or `tcg`
+    /// QEMU's accelerator: `kvm` (hardware virtualisation through `/dev/kvm`), `tcg`
     /// (QEMU's own CPU emulation: still a kernel of its own per job, behind QEMU instead
-    /// of KVM; for hosts whose `/dev/kvm` cannot run an unmodified guest).
+    /// of KVM, many times slower), or `auto` (the default: see [`Accel::resolve`]).
     pub accel: Accel,
-    /// QEMU's `-cpu`; empty: `host,-arch-capabilities` with kvm, `max` with tcg.
+    /// QEMU's `-cpu`; empty: `host,-arch-capabilities` with kvm, `qemu64` with tcg.
     pub cpu: String,
     /// The guest kernel: the uncompressed ELF (booted through its PVH entry) or a bzImage.
     pub kernel: PathBuf,
@@ -63,7 +97,7 @@ impl Default for MicrovmConfig {
     fn default() -> Self {
         Self {
             qemu: "qemu-system-x86_64".into(),
-            accel: Accel::Kvm,
+            accel: Accel::Auto,
             cpu: String::new(),
             kernel: PathBuf::from(DEFAULT_CACHE).join("vmlinux"),
             init: PathBuf::from(DEFAULT_CACHE).join("cynode-vminit"),

@@ -133,22 +133,29 @@ impl Launch {
         cmdline.extend(self.kernel_args.iter().cloned());
         // With KVM the guest has kvm-clock, so the legacy timers can go; TCG needs the PIT
         // to calibrate its clock.
+        use super::settings::Accel;
         let machine = match self.accel {
-            super::settings::Accel::Kvm => {
+            Accel::Kvm | Accel::Auto => {
                 "microvm,x-option-roms=off,pit=off,pic=off,isa-serial=off,rtc=off,acpi=off"
             }
-            super::settings::Accel::Tcg => "microvm,x-option-roms=off,isa-serial=off,acpi=off",
+            Accel::Tcg => "microvm,x-option-roms=off,isa-serial=off,acpi=off",
         };
         let cpu = match (self.cpu.is_empty(), self.accel) {
             (false, _) => self.cpu.clone(),
-            (true, super::settings::Accel::Kvm) => "host,-arch-capabilities".into(),
-            (true, super::settings::Accel::Tcg) => "max".into(),
+            (true, Accel::Kvm | Accel::Auto) => "host,-arch-capabilities".into(),
+            // A baseline CPU: QEMU 7.2's TCG `max` advertises AVX2, whose fresh emulation
+            // crashed glibc's string functions in the guest now and then.
+            (true, Accel::Tcg) => "qemu64".into(),
         };
         let mut a: Vec<String> = vec![
             "-M".into(),
             machine.into(),
             "-accel".into(),
-            self.accel.as_str().into(),
+            match self.accel {
+                // TCG's translation cache defaults to 1 GiB per VM; 64 MiB bounds its RSS.
+                Accel::Tcg => "tcg,tb-size=64".into(),
+                Accel::Kvm | Accel::Auto => "kvm".into(),
+            },
             "-cpu".into(),
             cpu,
         ];
