@@ -84,6 +84,9 @@ pub struct Config {
     pub listener: cynode_tls::ListenerLimits,
     /// The egress proxy: where jobs with `network_policy: restricted` may go.
     pub egress: EgressConfig,
+    /// Host uids sandboxes run as, one per workspace (`{first, count}`; see
+    /// [`crate::uid_pool`]): tenants never share the kernel's per-user budgets.
+    pub sandbox_uids: crate::uid_pool::UidRange,
 }
 
 /// The egress proxy's settings. `allow` is the node's ceiling: a job's
@@ -367,6 +370,7 @@ impl Default for Config {
             listener: cynode_tls::ListenerLimits::default(),
             egress: EgressConfig::default(),
         }
+            sandbox_uids: crate::uid_pool::UidRange::default(),
     }
 }
 

@@ -16,9 +16,12 @@
 //! bound) is a breach ([`Breach::Unmeasured`]). On a breach, once the sandbox ended,
 //! [`DiskGuard::finish`] empties the guarded directories, so the space comes back at once.
 //! Session commands run under the same guard (over the workspace); a breach ends the
-//! session. Residual: a file the job unlinks while keeping it open is not seen by a walk;
-//! its space is freed when the sandbox ends (at once for a job, with the session's end
-//! for a session command).
+//! session. A file the job unlinks while keeping it open is not seen by a walk: each check
+//! also adds what the sandbox's processes (those running as the guarded directories'
+//! owner, the workspace's own uid, [`crate::uid_pool`]) hold open or mapped of files with
+//! no link left on the guarded devices ([`crate::open_unlinked`], bounded; a scan that
+//! fails is a breach). Residual: a descriptor in flight in a unix socket belongs to no
+//! process and is not seen; its space is freed when the sandbox ends.
 
 use std::os::fd::AsFd;
 use std::path::PathBuf;
@@ -29,6 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Limits;
 use crate::disk_usage::{self, Bounds, Unmeasured, Usage};
+use crate::open_unlinked;
 use crate::sandbox_files;
 
 /// Pause between two checks.
@@ -37,6 +41,9 @@ pub const INTERVAL: Duration = Duration::from_millis(200);
 const MOVED_RETRIES: u32 = 8;
 /// A walk slower than this is given up, and counts as a breach.
 const WALK_BOUND: Duration = Duration::from_secs(30);
+/// Descriptors and mappings of the sandbox's processes one check looks at; more is a
+/// breach (a job's pids limit times its descriptor limit stays far below).
+const OPEN_ENTRIES_BOUND: u64 = 262_144;
 
 /// The limit for one job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,10 +81,22 @@ pub enum Breach {
 pub fn check(dirs: &[PathBuf], limit: DiskLimit) -> Result<(), Breach> {
     let mut used = Usage::default();
     let deadline = Instant::now() + WALK_BOUND;
+    // Whose processes may hold unlinked files, on which devices: the directories' owners
+    // (a workspace's uid runs its sandboxes and nothing else) and devices.
+    let (mut owners, mut devs) = (Vec::new(), Vec::new());
+    let node_uid = rustix::process::geteuid().as_raw();
     for d in dirs {
         let Ok(fd) = sandbox_files::open_dir(d) else {
             continue;
         };
+        if let Ok(st) = rustix::fs::fstat(&fd) {
+            if st.st_uid != 0 && st.st_uid != node_uid && !owners.contains(&st.st_uid) {
+                owners.push(st.st_uid);
+            }
+            if !devs.contains(&st.st_dev) {
+                devs.push(st.st_dev);
+            }
+        }
         let bounds = Bounds {
             max_entries: limit.max_files.saturating_sub(used.entries),
             max_bytes: limit.bytes.saturating_sub(used.bytes),
@@ -109,7 +128,20 @@ pub fn check(dirs: &[PathBuf], limit: DiskLimit) -> Result<(), Breach> {
             }
         }
     }
-    Ok(())
+    let scan = open_unlinked::Bounds {
+        max_entries: OPEN_ENTRIES_BOUND,
+        deadline,
+    };
+    match open_unlinked::unlinked_bytes(&owners, &devs, scan) {
+        Ok(b) if used.bytes.saturating_add(b) > limit.bytes => {
+            Err(Breach::Bytes { limit: limit.bytes })
+        }
+        Ok(_) => Ok(()),
+        Err(e) => {
+            tracing::warn!(error = %e, "open-file scan failed: a breach");
+            Err(Breach::Unmeasured(e.to_string()))
+        }
+    }
 }
 
 /// A running guard; [`DiskGuard::finish`] ends it.

@@ -27,7 +27,7 @@ use crate::config::{Config, Limits};
 use crate::disk_guard::DiskLimit;
 use crate::egress::job::JobEgress;
 use crate::job_dir;
-use crate::sandbox::{self, SandboxRequest, SandboxSpec, SANDBOX_UID};
+use crate::sandbox::{self, SandboxRequest, SandboxSpec};
 use crate::sandbox_files::{self, ReadError, TreeBounds, TreeError};
 use cynode_protocol::time::now_rfc3339;
 
@@ -209,7 +209,8 @@ impl JobPaths {
 /// for SBA jobs) and the workspace when missing. The job directory must not exist: one
 /// that does (a retained job's, with links a job planted in it) is refused, never reused.
 /// Every step goes through a directory fd without following links ([`crate::job_dir`]).
-pub fn prepare(paths: &JobPaths, req: &RunJobRequest) -> std::io::Result<()> {
+/// What the sandbox writes is owned by `host_uid`, the workspace's ([`crate::uid_pool`]).
+pub fn prepare(paths: &JobPaths, req: &RunJobRequest, host_uid: u32) -> std::io::Result<()> {
     let (jobs, name) = job_dir::split(&paths.root)?;
     let root = job_dir::create_new_dir(job_dir::open_node_dir(jobs)?.as_fd(), name)?;
     job_dir::write_new_file(
@@ -225,30 +226,35 @@ pub fn prepare(paths: &JobPaths, req: &RunJobRequest) -> std::io::Result<()> {
     let label = format!("job-{}", req.job_id);
     let mount = crate::loopfs::cover(root.as_fd(), OsStr::new("job"), &label).unwrap_or(mount);
     let artifacts = job_dir::create_new_dir(mount.as_fd(), OsStr::new(ARTIFACTS_DIR))?;
-    job_dir::own(&artifacts, Some(SANDBOX_UID), 0o755)?;
+    job_dir::own(&artifacts, Some(host_uid), 0o755)?;
     if let Some(spec) = &req.sandbox.job_spec_json {
         job_dir::write_new_file(
             mount.as_fd(),
             OsStr::new("job.json"),
             spec.as_bytes(),
-            Some(SANDBOX_UID),
+            Some(host_uid),
             0o644,
         )?;
     }
-    job_dir::own(&mount, Some(SANDBOX_UID), 0o755)?;
+    job_dir::own(&mount, Some(host_uid), 0o755)?;
     let (spaces, ws) = job_dir::split(&paths.workspace)?;
     let spaces = job_dir::open_node_dir(spaces)?;
     let label = format!("ws-{}", ws.to_string_lossy());
-    if !crate::loopfs::new_volume_dir(spaces.as_fd(), ws, &label, SANDBOX_UID)? {
-        job_dir::open_or_create_owned_dir(spaces.as_fd(), ws, SANDBOX_UID)?;
+    if !crate::loopfs::new_volume_dir(spaces.as_fd(), ws, &label, host_uid)? {
+        job_dir::open_or_create_owned_dir(spaces.as_fd(), ws, host_uid)?;
     }
     Ok(())
 }
 
 /// The sandbox spec for `req`: its env (the request's, then the node's job variables;
 /// an SBA job's own `SBA_*` and `INFERENCE_PROXY_URL` come from the node only), the job
-/// directory and workspace mounts, and the node's limits.
-pub fn sandbox_spec(cfg: &Config, req: &RunJobRequest, paths: &JobPaths) -> SandboxSpec {
+/// directory and workspace mounts, the node's limits, and the workspace's `host_uid`.
+pub fn sandbox_spec(
+    cfg: &Config,
+    req: &RunJobRequest,
+    paths: &JobPaths,
+    host_uid: u32,
+) -> SandboxSpec {
     let is_sba = req.sandbox.job_spec_json.is_some();
     let mut node = vec![
         (sandbox::ENV_TASK_ID, req.task_id.clone()),
@@ -291,6 +297,7 @@ pub fn sandbox_spec(cfg: &Config, req: &RunJobRequest, paths: &JobPaths) -> Sand
                 ("cynodeai.job_id".into(), req.job_id.clone()),
             ],
             timeout: Duration::from_secs(l.effective_timeout(req.sandbox.timeout_seconds)),
+            host_uid,
         },
     )
 }

@@ -39,7 +39,7 @@ use cynode_tls::ListenerLimits;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::InferenceConfig;
-use crate::sandbox::{bind_job_socket, INFERENCE_SOCKET as SOCKET_NAME, SANDBOX_UID};
+use crate::sandbox::{bind_job_socket, INFERENCE_SOCKET as SOCKET_NAME};
 
 /// Why the configured upstream cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -228,8 +228,9 @@ pub fn listen(
     dir: &Path,
     proxy: Arc<Proxy>,
     limits: &ListenerLimits,
+    host_uid: u32,
 ) -> std::io::Result<ProxyServer> {
-    let (path, listener) = bind_job_socket(dir, SOCKET_NAME, Some(SANDBOX_UID), 0o600)?;
+    let (path, listener) = bind_job_socket(dir, SOCKET_NAME, Some(host_uid), 0o600)?;
     let router = app(Arc::clone(&proxy));
     let stop = CancellationToken::new();
     let done = stop.clone();

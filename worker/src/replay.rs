@@ -22,8 +22,8 @@ use crate::config::Config;
 use crate::executor::{self, JobPaths};
 use crate::job_dir;
 use crate::remove_tree::remove_tree_async;
-use crate::sandbox::SANDBOX_UID;
 use crate::store::{Store, StoreError};
+use crate::uid_pool::{UidError, UidPool};
 
 /// Why a job could not be replayed.
 #[derive(Debug, thiserror::Error)]
@@ -40,6 +40,8 @@ pub enum ReplayError {
     JobSpec(#[from] serde_json::Error),
     #[error(transparent)]
     Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Uid(#[from] UidError),
 }
 
 /// The outcome of a replay.
@@ -66,17 +68,40 @@ pub async fn replay(cfg: &Config, job_id: &str) -> Result<ReplayReport, ReplayEr
     rewrite_ids(&mut req, &replay_id)?;
     executor::validate(cfg, &req)?;
     let paths = JobPaths::new(cfg, &req);
+    // A host uid of its own (released at the end), shared with no workspace of the node.
+    let uids = UidPool::for_node(cfg, store.clone());
+    let uid = uids.for_new_workspace(&replay_id).await?;
+    let resp = replay_in(cfg, &req, &paths, uid).await;
+    if let Err(e) = uids.release(&replay_id).await {
+        tracing::warn!(error = %e, "cannot release the replay's uid");
+    }
+    let differences = compare(&original, &resp?, req.sandbox.job_spec_json.is_none());
+    Ok(ReplayReport {
+        job_id: job_id.to_string(),
+        replay_job_id: replay_id,
+        matches: differences.is_empty(),
+        differences,
+    })
+}
+
+/// Runs the replay `req` in a fresh workspace owned by `uid`, then removes what it made.
+async fn replay_in(
+    cfg: &Config,
+    req: &RunJobRequest,
+    paths: &JobPaths,
+    uid: u32,
+) -> Result<RunJobResponse, ReplayError> {
     // A fresh workspace of its own: an existing one of that name is refused, like the job
     // directory `prepare` creates.
     let (spaces, ws) = job_dir::split(&paths.workspace)?;
     let ws_fd = job_dir::create_new_dir(job_dir::open_node_dir(spaces)?.as_fd(), ws)?;
-    job_dir::own(&ws_fd, Some(SANDBOX_UID), 0o755)?;
+    job_dir::own(&ws_fd, Some(uid), 0o755)?;
     drop(ws_fd);
-    let resp = match executor::prepare(&paths, &req) {
+    let resp = match executor::prepare(paths, req, uid) {
         Ok(()) => {
             let backend = Backend::from_config(cfg);
-            let spec = executor::sandbox_spec(cfg, &req, &paths);
-            Ok(executor::run(&backend, &spec, &req, &paths, &CancellationToken::new()).await)
+            let spec = executor::sandbox_spec(cfg, req, paths, uid);
+            Ok(executor::run(&backend, &spec, req, paths, &CancellationToken::new()).await)
         }
         Err(e) => Err(e),
     };
@@ -90,14 +115,7 @@ pub async fn replay(cfg: &Config, job_id: &str) -> Result<ReplayReport, ReplayEr
             tracing::warn!(dir = %dir.display(), error = %e, "cannot remove the replay's directory");
         }
     }
-    let resp = resp?;
-    let differences = compare(&original, &resp, req.sandbox.job_spec_json.is_none());
-    Ok(ReplayReport {
-        job_id: job_id.to_string(),
-        replay_job_id: replay_id,
-        matches: differences.is_empty(),
-        differences,
-    })
+    Ok(resp?)
 }
 
 /// The replay's job id: the job's id and 128 random bits (hex), or only `replay-` and the

@@ -14,12 +14,17 @@ use cynode_protocol::worker_api::{NetworkPolicy, RESERVED_ENV};
 
 use crate::config::Limits;
 
-/// The uid/gid sandboxes run as.
+/// The uid/gid a bwrap sandbox sees itself as inside its user namespace. On the host every
+/// sandbox runs as its workspace's own uid ([`crate::uid_pool`], [`SandboxSpec::host_uid`]),
+/// which bwrap maps to this one; Podman and Docker run as the host uid itself.
 pub const SANDBOX_UID: u32 = 1000;
 /// [`SANDBOX_UID`] as text, for the backends' argv.
 pub const SANDBOX_UID_TEXT: &str = "1000";
-/// `uid:gid` for the engines' `--user`.
-pub const SANDBOX_USER: &str = "1000:1000";
+
+/// `uid:gid` for the engines' `--user`: the host uid, as both.
+pub fn engine_user(host_uid: u32) -> String {
+    format!("{host_uid}:{host_uid}")
+}
 /// Where the workspace is mounted, writable; also every sandbox's working directory.
 pub const WORKSPACE_MOUNT: &str = "/workspace";
 /// Where a job's directory is mounted (jobs only; sessions have none).
@@ -160,6 +165,8 @@ pub struct SandboxSpec {
     pub labels: Vec<(String, String)>,
     pub timeout: Duration,
     pub output_cap: usize,
+    /// The host uid (and gid) the sandbox runs as: its workspace's ([`crate::uid_pool`]).
+    pub host_uid: u32,
 }
 
 /// What differs between one sandbox and another; [`spec`] adds the rest.
@@ -178,6 +185,8 @@ pub struct SandboxRequest {
     /// `cynodeai.task_id` and the job's or session's own label.
     pub labels: Vec<(String, String)>,
     pub timeout: Duration,
+    /// The workspace's host uid ([`crate::uid_pool::UidPool::for_workspace`]).
+    pub host_uid: u32,
 }
 
 /// The one sandbox spec builder: `req`'s mounts (the job directory, then the workspace,
@@ -210,6 +219,7 @@ pub fn spec(limits: &Limits, req: SandboxRequest) -> SandboxSpec {
         labels: req.labels,
         timeout: req.timeout,
         output_cap: limits.output_cap_bytes,
+        host_uid: req.host_uid,
     }
 }
 
@@ -233,14 +243,6 @@ pub fn env<'a>(
     env
 }
 
-/// Creates `dir` (and its parents) owned by the sandbox user, mode 0755, so a sandbox can
-/// write in it; an existing directory is re-owned.
-pub fn create_owned_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::create_dir_all(dir)?;
-    std::os::unix::fs::chown(dir, Some(SANDBOX_UID), Some(SANDBOX_UID))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
-}
 
 /// A small spec for unit tests of the backends' argv builders.
 #[cfg(test)]
@@ -267,6 +269,7 @@ pub fn example_spec(image: &str, command: &[&str]) -> SandboxSpec {
         labels: Vec::new(),
         timeout: std::time::Duration::from_secs(1),
         output_cap: 1,
+        host_uid: 4_000_000,
     }
 }
 
@@ -293,6 +296,6 @@ mod tests {
     #[test]
     fn uid_texts_agree() {
         assert_eq!(SANDBOX_UID_TEXT, SANDBOX_UID.to_string());
-        assert_eq!(SANDBOX_USER, format!("{SANDBOX_UID}:{SANDBOX_UID}"));
+        assert_eq!(engine_user(4_000_000), "4000000:4000000");
     }
 }

@@ -237,6 +237,83 @@ impl Store {
         Ok(res.rows_affected() == 1)
     }
 
+    /// The host uid assigned to `workspace_id` ([`crate::uid_pool`]), if any.
+    pub async fn workspace_uid(&self, workspace_id: &str) -> Result<Option<u32>> {
+        let row = sqlx::query("SELECT uid FROM sandbox_uids WHERE workspace_id = ?1")
+            .bind(workspace_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.and_then(|r| u32::try_from(r.get::<i64, _>(0)).ok()))
+    }
+
+    /// Assigns `workspace_id` the lowest uid in `first..end` that no workspace holds and
+    /// returns it (or the uid it already has); `None` when every one is held. Safe across
+    /// processes: the uid is unique in the table, so of two racing inserts one fails and
+    /// tries the next free uid.
+    pub async fn assign_uid(&self, workspace_id: &str, first: u32, end: u64) -> Result<Option<u32>> {
+        for _ in 0..16 {
+            if let Some(uid) = self.workspace_uid(workspace_id).await? {
+                return Ok(Some(uid));
+            }
+            let held = sqlx::query(
+                "SELECT uid FROM sandbox_uids WHERE uid >= ?1 AND uid < ?2 ORDER BY uid",
+            )
+            .bind(i64::from(first))
+            .bind(i64::try_from(end).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await?;
+            let mut free = u64::from(first);
+            for r in &held {
+                let uid = u64::try_from(r.get::<i64, _>(0)).unwrap_or(0);
+                if uid == free {
+                    free += 1;
+                } else if uid > free {
+                    break;
+                }
+            }
+            let Some(uid) = u32::try_from(free).ok().filter(|_| free < end) else {
+                return Ok(None);
+            };
+            let res = sqlx::query(
+                "INSERT INTO sandbox_uids (workspace_id, uid, assigned_at) VALUES (?1, ?2, ?3) \
+                 ON CONFLICT DO NOTHING",
+            )
+            .bind(workspace_id)
+            .bind(i64::from(uid))
+            .bind(now())
+            .execute(&self.pool)
+            .await?;
+            if res.rows_affected() == 1 {
+                return Ok(Some(uid));
+            }
+        }
+        Err(StoreError::Db(sqlx::Error::Protocol(
+            "sandbox uid assignment kept racing".into(),
+        )))
+    }
+
+    /// Forgets the uid of `workspace_id`.
+    pub async fn release_uid(&self, workspace_id: &str) -> Result<()> {
+        sqlx::query("DELETE FROM sandbox_uids WHERE workspace_id = ?1")
+            .bind(workspace_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Uid assignments made before `cutoff` (RFC 3339): workspace id and uid.
+    pub async fn uid_assignments_before(&self, cutoff: &str) -> Result<Vec<(String, u32)>> {
+        let rows =
+            sqlx::query("SELECT workspace_id, uid FROM sandbox_uids WHERE assigned_at < ?1")
+                .bind(cutoff)
+                .fetch_all(&self.pool)
+                .await?;
+        Ok(rows
+            .iter()
+            .filter_map(|r| Some((r.get(0), u32::try_from(r.get::<i64, _>(1)).ok()?)))
+            .collect())
+    }
+
     /// The database answers.
     pub async fn ping(&self) -> Result<()> {
         sqlx::query("SELECT 1").execute(&self.pool).await?;

@@ -31,6 +31,7 @@ macro_rules! on_both_backends {
 mod backends;
 mod cases;
 mod disk_attacks;
+mod disk_unlinked;
 mod disk_volumes;
 mod egress;
 mod egress_jobs;
@@ -44,6 +45,7 @@ mod sandbox_escapes;
 mod sessions;
 mod syscall_probe;
 mod tls;
+mod tenant_uids;
 mod upstream;
 mod workspace_attacks;
 mod workspaces;

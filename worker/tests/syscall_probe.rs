@@ -9,8 +9,6 @@ pub const X32: u32 = 0x4000_0000;
 
 /// The ELF bytes of a probe making syscall `nr` with `args`.
 pub fn elf(nr: u32, args: [u32; 3]) -> Vec<u8> {
-    const BASE: u64 = 0x40_0000;
-    const HEADERS: u64 = 64 + 56;
     let mut code = Vec::new();
     let mov = |code: &mut Vec<u8>, op: u8, v: u32| {
         code.push(op);
@@ -31,6 +29,13 @@ pub fn elf(nr: u32, args: [u32; 3]) -> Vec<u8> {
         0xB8, 0x3C, 0x00, 0x00, 0x00, // exit: mov eax, 60 (exit)
         0x0F, 0x05, // syscall
     ]);
+    elf_of(&code)
+}
+
+/// A static x86_64 ELF whose one loadable segment is `code`, entered at its first byte.
+pub fn elf_of(code: &[u8]) -> Vec<u8> {
+    const BASE: u64 = 0x40_0000;
+    const HEADERS: u64 = 64 + 56;
     let total = HEADERS + code.len() as u64;
     let mut e = Vec::new();
     e.extend_from_slice(b"\x7fELF\x02\x01\x01\x00");
@@ -53,7 +58,7 @@ pub fn elf(nr: u32, args: [u32; 3]) -> Vec<u8> {
     e.extend_from_slice(&total.to_le_bytes()); // filesz
     e.extend_from_slice(&total.to_le_bytes()); // memsz
     e.extend_from_slice(&0x1000u64.to_le_bytes()); // align
-    e.extend_from_slice(&code);
+    e.extend_from_slice(code);
     e
 }
 
@@ -61,8 +66,13 @@ pub fn elf(nr: u32, args: [u32; 3]) -> Vec<u8> {
 /// directory (with printf octal escapes, so busybox sh can), then runs it and prints
 /// `name=<exit code>`.
 pub fn run_line(name: &str, nr: u32, args: [u32; 3]) -> String {
-    let escaped: String = elf(nr, args).iter().map(|b| format!("\\{b:03o}")).collect();
+    let escaped = printf_escaped(&elf(nr, args));
     format!("printf '{escaped}' > ./{name} && chmod 755 ./{name}; ./{name}; echo {name}=$?; rm -f ./{name}")
+}
+
+/// `bytes` as printf octal escapes, for writing a binary from busybox sh.
+pub fn printf_escaped(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("\\{b:03o}")).collect()
 }
 
 /// The value printed as `name=<n>` in `out`.

@@ -151,6 +151,11 @@ pub struct RunArgs {
     /// Jobs the session may dispatch.
     #[arg(long, default_value_t = 20, help_heading = "Session")]
     pub max_jobs: u32,
+    /// Lets this session's jobs reach HOST (`host`, `*.suffix`, optional `:port`) through
+    /// the worker's egress proxy, on top of the tenant's `egress.allow` (repeatable). The
+    /// worker's own `egress.allow` still bounds it.
+    #[arg(long = "egress-allow", value_name = "HOST", help_heading = "Session")]
+    pub egress_allow: Vec<String>,
 }
 
 impl RunArgs {

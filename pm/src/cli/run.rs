@@ -117,7 +117,11 @@ async fn drive_session(
         }
     };
     let config = args.pm.config(global);
-    let pm = bootstrap::build_pm(&config, workers).await?;
+    let mut pm = bootstrap::build_pm(&config, workers).await?;
+    pm.tenant
+        .egress
+        .allow
+        .extend(args.egress_allow.iter().cloned());
     match start {
         Start::Resume { id, answer } => {
             if let Some(text) = answer {

@@ -21,11 +21,12 @@
 //! directory (a bind mount's root is a path in its source filesystem; no bind trick hides
 //! it). Put `state_dir` on a filesystem of its own to show only paths below it.
 //!
-//! When the node runs as root, bwrap itself is started as uid/gid 1000 (after joining the
-//! cgroup), so the unprivileged user namespace maps the sandbox's uid 1000 to host uid
-//! 1000: files in the workspace are owned by 1000 on the host, exactly as with Podman, and
-//! the sandbox holds no host privilege at all. This needs unprivileged user namespaces and
-//! a state directory that uid 1000 can traverse.
+//! When the node runs as root, bwrap itself is started as the workspace's host uid/gid
+//! ([`crate::uid_pool`], after joining the cgroup), so the unprivileged user namespace maps
+//! the sandbox's uid 1000 to that host uid: files in the workspace are owned by it on the
+//! host, the kernel's per-user budgets (inotify instances, processes…) are the workspace's
+//! own, and the sandbox holds no host privilege at all. This needs unprivileged user
+//! namespaces and a state directory that every uid can traverse.
 
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
@@ -120,22 +121,26 @@ pub fn has_disable_userns(binary: &str) -> bool {
 /// command and a changeset: the seccomp programs (memfds bwrap reads through
 /// `--add-seccomp-fd`), `--disable-userns` where bwrap has it, and a cgroup of its own with
 /// the node's memory, pids and CPU limits, which bwrap joins before it executes (so even
-/// its first child is inside). When the node is root, bwrap starts as the sandbox user.
+/// its first child is inside). When the node is root, bwrap starts as the sandbox's host
+/// uid (its workspace's, [`crate::uid_pool`]), which the user namespace maps to uid 1000.
 /// Dropping it kills whatever is still in the cgroup and removes the cgroup.
 pub struct Confinement {
     memfds: Vec<std::os::fd::OwnedFd>,
     fds: Vec<i32>,
     cgroup: Cgroup,
     disable_userns: bool,
+    host_uid: u32,
 }
 
 impl Confinement {
-    /// The seccomp memfds and the cgroup `<node>/<name>` with `limits`.
+    /// The seccomp memfds and the cgroup `<node>/<name>` with `limits`, for a sandbox that
+    /// runs as `host_uid` on the host.
     pub fn new(
         node: &str,
         name: &str,
         limits: &ResourceLimits,
         disable_userns: bool,
+        host_uid: u32,
     ) -> Result<Confinement, BackendError> {
         use std::os::fd::AsRawFd;
         let memfds = seccomp_programs()?
@@ -155,6 +160,7 @@ impl Confinement {
             fds,
             cgroup,
             disable_userns,
+            host_uid,
         })
     }
 
@@ -176,6 +182,7 @@ impl Confinement {
     pub fn apply(&self, cmd: &mut Command) {
         let procs = self.cgroup.procs_files();
         let inherit = self.fds.clone();
+        let host_uid = self.host_uid;
         // SAFETY: geteuid has no preconditions.
         let drop_to_sandbox_user = unsafe { libc::geteuid() } == 0;
         // SAFETY: between fork and exec this only calls getpid/open/write/close on paths
@@ -191,7 +198,7 @@ impl Confinement {
                 }
                 join_cgroups(&procs)?;
                 if drop_to_sandbox_user {
-                    become_sandbox_user()?;
+                    become_sandbox_user(host_uid)?;
                 }
                 super::die_with_node()
             });
@@ -325,11 +332,16 @@ impl BwrapBackend {
                 spec.image
             ));
         };
-        let mut confinement =
-            match Confinement::new(&self.node, &spec.name, &spec.limits, self.disable_userns) {
-                Ok(c) => c,
-                Err(e) => return fail(e.to_string()),
-            };
+        let mut confinement = match Confinement::new(
+            &self.node,
+            &spec.name,
+            &spec.limits,
+            self.disable_userns,
+            spec.host_uid,
+        ) {
+            Ok(c) => c,
+            Err(e) => return fail(e.to_string()),
+        };
         let mut gate = match hook.as_ref().map(|_| Gate::new()).transpose() {
             Ok(g) => g,
             Err(e) => return fail(format!("cannot make bwrap's info and block pipes: {e}")),
@@ -454,9 +466,8 @@ pub fn isolation_args(hostname: &str) -> Vec<String> {
     .to_vec()
 }
 
-/// Drops from root to uid/gid 1000 with no supplementary groups (between fork and exec).
-fn become_sandbox_user() -> std::io::Result<()> {
-    let id = crate::sandbox::SANDBOX_UID;
+/// Drops from root to uid/gid `id` with no supplementary groups (between fork and exec).
+fn become_sandbox_user(id: u32) -> std::io::Result<()> {
     // SAFETY: plain syscalls on integers; called in the forked child only.
     unsafe {
         if libc::setgroups(0, std::ptr::null()) != 0

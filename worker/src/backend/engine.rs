@@ -1,6 +1,6 @@
 //! Podman and Docker: the same `run` flags, chosen by binary name.
 //!
-//! Every sandbox runs with `--rm`, no network, a read-only root, uid 1000, all
+//! Every sandbox runs with `--rm`, no network, a read-only root, the workspace's host uid (`--user N:N`), all
 //! capabilities dropped, no-new-privileges, the node's seccomp profile
 //! ([`super::seccomp`], written to `<state_dir>/seccomp/`), memory/CPU/pids limits, a
 //! tmpfs /tmp, and labels carrying task_id and job_id; nothing is pulled. The image comes
@@ -24,7 +24,7 @@ use super::{
     capture, seccomp, BackendError, EndReason, SandboxOutcome, SandboxSpec, MANAGED_LABEL,
 };
 use crate::config::{BackendKind, EngineConfig, OciRuntime};
-use crate::sandbox::SANDBOX_USER;
+use crate::sandbox::engine_user;
 
 /// How long a stopped container's client may take to exit before it is killed.
 const STOP_BOUND: Duration = Duration::from_secs(60);
@@ -281,7 +281,7 @@ impl EngineBackend {
         a.extend([
             "--network=none".into(),
             "--read-only".into(),
-            format!("--user={SANDBOX_USER}"),
+            format!("--user={}", engine_user(spec.host_uid)),
             "--cap-drop=ALL".into(),
             "--security-opt=no-new-privileges".into(),
             "--ulimit=nofile=1024:1024".into(),

@@ -8,7 +8,7 @@
 //!   (so a container outlives a node killed with SIGKILL by at most that, even if the node
 //!   never restarts to reconcile). The init (catatonit / tini) is PID 1 so the orphans of
 //!   finished commands are reaped and never pile up against the pids limit. Each command
-//!   is an `exec --user 1000:1000 --workdir … --env …`.
+//!   is an `exec --user N:N --workdir … --env …`.
 //! - bubblewrap: there is no natural long-lived sandbox, so each command is a fresh
 //!   sandbox ([`Backend::run`]) over the same persisted workspace; nothing but the
 //!   workspace survives between commands (no background processes, no /tmp).
@@ -38,7 +38,7 @@ use tokio_util::sync::CancellationToken;
 use super::engine::EngineBackend;
 use super::{Backend, BackendError, EndReason, SandboxOutcome, SandboxSpec};
 use crate::config::{BackendKind, Config};
-use crate::sandbox::SANDBOX_USER;
+use crate::sandbox::engine_user;
 
 /// How long a keep-alive container outlives its session's max lifetime by itself; the
 /// reaper removes it at the max lifetime.
@@ -318,7 +318,7 @@ impl SessionOps {
     pub fn exec_args(name: &str, spec: &SandboxSpec) -> Vec<String> {
         let mut a: Vec<String> = vec![
             "exec".into(),
-            format!("--user={SANDBOX_USER}"),
+            format!("--user={}", engine_user(spec.host_uid)),
             format!("--workdir={}", spec.workdir),
         ];
         for (k, v) in &spec.env {
@@ -526,7 +526,7 @@ mod tests {
             SessionOps::exec_args("cynode-session-s", &spec),
             [
                 "exec",
-                "--user=1000:1000",
+                "--user=4000000:4000000",
                 "--workdir=/workspace",
                 "--env=A=b c",
                 "cynode-session-s",

@@ -27,6 +27,9 @@ pub enum ApiError {
     Busy,
     #[error("{0}")]
     Conflict(String),
+    /// No host uid is free for the workspace (`sandbox_uids` exhausted): 503.
+    #[error("{0}")]
+    NoSandboxUid(String),
     #[error("internal error")]
     Internal(String),
 }
@@ -49,6 +52,11 @@ impl ApiError {
                 "Node at capacity",
             ),
             ApiError::Conflict(_) => (StatusCode::CONFLICT, "validation", "Conflict"),
+            ApiError::NoSandboxUid(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "rate_limit",
+                "No sandbox uid free",
+            ),
             ApiError::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal",
@@ -83,6 +91,7 @@ impl From<NodeError> for ApiError {
             NodeError::Busy => ApiError::Busy,
             NodeError::NotFound(what) => ApiError::NotFound(what),
             NodeError::Conflict(m) => ApiError::Conflict(m),
+            NodeError::Uid(e) => e.into(),
             NodeError::Internal(m) => ApiError::Internal(m),
         }
     }
@@ -95,6 +104,7 @@ impl From<SessionError> for ApiError {
             SessionError::TooMany => ApiError::Busy,
             e @ SessionError::NotFound { .. } => ApiError::NotFound(e.to_string()),
             SessionError::Conflict(m) => ApiError::Conflict(m),
+            SessionError::Uid(e) => e.into(),
             SessionError::Internal(m) => ApiError::Internal(m),
         }
     }
@@ -108,6 +118,16 @@ impl From<WorkspaceError> for ApiError {
             WorkspaceError::HasContent(m) => ApiError::Conflict(m),
             WorkspaceError::Changeset(e) => ApiError::Internal(e.to_string()),
             WorkspaceError::Internal(m) => ApiError::Internal(m),
+            WorkspaceError::Uid(e) => e.into(),
+        }
+    }
+}
+
+impl From<crate::uid_pool::UidError> for ApiError {
+    fn from(e: crate::uid_pool::UidError) -> Self {
+        match e {
+            e @ crate::uid_pool::UidError::Exhausted { .. } => ApiError::NoSandboxUid(e.to_string()),
+            e => ApiError::Internal(e.to_string()),
         }
     }
 }

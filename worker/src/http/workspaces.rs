@@ -33,7 +33,7 @@ async fn create(
     State(node): State<Arc<Node>>,
     StrictJson(req): StrictJson<CreateWorkspace>,
 ) -> Result<Response, ApiError> {
-    let info = workspace::create(&node.cfg, req).await?;
+    let info = workspace::create(&node.cfg, &node.uids, req).await?;
     Ok(super::new_or_repeat(
         info.created,
         StatusCode::CREATED,
@@ -46,7 +46,7 @@ async fn seed_tar(
     Path(id): Path<String>,
     body: Bytes,
 ) -> Result<Response, ApiError> {
-    let info = workspace::seed_tar(&node.cfg, id, body).await?;
+    let info = workspace::seed_tar(&node.cfg, &node.uids, id, body).await?;
     Ok((StatusCode::CREATED, Json(info)).into_response())
 }
 
@@ -67,7 +67,7 @@ async fn changeset(
     State(node): State<Arc<Node>>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let text = workspace::changeset(&node.cfg, &id).await?;
+    let text = workspace::changeset(&node.cfg, &node.uids, &id).await?;
     let mut resp = text.into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,

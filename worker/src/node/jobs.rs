@@ -60,6 +60,8 @@ impl Node {
         default_image(self, &mut req);
         executor::validate(&self.cfg, &req)?;
         let digest = request_digest(&req)?;
+        // The workspace's host uid, before the job is accepted: none free is a 503.
+        self.uids.for_workspace(workspace_of(&req)).await?;
         self.take_slot()?;
         if !self.insert_holding_slot(&req, Mode::Sync).await? {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -93,6 +95,7 @@ impl Node {
             }
             return Ok((false, status_of(existing)));
         }
+        self.uids.for_workspace(workspace_of(&req)).await?;
         self.take_slot()?;
         if !self.insert_holding_slot(&req, Mode::Async).await? {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -182,7 +185,15 @@ impl Node {
         cancel: &CancellationToken,
     ) -> RunJobResponse {
         let paths = JobPaths::new(&self.cfg, req);
-        if let Err(e) = executor::prepare(&paths, req) {
+        let host_uid = match self.uids.for_workspace(workspace_of(req)).await {
+            Ok(uid) => uid,
+            Err(e) => {
+                let mut resp = restarted_response_for(req);
+                resp.failure_reason = Some(e.to_string());
+                return resp;
+            }
+        };
+        if let Err(e) = executor::prepare(&paths, req, host_uid) {
             let mut resp = restarted_response_for(req);
             resp.failure_reason = Some(format!("cannot prepare job directory: {e}"));
             return resp;
@@ -216,7 +227,7 @@ impl Node {
         let _proxy = match (executor::inference_models(&self.cfg, req), &self.inference) {
             (Ok(Some(models)), Some(upstream)) => {
                 let proxy = Proxy::new(&req.job_id, models, Arc::clone(upstream));
-                match inference::listen(&paths.mount, proxy, &self.job_sockets()) {
+                match inference::listen(&paths.mount, proxy, &self.job_sockets(), host_uid) {
                     Ok(s) => Some(s),
                     Err(e) => {
                         let mut resp = restarted_response_for(req);
@@ -242,7 +253,7 @@ impl Node {
                 return resp;
             }
         };
-        let spec = executor::sandbox_spec(&self.cfg, req, &paths);
+        let spec = executor::sandbox_spec(&self.cfg, req, &paths, host_uid);
         tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, egress = egress.is_some(), "job started");
         executor::run_with_egress(&self.backend, &spec, req, &paths, cancel, egress).await
     }
@@ -279,6 +290,11 @@ impl Node {
         self.store.delete(job_id).await?;
         Ok(())
     }
+}
+
+/// The workspace a job runs over: its `workspace_id`, else its task's.
+fn workspace_of(req: &RunJobRequest) -> &str {
+    req.workspace_id.as_deref().unwrap_or(&req.task_id)
 }
 
 /// A job_id reused for another request: idempotency is keyed on the request.

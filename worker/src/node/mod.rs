@@ -43,6 +43,9 @@ pub enum NodeError {
     /// The job_id names another request, or the job is not finished yet.
     #[error("{0}")]
     Conflict(String),
+    /// No host uid for the job's workspace (503 when `sandbox_uids` is exhausted).
+    #[error(transparent)]
+    Uid(#[from] crate::uid_pool::UidError),
     /// The store or the host failed.
     #[error("{0}")]
     Internal(String),
@@ -70,6 +73,13 @@ pub enum StartError {
     /// Settling the jobs a previous run left failed.
     #[error(transparent)]
     Reconcile(#[from] StoreError),
+    /// `sandbox_uids` overlaps users, groups or subordinate ranges of the host.
+    #[error("sandbox_uids {first}..{end} overlaps the host's ids: {conflicts}")]
+    SandboxUids {
+        first: u32,
+        end: u64,
+        conflicts: String,
+    },
 }
 
 pub use cynode_protocol::worker_health::Readiness;
@@ -81,6 +91,8 @@ pub struct Node {
     pub store: Store,
     pub token: String,
     pub sessions: Sessions,
+    /// The host uid of each workspace.
+    pub uids: Arc<crate::uid_pool::UidPool>,
     /// The inference upstream, when configured.
     pub inference: Option<Arc<Upstream>>,
     /// The egress proxies' shared parts, when the node allows any destination.
@@ -104,7 +116,7 @@ impl Node {
     pub async fn start(cfg: Config, token: String) -> Result<Arc<Node>, StartError> {
         for d in [cfg.state_dir.clone(), cfg.jobs_dir(), cfg.workspaces_dir()] {
             std::fs::create_dir_all(&d).map_err(|e| StartError::CreateDir(d.clone(), e))?;
-            // Sandboxes run as uid 1000 and must traverse to their job and workspace.
+            // Sandboxes run as their workspace's uid and must traverse to their directories.
             use std::os::unix::fs::PermissionsExt;
             std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755))
                 .map_err(|e| StartError::Permissions(d.clone(), e))?;
@@ -115,6 +127,16 @@ impl Node {
         let store = Store::open(&cfg.database_path())
             .await
             .map_err(StartError::Database)?;
+        let range = cfg.sandbox_uids;
+        let conflicts = range.host_conflicts();
+        if !conflicts.is_empty() {
+            return Err(StartError::SandboxUids {
+                first: range.first,
+                end: range.end(),
+                conflicts: conflicts.join("; "),
+            });
+        }
+        let uids = Arc::new(crate::uid_pool::UidPool::for_node(&cfg, store.clone()));
         let backend = Backend::from_config(&cfg);
         let inference = match &cfg.inference {
             Some(i) => Some(Arc::new(Upstream::from_config(i)?)),
@@ -124,7 +146,8 @@ impl Node {
         let node = Arc::new(Node {
             inference,
             egress,
-            sessions: Sessions::new(&cfg, backend.clone()),
+            sessions: Sessions::new(&cfg, backend.clone(), Arc::clone(&uids)),
+            uids,
             permits: Arc::new(Semaphore::new(cfg.queue.max_running.max(1))),
             cfg: Arc::new(cfg),
             backend,

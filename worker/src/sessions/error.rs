@@ -17,6 +17,9 @@ pub enum SessionError {
     /// The session is starting, ended, busy, or exists with another request (409).
     #[error("{0}")]
     Conflict(String),
+    /// No host uid for the session's workspace (503 when `sandbox_uids` is exhausted).
+    #[error(transparent)]
+    Uid(#[from] crate::uid_pool::UidError),
     /// The session table or its sandbox failed.
     #[error("{0}")]
     Internal(String),

@@ -61,6 +61,7 @@ impl Sessions {
                 req.command.clone(),
                 sandbox_env(&e.info, &e.env, &req.env),
                 timeout,
+                e.host_uid,
             );
             Ok((sandbox, spec, e.cancel.clone(), e.workspace.clone()))
         })?;

@@ -62,6 +62,14 @@ pub const MAX_ACTIVE_SESSIONS: usize = 32;
 /// How often the reaper looks for expired sessions.
 pub const REAP_INTERVAL: Duration = Duration::from_secs(1);
 
+/// Creates the workspace directory `dir` (the node's path) owned by `uid`, mode 0755.
+fn make_workspace(dir: &std::path::Path, uid: u32) -> std::io::Result<()> {
+    use std::os::fd::AsFd;
+    let (parent, name) = crate::job_dir::split(dir)?;
+    let parent = crate::job_dir::open_node_dir(parent)?;
+    crate::job_dir::open_or_create_owned_dir(parent.as_fd(), name, uid).map(drop)
+}
+
 /// Why a session's sandbox did not start.
 #[derive(Debug, thiserror::Error)]
 enum StartError {
@@ -73,6 +81,7 @@ enum StartError {
 
 struct Inner {
     cfg: Config,
+    uids: Arc<crate::uid_pool::UidPool>,
     ops: SessionOps,
     map: Mutex<HashMap<String, Entry>>,
 }
@@ -90,10 +99,12 @@ impl std::fmt::Debug for Sessions {
 }
 
 impl Sessions {
-    /// No sessions yet, on `backend` as `cfg` configures it.
-    pub fn new(cfg: &Config, backend: Backend) -> Self {
+    /// No sessions yet, on `backend` as `cfg` configures it; workspaces get their host
+    /// uids from `uids`.
+    pub fn new(cfg: &Config, backend: Backend, uids: Arc<crate::uid_pool::UidPool>) -> Self {
         Self {
             inner: Arc::new(Inner {
+                uids,
                 ops: SessionOps::new(cfg, backend),
                 cfg: cfg.clone(),
                 map: Mutex::new(HashMap::new()),
@@ -136,6 +147,8 @@ impl Sessions {
             )));
         }
         let workspace = cfg.workspaces_dir().join(&v.workspace_id);
+        // The workspace's own host uid (its directory made, owned by it): 503 when none.
+        let host_uid = self.inner.uids.for_workspace(&v.workspace_id).await?;
         let now = time::OffsetDateTime::now_utc();
         let lifetime = Duration::from_secs(v.lifetime);
         let info = SessionInfo {
@@ -180,6 +193,7 @@ impl Sessions {
                     phase: Phase::Starting,
                     env: req.env.clone(),
                     workspace: workspace.clone(),
+                    host_uid,
                     deadline: started + lifetime,
                     idle: Duration::from_secs(v.idle),
                     last_activity: started,
@@ -192,7 +206,9 @@ impl Sessions {
         // In its own task: a client that goes away must not leave the session half made.
         let this = self.clone();
         let task = tokio::spawn(async move {
-            let started = this.start_sandbox(&info, &req.env, workspace).await;
+            let started = this
+                .start_sandbox(&info, &req.env, workspace, host_uid)
+                .await;
             let Ok(mut map) = this.inner.map.lock() else {
                 if let Ok(sb) = started {
                     this.inner.ops.remove(&sb).await;
@@ -226,10 +242,11 @@ impl Sessions {
         info: &SessionInfo,
         env: &BTreeMap<String, String>,
         workspace: PathBuf,
+        host_uid: u32,
     ) -> Result<SessionSandbox, StartError> {
-        // Owned by the sandbox user, as jobs make it; an existing workspace is kept.
+        // Owned by the workspace's uid, as jobs make it; an existing workspace is kept.
         if !workspace.exists() {
-            crate::sandbox::create_owned_dir(&workspace).map_err(|e| {
+            make_workspace(&workspace, host_uid).map_err(|e| {
                 StartError::Workspace(format!(
                     "cannot prepare workspace {}: {e}",
                     workspace.display()
@@ -244,6 +261,7 @@ impl Sessions {
             Vec::new(),
             sandbox_env(info, env, &BTreeMap::new()),
             Duration::from_secs(info.max_lifetime_seconds),
+            host_uid,
         );
         Ok(self.inner.ops.start(&spec).await?)
     }

@@ -44,6 +44,7 @@ pub(super) fn sandbox_spec(
     command: Vec<String>,
     env: Vec<(String, String)>,
     timeout: Duration,
+    host_uid: u32,
 ) -> SandboxSpec {
     sandbox::spec(
         &cfg.limits,
@@ -61,6 +62,7 @@ pub(super) fn sandbox_spec(
                 ("cynodeai.session_id".into(), info.session_id.clone()),
             ],
             timeout,
+            host_uid,
         },
     )
 }

@@ -29,6 +29,8 @@ pub(super) struct Entry {
     pub(super) phase: Phase,
     pub(super) env: BTreeMap<String, String>,
     pub(super) workspace: PathBuf,
+    /// The workspace's host uid ([`crate::uid_pool`]).
+    pub(super) host_uid: u32,
     pub(super) deadline: Instant,
     pub(super) idle: Duration,
     pub(super) last_activity: Instant,

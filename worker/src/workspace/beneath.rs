@@ -10,8 +10,6 @@ use std::path::{Component, Path, PathBuf};
 use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, ResolveFlags};
 use rustix::io::Errno;
 
-use crate::sandbox::SANDBOX_UID;
-
 /// Resolution that never leaves the directory and never follows a link.
 pub const NO_LINKS: ResolveFlags = ResolveFlags::BENEATH
     .union(ResolveFlags::NO_SYMLINKS)
@@ -101,16 +99,21 @@ pub fn list(dir: BorrowedFd<'_>, max: usize) -> std::io::Result<Vec<OsString>> {
     Ok(names)
 }
 
-/// Gives `name` in `dir` (not following a link) to the sandbox user.
-pub fn chown_sandbox(dir: BorrowedFd<'_>, name: &OsStr) -> std::io::Result<()> {
-    let id = rfs::Uid::from_raw(SANDBOX_UID);
-    let gid = rfs::Gid::from_raw(SANDBOX_UID);
+/// Gives `name` in `dir` (not following a link) to `owner` (uid and gid).
+pub fn chown_to(dir: BorrowedFd<'_>, name: &OsStr, owner: u32) -> std::io::Result<()> {
+    let id = rfs::Uid::from_raw(owner);
+    let gid = rfs::Gid::from_raw(owner);
     rfs::chownat(dir, name, Some(id), Some(gid), AtFlags::SYMLINK_NOFOLLOW).map_err(io)
 }
 
-/// Creates (or reuses) the directory `name` in `dir`, owned by the sandbox user, and opens
-/// it; fails when `name` is a link or anything but a directory.
-pub fn make_dir(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> std::io::Result<OwnedFd> {
+/// Creates (or reuses) the directory `name` in `dir`, owned by `owner`, and opens it;
+/// fails when `name` is a link or anything but a directory.
+pub fn make_dir(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    mode: u32,
+    owner: u32,
+) -> std::io::Result<OwnedFd> {
     match rfs::mkdirat(dir, name, Mode::from_raw_mode(0o700)) {
         Ok(()) | Err(Errno::EXIST) => {}
         Err(e) => return Err(io(e)),
@@ -129,23 +132,24 @@ pub fn make_dir(dir: BorrowedFd<'_>, name: &OsStr, mode: u32) -> std::io::Result
         )),
         e => io(e),
     })?;
-    sandbox_owned(&fd, (mode & 0o777) | 0o700)?;
+    owned_by(&fd, (mode & 0o777) | 0o700, owner)?;
     Ok(fd)
 }
 
-fn sandbox_owned(fd: &OwnedFd, mode: u32) -> std::io::Result<()> {
-    let id = rfs::Uid::from_raw(SANDBOX_UID);
-    let gid = rfs::Gid::from_raw(SANDBOX_UID);
+fn owned_by(fd: &OwnedFd, mode: u32, owner: u32) -> std::io::Result<()> {
+    let id = rfs::Uid::from_raw(owner);
+    let gid = rfs::Gid::from_raw(owner);
     rfs::fchown(fd, Some(id), Some(gid)).map_err(io)?;
     rfs::fchmod(fd, Mode::from_raw_mode(mode)).map_err(io)
 }
 
 /// Creates the regular file `name` in `dir` (replacing a file or link of that name, never
-/// writing through one), fills it from `data` and gives it to the sandbox user.
+/// writing through one), fills it from `data` and gives it to `owner`.
 pub fn write_file(
     dir: BorrowedFd<'_>,
     name: &OsStr,
     mode: u32,
+    owner: u32,
     data: &mut dyn std::io::Read,
 ) -> std::io::Result<u64> {
     remove_non_dir(dir, name)?;
@@ -157,16 +161,21 @@ pub fn write_file(
         NO_LINKS,
     )
     .map_err(io)?;
-    sandbox_owned(&fd, mode & 0o777)?;
+    owned_by(&fd, mode & 0o777, owner)?;
     let mut file = std::fs::File::from(fd);
     std::io::copy(data, &mut file)
 }
 
-/// Creates the link `name` → `target` in `dir`, owned by the sandbox user.
-pub fn write_link(dir: BorrowedFd<'_>, name: &OsStr, target: &Path) -> std::io::Result<()> {
+/// Creates the link `name` → `target` in `dir`, owned by `owner`.
+pub fn write_link(
+    dir: BorrowedFd<'_>,
+    name: &OsStr,
+    target: &Path,
+    owner: u32,
+) -> std::io::Result<()> {
     remove_non_dir(dir, name)?;
     rfs::symlinkat(target, dir, name).map_err(io)?;
-    chown_sandbox(dir, name)
+    chown_to(dir, name, owner)
 }
 
 /// Removes `name` in `dir` unless it is a directory; a missing name is fine.

@@ -1,10 +1,11 @@
 //! Changesets computed by git inside a bubblewrap sandbox, never by git as root on the host.
 //!
 //! A workspace is sandbox-written content: its `.git` (config, hooks, index, attributes,
-//! info/) is the attacker's. So git runs as uid/gid 1000 (dropped before bwrap starts when
-//! the node is root) in new user, pid, network, ipc, uts and cgroup namespaces, with a
-//! cleared environment, every capability dropped, only the host's `/usr` (with the
-//! `/bin`, `/lib`, `/lib64`, `/sbin` links or read-only binds) plus the workspace and
+//! info/) is the attacker's. So git runs as the workspace's own host uid (dropped to before
+//! bwrap starts when the node is root; uid 1000 inside) in new user, pid, network, ipc,
+//! uts and cgroup namespaces, with a cleared environment, every capability dropped, only
+//! the host's `/usr` (with the `/bin`, `/lib`, `/lib64`, `/sbin` links or read-only binds)
+//! plus the workspace and
 //! baseline read-only, a small tmpfs `/tmp`, a read-only `/dev` with a 1 MiB `/dev/shm`,
 //! and bounds on time, output and address space. It is confined exactly as a job's bwrap
 //! sandbox is ([`crate::backend::bwrap::Confinement`]): the node's seccomp filter (no new
@@ -35,17 +36,20 @@ pub struct ChangesetSandbox {
     pub limits: ResourceLimits,
     /// This bwrap knows `--disable-userns`.
     pub disable_userns: bool,
+    /// The workspace's host uid ([`crate::uid_pool`]): git runs as it.
+    pub host_uid: u32,
 }
 
 impl ChangesetSandbox {
-    /// The node's bwrap, id and job limits.
-    pub fn for_node(cfg: &Config) -> Self {
+    /// The node's bwrap, id and job limits, for the workspace of `host_uid`.
+    pub fn for_node(cfg: &Config, host_uid: u32) -> Self {
         let bwrap = cfg.bwrap.binary.clone().unwrap_or_else(|| "bwrap".into());
         ChangesetSandbox {
             disable_userns: has_disable_userns(&bwrap),
             bwrap,
             node: crate::backend::node_id(cfg),
             limits: ResourceLimits::from_limits(&cfg.limits),
+            host_uid,
         }
     }
 }
@@ -130,6 +134,7 @@ pub async fn changeset(
         &cgroup_name(),
         &sandbox.limits,
         sandbox.disable_userns,
+        sandbox.host_uid,
     )
     .map_err(|e| ChangesetError::Sandbox(e.to_string()))?;
     let mut args = sandbox_args(&confinement);
@@ -408,6 +413,7 @@ mod tests {
             node: "changeset-unit-test".into(),
             limits: ResourceLimits::from_limits(&crate::config::Limits::default()),
             disable_userns: false,
+            host_uid: 4_000_000,
         }
     }
 

@@ -25,7 +25,7 @@ use cynode_protocol::worker_workspaces::{CreateWorkspace, WorkspaceInfo};
 use cynode_protocol::ValidationError;
 
 use crate::config::Config;
-use crate::sandbox::SANDBOX_UID;
+use crate::uid_pool::{UidError, UidPool};
 use changeset::ChangesetLimits;
 use export::{ExportLimits, TarStream};
 use seed::{SeedError, SeedLimits, SeedReport, Staging};
@@ -48,6 +48,9 @@ pub enum WorkspaceError {
     /// Seeding failed on the host.
     #[error("{0}")]
     Internal(String),
+    /// No host uid for the workspace (every one of `sandbox_uids` is held: 503).
+    #[error(transparent)]
+    Uid(#[from] UidError),
 }
 
 fn workspace_dir(cfg: &Config, id: &str) -> Result<PathBuf, WorkspaceError> {
@@ -74,7 +77,11 @@ fn is_empty_dir(p: &Path) -> bool {
 
 /// Creates the workspace, seeded from `seed_from` when given. A workspace that already
 /// has content is left as it is and answered with `created: false`.
-pub async fn create(cfg: &Config, req: CreateWorkspace) -> Result<WorkspaceInfo, WorkspaceError> {
+pub async fn create(
+    cfg: &Config,
+    uids: &UidPool,
+    req: CreateWorkspace,
+) -> Result<WorkspaceInfo, WorkspaceError> {
     if req.version != API_VERSION {
         return Err(ValidationError::new("version", "expected 1").into());
     }
@@ -91,20 +98,21 @@ pub async fn create(cfg: &Config, req: CreateWorkspace) -> Result<WorkspaceInfo,
         Some(src) => Some(allowed_source(&cfg.seed_roots, src)?),
         None => None,
     };
+    let uid = uids.for_workspace(&req.workspace_id).await?;
     let excludes = cfg.seed_exclude_dirs.clone();
     let baseline = cfg.baselines_dir().join(&req.workspace_id);
     let state = cfg.state_dir.clone();
     let baselines = cfg.baselines_dir();
     let report = tokio::task::spawn_blocking(move || -> Result<SeedReport, SeedError> {
         let Some(src) = source else {
-            make_sandbox_dir(&dir)?;
+            make_sandbox_dir(&dir, uid)?;
             return Ok(SeedReport::default());
         };
-        let stage = Staging::new(&state)?;
+        let stage = Staging::new(&state, uid)?;
         let report = seed::copy_tree(&src, &stage, &excludes, SeedLimits::default())?;
         if std::fs::symlink_metadata(stage.path().join(".git")).is_err() {
             // The pristine copy is taken from the private tree, before any sandbox sees it.
-            let base = Staging::new(&state)?;
+            let base = Staging::new(&state, uid)?;
             seed::copy_tree(stage.path(), &base, &[], SeedLimits::default())?;
             std::fs::create_dir_all(&baselines)?;
             let _ = std::fs::remove_dir_all(&baseline);
@@ -143,9 +151,9 @@ fn allowed_source(roots: &[PathBuf], src: &Path) -> Result<PathBuf, WorkspaceErr
     }
 }
 
-fn make_sandbox_dir(p: &Path) -> std::io::Result<()> {
+fn make_sandbox_dir(p: &Path, uid: u32) -> std::io::Result<()> {
     std::fs::create_dir_all(p)?;
-    std::os::unix::fs::lchown(p, Some(SANDBOX_UID), Some(SANDBOX_UID))
+    std::os::unix::fs::lchown(p, Some(uid), Some(uid))
 }
 
 /// Whether a name carries secrets and is never copied from a host directory.
@@ -186,6 +194,7 @@ fn seed_error(e: SeedError) -> WorkspaceError {
 /// special files, bounded).
 pub async fn seed_tar(
     cfg: &Config,
+    uids: &UidPool,
     id: String,
     body: impl AsRef<[u8]> + Send + 'static,
 ) -> Result<WorkspaceInfo, WorkspaceError> {
@@ -195,9 +204,10 @@ pub async fn seed_tar(
             "workspace {id} already has content"
         )));
     }
+    let uid = uids.for_workspace(&id).await?;
     let state = cfg.state_dir.clone();
     let report = tokio::task::spawn_blocking(move || -> Result<SeedReport, SeedError> {
-        let stage = Staging::new(&state)?;
+        let stage = Staging::new(&state, uid)?;
         let report = seed::unpack_tar(body.as_ref(), &stage, SeedLimits::default()).map_err(
             |e| match e {
                 SeedError::Io(e) => SeedError::Refused(format!("invalid tar: {e}")),
@@ -234,15 +244,16 @@ pub fn export_tar(cfg: &Config, id: &str) -> Result<TarStream, WorkspaceError> {
 }
 
 /// The workspace's changeset (see [`mod@changeset`]), computed by git in a sandbox.
-pub async fn changeset(cfg: &Config, id: &str) -> Result<String, WorkspaceError> {
+pub async fn changeset(cfg: &Config, uids: &UidPool, id: &str) -> Result<String, WorkspaceError> {
     let dir = existing_dir(cfg, id)?;
+    let uid = uids.for_workspace(id).await?;
     let baseline = cfg.baselines_dir().join(id);
     // Whether `.git` exists is the sandbox's choice; either way git runs sandboxed.
     let has_git = std::fs::symlink_metadata(dir.join(".git")).is_ok();
     if !has_git && !baseline.exists() {
-        make_sandbox_dir(&baseline).map_err(|e| WorkspaceError::Internal(e.to_string()))?;
+        make_sandbox_dir(&baseline, uid).map_err(|e| WorkspaceError::Internal(e.to_string()))?;
     }
-    let sandbox = changeset::ChangesetSandbox::for_node(cfg);
+    let sandbox = changeset::ChangesetSandbox::for_node(cfg, uid);
     changeset::changeset(
         &sandbox,
         &dir,
@@ -300,7 +311,7 @@ mod tests {
         // Lexically inside, really outside: `d -> .` makes `../d/d/../..` climb out.
         std::os::unix::fs::symlink(".", s.join("d")).unwrap();
         std::os::unix::fs::symlink("../d/d/../..", s.join("x/l")).unwrap();
-        let stage = Staging::new(state.path()).unwrap();
+        let stage = Staging::new(state.path(), 4_000_000).unwrap();
         let r = seed::copy_tree(
             s,
             &stage,

@@ -68,12 +68,14 @@ pub struct Staging {
     path: PathBuf,
     root: OwnedFd,
     published: bool,
+    /// The host uid the tree is built for (its workspace's).
+    owner: u32,
 }
 
 impl Staging {
-    /// A fresh staging directory under `<state_dir>/staging`, owned by the sandbox user
-    /// inside a root-only parent.
-    pub fn new(state_dir: &Path) -> std::io::Result<Self> {
+    /// A fresh staging directory under `<state_dir>/staging`, owned by `owner` (the
+    /// workspace's host uid) inside a root-only parent; everything built in it is too.
+    pub fn new(state_dir: &Path, owner: u32) -> std::io::Result<Self> {
         use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
         let parent = state_dir.join("staging");
         std::fs::DirBuilder::new()
@@ -83,14 +85,15 @@ impl Staging {
         std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o700))?;
         let path = fresh_dir(&parent)?;
         let root = beneath::open_root(&path)?;
-        let id = rfs::Uid::from_raw(crate::sandbox::SANDBOX_UID);
-        let gid = rfs::Gid::from_raw(crate::sandbox::SANDBOX_UID);
+        let id = rfs::Uid::from_raw(owner);
+        let gid = rfs::Gid::from_raw(owner);
         rfs::fchown(&root, Some(id), Some(gid))?;
         rfs::fchmod(&root, rfs::Mode::from_raw_mode(0o755))?;
         Ok(Self {
             path,
             root,
             published: false,
+            owner,
         })
     }
 
@@ -100,6 +103,11 @@ impl Staging {
 
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.root.as_fd()
+    }
+
+    /// The host uid the tree is built for.
+    pub fn owner(&self) -> u32 {
+        self.owner
     }
 
     /// Makes the staged tree the directory `target` (see the module docs).
@@ -163,10 +171,10 @@ fn fresh_dir(parent: &Path) -> std::io::Result<PathBuf> {
 
 /// Creates the parent directories of `parts` beneath `root` (never through a link) and
 /// returns the innermost one.
-fn parents(root: BorrowedFd<'_>, parts: &[&OsStr]) -> Result<OwnedFd, SeedError> {
+fn parents(root: BorrowedFd<'_>, parts: &[&OsStr], owner: u32) -> Result<OwnedFd, SeedError> {
     let mut cur = beneath::open_dir(root, Path::new("."))?;
     for (i, p) in parts.iter().enumerate() {
-        cur = beneath::make_dir(cur.as_fd(), p, 0o755).map_err(|e| {
+        cur = beneath::make_dir(cur.as_fd(), p, 0o755, owner).map_err(|e| {
             let shown: PathBuf = parts[..=i].iter().collect();
             refuse(format!("{}: {e}", shown.display()))
         })?;
@@ -183,6 +191,7 @@ pub fn unpack_tar(
     limits: SeedLimits,
 ) -> Result<SeedReport, SeedError> {
     let root = stage.fd();
+    let owner = stage.owner();
     let mut report = SeedReport::default();
     let mut links = Vec::new();
     let mut archive = tar::Archive::new(bytes);
@@ -215,15 +224,15 @@ pub fn unpack_tar(
                 if report.bytes.saturating_add(size) > limits.max_bytes {
                     return Err(refuse(format!("content over {} bytes", limits.max_bytes)));
                 }
-                let dir = parents(root, dirs)?;
-                let n = beneath::write_file(dir.as_fd(), name, mode, &mut entry)
+                let dir = parents(root, dirs, owner)?;
+                let n = beneath::write_file(dir.as_fd(), name, mode, owner, &mut entry)
                     .map_err(|e| refuse(format!("entry {shown}: {e}")))?;
                 report.files += 1;
                 report.bytes += n;
             }
             tar::EntryType::Directory => {
-                let dir = parents(root, dirs)?;
-                beneath::make_dir(dir.as_fd(), name, mode)
+                let dir = parents(root, dirs, owner)?;
+                beneath::make_dir(dir.as_fd(), name, mode, owner)
                     .map_err(|e| refuse(format!("entry {shown}: {e}")))?;
             }
             tar::EntryType::Symlink => {
@@ -235,8 +244,8 @@ pub fn unpack_tar(
                     report.skipped.push(shown);
                     continue;
                 }
-                let dir = parents(root, dirs)?;
-                beneath::write_link(dir.as_fd(), name, &target)
+                let dir = parents(root, dirs, owner)?;
+                beneath::write_link(dir.as_fd(), name, &target, owner)
                     .map_err(|e| refuse(format!("entry {shown}: {e}")))?;
                 links.push(path);
             }
@@ -291,6 +300,7 @@ pub fn copy_tree(
     limits: SeedLimits,
 ) -> Result<SeedReport, SeedError> {
     let root = stage.fd();
+    let owner = stage.owner();
     let src_root = beneath::open_root(src)?;
     let mut report = SeedReport::default();
     let mut links = Vec::new();
@@ -326,7 +336,7 @@ pub fn copy_tree(
                         return Err(refuse(format!("{shown} is nested too deep")));
                     }
                     let s = beneath::open_dir(sdir.as_fd(), Path::new(&name))?;
-                    let d = beneath::make_dir(ddir.as_fd(), &name, st.st_mode)?;
+                    let d = beneath::make_dir(ddir.as_fd(), &name, st.st_mode, owner)?;
                     stack.push((s, d, rel_path));
                 }
                 FileType::RegularFile => {
@@ -335,7 +345,7 @@ pub fn copy_tree(
                         return Err(refuse(format!("content over {} bytes", limits.max_bytes)));
                     }
                     let mut bounded = std::io::Read::take(&mut f, size);
-                    let n = beneath::write_file(ddir.as_fd(), &name, st.st_mode, &mut bounded)?;
+                    let n = beneath::write_file(ddir.as_fd(), &name, st.st_mode, owner, &mut bounded)?;
                     report.files += 1;
                     report.bytes += n;
                 }
@@ -345,7 +355,7 @@ pub fn copy_tree(
                         report.skipped.push(shown);
                         continue;
                     }
-                    beneath::write_link(ddir.as_fd(), &name, &target)?;
+                    beneath::write_link(ddir.as_fd(), &name, &target, owner)?;
                     links.push(rel_path);
                 }
                 _ => report.skipped.push(shown),
@@ -366,7 +376,7 @@ mod tests {
         use tar::EntryType::Regular;
         let state = tempfile::tempdir().unwrap();
         let refused = |tar: &[u8], limits: SeedLimits| {
-            let stage = Staging::new(state.path()).unwrap();
+            let stage = Staging::new(state.path(), 4_000_000).unwrap();
             unpack_tar(tar, &stage, limits).unwrap_err().to_string()
         };
         let names: Vec<String> = (0..20).map(|i| format!("f{i}")).collect();
@@ -396,11 +406,11 @@ mod tests {
     #[test]
     fn staging_is_removed_unless_published() {
         let state = tempfile::tempdir().unwrap();
-        let stage = Staging::new(state.path()).unwrap();
+        let stage = Staging::new(state.path(), 4_000_000).unwrap();
         let p = stage.path().to_path_buf();
         drop(stage);
         assert!(!p.exists());
-        let stage = Staging::new(state.path()).unwrap();
+        let stage = Staging::new(state.path(), 4_000_000).unwrap();
         let target = state.path().join("ws");
         std::fs::create_dir(&target).unwrap();
         stage.publish(&target).unwrap();
@@ -413,7 +423,7 @@ mod tests {
         );
         // A workspace with content is never replaced.
         std::fs::write(target.join("x"), "keep").unwrap();
-        let stage = Staging::new(state.path()).unwrap();
+        let stage = Staging::new(state.path(), 4_000_000).unwrap();
         assert!(matches!(stage.publish(&target), Err(SeedError::HasContent)));
         assert_eq!(std::fs::read_to_string(target.join("x")).unwrap(), "keep");
     }

@@ -1,0 +1,438 @@
+//! A host uid per workspace, from the configured range `sandbox_uids`.
+//!
+//! The kernel keeps some budgets per user: inotify instances and watches
+//! (`fs.inotify.max_user_instances`, 128 by default), processes (`RLIMIT_NPROC`), pending
+//! signals, POSIX message queue bytes. Sandboxes that share a host uid share those budgets,
+//! so one job could take them all and starve every other tenant. So every workspace runs
+//! as a host uid of its own: its files are owned by that uid on the host, and every
+//! sandbox over it (jobs, session commands, the changeset's git) runs as that uid. A
+//! workspace keeps its uid for its life (its files are owned by it); two workspaces never
+//! share one. Inside a bwrap sandbox the job still sees uid 1000 (bwrap runs as the host
+//! uid and maps it to 1000 in its user namespace); under Podman and Docker the container
+//! runs as `--user N:N`, so the job sees N (a user namespace made by a root engine would
+//! charge root's budget, the one every container shares).
+//!
+//! The assignment is kept in the node's database (`sandbox_uids` table: workspace id →
+//! uid, the uid unique), so a restarted node, and `cynode-worker replay` beside it, keep
+//! it. [`UidPool::for_workspace`] returns the workspace's uid, assigning the lowest free
+//! one the first time (whoever creates the workspace directory makes it owned by that
+//! uid); a workspace whose files another uid owns (made before the pool, or under another range) is given to its
+//! uid first ([`crate::reown`]). When every uid is held, assignments whose workspace
+//! directory is gone are released; if none is, the request is refused
+//! ([`UidError::Exhausted`], 503): a uid is never shared.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::store::{Store, StoreError};
+
+/// The host uids sandboxes may run as (config `sandbox_uids`): `first`, `first + 1`, …,
+/// `first + count - 1`; each is also the gid. Never root, never `(uid_t)-1`, never the
+/// 16-bit `nobody`/`-1` pair; at start the node also refuses a range that overlaps a user
+/// or group of the host or a range of `/etc/subuid` or `/etc/subgid`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "RawRange")]
+pub struct UidRange {
+    pub first: u32,
+    pub count: u32,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRange {
+    first: u32,
+    count: u32,
+}
+
+impl Default for UidRange {
+    /// 65,536 uids from 1,879,048,192 (0x70000000): above the ranges `useradd` hands out
+    /// in `/etc/subuid` (from 100,000, 65,536 per user) and systemd's container ranges
+    /// (524,288–1,879,048,191), below 2^31.
+    fn default() -> Self {
+        UidRange {
+            first: 0x7000_0000,
+            count: 65_536,
+        }
+    }
+}
+
+impl TryFrom<RawRange> for UidRange {
+    type Error = String;
+    fn try_from(r: RawRange) -> Result<Self, String> {
+        UidRange::new(r.first, r.count)
+    }
+}
+
+impl UidRange {
+    /// A checked range.
+    pub fn new(first: u32, count: u32) -> Result<Self, String> {
+        if count == 0 {
+            return Err("sandbox_uids.count must be at least 1".into());
+        }
+        if first == 0 {
+            return Err("sandbox_uids.first must not be 0: sandboxes never run as root".into());
+        }
+        // The last uid must stay below u32::MAX, which is (uid_t)-1 ("no change").
+        if first.checked_add(count).is_none() {
+            return Err(format!(
+                "sandbox_uids: first + count ({first} + {count}) must fit below 4294967295"
+            ));
+        }
+        let r = UidRange { first, count };
+        if r.contains(65_534) || r.contains(65_535) {
+            return Err("sandbox_uids must not contain 65534 (nobody) or 65535 (16-bit -1)".into());
+        }
+        Ok(r)
+    }
+
+    /// One past the last uid.
+    pub fn end(&self) -> u64 {
+        u64::from(self.first) + u64::from(self.count)
+    }
+
+    pub fn contains(&self, uid: u32) -> bool {
+        uid >= self.first && u64::from(uid) < self.end()
+    }
+
+    fn overlaps(&self, start: u64, len: u64) -> bool {
+        start < self.end() && u64::from(self.first) < start.saturating_add(len)
+    }
+
+    /// The host's users, groups and subordinate ranges that fall in this range, one line
+    /// each (empty: none). A uid shared with a host user (or a rootless engine's mapped
+    /// range) would give that user the workspace's files.
+    pub fn host_conflicts(&self) -> Vec<String> {
+        let mut found = Vec::new();
+        for (file, id_field) in [("/etc/passwd", 2), ("/etc/group", 2)] {
+            let Ok(text) = std::fs::read_to_string(file) else {
+                continue;
+            };
+            for line in text.lines() {
+                let f: Vec<&str> = line.split(':').collect();
+                let Some(id) = f.get(id_field).and_then(|v| v.parse::<u64>().ok()) else {
+                    continue;
+                };
+                if self.overlaps(id, 1) {
+                    found.push(format!("{file}: {} ({id})", f[0]));
+                }
+            }
+        }
+        for file in ["/etc/subuid", "/etc/subgid"] {
+            let Ok(text) = std::fs::read_to_string(file) else {
+                continue;
+            };
+            for line in text.lines() {
+                let f: Vec<&str> = line.split(':').collect();
+                let (Some(start), Some(len)) = (
+                    f.get(1).and_then(|v| v.parse::<u64>().ok()),
+                    f.get(2).and_then(|v| v.parse::<u64>().ok()),
+                ) else {
+                    continue;
+                };
+                if self.overlaps(start, len) {
+                    found.push(format!("{file}: {} ({start}, {len} ids)", f[0]));
+                }
+            }
+        }
+        found
+    }
+}
+
+/// Why a workspace has no uid.
+#[derive(Debug, thiserror::Error)]
+pub enum UidError {
+    /// Every uid of the range is held by a workspace that still exists (503).
+    #[error("every host uid of sandbox_uids ({first}, {count} uids) is held by another workspace; none is shared, so workspace {workspace_id} cannot run until one is released (raise sandbox_uids.count)")]
+    Exhausted {
+        workspace_id: String,
+        first: u32,
+        count: u32,
+    },
+    #[error("sandbox uid assignment: {0}")]
+    Store(#[from] StoreError),
+    #[error("cannot prepare workspace {workspace_id} for its uid {uid}: {reason}")]
+    Workspace {
+        workspace_id: String,
+        uid: u32,
+        reason: String,
+    },
+}
+
+/// Entries a workspace may hold when it is given to a new uid.
+const REOWN_MAX_ENTRIES: u64 = 5_000_000;
+/// An assignment younger than this is never released for a missing directory (its
+/// workspace may be being created by another process, `replay`).
+const RECLAIM_MIN_AGE: time::Duration = time::Duration::minutes(10);
+
+/// The node's uid assignments.
+#[derive(Debug)]
+pub struct UidPool {
+    range: UidRange,
+    store: Store,
+    workspaces: PathBuf,
+    baselines: PathBuf,
+    /// One assignment (and the re-owning it may need) at a time in this process; the
+    /// database's unique constraint holds across processes.
+    lock: tokio::sync::Mutex<()>,
+}
+
+impl UidPool {
+    /// The pool of `range`, recorded in `store`, for the workspaces (and baselines) under
+    /// these directories.
+    pub fn new(range: UidRange, store: Store, workspaces: PathBuf, baselines: PathBuf) -> Self {
+        UidPool {
+            range,
+            store,
+            workspaces,
+            baselines,
+            lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    /// The node's pool.
+    pub fn for_node(cfg: &crate::config::Config, store: Store) -> Self {
+        UidPool::new(
+            cfg.sandbox_uids,
+            store,
+            cfg.workspaces_dir(),
+            cfg.baselines_dir(),
+        )
+    }
+
+    pub fn range(&self) -> UidRange {
+        self.range
+    }
+
+    /// The uid of `workspace_id` (assigned now if it has none); an existing workspace (and
+    /// its baseline) that another uid owns is given to it first. The caller creates a
+    /// missing workspace directory owned by it.
+    pub async fn for_workspace(&self, workspace_id: &str) -> Result<u32, UidError> {
+        let _held = self.lock.lock().await;
+        let uid = self.assigned(workspace_id).await?;
+        let (workspaces, baselines) = (self.workspaces.clone(), self.baselines.clone());
+        let ws = workspace_id.to_string();
+        let fail = |reason: String| UidError::Workspace {
+            workspace_id: workspace_id.to_string(),
+            uid,
+            reason,
+        };
+        tokio::task::spawn_blocking(move || settle(&workspaces, &baselines, &ws, uid))
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .map_err(fail)?;
+        Ok(uid)
+    }
+
+    /// A uid for a new workspace that must not exist yet (a replay's): the caller creates
+    /// the directory (refusing an existing one) and calls [`UidPool::release`] when done.
+    pub async fn for_new_workspace(&self, workspace_id: &str) -> Result<u32, UidError> {
+        let _held = self.lock.lock().await;
+        self.assigned(workspace_id).await
+    }
+
+    /// Forgets the uid of a workspace that is gone.
+    pub async fn release(&self, workspace_id: &str) -> Result<(), UidError> {
+        let _held = self.lock.lock().await;
+        self.store.release_uid(workspace_id).await?;
+        Ok(())
+    }
+
+    /// The uid recorded for `workspace_id`, or a new one.
+    async fn assigned(&self, workspace_id: &str) -> Result<u32, UidError> {
+        let r = self.range;
+        if let Some(uid) = self.store.workspace_uid(workspace_id).await? {
+            if r.contains(uid) {
+                return Ok(uid);
+            }
+            // Assigned under another range: the workspace moves into this one.
+            self.store.release_uid(workspace_id).await?;
+        }
+        if let Some(uid) = self.store.assign_uid(workspace_id, r.first, r.end()).await? {
+            return Ok(uid);
+        }
+        if self.reclaim().await? > 0 {
+            if let Some(uid) = self.store.assign_uid(workspace_id, r.first, r.end()).await? {
+                return Ok(uid);
+            }
+        }
+        tracing::warn!(workspace_id, first = r.first, count = r.count, "no free sandbox uid");
+        Err(UidError::Exhausted {
+            workspace_id: workspace_id.to_string(),
+            first: r.first,
+            count: r.count,
+        })
+    }
+
+    /// Releases the assignments whose workspace directory is gone (removed by the
+    /// operator) and that are older than [`RECLAIM_MIN_AGE`]; how many.
+    async fn reclaim(&self) -> Result<usize, UidError> {
+        let cutoff =
+            cynode_protocol::time::format_rfc3339(time::OffsetDateTime::now_utc() - RECLAIM_MIN_AGE);
+        let mut freed = 0;
+        for (ws, uid) in self.store.uid_assignments_before(&cutoff).await? {
+            if std::fs::symlink_metadata(self.workspaces.join(&ws)).is_err() {
+                self.store.release_uid(&ws).await?;
+                tracing::info!(workspace_id = %ws, uid, "sandbox uid released: its workspace is gone");
+                freed += 1;
+            }
+        }
+        Ok(freed)
+    }
+}
+
+/// Gives the existing workspace directory `ws` (and its baseline) to `uid` when another
+/// uid owns it. A missing one is left to its creator (a job's `prepare`, which may give it
+/// a volume of its own; a session; seeding), which makes it owned by `uid`.
+fn settle(workspaces: &Path, baselines: &Path, ws: &str, uid: u32) -> Result<(), String> {
+    for (parent, what) in [(workspaces, "workspace"), (baselines, "baseline")] {
+        let Ok(parent) = crate::job_dir::open_node_dir(parent) else {
+            continue;
+        };
+        match rustix::fs::openat(
+            &parent,
+            ws,
+            rustix::fs::OFlags::RDONLY
+                | rustix::fs::OFlags::DIRECTORY
+                | rustix::fs::OFlags::NOFOLLOW
+                | rustix::fs::OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        ) {
+            Ok(dir) => reown_to(dir, uid).map_err(|e| format!("{what}: {e}"))?,
+            Err(rustix::io::Errno::NOENT) => {}
+            Err(e) => return Err(format!("{what}: {e}")),
+        }
+    }
+    Ok(())
+}
+
+/// Gives the tree at `dir` to `uid` when its top is owned by another uid: every entry of
+/// that uid moves. A root-owned top (made by the node, never written by a sandbox) moves
+/// alone.
+fn reown_to(dir: std::os::fd::OwnedFd, uid: u32) -> Result<(), String> {
+    let st = rustix::fs::fstat(&dir).map_err(|e| e.to_string())?;
+    if st.st_uid == uid && st.st_gid == uid {
+        return Ok(());
+    }
+    if st.st_uid == 0 {
+        let (u, g) = (rustix::fs::Uid::from_raw(uid), rustix::fs::Gid::from_raw(uid));
+        return rustix::fs::fchown(&dir, Some(u), Some(g)).map_err(|e| e.to_string());
+    }
+    tracing::info!(from = st.st_uid, to = uid, "giving a workspace to its sandbox uid");
+    crate::reown::reown(dir, st.st_uid, uid, REOWN_MAX_ENTRIES).map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+
+    #[test]
+    fn ranges_are_checked() {
+        assert!(UidRange::new(0, 10).is_err());
+        assert!(UidRange::new(10, 0).is_err());
+        assert!(UidRange::new(u32::MAX - 5, 5).is_ok());
+        assert!(UidRange::new(u32::MAX - 5, 6).is_err());
+        assert!(UidRange::new(65_000, 1000).is_err(), "nobody");
+        let d = UidRange::default();
+        assert_eq!(UidRange::new(d.first, d.count), Ok(d));
+        assert!(d.contains(d.first) && d.contains(d.first + d.count - 1));
+        assert!(!d.contains(d.first - 1) && !d.contains(d.first + d.count));
+        let parsed: crate::config::Config =
+            serde_yaml::from_str("sandbox_uids:\n  first: 300000\n  count: 16\n").unwrap();
+        assert_eq!(parsed.sandbox_uids, UidRange::new(300_000, 16).unwrap());
+        for bad in [
+            "sandbox_uids:\n  first: 0\n  count: 16\n",
+            "sandbox_uids:\n  first: 10\n  count: 0\n",
+            "sandbox_uids:\n  first: 10\n  count: 4294967290\n",
+            "sandbox_uids:\n  first: 10\n  cont: 1\n",
+        ] {
+            assert!(
+                serde_yaml::from_str::<crate::config::Config>(bad).is_err(),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn subordinate_ranges_and_users_overlap() {
+        let r = UidRange::new(200_000, 100).unwrap();
+        assert!(r.overlaps(165_536, 65_536));
+        assert!(r.overlaps(200_099, 1));
+        assert!(!r.overlaps(200_100, 5));
+        assert!(!r.overlaps(100_000, 100_000));
+        assert!(UidRange::new(1000, 1).unwrap().host_conflicts().len() <= 2);
+    }
+
+    async fn pool(range: UidRange) -> (tempfile::TempDir, UidPool) {
+        let t = tempfile::tempdir().unwrap();
+        let store = Store::open(&t.path().join("w.db")).await.unwrap();
+        for d in ["workspaces", "baselines"] {
+            std::fs::create_dir(t.path().join(d)).unwrap();
+        }
+        let p = UidPool::new(
+            range,
+            store,
+            t.path().join("workspaces"),
+            t.path().join("baselines"),
+        );
+        (t, p)
+    }
+
+    /// One uid per workspace, kept across calls (and a restart: the database), never
+    /// shared; exhaustion is refused until a workspace is gone.
+    #[tokio::test]
+    async fn one_uid_per_workspace_until_exhausted() {
+        if !rustix::process::geteuid().is_root() {
+            return; // the pool chowns; the node runs as root
+        }
+        use std::os::unix::fs::MetadataExt;
+        let (t, p) = pool(UidRange::new(4_000_100, 2).unwrap()).await;
+        let a = p.for_workspace("a").await.unwrap();
+        let b = p.for_workspace("b").await.unwrap();
+        assert_ne!(a, b);
+        std::fs::create_dir(t.path().join("workspaces/a")).unwrap();
+        assert_eq!(p.for_workspace("a").await.unwrap(), a);
+        let m = std::fs::metadata(t.path().join("workspaces/a")).unwrap();
+        assert_eq!((m.uid(), m.gid()), (a, a), "a root-made directory is given to its uid");
+        let e = p.for_workspace("c").await.unwrap_err();
+        assert!(matches!(e, UidError::Exhausted { .. }), "{e}");
+        // Reopened (a restart): the same assignment.
+        let store = Store::open(&t.path().join("w.db")).await.unwrap();
+        let again = UidPool::new(
+            p.range(),
+            store,
+            t.path().join("workspaces"),
+            t.path().join("baselines"),
+        );
+        assert_eq!(again.for_workspace("b").await.unwrap(), b);
+        again.release("b").await.unwrap();
+        assert_eq!(again.for_workspace("c").await.unwrap(), b);
+    }
+
+    /// A workspace made before the pool (owned by another uid) is given to its uid,
+    /// contents and baseline included.
+    #[tokio::test]
+    async fn an_older_workspace_moves_to_its_uid() {
+        if !rustix::process::geteuid().is_root() {
+            return;
+        }
+        use std::os::unix::fs::{chown, MetadataExt};
+        let (t, p) = pool(UidRange::new(4_000_200, 4).unwrap()).await;
+        let ws = t.path().join("workspaces/old");
+        let base = t.path().join("baselines/old");
+        for d in [&ws, &base] {
+            std::fs::create_dir_all(d.join("sub")).unwrap();
+            std::fs::write(d.join("sub/f"), "x").unwrap();
+            for p in [d.clone(), d.join("sub"), d.join("sub/f")] {
+                chown(&p, Some(1000), Some(1000)).unwrap();
+            }
+        }
+        let uid = p.for_workspace("old").await.unwrap();
+        for d in [&ws, &base] {
+            let m = std::fs::metadata(d.join("sub/f")).unwrap();
+            assert_eq!((m.uid(), m.gid()), (uid, uid), "{}", d.display());
+            assert_eq!(std::fs::metadata(d).unwrap().uid(), uid);
+        }
+    }
+}
