@@ -22,7 +22,10 @@
 #   3. registers gVisor with Docker in /etc/docker/daemon.json, merged into whatever the
 #      file holds and rewritten only when that changes: runtimes.runsc = /usr/bin/runsc
 #      with `--network=none` (runsc refuses to start a container whose network is not its
-#      own otherwise; CyNode's containers have no network anyway), and, without systemd
+#      own otherwise; CyNode's containers have no network anyway), `--oci-seccomp` (or
+#      runsc ignores the seccomp profile a container is given) and `--host-uds=open` (a
+#      job connects to the node's sockets under /job) - the flags the worker's
+#      engine.rs RUNSC_FLAGS passes Podman - and, without systemd
 #      as PID 1, the cgroupfs cgroup driver unless the file names one. A dockerd already
 #      running is sent SIGHUP to reload it. Nothing here starts dockerd: deploy/test-env.sh
 #      does, for the tests;
@@ -146,7 +149,8 @@ runtime=$(podman info --format '{{.Host.OCIRuntime.Name}}')
 
 # --- 3. docker configuration: gVisor registered ---------------------------------------
 # The runsc entry is CyNode's; every other key of an existing file is kept as it is.
-docker_filter='.runtimes.runsc = {"path": "/usr/bin/runsc", "runtimeArgs": ["--network=none"]}'
+docker_filter='.runtimes.runsc = {"path": "/usr/bin/runsc",
+  "runtimeArgs": ["--network=none", "--oci-seccomp", "--host-uds=open"]}'
 if [[ ! -d /run/systemd/system ]]; then
   docker_filter+=' | if ((."exec-opts" // []) | any(startswith("native.cgroupdriver="))) then .
     else ."exec-opts" = ((."exec-opts" // []) + ["native.cgroupdriver=cgroupfs"]) end'

@@ -5,8 +5,9 @@
 //! opened relative to a directory fd of the root with `openat2(RESOLVE_BENEATH |
 //! RESOLVE_NO_MAGICLINKS)`, so the kernel refuses any symlink (final or intermediate, old or
 //! created by an earlier step) that leads out, and a swap between check and use cannot
-//! escape: there is no check separate from the use. Where the kernel lacks openat2 the walk
-//! is done component by component with `O_NOFOLLOW`, refusing every symlink.
+//! escape: there is no check separate from the use. Where the kernel lacks openat2 (or, as
+//! gVisor, answers EINVAL to its resolve flags) the walk is done component by component
+//! with `O_NOFOLLOW`, refusing every symlink.
 //!
 //! Files with more than one hard link are refused for reading (a hard link to a file outside
 //! cannot be told apart by path); writes always go to a new inode (temp file + rename), so a
@@ -123,10 +124,27 @@ impl Workspace {
             match res {
                 Ok(fd) => return Ok(fd),
                 Err(Errno::NOSYS) => self.use_openat2.store(false, Ordering::Relaxed),
+                // gVisor (runsc) answers EINVAL to these resolve flags: when even the
+                // root itself cannot be opened so, the kernel lacks them.
+                Err(Errno::INVAL) if !self.openat2_works() => {
+                    self.use_openat2.store(false, Ordering::Relaxed)
+                }
                 Err(e) => return Err(map_errno(e, &shown)),
             }
         }
         self.walk_open(rel, flags, mode)
+    }
+
+    /// Whether openat2 with the resolve flags [`Self::open_at`] uses opens the root itself.
+    fn openat2_works(&self) -> bool {
+        rustix::fs::openat2(
+            &self.root,
+            ".",
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+            ResolveFlags::BENEATH | ResolveFlags::NO_MAGICLINKS,
+        )
+        .is_ok()
     }
 
     /// The fallback: component by component with O_NOFOLLOW; any symlink is refused.

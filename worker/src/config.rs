@@ -229,9 +229,10 @@ pub enum OciRuntime {
     #[serde(rename = "crun")]
     Crun,
     /// gVisor: the container's system calls are served by gVisor's own kernel in user
-    /// space, not the host's. Podman runs it as `--runtime <runsc_path> --runtime-flag
-    /// network=none`; Docker needs it registered as `runsc` in /etc/docker/daemon.json
-    /// (with `runtimeArgs: ["--network=none"]`, as deploy/install-deps.sh does).
+    /// space, not the host's. Podman runs it as `--runtime <runsc_path>` with the
+    /// `--runtime-flag`s of `backend::engine::RUNSC_FLAGS`; Docker needs it registered as
+    /// `runsc` in /etc/docker/daemon.json with those flags as `runtimeArgs`, as
+    /// deploy/install-deps.sh does.
     #[serde(rename = "runsc")]
     Runsc,
 }
@@ -369,8 +370,8 @@ impl Default for Config {
             allow_plain_http: false,
             listener: cynode_tls::ListenerLimits::default(),
             egress: EgressConfig::default(),
-        }
             sandbox_uids: crate::uid_pool::UidRange::default(),
+        }
     }
 }
 

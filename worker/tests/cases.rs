@@ -5,8 +5,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::harness::{
-    assert_field_starts, command_job, env, mounts_with, process_with_arg, sba_job, sha256_hex,
-    unique, Server, TOKEN,
+    assert_field_starts, command_job, env, mounts_with, node_backend, process_with_arg, sba_job,
+    sha256_hex, unique, Server, TOKEN,
 };
 
 /// No leftovers of `job_id`: no container, no process with `marker`, no mount.
@@ -102,7 +102,7 @@ pub async fn readyz_names_the_backend(backend: &'static str) {
     assert!(
         v["detail"]
             .as_str()
-            .is_some_and(|d| d.starts_with(&format!("backend {backend}"))),
+            .is_some_and(|d| d.starts_with(&format!("backend {}", node_backend(backend)))),
         "{v}"
     );
 }
@@ -549,7 +549,12 @@ pub async fn full_queue_answers_503(backend: &'static str) {
             &full["queued"],
             &full["backend"]
         ),
-        (&json!(1), &json!(1), &json!(1), &json!(backend)),
+        (
+            &json!(1),
+            &json!(1),
+            &json!(1),
+            &json!(node_backend(backend))
+        ),
         "{full}"
     );
     assert_eq!(full["running"], 1, "{full}");

@@ -51,6 +51,16 @@ pub fn engine_cli(backend: &str) -> Option<&'static str> {
     }
 }
 
+/// The backend the node itself reports (readyz, capacity) for a test backend name: runsc
+/// is Podman with gVisor's runtime.
+pub fn node_backend(backend: &str) -> &str {
+    if backend == "runsc" {
+        "podman"
+    } else {
+        backend
+    }
+}
+
 /// Whether the backend runs containers through an engine (not bwrap).
 pub fn is_engine(backend: &str) -> bool {
     engine_cli(backend).is_some()
@@ -292,8 +302,8 @@ impl Drop for Server {
     /// label, before the state directory goes.
     fn drop(&mut self) {
         self.child.kill();
-        if self.backend == "podman" {
-            remove_node_containers(&self.state_dir());
+        if let Some(cli) = engine_cli(self.backend) {
+            remove_engine_containers(cli, &self.state_dir());
         }
         // The node's disk volumes outlive a killed node (mounts are the kernel's): they
         // go before the state directory does.

@@ -28,6 +28,13 @@ use crate::sandbox::engine_user;
 
 /// How long a stopped container's client may take to exit before it is killed.
 const STOP_BOUND: Duration = Duration::from_secs(60);
+/// runsc's own flags (Podman: `--runtime-flag`; Docker: the registered runtime's
+/// `runtimeArgs`, see deploy/install-deps.sh): `network=none`, or runsc refuses to start
+/// in a network namespace it does not own; `oci-seccomp`, or runsc ignores the node's
+/// seccomp profile (user namespaces, for one, were allowed inside gVisor without it);
+/// `host-uds=open`, so a job can connect to the node's sockets under /job (status,
+/// inference), which gVisor refuses by default.
+pub const RUNSC_FLAGS: &[&str] = &["network=none", "oci-seccomp", "host-uds=open"];
 /// Bound on the engine CLI calls of `check`.
 const CLI_BOUND: Duration = Duration::from_secs(30);
 
@@ -143,16 +150,16 @@ impl EngineBackend {
     }
 
     /// The `--runtime` options of `run` (none for the engine's default). For gVisor,
-    /// Podman gets the runsc binary and its `network=none` flag (runsc refuses to start
-    /// in a network namespace it does not own otherwise), Docker the runtime registered
-    /// as `runsc` in its daemon's configuration (which carries that flag itself).
+    /// Podman gets the runsc binary and its flags [`RUNSC_FLAGS`], Docker the runtime
+    /// registered as `runsc` in its daemon's configuration (which carries those flags).
     pub fn runtime_args(&self) -> Vec<String> {
         match (self.cfg.runtime, self.kind) {
             (OciRuntime::Default, _) => Vec::new(),
-            (OciRuntime::Runsc, BackendKind::Podman) => vec![
-                format!("--runtime={}", self.cfg.runsc_path.display()),
-                "--runtime-flag=network=none".into(),
-            ],
+            (OciRuntime::Runsc, BackendKind::Podman) => {
+                std::iter::once(format!("--runtime={}", self.cfg.runsc_path.display()))
+                    .chain(RUNSC_FLAGS.iter().map(|f| format!("--runtime-flag={f}")))
+                    .collect()
+            }
             (r, _) => vec![format!("--runtime={}", r.as_str())],
         }
     }
@@ -213,9 +220,16 @@ impl EngineBackend {
                 .await?;
             let runtimes: serde_json::Value =
                 serde_json::from_slice(&out.stdout).unwrap_or_default();
-            if runtimes.get("runsc").is_none() {
+            let want: Vec<String> = RUNSC_FLAGS.iter().map(|f| format!("--{f}")).collect();
+            let registered = runtimes.get("runsc");
+            let args: Vec<&str> = registered
+                .and_then(|r| r.get("runtimeArgs"))
+                .and_then(|a| a.as_array())
+                .map(|a| a.iter().filter_map(|x| x.as_str()).collect())
+                .unwrap_or_default();
+            if registered.is_none() || want.iter().any(|w| !args.contains(&w.as_str())) {
                 return Err(BackendError::Unavailable(format!(
-                    "docker.runtime is runsc, but the Docker daemon has no runtime named runsc: register it in /etc/docker/daemon.json (\"runtimes\": {{\"runsc\": {{\"path\": \"{}\", \"runtimeArgs\": [\"--network=none\"]}}}}, as deploy/install-deps.sh does) and reload dockerd (SIGHUP)",
+                    "docker.runtime is runsc, but the Docker daemon has no runtime named runsc with runtimeArgs {want:?}: register it in /etc/docker/daemon.json (\"runtimes\": {{\"runsc\": {{\"path\": \"{}\", \"runtimeArgs\": {want:?}}}}}, as deploy/install-deps.sh does) and reload dockerd (SIGHUP)",
                     runsc.display()
                 )));
             }
@@ -506,7 +520,12 @@ mod tests {
         };
         assert_eq!(
             args(BackendKind::Podman, OciRuntime::Runsc),
-            ["--runtime=/usr/bin/runsc", "--runtime-flag=network=none"]
+            [
+                "--runtime=/usr/bin/runsc",
+                "--runtime-flag=network=none",
+                "--runtime-flag=oci-seccomp",
+                "--runtime-flag=host-uds=open"
+            ]
         );
         assert_eq!(
             args(BackendKind::Docker, OciRuntime::Runsc),
