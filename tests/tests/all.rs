@@ -10,6 +10,7 @@ mod datastore_outage;
 mod deploy;
 mod e2e;
 mod listeners;
+mod mcp;
 mod otel;
 mod reliability;
 mod service;

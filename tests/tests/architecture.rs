@@ -122,7 +122,7 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
                 "workers",
             ],
             &["config", "driver"],
-            &["local_worker", "bootstrap", "service"],
+            &["local_worker", "bootstrap", "service", "mcp"],
         ],
     ),
     (

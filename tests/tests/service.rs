@@ -16,7 +16,7 @@ use cynode_testkit::postgres_url;
 use cynode_tests::{model_server, start_worker, workspace_root, Worker, TOKEN};
 
 pub(crate) const TENANT_A: &str = "token-of-tenant-a-0123456789";
-const TENANT_B: &str = "token-of-tenant-b-0123456789";
+pub(crate) const TENANT_B: &str = "token-of-tenant-b-0123456789";
 
 /// One `cynode-pm serve` process; killed on drop.
 /// A `cynode-pm serve` replica; dropping it kills its process group.

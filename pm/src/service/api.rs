@@ -12,7 +12,6 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use sha2::{Digest, Sha256};
 use utoipa::IntoParams;
 
 pub use cynode_protocol::pm_api::{
@@ -22,10 +21,11 @@ pub use cynode_protocol::pm_api::{
 
 use super::auth::Tenant;
 use super::extract::ApiJson;
+use super::ops;
 use super::problem::Problem;
 use super::AppState;
 use crate::policy::PolicyInput;
-use crate::session::{Budgets, SessionRecord, SessionStatus};
+use crate::session::SessionRecord;
 use crate::skills::{build_job, JobRef};
 
 /// A session as the API shows it.
@@ -61,25 +61,6 @@ pub struct ListQuery {
     pub limit: Option<i64>,
 }
 
-/// The session if it exists and belongs to `tenant`.
-pub(super) async fn owned(
-    st: &AppState,
-    tenant: &Tenant,
-    id: &str,
-) -> Result<(SessionRecord, i64), Problem> {
-    match st.pm.store.load(id).await? {
-        Some((rec, v)) if rec.tenant_id == tenant.0 => Ok((rec, v)),
-        _ => Err(Problem::not_found(format!("session {id}"))),
-    }
-}
-
-/// The id of a session created with an Idempotency-Key: the same tenant and key always
-/// name the same session.
-fn idempotent_id(tenant: &str, key: &str) -> String {
-    let d = Sha256::digest(format!("{tenant}\n{key}").as_bytes());
-    format!("s-{}", &hex::encode(d)[..32])
-}
-
 /// Create a session (idempotent with `Idempotency-Key`).
 #[utoipa::path(post, path = "/v1/sessions", request_body = CreateSession,
     params(("Idempotency-Key" = Option<String>, Header, description = "the same key gives the same session")),
@@ -92,48 +73,14 @@ pub async fn create_session(
     headers: HeaderMap,
     ApiJson(req): ApiJson<CreateSession>,
 ) -> Result<Response, Problem> {
-    if req.objective.trim().is_empty() {
-        return Err(Problem::bad_request("objective: must not be empty"));
-    }
-    if let Some(t) = &req.tenant {
-        if *t != tenant.0 {
-            return Err(Problem::new(
-                StatusCode::FORBIDDEN,
-                "forbidden",
-                format!("tenant: the token belongs to another tenant than `{t}`"),
-            ));
-        }
-    }
-    let id = match headers.get("idempotency-key").and_then(|v| v.to_str().ok()) {
-        Some(k) if !k.trim().is_empty() => idempotent_id(&tenant.0, k.trim()),
-        _ => format!("s-{}", uuid::Uuid::new_v4()),
+    let key = headers.get("idempotency-key").and_then(|v| v.to_str().ok());
+    let c = ops::create_session(&st, &tenant, &req, key).await?;
+    let status = if c.created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
     };
-    let d = Budgets::default();
-    let c = &req.constraints;
-    let budgets = Budgets {
-        max_turns: c.max_turns.unwrap_or(d.max_turns),
-        max_jobs: c.max_jobs.unwrap_or(d.max_jobs),
-        max_attempts_per_task: c.max_attempts_per_task.unwrap_or(d.max_attempts_per_task),
-        wall_clock_seconds: c.wall_clock_seconds.unwrap_or(d.wall_clock_seconds),
-        ..d
-    };
-    if let Some((existing, _)) = st.pm.store.load(&id).await? {
-        if existing.tenant_id == tenant.0 {
-            return Ok((StatusCode::OK, Json(session_view(&existing))).into_response());
-        }
-        return Err(Problem::conflict("Idempotency-Key: already used"));
-    }
-    let mut rec = SessionRecord::new(&id, &tenant.0, &req.objective, budgets);
-    // The workspace is created (and seeded) on the worker the first job is placed on.
-    rec.workspace_seed = req.workspace.as_ref().map(|w| w.seed_path.clone());
-    rec.event("created", json!({ "objective": rec.state.objective }));
-    if !st.pm.create(&rec).await? {
-        let (existing, _) = owned(&st, &tenant, &id).await?;
-        return Ok((StatusCode::OK, Json(session_view(&existing))).into_response());
-    }
-    st.wake.notify_one();
-    tracing::info!(session_id = %id, tenant = %tenant.0, "session created");
-    Ok((StatusCode::CREATED, Json(session_view(&rec))).into_response())
+    Ok((status, Json(session_view(&c.record))).into_response())
 }
 
 /// List the tenant's sessions, newest first.
@@ -169,7 +116,7 @@ pub async fn get_session(
     tenant: Tenant,
     Path(id): Path<String>,
 ) -> Result<Json<SessionView>, Problem> {
-    let (rec, _) = owned(&st, &tenant, &id).await?;
+    let (rec, _) = ops::owned(&st, &tenant, &id).await?;
     Ok(Json(session_view(&rec)))
 }
 
@@ -183,17 +130,7 @@ pub async fn post_message(
     Path(id): Path<String>,
     ApiJson(a): ApiJson<Answer>,
 ) -> Result<Json<SessionView>, Problem> {
-    let (rec, _) = owned(&st, &tenant, &id).await?;
-    if !matches!(rec.phase, crate::session::Phase::AwaitInput { .. })
-        || rec.status != SessionStatus::AwaitingInput
-    {
-        return Err(Problem::conflict(format!(
-            "session {id} is {} and has no open question",
-            rec.status.as_str()
-        )));
-    }
-    let rec = st.pm.answer(&id, &a.text).await?;
-    st.wake.notify_one();
+    let rec = ops::answer(&st, &tenant, &id, &a.text).await?;
     Ok(Json(session_view(&rec)))
 }
 
@@ -210,36 +147,8 @@ pub async fn session_action(
     let Some(id) = segment.strip_suffix(":cancel") else {
         return Err(Problem::not_found(format!("action in `{segment}`")));
     };
-    for _ in 0..5 {
-        let (mut rec, v) = owned(&st, &tenant, id).await?;
-        if rec.status.is_terminal() {
-            return Err(Problem::conflict(format!(
-                "session {id} already {}",
-                rec.status.as_str()
-            )));
-        }
-        let job = rec.state.active_job_id.clone();
-        let worker = rec.worker_id.clone().unwrap_or_default();
-        rec.status = SessionStatus::Canceled;
-        rec.phase = crate::session::Phase::Done;
-        rec.event("canceled", json!({ "active_job_id": job }));
-        match st.pm.store.save(&rec, v, &[]).await {
-            Ok(_) => {
-                if let (Some(job), Some(client)) = (job, st.pm.workers.client(&worker)) {
-                    if let Err(e) = client.stop(&job).await {
-                        tracing::warn!(session_id = %id, job_id = %job, worker = %worker, error = %e, "cannot stop the job");
-                    }
-                }
-                tracing::info!(session_id = %id, "session canceled");
-                return Ok(Json(session_view(&rec)));
-            }
-            Err(crate::store::StoreError::Conflict(_)) => continue,
-            Err(e) => return Err(e.into()),
-        }
-    }
-    Err(Problem::conflict(format!(
-        "session {id} kept changing; retry the cancel"
-    )))
+    let rec = ops::cancel(&st, &tenant, id).await?;
+    Ok(Json(session_view(&rec)))
 }
 
 /// The verified bytes of one of the session's artifacts.
@@ -251,27 +160,7 @@ pub async fn get_artifact(
     tenant: Tenant,
     Path((id, sha)): Path<(String, String)>,
 ) -> Result<Response, Problem> {
-    let (rec, _) = owned(&st, &tenant, &id).await?;
-    if !rec.state.artifacts.iter().any(|a| a.record.sha256 == sha) {
-        return Err(Problem::not_found(format!(
-            "artifact {sha} of session {id}"
-        )));
-    }
-    let location = st
-        .pm
-        .store
-        .artifact_location(&sha)
-        .await?
-        .ok_or_else(|| Problem::not_found(format!("artifact {sha}")))?;
-    let bytes = tokio::fs::read(&location)
-        .await
-        .map_err(|e| Problem::internal(format!("artifact {sha} unreadable: {e}")))?;
-    if hex::encode(Sha256::digest(&bytes)) != sha {
-        crate::metrics::metrics().artifact_integrity_failures.inc();
-        return Err(Problem::internal(format!(
-            "artifact_integrity_failure: the stored bytes of {sha} no longer match"
-        )));
-    }
+    let bytes = ops::artifact(&st, &tenant, &id, &sha).await?;
     Ok((
         [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
         bytes,
@@ -284,7 +173,7 @@ pub async fn get_artifact(
     responses((status = 200, description = "skill_id, version, description, inputs_schema of every skill", body = Object)),
     security(("bearer" = [])))]
 pub async fn list_skills(State(st): State<Arc<AppState>>, _t: Tenant) -> Json<Value> {
-    Json(json!({ "skills": st.pm.contract.catalog }))
+    Json(ops::skills(&st))
 }
 
 /// Render a skill with inputs and run the policy gate, without dispatching.

@@ -7,7 +7,9 @@
 //! - [`problem`]: RFC 9457 errors;
 //! - [`extract`]: the one request-body extractor and the layer making every rejection
 //!   problem+json;
-//! - [`scheduler`]: leases and drives the sessions of this replica.
+//! - [`scheduler`]: leases and drives the sessions of this replica;
+//! - [`ops`]: the operations behind the handlers, shared with the MCP tools
+//!   ([`crate::mcp`]), so both front ends keep one tenant check and one policy.
 //!
 //! Stateless replicas share one database: any replica answers any request, and sessions
 //! are driven by whichever replica holds their lease. `/healthz` is liveness, `/readyz`
@@ -19,6 +21,7 @@ pub mod api;
 pub mod auth;
 pub mod events;
 pub mod extract;
+pub mod ops;
 pub mod problem;
 pub mod scheduler;
 
@@ -155,6 +158,12 @@ pub fn router(state: Arc<AppState>, max_body: usize, timeout: Duration) -> Route
     Router::new()
         .route("/v1/sessions/{id}/events", get(events::session_events))
         .merge(limited)
+        // MCP at /v1/mcp, behind the same tokens, body limit and timeout.
+        .merge(
+            crate::mcp::http::router(Arc::clone(&state), max_body).layer(
+                TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, timeout),
+            ),
+        )
         .fallback(|| async { Problem::not_found("route") })
         .layer(DefaultBodyLimit::disable())
         .layer(RequestBodyLimitLayer::new(max_body))

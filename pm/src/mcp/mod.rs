@@ -1,0 +1,14 @@
+//! MCP (the Model Context Protocol, through the official Rust SDK `rmcp`).
+//!
+//! `cynode-pm mcp`, for MCP clients (coding assistants, IDEs): the tools of [`tools`]
+//! (`sessions.*`, `skills.list`, `skills.show`, `artifacts.get`) over the service layer,
+//! so they keep the HTTP API's tenants, policy and limits:
+//! - [`server`]: the rmcp `ServerHandler` and how errors are carried;
+//! - [`stdio`]: `cynode-pm mcp` on stdin/stdout for one tenant, with its own scheduler;
+//! - [`http`]: the same tools over streamable HTTP at `/v1/mcp` in `serve`, behind the
+//!   API tokens.
+
+pub mod http;
+pub mod server;
+pub mod stdio;
+pub mod tools;

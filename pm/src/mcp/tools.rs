@@ -1,0 +1,285 @@
+//! The tools of `cynode-pm mcp`: what each one takes (a closed JSON Schema, generated
+//! from the same types that parse the arguments) and what it calls in the service layer
+//! ([`crate::service::ops`]), so MCP clients get the HTTP API's tenant check, policy and
+//! limits, not a second copy of them.
+//!
+//! | tool | arguments | result |
+//! |---|---|---|
+//! | `sessions.create` | objective, constraints?, workspace?, tenant?, idempotency_key? | the session |
+//! | `sessions.get` | session_id | the session |
+//! | `sessions.events` | session_id, after?, wait_seconds? | events after `after`, `next_after`, `done` |
+//! | `sessions.answer` | session_id, text | the session |
+//! | `sessions.cancel` | session_id | the session |
+//! | `skills.list` | – | the catalog |
+//! | `skills.show` | skill_id | the skill's manifest |
+//! | `artifacts.get` | session_id, sha256 | the verified bytes (base64), their sha256 and size |
+
+use std::time::Duration;
+
+use base64::Engine;
+use rmcp::schemars::{self, JsonSchema};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use cynode_protocol::pm_api::{Constraints, CreateSession, WorkspaceSpec};
+
+use crate::service::api::session_view;
+use crate::service::auth::Tenant;
+use crate::service::ops;
+use crate::service::problem::Problem;
+use crate::service::AppState;
+
+/// How long `sessions.events` may wait for a new event, at most.
+pub const MAX_WAIT_SECONDS: u64 = 30;
+/// How often a waiting `sessions.events` looks for new events.
+const POLL: Duration = Duration::from_millis(200);
+/// The largest artifact `artifacts.get` returns inline (base64 in the JSON reply); a
+/// larger one is fetched through the HTTP API.
+pub const MAX_INLINE_ARTIFACT_BYTES: usize = 8 << 20;
+
+/// Why a tool call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    /// No tool of that name: a protocol error (JSON-RPC invalid params).
+    #[error("unknown tool `{0}`")]
+    UnknownTool(String),
+    /// Arguments that do not fit the tool's schema, naming the field: a protocol error.
+    #[error("{0}")]
+    BadArguments(String),
+    /// The operation ran and was refused or failed (not found, conflict, forbidden…):
+    /// a tool result with `isError` and the problem as its structured content.
+    #[error("{}", .0 .0.detail.clone().unwrap_or_default())]
+    Problem(Problem),
+}
+
+impl From<Problem> for ToolError {
+    fn from(p: Problem) -> Self {
+        ToolError::Problem(p)
+    }
+}
+
+/// `sessions.create`: the body of `POST /v1/sessions` and its Idempotency-Key.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct CreateArgs {
+    /// What to achieve.
+    pub objective: String,
+    /// Must equal the caller's tenant when given.
+    #[serde(default)]
+    pub tenant: Option<String>,
+    /// Budgets (defaults: 30 turns, 20 jobs, 3 attempts per task, 1 h).
+    #[serde(default)]
+    pub constraints: Constraints,
+    /// Where the workspace is seeded from (a directory under a seed root of the worker).
+    #[serde(default)]
+    pub workspace: Option<WorkspaceSpec>,
+    /// The same key (for the same tenant) always names the same session.
+    #[serde(default)]
+    pub idempotency_key: Option<String>,
+}
+
+/// The tools that name one session.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionArgs {
+    pub session_id: String,
+}
+
+/// `sessions.events`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct EventsArgs {
+    pub session_id: String,
+    /// Only events with a larger sequence number (default 0: all).
+    #[serde(default)]
+    pub after: u64,
+    /// Wait up to this many seconds (at most 30) for an event when none is there yet.
+    #[serde(default)]
+    pub wait_seconds: u64,
+}
+
+/// `sessions.answer`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AnswerArgs {
+    pub session_id: String,
+    /// The answer to the session's open question.
+    pub text: String,
+}
+
+/// `skills.show`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SkillArgs {
+    pub skill_id: String,
+}
+
+/// `skills.list`: no arguments.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NoArgs {}
+
+/// `artifacts.get`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ArtifactArgs {
+    pub session_id: String,
+    /// The artifact's sha256 (lowercase hex), as the session lists it.
+    pub sha256: String,
+}
+
+/// One tool as `tools/list` shows it.
+pub struct ToolSpec {
+    pub name: &'static str,
+    pub description: &'static str,
+    pub input_schema: Map<String, Value>,
+    /// The tool only reads.
+    pub read_only: bool,
+}
+
+fn schema<T: JsonSchema>() -> Map<String, Value> {
+    let mut v = serde_json::to_value(schemars::schema_for!(T)).unwrap_or(Value::Null);
+    if let Some(o) = v.as_object_mut() {
+        o.remove("$schema");
+        o.remove("title");
+        o.entry("type").or_insert(json!("object"));
+        return o.clone();
+    }
+    Map::new()
+}
+
+/// Every tool of `cynode-pm mcp`, in a fixed order.
+pub fn catalog() -> Vec<ToolSpec> {
+    let t = |name, description, input_schema, read_only| ToolSpec {
+        name,
+        description,
+        input_schema,
+        read_only,
+    };
+    vec![
+        t("sessions.create", "Create a session that works toward an objective (the PM plans, runs sandboxed jobs and reports). Idempotent with idempotency_key.", schema::<CreateArgs>(), false),
+        t("sessions.get", "A session: status, plan, active job, verified artifacts, open question, deliverable.", schema::<SessionArgs>(), true),
+        t("sessions.events", "The session's events after `after` (waiting up to wait_seconds for one); `done` once the session ended.", schema::<EventsArgs>(), true),
+        t("sessions.answer", "Answer the session's open question.", schema::<AnswerArgs>(), false),
+        t("sessions.cancel", "Cancel the session and stop its running job.", schema::<SessionArgs>(), false),
+        t("skills.list", "The skill catalog: id, version, description and inputs schema of each skill.", schema::<NoArgs>(), true),
+        t("skills.show", "One skill's manifest.", schema::<SkillArgs>(), true),
+        t("artifacts.get", "The bytes of one of the session's artifacts (base64), verified against their sha256.", schema::<ArtifactArgs>(), true),
+    ]
+}
+
+/// Parses `args` for `tool`, naming the field at fault.
+fn parse<T: DeserializeOwned>(tool: &str, args: &Map<String, Value>) -> Result<T, ToolError> {
+    let v = Value::Object(args.clone());
+    serde_path_to_error::deserialize(v).map_err(|e| {
+        let path = e.path().to_string();
+        let at = if path == "." {
+            String::new()
+        } else {
+            format!("{path}: ")
+        };
+        ToolError::BadArguments(format!("{tool}: {at}{}", e.inner()))
+    })
+}
+
+/// Runs `tool` with `args` as `tenant`.
+pub async fn call(
+    st: &AppState,
+    tenant: &Tenant,
+    tool: &str,
+    args: &Map<String, Value>,
+) -> Result<Value, ToolError> {
+    match tool {
+        "sessions.create" => {
+            let a: CreateArgs = parse(tool, args)?;
+            let req = CreateSession {
+                objective: a.objective,
+                tenant: a.tenant,
+                constraints: a.constraints,
+                workspace: a.workspace,
+            };
+            let c = ops::create_session(st, tenant, &req, a.idempotency_key.as_deref()).await?;
+            Ok(json!({ "created": c.created, "session": session_view(&c.record) }))
+        }
+        "sessions.get" => {
+            let a: SessionArgs = parse(tool, args)?;
+            let (rec, _) = ops::owned(st, tenant, &a.session_id).await?;
+            Ok(json!(session_view(&rec)))
+        }
+        "sessions.events" => {
+            let a: EventsArgs = parse(tool, args)?;
+            if a.wait_seconds > MAX_WAIT_SECONDS {
+                return Err(ToolError::BadArguments(format!(
+                    "{tool}: wait_seconds: at most {MAX_WAIT_SECONDS}"
+                )));
+            }
+            events(st, tenant, &a).await
+        }
+        "sessions.answer" => {
+            let a: AnswerArgs = parse(tool, args)?;
+            let rec = ops::answer(st, tenant, &a.session_id, &a.text).await?;
+            Ok(json!(session_view(&rec)))
+        }
+        "sessions.cancel" => {
+            let a: SessionArgs = parse(tool, args)?;
+            let rec = ops::cancel(st, tenant, &a.session_id).await?;
+            Ok(json!(session_view(&rec)))
+        }
+        "skills.list" => {
+            let _: NoArgs = parse(tool, args)?;
+            Ok(ops::skills(st))
+        }
+        "skills.show" => {
+            let a: SkillArgs = parse(tool, args)?;
+            Ok(ops::skill(st, &a.skill_id)?)
+        }
+        "artifacts.get" => {
+            let a: ArtifactArgs = parse(tool, args)?;
+            let bytes = ops::artifact(st, tenant, &a.session_id, &a.sha256).await?;
+            if bytes.len() > MAX_INLINE_ARTIFACT_BYTES {
+                return Err(Problem::new(
+                    axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                    "too-large",
+                    format!(
+                        "artifact {} is {} bytes, over the {MAX_INLINE_ARTIFACT_BYTES} an MCP reply carries: GET /v1/sessions/{}/artifacts/{} instead",
+                        a.sha256,
+                        bytes.len(),
+                        a.session_id,
+                        a.sha256
+                    ),
+                )
+                .into());
+            }
+            Ok(json!({
+                "sha256": a.sha256,
+                "size_bytes": bytes.len(),
+                "content_base64": base64::engine::general_purpose::STANDARD.encode(&bytes),
+            }))
+        }
+        other => Err(ToolError::UnknownTool(other.to_string())),
+    }
+}
+
+/// `sessions.events`: the events after `after`, waiting up to `wait_seconds` for one.
+async fn events(st: &AppState, tenant: &Tenant, a: &EventsArgs) -> Result<Value, ToolError> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(a.wait_seconds);
+    loop {
+        let (events, done) = ops::events_after(st, tenant, &a.session_id, a.after).await?;
+        if !events.is_empty()
+            || done
+            || st.stop.is_cancelled()
+            || tokio::time::Instant::now() >= deadline
+        {
+            let next_after = events
+                .last()
+                .and_then(|e| e["seq"].as_u64())
+                .unwrap_or(a.after);
+            return Ok(json!({ "events": events, "next_after": next_after, "done": done }));
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(POLL) => {}
+            _ = st.stop.cancelled() => {}
+        }
+    }
+}

@@ -1,0 +1,368 @@
+//! `cynode-pm mcp` driven by a real MCP client (rmcp's): over stdio (the real binary as a
+//! child process) and over streamable HTTP at `/v1/mcp` of `serve`, each with a real
+//! bwrap worker, the real SBA and a scripted model. A session is created, followed to its
+//! end through `sessions.events`, and its artifact fetched and verified; unknown tools and
+//! bad arguments are structured JSON-RPC errors, refused operations are `isError` results
+//! with the HTTP API's problem; tenants see only their own sessions.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use base64::Engine;
+use rmcp::model::{CallToolRequestParams, CallToolResult, ErrorCode};
+use rmcp::service::{RoleClient, RunningService, ServiceError};
+use rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig;
+use rmcp::transport::{StreamableHttpClientTransport, TokioChildProcess};
+use rmcp::ServiceExt;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use crate::service::{start_replica_with, TENANT_A};
+use cynode_tests::{model_server, start_worker, workspace_root, TOKEN};
+
+type Client = RunningService<RoleClient, ()>;
+
+const README: &str = "# hello from the MCP session\n";
+
+/// Plans two tasks, writes README.md (t1), reads it back as an artifact with
+/// repo-inspect (t2), finishes.
+fn artifact_script() -> Vec<Value> {
+    vec![
+        json!({ "type": "plan_update", "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write the readme", "status": "pending" } },
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t2", "description": "read it back", "status": "pending" } }
+        ], "payload": {} }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "write-files",
+            "inputs": { "files": [{ "path": "README.md", "content": README }] } } }),
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t2", "skill_id": "repo-inspect",
+            "inputs": { "files": ["README.md"] } } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "wrote and read README.md" } }),
+    ]
+}
+
+fn args(v: Value) -> rmcp::model::JsonObject {
+    v.as_object().cloned().unwrap()
+}
+
+/// Calls `tool`; the protocol error, if the server refused the call itself.
+async fn try_call(c: &Client, tool: &str, a: Value) -> Result<CallToolResult, ServiceError> {
+    let params = CallToolRequestParams::new(tool.to_string()).with_arguments(args(a));
+    tokio::time::timeout(Duration::from_secs(60), c.call_tool(params))
+        .await
+        .unwrap_or_else(|_| panic!("{tool} did not answer within 60 s"))
+}
+
+/// Calls `tool` and returns its structured result, failing on an error of any kind.
+async fn call(c: &Client, tool: &str, a: Value) -> Value {
+    let r = try_call(c, tool, a.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{tool} {a}: {e}"));
+    assert_eq!(r.is_error, Some(false), "{tool} {a}: {r:?}");
+    r.structured_content.unwrap()
+}
+
+/// Calls `tool`, which must run and be refused: its problem.
+async fn refused(c: &Client, tool: &str, a: Value) -> Value {
+    let r = try_call(c, tool, a.clone())
+        .await
+        .unwrap_or_else(|e| panic!("{tool} {a}: {e}"));
+    assert_eq!(r.is_error, Some(true), "{tool} {a}: {r:?}");
+    r.structured_content.unwrap()
+}
+
+/// Calls `tool`, which the server must refuse as a protocol error: (code, data).
+async fn protocol_error(c: &Client, tool: &str, a: Value) -> (ErrorCode, Value) {
+    match try_call(c, tool, a.clone()).await {
+        Err(ServiceError::McpError(e)) => (e.code, e.data.unwrap_or(Value::Null)),
+        other => panic!("{tool} {a}: expected a JSON-RPC error, got {other:?}"),
+    }
+}
+
+/// Follows the session through `sessions.events` until it is done; its events in order.
+async fn follow(c: &Client, id: &str) -> Vec<Value> {
+    let t = Instant::now();
+    let (mut after, mut all) = (0u64, Vec::new());
+    loop {
+        let page = call(
+            c,
+            "sessions.events",
+            json!({ "session_id": id, "after": after, "wait_seconds": 5 }),
+        )
+        .await;
+        all.extend(page["events"].as_array().unwrap().iter().cloned());
+        after = page["next_after"].as_u64().unwrap();
+        if page["done"] == true {
+            return all;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(150),
+            "session {id} not done: {all:?}"
+        );
+    }
+}
+
+/// Runs the artifact session as the client's tenant and checks every tool on it.
+async fn session_to_a_verified_artifact(c: &Client) -> String {
+    let tools: Vec<String> = c
+        .list_all_tools()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.name.to_string())
+        .collect();
+    assert_eq!(
+        tools,
+        [
+            "sessions.create",
+            "sessions.get",
+            "sessions.events",
+            "sessions.answer",
+            "sessions.cancel",
+            "skills.list",
+            "skills.show",
+            "artifacts.get"
+        ]
+    );
+    let created = call(
+        c,
+        "sessions.create",
+        json!({ "objective": "write a readme and read it back", "idempotency_key": "k-1" }),
+    )
+    .await;
+    assert_eq!(created["created"], true, "{created}");
+    let id = created["session"]["session_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let again = call(
+        c,
+        "sessions.create",
+        json!({ "objective": "write a readme and read it back", "idempotency_key": "k-1" }),
+    )
+    .await;
+    assert_eq!(
+        (
+            again["created"].clone(),
+            again["session"]["session_id"].clone()
+        ),
+        (json!(false), json!(id))
+    );
+
+    let events = follow(c, &id).await;
+    let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert_eq!(seqs, (1..=seqs.len() as u64).collect::<Vec<_>>());
+    let kinds: Vec<&str> = events.iter().map(|e| e["kind"].as_str().unwrap()).collect();
+    assert_eq!(kinds.first(), Some(&"created"));
+    assert_eq!(kinds.last(), Some(&"final"), "{kinds:?}");
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "job_finished").count(),
+        2,
+        "{kinds:?}"
+    );
+
+    let s = call(c, "sessions.get", json!({ "session_id": id })).await;
+    assert_eq!(s["status"], "completed", "{s}");
+    let art = s["artifacts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["path"] == "README.md")
+        .unwrap_or_else(|| panic!("no README.md artifact: {s}"))
+        .clone();
+    let sha = art["sha256"].as_str().unwrap();
+    let got = call(
+        c,
+        "artifacts.get",
+        json!({ "session_id": id, "sha256": sha }),
+    )
+    .await;
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(got["content_base64"].as_str().unwrap())
+        .unwrap();
+    assert_eq!(hex::encode(Sha256::digest(&bytes)), sha);
+    assert_eq!(
+        (bytes.as_slice(), got["size_bytes"].clone()),
+        (README.as_bytes(), json!(README.len()))
+    );
+
+    // Skills.
+    let skills = call(c, "skills.list", json!({})).await;
+    assert!(skills["skills"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|s| s["skill_id"] == "write-files"));
+    let skill = call(c, "skills.show", json!({ "skill_id": "write-files" })).await;
+    assert_eq!(skill["skill_id"], "write-files", "{skill}");
+
+    // Refused operations: the HTTP API's problems, as isError results.
+    let kind = |p: &Value| p["type"].as_str().unwrap().to_string();
+    let p = refused(c, "skills.show", json!({ "skill_id": "no-such-skill" })).await;
+    assert_eq!(kind(&p), "urn:cynodeai:error:not-found", "{p}");
+    let p = refused(c, "sessions.get", json!({ "session_id": "s-missing" })).await;
+    assert_eq!(
+        (kind(&p), p["status"].clone()),
+        ("urn:cynodeai:error:not-found".into(), json!(404))
+    );
+    let p = refused(c, "sessions.cancel", json!({ "session_id": id })).await;
+    assert_eq!(kind(&p), "urn:cynodeai:error:conflict", "{p}");
+    let p = refused(
+        c,
+        "sessions.answer",
+        json!({ "session_id": id, "text": "hi" }),
+    )
+    .await;
+    assert_eq!(kind(&p), "urn:cynodeai:error:conflict", "{p}");
+    let p = refused(
+        c,
+        "artifacts.get",
+        json!({ "session_id": id, "sha256": "0".repeat(64) }),
+    )
+    .await;
+    assert_eq!(kind(&p), "urn:cynodeai:error:not-found", "{p}");
+    let p = refused(
+        c,
+        "sessions.create",
+        json!({ "objective": "x", "tenant": "someone-else" }),
+    )
+    .await;
+    assert_eq!(kind(&p), "urn:cynodeai:error:forbidden", "{p}");
+
+    // Protocol errors: an unknown tool, arguments off the schema (naming the field).
+    let (code, data) = protocol_error(c, "db.query", json!({})).await;
+    assert_eq!(
+        (code, data["type"].clone()),
+        (
+            ErrorCode::INVALID_PARAMS,
+            json!("urn:cynodeai:error:unknown-tool")
+        )
+    );
+    let (code, data) = protocol_error(c, "sessions.get", json!({ "session": id })).await;
+    assert_eq!(code, ErrorCode::INVALID_PARAMS);
+    assert_eq!(data["type"], "urn:cynodeai:error:invalid-request");
+    assert!(
+        data["detail"].as_str().unwrap().contains("session"),
+        "{data}"
+    );
+    let (code, data) = protocol_error(
+        c,
+        "sessions.events",
+        json!({ "session_id": id, "after": "many" }),
+    )
+    .await;
+    assert_eq!(code, ErrorCode::INVALID_PARAMS);
+    assert!(data["detail"].as_str().unwrap().contains("after"), "{data}");
+    let (code, _) = protocol_error(
+        c,
+        "sessions.events",
+        json!({ "session_id": id, "wait_seconds": 3600 }),
+    )
+    .await;
+    assert_eq!(code, ErrorCode::INVALID_PARAMS);
+    id
+}
+
+/// `cynode-pm mcp` for `tenant` as a child process of an rmcp client.
+async fn stdio_client(dir: &Path, db: &str, model: &str, worker: &str, tenant: &str) -> Client {
+    let log = std::fs::File::create(dir.join(format!("mcp-{tenant}.log"))).unwrap();
+    let mut cmd = tokio::process::Command::new(cynode_tests::bin("cynode-pm"));
+    cmd.arg("mcp")
+        .args(["--tenant-id", tenant, "--datastore-endpoint", db])
+        .args(["--worker-endpoint", &format!("http://{worker}")])
+        .args(["--model-base-url", model])
+        .arg("--state-dir")
+        .arg(dir.join("state"))
+        .env("CYNODE_WORKER_TOKEN", TOKEN)
+        .current_dir(workspace_root());
+    let (transport, _) = TokioChildProcess::builder(cmd)
+        .stderr(Stdio::from(log))
+        .spawn()
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(60), ().serve(transport))
+        .await
+        .expect("cynode-pm mcp did not initialize within 60 s")
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_stdio_client_runs_a_session_to_a_verified_artifact() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = start_worker(0);
+    let (model, _script) = model_server(artifact_script());
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let acme = stdio_client(dir.path(), &db, &model, &worker.addr, "acme").await;
+    let id = session_to_a_verified_artifact(&acme).await;
+
+    // Another tenant on the same datastore sees nothing of acme's.
+    let globex = stdio_client(dir.path(), &db, &model, &worker.addr, "globex").await;
+    let p = refused(&globex, "sessions.get", json!({ "session_id": id })).await;
+    assert_eq!(p["type"], "urn:cynodeai:error:not-found", "{p}");
+    let s = call(&acme, "sessions.get", json!({ "session_id": id })).await;
+    let sha = s["artifacts"][0]["sha256"].as_str().unwrap().to_string();
+    let p = refused(
+        &globex,
+        "artifacts.get",
+        json!({ "session_id": id, "sha256": sha }),
+    )
+    .await;
+    assert_eq!(p["type"], "urn:cynodeai:error:not-found", "{p}");
+    globex.cancel().await.unwrap();
+    acme.cancel().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_over_http_in_serve_behind_the_api_tokens() {
+    cynode_tls::install_provider();
+    let dir = tempfile::tempdir().unwrap();
+    let worker = start_worker(0);
+    let (model, _script) = model_server(artifact_script());
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let endpoint = format!("http://{}", worker.addr);
+    let r = start_replica_with(
+        dir.path(),
+        "r1",
+        &db,
+        &model,
+        &["--worker-endpoint", &endpoint],
+        &[],
+    );
+    let url = format!("{}/v1/mcp", r.base);
+
+    // No token, a wrong token: 401 problem+json before any MCP handling.
+    let init = json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {} });
+    for token in [None, Some("wrong-token-0123456789")] {
+        let mut req = reqwest::Client::new()
+            .post(&url)
+            .header("accept", "application/json, text/event-stream")
+            .json(&init);
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        let resp = req.send().await.unwrap();
+        assert_eq!(resp.status(), 401, "{token:?}");
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["type"], "urn:cynodeai:error:unauthorized");
+    }
+
+    let client = |token: &str| {
+        let url = url.clone();
+        let token = token.to_string();
+        async move {
+            let transport = StreamableHttpClientTransport::from_config(
+                StreamableHttpClientTransportConfig::with_uri(url).auth_header(token),
+            );
+            tokio::time::timeout(Duration::from_secs(30), ().serve(transport))
+                .await
+                .unwrap()
+                .unwrap()
+        }
+    };
+    let a = client(TENANT_A).await;
+    let id = session_to_a_verified_artifact(&a).await;
+    let b = client(crate::service::TENANT_B).await;
+    let p = refused(&b, "sessions.get", json!({ "session_id": id })).await;
+    assert_eq!(p["type"], "urn:cynodeai:error:not-found", "{p}");
+    a.cancel().await.unwrap();
+    b.cancel().await.unwrap();
+}
