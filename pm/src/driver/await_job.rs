@@ -20,6 +20,38 @@ pub(super) enum WatchError {
 }
 
 impl Pm {
+    /// A job whose constraints ask for network (`ext_net_allowed`, which the policy gate
+    /// let through) runs with `network_policy: restricted`, reaching only its skill's
+    /// declared `egress` (or, when the skill declares none, the tenant's `egress.allow`;
+    /// with neither, the worker's own allowlist) through the worker's egress proxy.
+    fn egress_for(&self, d: &Dispatch, req: &mut RunJobRequest) {
+        let wants = serde_json::from_str::<serde_json::Value>(&d.job_json)
+            .ok()
+            .and_then(|j| {
+                let c = j.get("constraints")?;
+                Some(
+                    c.get("ext_net_allowed") == Some(&json!(true))
+                        || c.get("network_allowed") == Some(&json!(true)),
+                )
+            })
+            .unwrap_or(false);
+        if !wants {
+            return;
+        }
+        let declared = self
+            .registry
+            .get(&d.skill_id)
+            .map(|s| s.manifest.egress.clone())
+            .unwrap_or_default();
+        let allow = if declared.is_empty() {
+            self.tenant.egress.allow.clone()
+        } else {
+            declared
+        };
+        req.sandbox.network_policy = Some(NetworkPolicy::Restricted);
+        req.sandbox.egress_allow = (!allow.is_empty()).then_some(allow);
+    }
+
     /// Polls the worker until the job ends. Each new state is saved as a `job_state`
     /// event (so event streams show `in_progress` live, from any replica) and reported.
     pub(super) async fn watch_job(
@@ -77,13 +109,14 @@ impl Pm {
             self.store.save(rec, version, &[]).await?;
             return Ok(());
         };
-        let req = RunJobRequest::sba(
+        let mut req = RunJobRequest::sba(
             &d.task_id,
             &d.job_id,
             &d.image,
             d.job_json.clone(),
             Some(rec.workspace_id.clone()),
         );
+        self.egress_for(&d, &mut req);
         let mut version = version;
         let outcome = match self.prepare_workspace(worker, rec, &d).await {
             Ok(()) => match worker.submit(&req).await {
@@ -116,6 +149,14 @@ impl Pm {
                 return Ok(());
             }
         };
+        if let Some(records) = &resp.egress {
+            // What the job's sandbox reached, or tried to, through the worker's egress
+            // proxy: in the session's events and `sessions show`.
+            rec.event(
+                "job_egress",
+                json!({ "job_id": d.job_id, "records": records, "dropped": resp.egress_dropped }),
+            );
+        }
         crate::metrics::metrics().job(&format!("{:?}", resp.status).to_lowercase());
         self.take_result(worker, rec, &d, &resp, progress).await;
         rec.state.active_job_id = None;
