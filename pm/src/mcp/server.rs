@@ -17,7 +17,7 @@ use rmcp::model::{
 };
 use rmcp::service::{RequestContext, RoleServer};
 use rmcp::ServerHandler;
-use serde_json::{json, Map};
+use serde_json::json;
 
 use super::tools::{self, ToolError};
 use crate::service::auth::Tenant;
@@ -117,7 +117,7 @@ impl ServerHandler for PmMcp {
                 Some(json!({ "type": "urn:cynodeai:error:unauthorized" })),
             ));
         };
-        let args = request.arguments.unwrap_or_else(Map::new);
+        let args = request.arguments.unwrap_or_default();
         match tools::call(&self.st, &tenant, &request.name, &args).await {
             Ok(v) => Ok(CallToolResult::structured(v).into()),
             Err(e) => {
