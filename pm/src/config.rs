@@ -114,4 +114,10 @@ pub struct LocalWorkerConfig {
     pub seed: Option<PathBuf>,
     /// Where it exports traces.
     pub otlp_endpoint: Option<String>,
+    /// The program that keeps the worker (`cynode-pm` itself, run as
+    /// `local_worker::keeper::KEEPER_ARG`).
+    pub keeper: PathBuf,
+    /// How long the worker outlives a PM that vanished (kill -9, Ctrl-C) with nobody
+    /// attached: its running job finishes and its result is kept for a resume.
+    pub grace: std::time::Duration,
 }

@@ -1,17 +1,23 @@
-//! The worker `cynode-pm run` starts (and stops) itself when no worker is configured: a
-//! `cynode-worker serve` child on a fresh token, bound to 127.0.0.1, living and dying with
-//! this PM.
+//! The worker `cynode-pm run` uses when no worker is configured: a `cynode-worker serve`
+//! bound to 127.0.0.1 on a fresh token, started and kept by a [`keeper`] process that
+//! holds the state directory's lease. A PM attaches to the keeper already running on its
+//! state directory (a `sessions resume` after kill -9 finds the job still running, or its
+//! result kept) or starts one; a job outlives a killed PM for the grace period.
 //!
-//! Architecture invariant: the child starts from a cleared environment plus
-//! [`LOCAL_WORKER_ENV`]; no secret of the PM (model key, tokens) reaches it or its
+//! Architecture invariant: the keeper and the worker start from a cleared environment
+//! plus [`LOCAL_WORKER_ENV`]; no secret of the PM (model key, tokens) reaches them or the
 //! sandboxes.
 
-use std::io::{BufRead, Write};
-use std::path::PathBuf;
+pub mod keeper;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::config::LocalWorkerConfig;
+use keeper::{Hello, KeeperArgs, KeeperEvent};
 
 /// Why the local worker did not start.
 #[derive(Debug, thiserror::Error)]
@@ -25,43 +31,53 @@ pub enum LocalWorkerError {
         program: PathBuf,
         cause: std::io::Error,
     },
-    #[error("the local worker did not start; see {}", .0.display())]
-    NotStarted(PathBuf),
+    #[error("the local worker did not start ({reason}); see {}", log.display())]
+    NotStarted { reason: String, log: PathBuf },
 }
 
-/// A local worker started for this run; stopped on drop.
-///
-/// It lives and dies with this PM: the child gets `PR_SET_PDEATHSIG = SIGKILL`, so a PM
-/// killed with SIGKILL (or crashing) takes its worker along, and the worker's bwrap
-/// sandboxes follow it (`--die-with-parent`). The parent-death signal fires when the
-/// *thread* that forked the child exits, not only the process, so the child is spawned
-/// from a dedicated thread ([`supervise`]) that lives until this value is dropped, never
-/// from a runtime thread that tokio may retire.
-///
-/// The worker locks its state directory (`cynode-worker serve` holds a `flock` on
-/// `<state>/worker/state/worker.lock`), so a second PM on the same `--state-dir` starts a
-/// worker that waits for the first one to be gone before it reconciles anything; this
-/// PM waits for it, saying so, and never runs a rival beside it.
+/// What [`LocalWorker::start`] tells its caller while it starts.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Notice {
+    /// Another process holds the worker's state lock (`holder_pid`); the worker waits.
+    Waiting { holder_pid: String, dir: PathBuf },
+    /// A keeper already ran on this state directory: its worker is used.
+    Attached { keeper_pid: u32, dir: PathBuf },
+}
+
+/// This PM's use of the local worker. Dropping it releases the worker: when no other PM
+/// uses it, the keeper stops it at once. A PM that dies without dropping it (kill -9,
+/// Ctrl-C) leaves the worker to its keeper's grace period.
 pub struct LocalWorker {
     /// `http://127.0.0.1:PORT`.
     pub endpoint: String,
-    /// The bearer token made for this run.
+    /// The worker's bearer token.
     pub token: String,
-    /// Dropping it tells the supervising thread to stop the worker.
-    stop: Option<std::sync::mpsc::Sender<()>>,
-    supervisor: Option<std::thread::JoinHandle<()>>,
-    /// This run's token and config files, removed once the worker stopped.
-    files: Vec<PathBuf>,
+    /// The keeper's process id.
+    pub keeper_pid: u32,
+    /// The connection to the keeper, open while this PM uses the worker.
+    conn: Option<UnixStream>,
+    /// The keeper, when this PM started it (reaped once it stopped).
+    keeper: Option<Child>,
 }
 
 impl Drop for LocalWorker {
     fn drop(&mut self) {
-        drop(self.stop.take());
-        if let Some(t) = self.supervisor.take() {
-            let _ = t.join();
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(40)));
+        let _ = conn.write_all(b"release\n");
+        let mut answer = String::new();
+        let _ = BufReader::new(&conn).read_line(&mut answer);
+        if answer.trim() == "kept" {
+            return;
         }
-        for f in &self.files {
-            let _ = std::fs::remove_file(f);
+        // Stopped (or gone): reap the keeper this PM started.
+        if let Some(k) = self.keeper.as_mut() {
+            let t = Instant::now();
+            while matches!(k.try_wait(), Ok(None)) && t.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(20));
+            }
         }
     }
 }
@@ -91,146 +107,220 @@ pub const LOCAL_WORKER_ENV: &[&str] = &[
     "SSL_CERT_DIR",
 ];
 
-/// What the worker's log says while it starts.
-enum StartEvent {
-    Waiting(String),
-    Listening(String),
+impl LocalWorker {
+    /// Attaches to the keeper running on `cfg`'s state directory, or starts one (and its
+    /// worker) and waits until the worker listens (up to 60 s; as long as it takes while
+    /// another process holds the worker's state lock, which `notice` is told).
+    pub fn start(
+        cfg: &LocalWorkerConfig,
+        notice: &dyn Fn(Notice),
+    ) -> Result<LocalWorker, LocalWorkerError> {
+        if !cfg.program.is_file() {
+            return Err(LocalWorkerError::Missing(cfg.program.clone()));
+        }
+        let prepare_error = |cause| LocalWorkerError::Prepare {
+            dir: cfg.state_dir.join("worker"),
+            cause,
+        };
+        let dir = prepare_dir(cfg).map_err(prepare_error)?;
+        let not_started = |reason: String| LocalWorkerError::NotStarted {
+            reason,
+            log: dir.join("worker.log"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut delay = Duration::from_millis(20);
+        loop {
+            if let Some((mut w, seed)) = attach(&dir) {
+                if cfg.seed.is_none() || cfg.seed == seed {
+                    notice(Notice::Attached {
+                        keeper_pid: w.keeper_pid,
+                        dir: dir.clone(),
+                    });
+                    return Ok(w);
+                }
+                // Its worker may not seed from our workspace: wait for it to end.
+                // Leave without `release`: this must not stop the worker.
+                let keeper_pid = w.keeper_pid;
+                drop(w.conn.take());
+                notice(Notice::Waiting {
+                    holder_pid: keeper_pid.to_string(),
+                    dir: dir.clone(),
+                });
+                while UnixStream::connect(keeper::socket_path(&dir)).is_ok() {
+                    std::thread::sleep(Duration::from_millis(500));
+                }
+                continue;
+            }
+            match spawn_keeper(cfg, &dir, notice)? {
+                Spawned::Ready(mut keeper) => {
+                    // Ours: attach to it (it listens before it says ready).
+                    let t = Instant::now();
+                    loop {
+                        if let Some((mut w, _)) = attach(&dir) {
+                            w.keeper = Some(keeper);
+                            tracing::info!(endpoint = %w.endpoint, keeper_pid = w.keeper_pid, "local worker started");
+                            return Ok(w);
+                        }
+                        if t.elapsed() > Duration::from_secs(10) {
+                            let _ = keeper.kill();
+                            let _ = keeper.wait();
+                            return Err(not_started("its keeper does not answer".into()));
+                        }
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                }
+                // Another keeper holds the lease and is starting: attach to it.
+                Spawned::Held => {}
+                Spawned::Failed(reason) => return Err(not_started(reason)),
+            }
+            if Instant::now() > deadline {
+                return Err(not_started("the running keeper does not answer".into()));
+            }
+            std::thread::sleep(delay);
+            delay = (delay * 2).min(Duration::from_millis(500));
+        }
+    }
 }
 
-/// Spawns the worker from the calling thread (which must outlive it, see [`LocalWorker`])
-/// and then waits there for the stop signal (the sender dropped), then stops it with
-/// SIGTERM and reaps it.
-fn supervise(
-    mut cmd: Command,
-    spawned: std::sync::mpsc::Sender<std::io::Result<(u32, std::process::ChildStderr)>>,
-    stop: std::sync::mpsc::Receiver<()>,
-) {
+/// The keeper on `dir`, if one answers: the worker (with the open connection) and its
+/// seed root.
+fn attach(dir: &Path) -> Option<(LocalWorker, Option<PathBuf>)> {
+    let conn = UnixStream::connect(keeper::socket_path(dir)).ok()?;
+    conn.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    let mut line = String::new();
+    BufReader::new(&conn).read_line(&mut line).ok()?;
+    let hello: Hello = serde_json::from_str(&line).ok()?;
+    conn.set_read_timeout(None).ok()?;
+    let w = LocalWorker {
+        endpoint: hello.endpoint,
+        token: hello.token,
+        keeper_pid: hello.keeper_pid,
+        conn: Some(conn),
+        keeper: None,
+    };
+    Some((w, hello.seed))
+}
+
+enum Spawned {
+    Ready(Child),
+    Held,
+    Failed(String),
+}
+
+/// Starts a keeper for `dir` (in a session of its own, from a cleared environment) and
+/// reads its start events.
+fn spawn_keeper(
+    cfg: &LocalWorkerConfig,
+    dir: &Path,
+    notice: &dyn Fn(Notice),
+) -> Result<Spawned, LocalWorkerError> {
     use std::os::unix::process::CommandExt;
-    let parent = std::process::id();
-    // SAFETY: between fork and exec only async-signal-safe calls: prctl and getppid.
+    let (cfg_path, token_file) = prepare(cfg, dir).map_err(|cause| LocalWorkerError::Prepare {
+        dir: dir.to_path_buf(),
+        cause,
+    })?;
+    let args = KeeperArgs {
+        dir: dir.to_path_buf(),
+        program: cfg.program.clone(),
+        config: cfg_path.clone(),
+        token_file: token_file.clone(),
+        grace: cfg.grace,
+        seed: cfg.seed.clone(),
+    };
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("keeper.log"))
+        .map_err(|cause| LocalWorkerError::Prepare {
+            dir: dir.to_path_buf(),
+            cause,
+        })?;
+    let mut cmd = Command::new(&cfg.keeper);
+    cmd.arg(keeper::KEEPER_ARG)
+        .args(args.to_args())
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log);
+    for name in LOCAL_WORKER_ENV {
+        if let Some(v) = std::env::var_os(name) {
+            cmd.env(name, v);
+        }
+    }
+    if let Some(e) = &cfg.otlp_endpoint {
+        cmd.env("CYNODE_OTLP_ENDPOINT", e);
+    }
+    // SAFETY: setsid is async-signal-safe. The keeper leaves the PM's session so a
+    // Ctrl-C at the PM's terminal does not reach it.
     unsafe {
-        cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) != 0 {
+        cmd.pre_exec(|| {
+            if libc::setsid() < 0 {
                 return Err(std::io::Error::last_os_error());
-            }
-            // The PM died before the signal was armed: do not outlive it.
-            if libc::getppid() as u32 != parent {
-                return Err(std::io::Error::other("the cynode-pm process is gone"));
             }
             Ok(())
         });
     }
-    let mut child: Child = match cmd.spawn() {
+    let remove_files = || {
+        let _ = std::fs::remove_file(&cfg_path);
+        let _ = std::fs::remove_file(&token_file);
+    };
+    let mut child = match cmd.spawn() {
         Ok(c) => c,
-        Err(e) => {
-            let _ = spawned.send(Err(e));
-            return;
+        Err(cause) => {
+            remove_files();
+            return Err(LocalWorkerError::Spawn {
+                program: cfg.keeper.clone(),
+                cause,
+            });
         }
     };
-    let sent = match child.stderr.take() {
-        Some(stderr) => spawned.send(Ok((child.id(), stderr))).is_ok(),
-        None => false,
+    let Some(stdout) = child.stdout.take() else {
+        return Ok(Spawned::Failed("no keeper output".into()));
     };
-    if sent {
-        // Blocks until the LocalWorker is dropped (or the PM exits, taking us along).
-        let _ = stop.recv();
-    }
-    // SAFETY: SIGTERM to the worker we started and have not reaped yet, for a graceful stop.
-    unsafe {
-        libc::kill(child.id() as i32, libc::SIGTERM);
+    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+        match serde_json::from_str::<KeeperEvent>(&line) {
+            Ok(KeeperEvent::Ready { .. }) => return Ok(Spawned::Ready(child)),
+            Ok(KeeperEvent::Waiting { holder_pid }) => {
+                tracing::warn!(holder_pid = %holder_pid, state_dir = %dir.display(), "waiting for the running local worker");
+                notice(Notice::Waiting {
+                    holder_pid,
+                    dir: dir.to_path_buf(),
+                })
+            }
+            Ok(KeeperEvent::Held) => {
+                let _ = child.wait();
+                remove_files();
+                return Ok(Spawned::Held);
+            }
+            Ok(KeeperEvent::Failed { reason }) => {
+                let _ = child.wait();
+                return Ok(Spawned::Failed(reason));
+            }
+            Err(_) => {}
+        }
     }
     let _ = child.wait();
+    remove_files();
+    Ok(Spawned::Failed("its keeper ended".into()))
 }
 
-impl LocalWorker {
-    /// Starts the worker of `cfg` and waits until it listens (up to 60 s). When another
-    /// PM's worker holds the state directory, `waiting` is told the holder's pid and this
-    /// waits for it as long as it takes.
-    pub fn start(
-        cfg: &LocalWorkerConfig,
-        waiting: &dyn Fn(&str, &std::path::Path),
-    ) -> Result<LocalWorker, LocalWorkerError> {
-        let bin = &cfg.program;
-        if !bin.is_file() {
-            return Err(LocalWorkerError::Missing(bin.clone()));
-        }
-        let (dir, cfg_path, token_file, token) =
-            prepare(cfg).map_err(|cause| LocalWorkerError::Prepare {
-                dir: cfg.state_dir.join("worker"),
-                cause,
-            })?;
-        let mut cmd = Command::new(bin);
-        cmd.args(["serve", "--config"])
-            .arg(&cfg_path)
-            .env_clear()
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped());
-        for name in LOCAL_WORKER_ENV {
-            if let Some(v) = std::env::var_os(name) {
-                cmd.env(name, v);
-            }
-        }
-        if let Some(e) = &cfg.otlp_endpoint {
-            cmd.env("CYNODE_OTLP_ENDPOINT", e);
-        }
-        let spawn_error = |cause| LocalWorkerError::Spawn {
-            program: bin.clone(),
-            cause,
-        };
-        let (spawned_tx, spawned_rx) = std::sync::mpsc::channel();
-        let (stop_tx, stop_rx) = std::sync::mpsc::channel();
-        let supervisor = std::thread::Builder::new()
-            .name("local-worker".into())
-            .spawn(move || supervise(cmd, spawned_tx, stop_rx))
-            .map_err(spawn_error)?;
-        let mut worker = LocalWorker {
-            endpoint: String::new(),
-            token,
-            stop: Some(stop_tx),
-            supervisor: Some(supervisor),
-            files: vec![token_file, cfg_path],
-        };
-        let (pid, stderr) = spawned_rx
-            .recv()
-            .map_err(|_| spawn_error(std::io::Error::other("the supervising thread ended")))?
-            .map_err(spawn_error)?;
-        let rx = watch_log(stderr, dir.join("worker.log"));
-        let not_started = || LocalWorkerError::NotStarted(dir.join("worker.log"));
-        let mut limit = Some(Duration::from_secs(60));
-        let addr = loop {
-            let event = match limit {
-                Some(l) => rx.recv_timeout(l).map_err(|_| not_started())?,
-                None => rx.recv().map_err(|_| not_started())?,
-            };
-            match event {
-                StartEvent::Listening(addr) => break addr,
-                StartEvent::Waiting(holder) => {
-                    // Another PM's worker runs on this state directory: wait for it to
-                    // finish (however long its session takes), never start beside it.
-                    waiting(&holder, &dir);
-                    tracing::warn!(holder_pid = %holder, state_dir = %dir.display(), "waiting for the running local worker");
-                    limit = None;
-                }
-            }
-        };
-        tracing::info!(pid, addr = %addr, "local worker started");
-        worker.endpoint = format!("http://{addr}");
-        Ok(worker)
-    }
-}
-
-/// Creates `<state_dir>/worker` and writes this run's token and worker config there;
-/// returns the directory (canonical), the config's path, the token file's path and the
-/// token.
-fn prepare(cfg: &LocalWorkerConfig) -> std::io::Result<(PathBuf, PathBuf, PathBuf, String)> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+/// Creates `<state_dir>/worker` (mode 0755, as the state directory) and returns it,
+/// canonical.
+fn prepare_dir(cfg: &LocalWorkerConfig) -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
     let dir = cfg.state_dir.join("worker");
     std::fs::create_dir_all(&dir)?;
     let dir = std::fs::canonicalize(&dir)?;
     for d in [cfg.state_dir.as_path(), dir.as_path()] {
         std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755))?;
     }
+    Ok(dir)
+}
+
+/// Writes a new keeper's token and worker config into `dir`; returns the config's path
+/// and the token file's path.
+fn prepare(cfg: &LocalWorkerConfig, dir: &Path) -> std::io::Result<(PathBuf, PathBuf)> {
+    use std::os::unix::fs::OpenOptionsExt;
     // Per PM: a second PM on this state directory writes its own files, so the first
     // one's worker keeps the token and config it started with.
     let tag = uuid::Uuid::new_v4().simple().to_string();
@@ -261,50 +351,5 @@ fn prepare(cfg: &LocalWorkerConfig) -> std::io::Result<(PathBuf, PathBuf, PathBu
     }
     let cfg_path = dir.join(format!("worker-{tag}.yaml"));
     std::fs::write(&cfg_path, yaml)?;
-    Ok((dir, cfg_path, token_file, token))
+    Ok((cfg_path, token_file))
 }
-
-/// Copies the worker's log lines to `log_path` and reports, on the returned channel, when
-/// it waits for the state directory's lock and when it listens.
-fn watch_log(
-    stderr: std::process::ChildStderr,
-    log_path: PathBuf,
-) -> std::sync::mpsc::Receiver<StartEvent> {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let mut log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .ok();
-        let mut tx = Some(tx);
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if let Some(l) = log.as_mut() {
-                let _ = writeln!(l, "{line}");
-            }
-            let Some(t) = tx.as_ref() else { continue };
-            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line) {
-                let message = &v["fields"]["message"];
-                if *message == "cynode-worker listening" {
-                    let addr = v["fields"]["addr"].as_str().unwrap_or_default().to_string();
-                    let _ = t.send(StartEvent::Listening(addr));
-                    tx = None;
-                } else if *message == LOCK_WAIT_MESSAGE {
-                    let holder = v["fields"]["holder_pid"]
-                        .as_str()
-                        .unwrap_or_default()
-                        .to_string();
-                    let _ = t.send(StartEvent::Waiting(holder));
-                }
-            }
-        }
-    });
-    rx
-}
-
-/// Log message of a worker waiting for its state-directory lock
-/// (`LOCK_WAIT_MESSAGE` in cynode-worker's `src/cli.rs`; the PM does not link the worker).
-const LOCK_WAIT_MESSAGE: &str = "waiting for the state directory lock";

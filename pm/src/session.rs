@@ -2,6 +2,8 @@
 //! plan, artifacts, history…) plus where the loop is ([`Phase`]), its budgets, and the
 //! outcome. Serialised whole into the store.
 
+pub mod evidence;
+
 use std::collections::BTreeMap;
 
 use cynode_protocol::llm::LlmOutput;
@@ -124,10 +126,15 @@ pub enum Phase {
     Done,
 }
 
-/// The deliverable of a completed session.
+/// The deliverable of a completed session: composed by the PM from the evidence it
+/// verified ([`evidence`]); the model's words are only its bounded `summary`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Deliverable {
+    /// The model's summary, at most [`evidence::SUMMARY_CHARS`] characters on one line.
     pub summary: String,
+    /// Per task, its jobs and what each verifiably found, then the summary.
+    #[serde(default)]
+    pub report: evidence::EvidenceReport,
     /// `(path, sha256, size)` of every verified artifact.
     pub artifacts: Vec<cynode_protocol::result::ArtifactRecord>,
     /// The workspace changeset (`git diff` style), when files changed.
@@ -193,6 +200,9 @@ pub struct SessionRecord {
     pub interactive: bool,
     pub deliverable: Option<Deliverable>,
     pub failure: Option<Failure>,
+    /// The verified outcome of every job whose result was taken in, in order.
+    #[serde(default)]
+    pub evidence: Vec<evidence::JobEvidence>,
 }
 
 fn interactive_by_default() -> bool {
@@ -229,6 +239,7 @@ impl SessionRecord {
             interactive: true,
             deliverable: None,
             failure: None,
+            evidence: Vec::new(),
         }
     }
 
@@ -241,6 +252,16 @@ impl SessionRecord {
             kind: kind.to_string(),
             data,
         });
+    }
+
+    /// The session's evidence report: the stored deliverable's, or composed from what was
+    /// verified so far (no summary) when the session has no deliverable.
+    pub fn report(&self) -> evidence::EvidenceReport {
+        match &self.deliverable {
+            Some(d) if !d.report.tasks.is_empty() || d.report.summary.is_some() => d.report.clone(),
+            Some(d) => evidence::compose(&self.state.plan, &self.evidence, Some(&d.summary)),
+            None => evidence::compose(&self.state.plan, &self.evidence, None),
+        }
     }
 
     /// Ends the session as failed.

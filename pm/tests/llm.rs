@@ -894,3 +894,47 @@ fn context_is_system_then_objective_state_and_event_in_order() {
     let first = compose_context("S", "o", &json!({}), None);
     assert!(first[1].content.contains("this is the first turn"));
 }
+
+/// Issue 27 #2: a reply whose summary repeats a clause is refused as babble, the model is
+/// told why, and the retry (only the retry) carries frequency_penalty, presence_penalty
+/// and llama.cpp's repeat_penalty.
+#[tokio::test]
+async fn babble_is_refused_and_the_retry_carries_repetition_penalties() {
+    let babble = json!({ "type": "final", "state_patch": [], "payload": { "summary":
+        "The plan is done, the plan_update is finished, the plan_update is finished, the plan_update is finished" } });
+    let server = Server::then_valid(Script::Content(babble.to_string())).await;
+    let (reply, _, attempts) = ask(server.config()).await.unwrap();
+    assert_eq!(reply, job_request_output());
+    assert_eq!(attempts, 2);
+    let reqs = server.requests();
+    assert_eq!(reqs.len(), 2);
+    for k in ["frequency_penalty", "presence_penalty", "repeat_penalty"] {
+        assert!(reqs[0].body.get(k).is_none(), "{k} on the first request");
+        assert!(
+            reqs[1].body[k].as_f64().is_some_and(|p| p > 0.0),
+            "{k} missing from the retry: {}",
+            reqs[1].body
+        );
+    }
+    let feedback = reqs[1].body["messages"][3]["content"].as_str().unwrap();
+    assert!(
+        feedback.contains("payload.summary is refused as babble")
+            && feedback.contains("\"the plan_update is finished\" 3 times"),
+        "{feedback}"
+    );
+}
+
+/// A plan entry's description that copies itself is babble too.
+#[test]
+fn a_babbling_task_description_is_refused() {
+    let reply = json!({ "type": "plan_update", "state_patch": [
+        { "op": "add", "path": "/plan/-", "value": { "task_id": "t2",
+          "description": "check the tests check the tests check the tests check the tests", "status": "pending" } }
+    ], "payload": {} });
+    match validate(reply) {
+        Err(ContractError::Babble { path, .. }) => {
+            assert_eq!(path, "state_patch[0].value.description")
+        }
+        other => panic!("{other:?}"),
+    }
+}

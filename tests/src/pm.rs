@@ -24,6 +24,9 @@ pub fn pm_command(state: &Path, model: &str, args: &[&str], envs: &[(&str, &str)
     let mut c = Command::new(bin("cynode-pm"));
     // A failpoint only where the test sets one (`CYNODE_PM_FAILPOINT` in `envs`).
     c.env_remove("CYNODE_PM_FAILPOINT");
+    // A local worker outlives a crashed PM for this long (the crash-resume tests resume
+    // within it); a test that fails leaves nothing running for long.
+    c.env("CYNODE_LOCAL_WORKER_GRACE_SECONDS", "30");
     c.envs(envs.iter().copied());
     c.args(["--output", "json"]).args(args);
     // The scripted sessions of these tests plan, ask and finish freely, as with a person at

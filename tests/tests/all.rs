@@ -6,9 +6,11 @@
 
 mod api_input;
 mod architecture;
+mod babble;
 mod datastore_outage;
 mod deploy;
 mod e2e;
+mod evidence;
 mod listeners;
 mod mcp;
 mod otel;

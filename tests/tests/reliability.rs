@@ -3,6 +3,7 @@
 //! bwrap workers, a scripted model. Every wait is bounded here, with its own message.
 
 use std::io::Read;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -96,9 +97,13 @@ fn spawn_pm(
         .args(["--local-backend", "bwrap", "--local-bwrap-rootfs"])
         .arg(rootfs())
         .args(["--model-base-url", model])
+        // A failed test leaves no local worker running for long (see Keeper).
+        .env("CYNODE_LOCAL_WORKER_GRACE_SECONDS", "30")
         .envs(envs.iter().copied())
         .env_remove("CYNODE_PM_FAILPOINT")
         .current_dir(workspace_root())
+        // A group of its own, as a shell gives a job: Ctrl-C is SIGINT to the group.
+        .process_group(0)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out).unwrap())
         .stderr(std::fs::File::create(&err).unwrap())
@@ -141,19 +146,6 @@ fn children(pid: u32) -> Vec<u32> {
         }
     }
     out
-}
-
-/// The `cynode-worker` process a PM started.
-fn local_worker_of(pm: u32, within: Duration) -> u32 {
-    let mut found = None;
-    wait_for(within, "the local cynode-worker child of cynode-pm", || {
-        found = children(pm).into_iter().find(|c| {
-            std::fs::read_to_string(format!("/proc/{c}/comm"))
-                .is_ok_and(|n| n.trim() == "cynode-worker")
-        });
-        found.is_some()
-    });
-    found.unwrap()
 }
 
 /// A test-only skill `slow-mark`: appends a line to `runs.txt` in the workspace (one per
@@ -221,35 +213,52 @@ fn workspace(state: &Path, session: &str) -> PathBuf {
 
 const SECRET: &str = "sk-model-key-that-must-not-leak-0123456789";
 
-/// Issue 14 items 1–2 and issue 13 item 3: the local worker gets a cleared environment;
-/// `kill -9` of `cynode-pm run` takes the worker and its sandbox along; `sessions resume`
-/// then reports the job's real outcome (it was killed with its worker) and never runs it
-/// a second time.
-#[test]
-fn kill_9_of_run_takes_its_local_worker_along_and_resume_reports_the_real_outcome() {
-    let logs = tempfile::tempdir().unwrap();
-    let skills = tempfile::tempdir().unwrap();
-    slow_skill(skills.path());
-    let skill_dir = skills.path().display().to_string();
-    let state = tempfile::tempdir().unwrap();
-    let (url, model) = model_server(slow_script(30));
-    let mut pm = spawn_pm(
-        logs.path(),
-        "first",
-        state.path(),
-        &url,
-        &["--skill-dir", &skill_dir, "run", "run the slow job"],
-        &[
-            ("CYNODE_MODEL_API_KEY", SECRET),
-            ("SOME_UNRELATED_SECRET", SECRET),
-        ],
-    );
-    let id = pm.session_id(Duration::from_secs(120));
-    let worker = local_worker_of(pm.pid(), Duration::from_secs(120));
+/// The keeper of a state directory's local worker, from its lease (`keeper.json`);
+/// on drop (a failed test too) its process group (keeper, worker) is killed.
+struct Keeper {
+    keeper: u32,
+    worker: u32,
+}
 
-    // The worker's environment: only the documented variables, never the model key.
-    let environ = std::fs::read(format!("/proc/{worker}/environ")).unwrap();
-    let names: Vec<String> = environ
+impl Keeper {
+    fn of(state: &Path, within: Duration) -> Keeper {
+        let lease = state.join("worker/keeper.json");
+        let mut found = None;
+        wait_for(within, "the local worker's lease (keeper.json)", || {
+            found = std::fs::read_to_string(&lease)
+                .ok()
+                .and_then(|t| serde_json::from_str::<Value>(&t).ok());
+            found.is_some()
+        });
+        let v = found.unwrap();
+        Keeper {
+            keeper: v["keeper_pid"].as_u64().unwrap() as u32,
+            worker: v["worker_pid"].as_u64().unwrap() as u32,
+        }
+    }
+
+    fn alive(&self) -> bool {
+        alive(self.keeper) || alive(self.worker)
+    }
+}
+
+impl Drop for Keeper {
+    fn drop(&mut self) {
+        if self.alive() {
+            // SAFETY: SIGKILL to the process group of the keeper this test's PM started
+            // (the keeper leads its own session and group).
+            unsafe {
+                libc::kill(-(self.keeper as i32), libc::SIGKILL);
+            }
+        }
+    }
+}
+
+/// The names of the environment variables of `pid`, and whether `secret` is among the
+/// values.
+fn environment(pid: u32, secret: &str) -> (Vec<String>, bool) {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let names = environ
         .split(|b| *b == 0)
         .filter(|e| !e.is_empty())
         .map(|e| {
@@ -260,36 +269,69 @@ fn kill_9_of_run_takes_its_local_worker_along_and_resume_reports_the_real_outcom
                 .to_string()
         })
         .collect();
-    assert!(
-        !String::from_utf8_lossy(&environ).contains(SECRET),
-        "the local worker's environment holds a secret: {names:?}"
-    );
-    for n in &names {
-        assert!(
-            cynode_pm::local_worker::LOCAL_WORKER_ENV.contains(&n.as_str()),
-            "the local worker got `{n}`, which is not in LOCAL_WORKER_ENV"
-        );
-    }
+    (names, String::from_utf8_lossy(&environ).contains(secret))
+}
 
+/// How a test stops the PM that runs the slow job.
+#[derive(Clone, Copy)]
+enum Stop {
+    /// kill -9 of the PM.
+    Kill9,
+    /// Ctrl-C at its terminal: SIGINT to its process group.
+    CtrlC,
+}
+
+/// Issue 27 #3 (and issue 14 items 1–2): the local worker outlives its killed
+/// `cynode-pm run`: its keeper holds the state directory's lease, the job runs to its
+/// end, and `sessions resume` attaches to the same worker and takes the job's result. The
+/// job ran once, completed, and the model is never told to redo it. Keeper and worker
+/// start from a cleared environment (never the model key), and both are gone once the
+/// resumed PM ends.
+fn a_job_survives_its_pm_and_resume_takes_its_result(stop: Stop) {
+    let logs = tempfile::tempdir().unwrap();
+    let skills = tempfile::tempdir().unwrap();
+    slow_skill(skills.path());
+    let skill_dir = skills.path().display().to_string();
+    let state = tempfile::tempdir().unwrap();
+    let (url, model) = model_server(slow_script(6));
+    let mut pm = spawn_pm(
+        logs.path(),
+        "first",
+        state.path(),
+        &url,
+        &["--skill-dir", &skill_dir, "run", "run the slow job"],
+        &[
+            ("CYNODE_MODEL_API_KEY", SECRET),
+            ("SOME_UNRELATED_SECRET", SECRET),
+            ("CYNODE_LOCAL_WORKER_GRACE_SECONDS", "120"),
+        ],
+    );
+    let id = pm.session_id(Duration::from_secs(120));
+    let keeper = Keeper::of(state.path(), Duration::from_secs(120));
+    for pid in [keeper.keeper, keeper.worker] {
+        let (names, leaked) = environment(pid, SECRET);
+        assert!(!leaked, "process {pid} holds a secret: {names:?}");
+        for n in &names {
+            assert!(
+                cynode_pm::local_worker::LOCAL_WORKER_ENV.contains(&n.as_str()),
+                "process {pid} got `{n}`, which is not in LOCAL_WORKER_ENV"
+            );
+        }
+    }
     let runs = workspace(state.path(), &id).join("runs.txt");
     wait_for(Duration::from_secs(120), "the slow job to start", || {
         runs.is_file()
     });
-    // SAFETY: SIGKILL to the cynode-pm process this test started (not yet reaped).
+    let (pid, signal) = match stop {
+        Stop::Kill9 => (pm.pid() as i32, libc::SIGKILL),
+        Stop::CtrlC => (-(pm.pid() as i32), libc::SIGINT),
+    };
+    // SAFETY: a signal to the cynode-pm process (group) this test started, not reaped.
     unsafe {
-        libc::kill(pm.pid() as i32, libc::SIGKILL);
+        libc::kill(pid, signal);
     }
     let _ = pm.child.wait();
-    let killed = Instant::now();
-    wait_for(
-        Duration::from_secs(20),
-        "the local worker to die with its killed cynode-pm",
-        || !alive(worker),
-    );
-    println!(
-        "local worker {worker} gone {} ms after kill -9 of its PM",
-        killed.elapsed().as_millis()
-    );
+    assert!(keeper.alive(), "the local worker died with its PM");
 
     let mut resumed = spawn_pm(
         logs.path(),
@@ -302,9 +344,17 @@ fn kill_9_of_run_takes_its_local_worker_along_and_resume_reports_the_real_outcom
     let (code, v) = resumed.finish(Duration::from_secs(180));
     assert_eq!(code, Some(0), "{v} {}", resumed.stderr());
     assert_eq!(v["status"], "completed", "{v}");
-    // Ran once: the resumed session asked the worker for the same job and got its
-    // outcome, it did not run it again.
+    assert!(
+        resumed
+            .stderr()
+            .contains("using the local worker already running"),
+        "{}",
+        resumed.stderr()
+    );
+    // The job ran once, to its end, and its result was used.
     assert_eq!(std::fs::read_to_string(&runs).unwrap(), "run\n");
+    assert!(workspace(state.path(), &id).join("done.txt").is_file());
+    assert_eq!(v["state"]["plan"][0]["status"], "done", "{v}");
     assert_eq!(v["jobs_dispatched"], 1, "{v}");
     let kinds = history_kinds(&v);
     assert_eq!(
@@ -312,17 +362,87 @@ fn kill_9_of_run_takes_its_local_worker_along_and_resume_reports_the_real_outcom
         1,
         "{kinds:?}"
     );
-    // The real outcome: the job was killed with its worker before done.txt, so it is
-    // reported failed because of the restart, not completed, not some other failure.
-    let done = workspace(state.path(), &id).join("done.txt").is_file();
-    assert!(!done, "the job kept running after its worker died");
-    let last = model.requests().last().unwrap().to_string();
-    assert!(last.contains("worker_restarted"), "{last}");
+    let asked: Vec<String> = model.requests().iter().map(|r| r.to_string()).collect();
+    assert!(
+        asked.iter().all(|r| !r.contains("worker_restarted")),
+        "the model heard worker_restarted"
+    );
+    // Three replies in all: plan, the job, final; none asked twice.
+    assert_eq!(asked.len(), 3, "{asked:?}");
+    // The resumed PM released the worker when it ended: nothing is left.
+    wait_for(
+        Duration::from_secs(30),
+        "the keeper and the worker to stop after the resumed PM",
+        || !keeper.alive(),
+    );
 }
 
-/// Issue 14 item 3: a second `run` on the same state directory waits for the first one's
-/// worker instead of starting a rival that reconciles the first one's job away; both
-/// sessions complete and each job ran once.
+#[test]
+fn kill_9_of_run_mid_job_then_resume_takes_the_jobs_result() {
+    a_job_survives_its_pm_and_resume_takes_its_result(Stop::Kill9);
+}
+
+#[test]
+fn ctrl_c_of_run_mid_job_then_resume_takes_the_jobs_result() {
+    a_job_survives_its_pm_and_resume_takes_its_result(Stop::CtrlC);
+}
+
+/// Issue 27 #3: nothing outlives the grace period. With a grace of 2 s and no PM coming
+/// back, the keeper stops the worker (and its sandbox) and exits; the job's sandbox is
+/// gone too.
+#[test]
+fn an_orphaned_local_worker_stops_after_its_grace_period() {
+    let logs = tempfile::tempdir().unwrap();
+    let skills = tempfile::tempdir().unwrap();
+    slow_skill(skills.path());
+    let skill_dir = skills.path().display().to_string();
+    let state = tempfile::tempdir().unwrap();
+    let (url, _model) = model_server(slow_script(40));
+    let mut pm = spawn_pm(
+        logs.path(),
+        "orphan",
+        state.path(),
+        &url,
+        &["--skill-dir", &skill_dir, "run", "run the slow job"],
+        &[("CYNODE_LOCAL_WORKER_GRACE_SECONDS", "2")],
+    );
+    let id = pm.session_id(Duration::from_secs(120));
+    let keeper = Keeper::of(state.path(), Duration::from_secs(120));
+    let runs = workspace(state.path(), &id).join("runs.txt");
+    wait_for(Duration::from_secs(120), "the slow job to start", || {
+        runs.is_file()
+    });
+    let mut tree = vec![keeper.keeper];
+    let mut i = 0;
+    while i < tree.len() {
+        let c = children(tree[i]);
+        tree.extend(c);
+        i += 1;
+    }
+    assert!(tree.len() >= 3, "keeper, worker and the sandbox: {tree:?}");
+    // SAFETY: SIGKILL to the cynode-pm process this test started (not yet reaped).
+    unsafe {
+        libc::kill(pm.pid() as i32, libc::SIGKILL);
+    }
+    let _ = pm.child.wait();
+    let killed = Instant::now();
+    wait_for(
+        Duration::from_secs(40),
+        "every process of the orphaned local worker to end after its grace period",
+        || tree.iter().all(|p| !alive(*p)),
+    );
+    println!(
+        "{} processes gone {} ms after kill -9 (grace 2 s)",
+        tree.len(),
+        killed.elapsed().as_millis()
+    );
+    assert!(!state.path().join("worker/keeper.sock").exists());
+    assert!(!workspace(state.path(), &id).join("done.txt").exists());
+}
+
+/// Issue 14 item 3: a second `run` on the same state directory uses the first one's
+/// worker (issue 27 #3: through its keeper) instead of starting a rival that reconciles
+/// the first one's job away; both sessions complete and each job ran once.
 #[test]
 fn two_runs_on_one_state_dir_never_break_each_other() {
     let logs = tempfile::tempdir().unwrap();
@@ -341,6 +461,7 @@ fn two_runs_on_one_state_dir_never_break_each_other() {
         &[],
     );
     let id_a = a.session_id(Duration::from_secs(120));
+    let keeper = Keeper::of(state.path(), Duration::from_secs(120));
     let runs_a = workspace(state.path(), &id_a).join("runs.txt");
     wait_for(Duration::from_secs(120), "run A's job to start", || {
         runs_a.is_file()
@@ -375,9 +496,16 @@ fn two_runs_on_one_state_dir_never_break_each_other() {
         let runs = std::fs::read_to_string(workspace(state.path(), id).join("runs.txt")).unwrap();
         assert_eq!(runs, "run\n", "session {id}");
     }
+    wait_for(
+        Duration::from_secs(30),
+        "the shared local worker to stop once both PMs released it",
+        || !keeper.alive(),
+    );
+    // B used A's worker (through its keeper) instead of starting a rival.
     assert!(
-        b.stderr().contains("waiting for it to finish"),
-        "run B did not wait for run A's worker: {}",
+        b.stderr()
+            .contains("using the local worker already running"),
+        "run B did not use run A's worker: {}",
         b.stderr()
     );
 }

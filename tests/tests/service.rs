@@ -305,6 +305,34 @@ async fn api_round_trip(db: &str) {
     let v = wait_status(base, &id, &["completed"], Duration::from_secs(30)).await;
     assert_eq!(v["deliverable"]["summary"], "wrote hello.txt");
     assert_eq!(script.requests().len(), 3, "each reply asked for once");
+    // The evidence report: the task, its job with its skill and step outcomes, the
+    // verified artifacts; the model's summary last and bounded.
+    let (s, report) = call(
+        M::GET,
+        &format!("{base}/v1/sessions/{id}/report"),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert_eq!(s, 200, "{report}");
+    assert_eq!(report["tasks"][0]["task_id"], "t1", "{report}");
+    let job = &report["tasks"][0]["jobs"][0];
+    assert_eq!(
+        (job["skill_id"].as_str(), job["status"].as_str()),
+        (Some("write-files"), Some("completed")),
+        "{report}"
+    );
+    assert!(!job["steps"].as_array().unwrap().is_empty(), "{report}");
+    assert_eq!(report["summary"], "wrote hello.txt");
+    assert_eq!(v["deliverable"]["report"], report);
+    let (s, _) = call(
+        M::GET,
+        &format!("{base}/v1/sessions/{id}/report"),
+        TENANT_B,
+        None,
+    )
+    .await;
+    assert_eq!(s, 404);
 
     // Tenant isolation: B sees nothing of A's.
     let (s, _) = call(M::GET, &format!("{base}/v1/sessions/{id}"), TENANT_B, None).await;

@@ -116,6 +116,11 @@ pub struct LocalWorkerArgs {
     /// bwrap root filesystem of the sandbox image (local worker with --local-backend bwrap).
     #[arg(long)]
     pub local_bwrap_rootfs: Option<PathBuf>,
+    /// How long the local worker outlives this PM when it is killed (kill -9, Ctrl-C):
+    /// its running job finishes and `sessions resume` gets the result. Nothing is left
+    /// running after it.
+    #[arg(long, env = "CYNODE_LOCAL_WORKER_GRACE_SECONDS", default_value_t = 600)]
+    pub local_worker_grace_seconds: u64,
 }
 
 /// What every command that builds a PM takes: the model, the workers, the state.
@@ -183,6 +188,8 @@ impl RunArgs {
             image: self.pm.workers.sandbox_image.clone(),
             seed,
             otlp_endpoint: global.otlp_endpoint.clone(),
+            keeper: exe.clone(),
+            grace: Duration::from_secs(self.local.local_worker_grace_seconds),
         })
     }
 }

@@ -9,7 +9,7 @@ use anyhow::Context;
 use clap::Args;
 use cynode_pm::bootstrap;
 use cynode_pm::dispatch::WorkerClient;
-use cynode_pm::local_worker::LocalWorker;
+use cynode_pm::local_worker::{LocalWorker, Notice};
 use cynode_pm::session::{Phase, SessionRecord, SessionStatus};
 use cynode_pm::workers::WorkerPool;
 use tracing::Instrument;
@@ -104,11 +104,17 @@ async fn drive_session(
         Some(cfg) => bootstrap::workers(&cfg)?,
         None => {
             let cfg = args.local_worker(global, seed.clone())?;
-            local = LocalWorker::start(&cfg, &|holder, dir| {
-                reporter.line(format!(
-                    "another cynode-pm's worker (pid {holder}) uses {}; waiting for it to finish",
+            local = LocalWorker::start(&cfg, &|n| {
+                match n {
+                Notice::Waiting { holder_pid, dir } => reporter.line(format!(
+                    "another cynode-pm's worker (pid {holder_pid}) uses {}; waiting for it to finish",
                     dir.display()
-                ))
+                )),
+                Notice::Attached { keeper_pid, dir } => reporter.line(format!(
+                    "using the local worker already running on {} (keeper pid {keeper_pid})",
+                    dir.display()
+                )),
+            }
             })?;
             WorkerPool::single(
                 WorkerClient::new(&local.endpoint, &local.token),
@@ -172,18 +178,13 @@ fn print_outcome(rec: &SessionRecord, json_out: bool) -> i32 {
         SessionStatus::Completed => {
             if !json_out {
                 if let Some(d) = &rec.deliverable {
-                    outln!("deliverable: {}", d.summary);
-                    for a in &d.artifacts {
-                        outln!(
-                            "  artifact {} sha256:{} ({} bytes, verified)",
-                            a.path,
-                            a.sha256,
-                            a.size_bytes
-                        );
-                    }
+                    let report = rec.report();
+                    outln!("deliverable (evidence verified by the PM):");
+                    outln!("{}", report.evidence_text().trim_end());
                     if let Some(c) = &d.changeset {
-                        outln!("\n{c}");
+                        outln!("changeset:\n{}", c.trim_end());
                     }
+                    outln!("{}", report.summary_line());
                 }
             }
             0

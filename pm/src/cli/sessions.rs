@@ -3,6 +3,7 @@
 use anyhow::Context;
 use clap::Subcommand;
 use cynode_pm::config::datastore_url;
+use cynode_pm::session::Phase;
 use cynode_pm::store::Store;
 
 use super::args::{RunArgs, StoreArgs};
@@ -68,8 +69,28 @@ pub async fn sessions(cmd: &SessionsCmd, g: &Global) -> anyhow::Result<i32> {
                 .await?
                 .with_context(|| format!("no session {id}"))?;
             match g.output {
-                Output::Json => print_json(&serde_json::to_value(&rec)?),
-                Output::Human => outln!("{}", serde_yaml::to_string(&rec)?),
+                Output::Json => {
+                    let mut v = serde_json::to_value(&rec)?;
+                    v["report"] = serde_json::to_value(rec.report())?;
+                    print_json(&v)
+                }
+                Output::Human => {
+                    outln!("session {}: {}", rec.state.session_id, rec.status.as_str());
+                    outln!("objective: {}", first_line(&rec.state.objective));
+                    if let Some(f) = &rec.failure {
+                        outln!("failure: {}: {}", f.kind.as_str(), f.message);
+                    }
+                    if let Phase::AwaitInput { question } = &rec.phase {
+                        outln!("question: {question}");
+                    }
+                    let report = rec.report();
+                    outln!("evidence verified by the PM:");
+                    outln!("{}", report.evidence_text().trim_end());
+                    if let Some(c) = rec.deliverable.as_ref().and_then(|d| d.changeset.as_ref()) {
+                        outln!("changeset:\n{}", c.trim_end());
+                    }
+                    outln!("{}", report.summary_line());
+                }
             }
             Ok(0)
         }

@@ -9,7 +9,9 @@ use cynode_protocol::session::TaskStatus;
 use serde_json::{json, Value};
 
 use crate::policy::PolicyInput;
-use crate::session::{Deliverable, Dispatch, FailureKind, Phase, SessionRecord, SessionStatus};
+use crate::session::{
+    evidence, Deliverable, Dispatch, FailureKind, Phase, SessionRecord, SessionStatus,
+};
 use crate::skills::{build_job, JobRef};
 use crate::workers::{PlaceError, Placement};
 
@@ -65,8 +67,12 @@ impl Pm {
                         .filter(|d| !d.trim().is_empty()),
                     None => None,
                 };
+                // The PM composes the deliverable from what it verified; the model's
+                // words are one bounded field of it.
+                let report = evidence::compose(&rec.state.plan, &rec.evidence, Some(&f.summary));
                 rec.deliverable = Some(Deliverable {
-                    summary: f.summary.clone(),
+                    summary: report.summary.clone().unwrap_or_default(),
+                    report,
                     artifacts: rec
                         .state
                         .artifacts

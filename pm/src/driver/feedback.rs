@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 
 use crate::artifacts::{verify_and_store, ArtifactError};
 use crate::dispatch::WorkerClient;
+use crate::session::evidence::job_evidence;
 use crate::session::{Dispatch, SessionRecord};
 
 use super::act::set_task_status;
@@ -108,17 +109,28 @@ impl Pm {
             })
             .or_else(|| resp.failure_reason.clone())
             .filter(|_| !ok);
+        let failure = failure.or_else(|| (!integrity.is_empty()).then(|| integrity.join("; ")));
+        let verified: Vec<_> = rec
+            .state
+            .artifacts
+            .iter()
+            .filter(|a| a.job_id == d.job_id)
+            .map(|a| a.record.clone())
+            .collect();
+        rec.evidence.push(job_evidence(
+            &d.job_id,
+            &d.task_id,
+            &d.skill_id,
+            d.attempt,
+            resp,
+            failure.clone().or_else(|| (!ok).then(|| label.clone())),
+            verified.clone(),
+        ));
         progress(Progress::JobDone {
             job_id: d.job_id.clone(),
             status: label,
-            failure: failure.or_else(|| (!integrity.is_empty()).then(|| integrity.join("; "))),
-            artifacts: rec
-                .state
-                .artifacts
-                .iter()
-                .filter(|a| a.job_id == d.job_id)
-                .map(|a| a.record.clone())
-                .collect(),
+            failure,
+            artifacts: verified,
         });
     }
 }

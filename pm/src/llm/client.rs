@@ -50,6 +50,13 @@ use crate::skills::registry::CatalogEntry;
 /// same context writes nearly the same reply, so a retry without it rarely fixes anything
 /// (measured with SmolLM2-135M: the same rejected reply four times in a row).
 pub const RETRY_TEMPERATURE_STEP: f32 = 0.3;
+/// `frequency_penalty` of a retry after a reply refused as babble (OpenAI range -2..2).
+pub const FREQUENCY_PENALTY: f32 = 0.6;
+/// `presence_penalty` of that retry.
+pub const PRESENCE_PENALTY: f32 = 0.4;
+/// `repeat_penalty` of that retry, for llama.cpp's server (1.0 is none).
+pub const REPEAT_PENALTY: f32 = 1.18;
+
 /// The warmest a retry is sampled.
 pub const RETRY_TEMPERATURE_MAX: f32 = 1.0;
 
@@ -455,6 +462,7 @@ impl LlmClient {
         messages: &[ChatMessage],
         schema: &Value,
         temperature: f32,
+        penalize: bool,
     ) -> CreateChatCompletionRequest {
         let messages: Vec<ChatCompletionRequestMessage> = messages
             .iter()
@@ -483,6 +491,10 @@ impl LlmClient {
             }),
             ..Default::default()
         };
+        if penalize {
+            req.frequency_penalty = Some(FREQUENCY_PENALTY);
+            req.presence_penalty = Some(PRESENCE_PENALTY);
+        }
         if openai {
             req.max_completion_tokens = Some(self.cfg.max_tokens);
         } else {
@@ -502,23 +514,29 @@ impl LlmClient {
         messages: &[ChatMessage],
         schema: &Value,
     ) -> Result<String, LlmError> {
-        self.complete_at(messages, schema, self.cfg.temperature)
+        self.complete_at(messages, schema, self.cfg.temperature, false)
             .await
     }
 
-    /// [`LlmClient::complete`] at `temperature`.
+    /// [`LlmClient::complete`] at `temperature`, with the repetition penalties when
+    /// `penalize` (after a reply refused as babble).
     async fn complete_at(
         &self,
         messages: &[ChatMessage],
         schema: &Value,
         temperature: f32,
+        penalize: bool,
     ) -> Result<String, LlmError> {
         self.check_config()?;
-        let request = self.request(messages, schema, temperature);
+        let request = self.request(messages, schema, temperature, penalize);
         // The body goes out with its keys in the reply's order (key_order.rs): a grammar
         // built from the schema then has the model decide before it details.
-        let body = serde_json::to_value(&request)
+        let mut body = serde_json::to_value(&request)
             .map_err(|e| LlmError::Config(format!("cannot encode the request: {e}")))?;
+        if penalize && !self.cfg.is_openai_api() {
+            // llama.cpp's own penalty (others ignore a field they do not know).
+            body["repeat_penalty"] = serde_json::json!(REPEAT_PENALTY);
+        }
         let started = Instant::now();
         let chat = self.client.chat();
         let sent = chat.create_byot::<_, CompletionBody>(KeyOrdered(&body));
@@ -590,11 +608,15 @@ impl LlmClient {
         messages: &[ChatMessage],
         schema: &Value,
         temperature: f32,
+        penalize: bool,
     ) -> Result<String, LlmError> {
         let mut delay = BACKOFF_BASE;
         let mut tries = 1;
         loop {
-            match self.complete_at(messages, schema, temperature).await {
+            match self
+                .complete_at(messages, schema, temperature, penalize)
+                .await
+            {
                 Err(e) if e.is_retryable() && tries < TRANSPORT_TRIES => {
                     warn!(
                         try_number = tries,
@@ -664,13 +686,16 @@ impl LlmClient {
         let mut conversation = messages.to_vec();
         let max_attempts = self.cfg.max_contract_retries.saturating_add(1);
         let mut attempt = 0;
+        // Set once a reply was refused as babble: every later retry of this reply carries
+        // the repetition penalties.
+        let mut penalize = false;
         loop {
             attempt += 1;
             tracing::Span::current().record("attempt", attempt);
             let mut head = String::new();
             let temperature = retry_temperature(self.cfg.temperature, attempt);
             let error = match self
-                .complete_retrying(&conversation, schema, temperature)
+                .complete_retrying(&conversation, schema, temperature, penalize)
                 .await
             {
                 Ok(raw) => match validator
@@ -682,6 +707,7 @@ impl LlmClient {
                         return Ok((reply, raw, attempt));
                     }
                     Err(e) => {
+                        penalize |= matches!(e, ContractError::Babble { .. });
                         // Only the latest rejected reply and its error: the context stays
                         // bounded however many retries (small models have small windows).
                         conversation.truncate(messages.len());

@@ -25,6 +25,7 @@ use super::ops;
 use super::problem::Problem;
 use super::AppState;
 use crate::policy::PolicyInput;
+pub use crate::session::evidence::{EvidenceReport, JobEvidence, StepEvidence, TaskEvidence};
 use crate::session::SessionRecord;
 use crate::skills::{build_job, JobRef};
 
@@ -118,6 +119,22 @@ pub async fn get_session(
 ) -> Result<Json<SessionView>, Problem> {
     let (rec, _) = ops::owned(&st, &tenant, &id).await?;
     Ok(Json(session_view(&rec)))
+}
+
+/// The session's evidence report: per task, its jobs with their skill, each step's
+/// outcome and the verified artifacts (sha256), composed by the PM from what it verified;
+/// then the model's summary, bounded. For a session without a deliverable it is the
+/// evidence so far (`summary` null).
+#[utoipa::path(get, path = "/v1/sessions/{id}/report", params(("id" = String, Path)),
+    responses((status = 200, body = EvidenceReport), (status = 404, body = Problem), (status = 401, body = Problem)),
+    security(("bearer" = [])))]
+pub async fn get_report(
+    State(st): State<Arc<AppState>>,
+    tenant: Tenant,
+    Path(id): Path<String>,
+) -> Result<Json<EvidenceReport>, Problem> {
+    let (rec, _) = ops::owned(&st, &tenant, &id).await?;
+    Ok(Json(rec.report()))
 }
 
 /// Answer the session's open question.

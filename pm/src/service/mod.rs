@@ -99,11 +99,12 @@ pub struct AppState {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "cynode-pm", description = "The CyNode project-manager control plane: sessions driven by an LLM loop through sandboxed jobs."),
-    paths(api::create_session, api::list_sessions, api::get_session, api::post_message,
+    paths(api::create_session, api::list_sessions, api::get_session, api::get_report, api::post_message,
           api::session_action, api::get_artifact, api::list_skills, api::validate_job,
           events::session_events),
     components(schemas(api::CreateSession, api::Constraints, api::WorkspaceSpec, api::SessionView,
-                       api::SessionList, api::Answer, api::ValidateJob, api::Validation, Problem)),
+                       api::SessionList, api::Answer, api::ValidateJob, api::Validation, Problem,
+                       api::EvidenceReport, api::TaskEvidence, api::JobEvidence, api::StepEvidence)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
@@ -138,6 +139,7 @@ pub fn router(state: Arc<AppState>, max_body: usize, timeout: Duration) -> Route
             get(api::get_session).post(api::session_action),
         )
         .route("/v1/sessions/{id}/messages", post(api::post_message))
+        .route("/v1/sessions/{id}/report", get(api::get_report))
         .route(
             "/v1/sessions/{id}/artifacts/{sha256}",
             get(api::get_artifact),

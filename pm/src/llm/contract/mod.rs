@@ -22,6 +22,7 @@
 //! One file a concern: [`schema`] builds the schema, [`validate`] checks a reply,
 //! [`patch`] holds the `state_patch` rules and applies a patch to the session's state.
 
+pub mod babble;
 mod patch;
 mod schema;
 #[cfg(test)]
@@ -121,6 +122,10 @@ pub enum ContractError {
     /// The reply breaks the response schema in a way the checks above do not name.
     #[error("the reply does not match the response schema: {}", errors.join("; "))]
     Schema { errors: Vec<String> },
+    /// A text of the reply (summary, note, message, task description) is babble: a
+    /// repeated clause or text that copies itself ([`babble`]).
+    #[error("{path} is refused as babble: {why}")]
+    Babble { path: String, why: babble::Babble },
     /// A check of the caller's refused the reply (e.g. its `state_patch` does not apply
     /// to the current state).
     #[error("{0}")]
@@ -144,6 +149,7 @@ impl ContractError {
             | ContractError::UnknownTask { .. }
             | ContractError::InvalidInputs { .. }
             | ContractError::Schema { .. }
+            | ContractError::Babble { .. }
             | ContractError::Rejected(_) => true,
             ContractError::InvalidSchema { .. } => false,
         }

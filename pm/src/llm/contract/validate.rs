@@ -179,7 +179,7 @@ impl ReplyValidator {
             }
             _ => self.check_job_request(payload, &tasks)?,
         }
-        Ok(())
+        check_prose(patch, payload)
     }
 
     fn check_job_request(
@@ -425,4 +425,46 @@ pub(super) fn pointer_to_path(prefix: &str, pointer: &str) -> String {
     } else {
         out
     }
+}
+
+/// The free texts of a reply (the payload's note, text or summary; the descriptions and
+/// notes its state_patch writes) must not be babble ([`super::babble`]).
+fn check_prose(patch: &[Value], payload: &Map<String, Value>) -> Result<(), ContractError> {
+    let mut texts: Vec<(String, &str)> = Vec::new();
+    for key in ["note", "text", "summary"] {
+        if let Some(Value::String(t)) = payload.get(key) {
+            texts.push((format!("payload.{key}"), t));
+        }
+    }
+    for (i, op) in patch.iter().enumerate() {
+        let at = format!("state_patch[{i}].value");
+        match op.get("value") {
+            Some(Value::String(t)) => texts.push((at, t)),
+            Some(Value::Object(o)) => {
+                if let Some(Value::String(t)) = o.get("description") {
+                    texts.push((format!("{at}.description"), t));
+                }
+            }
+            Some(Value::Array(items)) => {
+                for (j, item) in items.iter().enumerate() {
+                    match item {
+                        Value::String(t) => texts.push((format!("{at}[{j}]"), t)),
+                        Value::Object(o) => {
+                            if let Some(Value::String(t)) = o.get("description") {
+                                texts.push((format!("{at}[{j}].description"), t));
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    for (path, text) in texts {
+        if let Some(why) = super::babble::check(text) {
+            return Err(ContractError::Babble { path, why });
+        }
+    }
+    Ok(())
 }
