@@ -141,11 +141,16 @@ pub async fn lifecycle_keeps_the_workspace_and_removes_the_sandbox(backend: &'st
     assert_eq!(v["session_id"], json!(id));
     let (_, v) = sv.post(&exec, &exec_body(&["cat", "f.txt"])).await;
     assert_eq!(outcome(&v), ok("hi\n"), "{v}");
-    // The file is in the task's workspace on the host, owned by the sandbox user.
+    // The file is in the task's workspace on the host, owned by the workspace's own host
+    // uid (from `sandbox_uids`, never uid 1000 of the host).
     let host = sv.state_dir().join("workspaces").join(&task).join("f.txt");
     assert_eq!(std::fs::read_to_string(&host).unwrap(), "hi\n");
     use std::os::unix::fs::MetadataExt;
-    assert_eq!(std::fs::metadata(&host).unwrap().uid(), 1000);
+    let ws_uid = std::fs::metadata(host.parent().unwrap()).unwrap().uid();
+    assert_eq!(std::fs::metadata(&host).unwrap().uid(), ws_uid);
+    assert!(ws_uid >= 0x7000_0000, "not from sandbox_uids: {ws_uid}");
+    // Inside: uid 1000 under bwrap (its user namespace maps it), the host uid otherwise.
+    let inside = if backend == "bwrap" { 1000 } else { ws_uid };
     // Env: the session's, the exec's over it, the node's over both.
     let mut body = exec_body(&[
         "sh",
@@ -156,7 +161,7 @@ pub async fn lifecycle_keeps_the_workspace_and_removes_the_sandbox(backend: &'st
     let (_, v) = sv.post(&exec, &body).await;
     assert_eq!(
         outcome(&v),
-        ok(&format!("s1 e1 {task} {id} 1000 /workspace\n")),
+        ok(&format!("s1 e1 {task} {id} {inside} /workspace\n")),
         "{v}"
     );
     // A failing command is `failed` with its exit code; the session goes on.
