@@ -88,7 +88,7 @@ fn backend_config(backend: &str, extra: &str) -> String {
 }
 
 /// Starts dockerd when none answers and loads the test image into it (once).
-fn docker_ready() {
+pub fn docker_ready() {
     static READY: OnceLock<()> = OnceLock::new();
     READY.get_or_init(|| {
         script(&["deploy/docker/start.sh", &env().image]);
@@ -597,8 +597,54 @@ pub fn container_id(backend: &str, name: &str) -> Option<String> {
 }
 
 /// Whether any process has `needle` in its command line.
+/// Processes inside gVisor sandboxes count too: they live in gVisor's kernel, not the
+/// host's, so each running gVisor container is asked for its command lines.
 pub fn process_with_arg(needle: &str) -> bool {
     processes().iter().any(|(_, _, cmd)| cmd.contains(needle))
+        || gvisor_command_lines()
+            .iter()
+            .any(|cmd| cmd.contains(needle))
+}
+
+/// runsc's state directories: Podman's, and Docker's for its registered runsc.
+const RUNSC_ROOTS: &[&str] = &["/var/run/runsc", "/var/run/docker/runtime-runc/moby"];
+
+/// The command lines of every process in every running gVisor container on the host
+/// (`runsc exec ID cat /proc/*/cmdline`, bounded), empty when there is none.
+fn gvisor_command_lines() -> Vec<String> {
+    let mut lines = Vec::new();
+    for root in RUNSC_ROOTS {
+        if !Path::new(root).is_dir() {
+            continue;
+        }
+        let mut list = Command::new("runsc");
+        list.arg(format!("--root={root}")).arg("list");
+        let Ok(out) = output_within(list, Duration::from_secs(20)) else {
+            continue;
+        };
+        let running: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .skip(1)
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.get(2) == Some(&"running")).then(|| f[0].to_string())
+            })
+            .collect();
+        for id in running {
+            let mut exec = Command::new("runsc");
+            exec.arg(format!("--root={root}"))
+                .args(["exec", &id, "/bin/sh", "-c"])
+                .arg("for f in /proc/[0-9]*/cmdline; do tr '\\0' ' ' < $f; echo; done");
+            if let Ok(out) = output_within(exec, Duration::from_secs(20)) {
+                lines.extend(
+                    String::from_utf8_lossy(&out.stdout)
+                        .lines()
+                        .map(str::to_string),
+                );
+            }
+        }
+    }
+    lines
 }
 
 /// Mounts whose path mentions `needle`, but for the node's own disk volumes (ext4 on a
