@@ -99,7 +99,7 @@ fn add_entries(
         if *entries > b.max_entries {
             return Err(ScanError::TooManyEntries(b.max_entries));
         }
-        if *entries % 1024 == 0 && Instant::now() > b.deadline {
+        if entries.is_multiple_of(1024) && Instant::now() > b.deadline {
             return Err(ScanError::TooSlow);
         }
         // Following the magic link: it leads to the open file itself.
@@ -193,7 +193,10 @@ mod tests {
         std::fs::remove_file(&p).unwrap();
         let after = unlinked_bytes(&[me], &[dev], bounds()).unwrap();
         assert!(after >= before + (4 << 20), "{before} -> {after}");
-        assert!(after < before + (5 << 20), "counted twice: {before} -> {after}");
+        assert!(
+            after < before + (5 << 20),
+            "counted twice: {before} -> {after}"
+        );
         assert_eq!(unlinked_bytes(&[me], &[dev ^ 1], bounds()).unwrap(), 0);
         assert_eq!(unlinked_bytes(&[4_000_123], &[dev], bounds()).unwrap(), 0);
         let tight = Bounds {

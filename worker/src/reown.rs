@@ -198,7 +198,10 @@ mod tests {
         .unwrap();
         reown(open(r), 4100, 4200, 1000).unwrap();
         assert_eq!(std::fs::metadata(r).unwrap().uid(), 4200);
-        assert_eq!(std::fs::symlink_metadata(r.join("out")).unwrap().uid(), 4200);
+        assert_eq!(
+            std::fs::symlink_metadata(r.join("out")).unwrap().uid(),
+            4200
+        );
         assert_eq!(std::fs::metadata(outside.path()).unwrap().uid(), 0);
         assert_eq!(std::fs::metadata(r.join("rootfile")).unwrap().uid(), 0);
         let st = rfs::statat(&fd, "f", AtFlags::SYMLINK_NOFOLLOW).unwrap();

@@ -243,7 +243,6 @@ pub fn env<'a>(
     env
 }
 
-
 /// A small spec for unit tests of the backends' argv builders.
 #[cfg(test)]
 pub fn example_spec(image: &str, command: &[&str]) -> SandboxSpec {

@@ -250,7 +250,12 @@ impl Store {
     /// returns it (or the uid it already has); `None` when every one is held. Safe across
     /// processes: the uid is unique in the table, so of two racing inserts one fails and
     /// tries the next free uid.
-    pub async fn assign_uid(&self, workspace_id: &str, first: u32, end: u64) -> Result<Option<u32>> {
+    pub async fn assign_uid(
+        &self,
+        workspace_id: &str,
+        first: u32,
+        end: u64,
+    ) -> Result<Option<u32>> {
         for _ in 0..16 {
             if let Some(uid) = self.workspace_uid(workspace_id).await? {
                 return Ok(Some(uid));
@@ -303,11 +308,10 @@ impl Store {
 
     /// Uid assignments made before `cutoff` (RFC 3339): workspace id and uid.
     pub async fn uid_assignments_before(&self, cutoff: &str) -> Result<Vec<(String, u32)>> {
-        let rows =
-            sqlx::query("SELECT workspace_id, uid FROM sandbox_uids WHERE assigned_at < ?1")
-                .bind(cutoff)
-                .fetch_all(&self.pool)
-                .await?;
+        let rows = sqlx::query("SELECT workspace_id, uid FROM sandbox_uids WHERE assigned_at < ?1")
+            .bind(cutoff)
+            .fetch_all(&self.pool)
+            .await?;
         Ok(rows
             .iter()
             .filter_map(|r| Some((r.get(0), u32::try_from(r.get::<i64, _>(1)).ok()?)))

@@ -248,15 +248,28 @@ impl UidPool {
             // Assigned under another range: the workspace moves into this one.
             self.store.release_uid(workspace_id).await?;
         }
-        if let Some(uid) = self.store.assign_uid(workspace_id, r.first, r.end()).await? {
+        if let Some(uid) = self
+            .store
+            .assign_uid(workspace_id, r.first, r.end())
+            .await?
+        {
             return Ok(uid);
         }
         if self.reclaim().await? > 0 {
-            if let Some(uid) = self.store.assign_uid(workspace_id, r.first, r.end()).await? {
+            if let Some(uid) = self
+                .store
+                .assign_uid(workspace_id, r.first, r.end())
+                .await?
+            {
                 return Ok(uid);
             }
         }
-        tracing::warn!(workspace_id, first = r.first, count = r.count, "no free sandbox uid");
+        tracing::warn!(
+            workspace_id,
+            first = r.first,
+            count = r.count,
+            "no free sandbox uid"
+        );
         Err(UidError::Exhausted {
             workspace_id: workspace_id.to_string(),
             first: r.first,
@@ -267,8 +280,9 @@ impl UidPool {
     /// Releases the assignments whose workspace directory is gone (removed by the
     /// operator) and that are older than [`RECLAIM_MIN_AGE`]; how many.
     async fn reclaim(&self) -> Result<usize, UidError> {
-        let cutoff =
-            cynode_protocol::time::format_rfc3339(time::OffsetDateTime::now_utc() - RECLAIM_MIN_AGE);
+        let cutoff = cynode_protocol::time::format_rfc3339(
+            time::OffsetDateTime::now_utc() - RECLAIM_MIN_AGE,
+        );
         let mut freed = 0;
         for (ws, uid) in self.store.uid_assignments_before(&cutoff).await? {
             if std::fs::symlink_metadata(self.workspaces.join(&ws)).is_err() {
@@ -315,10 +329,17 @@ fn reown_to(dir: std::os::fd::OwnedFd, uid: u32) -> Result<(), String> {
         return Ok(());
     }
     if st.st_uid == 0 {
-        let (u, g) = (rustix::fs::Uid::from_raw(uid), rustix::fs::Gid::from_raw(uid));
+        let (u, g) = (
+            rustix::fs::Uid::from_raw(uid),
+            rustix::fs::Gid::from_raw(uid),
+        );
         return rustix::fs::fchown(&dir, Some(u), Some(g)).map_err(|e| e.to_string());
     }
-    tracing::info!(from = st.st_uid, to = uid, "giving a workspace to its sandbox uid");
+    tracing::info!(
+        from = st.st_uid,
+        to = uid,
+        "giving a workspace to its sandbox uid"
+    );
     crate::reown::reown(dir, st.st_uid, uid, REOWN_MAX_ENTRIES).map_err(|e| e.to_string())
 }
 
@@ -394,7 +415,11 @@ mod tests {
         std::fs::create_dir(t.path().join("workspaces/a")).unwrap();
         assert_eq!(p.for_workspace("a").await.unwrap(), a);
         let m = std::fs::metadata(t.path().join("workspaces/a")).unwrap();
-        assert_eq!((m.uid(), m.gid()), (a, a), "a root-made directory is given to its uid");
+        assert_eq!(
+            (m.uid(), m.gid()),
+            (a, a),
+            "a root-made directory is given to its uid"
+        );
         let e = p.for_workspace("c").await.unwrap_err();
         assert!(matches!(e, UidError::Exhausted { .. }), "{e}");
         // Reopened (a restart): the same assignment.

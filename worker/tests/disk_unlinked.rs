@@ -48,7 +48,8 @@ pub async fn disk_unlinked_open_file_of_a_session_command_is_counted(backend: &'
     let sv = Server::start(backend, "limits:\n  disk_mb: 48\n");
     let sid = unique("s");
     let _guard = session_guard(backend, &sid);
-    let body = json!({ "version": 1, "session_id": sid, "task_id": unique("t"), "image": env().image });
+    let body =
+        json!({ "version": 1, "session_id": sid, "task_id": unique("t"), "image": env().image });
     let (code, v) = sv.post("/v1/worker/sessions", &body).await;
     assert_eq!(code, 201, "{v}");
     let (code, v) = sv

@@ -103,8 +103,13 @@ pub async fn tenant_inotify_budget_is_not_shared_across_workspaces(backend: &'st
     );
 
     // Job B, another workspace: its own budget is untouched.
-    let probe = format!(": > /workspace/mine; {}", run_line("one", INOTIFY_INIT1, [0; 3]));
-    let (code, v) = sv.run_job(&unique("jb"), &task_b, &["sh", "-c", &probe]).await;
+    let probe = format!(
+        ": > /workspace/mine; {}",
+        run_line("one", INOTIFY_INIT1, [0; 3])
+    );
+    let (code, v) = sv
+        .run_job(&unique("jb"), &task_b, &["sh", "-c", &probe])
+        .await;
     assert_eq!(code, 200, "{backend}: {v}");
     let out = v["stdout"].as_str().unwrap_or_default();
     assert_eq!(
@@ -118,11 +123,17 @@ pub async fn tenant_inotify_budget_is_not_shared_across_workspaces(backend: &'st
     let mine = sv.state_dir().join("workspaces").join(&task_b).join("mine");
     let uid_b = std::fs::metadata(&mine).unwrap().uid();
     eprintln!("{backend}: host uids: A {uid_a}, B {uid_b}");
-    assert_ne!(uid_a, uid_b, "{backend}: both workspaces run as one host uid");
+    assert_ne!(
+        uid_a, uid_b,
+        "{backend}: both workspaces run as one host uid"
+    );
     assert!(uid_a != 0 && uid_b != 0, "{backend}: root-owned files");
 
     let (code, v) = sv
-        .post(&format!("/v1/worker/jobs/{job_a}:stop"), &serde_json::json!({}))
+        .post(
+            &format!("/v1/worker/jobs/{job_a}:stop"),
+            &serde_json::json!({}),
+        )
         .await;
     assert_eq!(code, 200, "{backend}: {v}");
     let end = sv.wait_terminal(&job_a).await;

@@ -126,7 +126,9 @@ impl From<WorkspaceError> for ApiError {
 impl From<crate::uid_pool::UidError> for ApiError {
     fn from(e: crate::uid_pool::UidError) -> Self {
         match e {
-            e @ crate::uid_pool::UidError::Exhausted { .. } => ApiError::NoSandboxUid(e.to_string()),
+            e @ crate::uid_pool::UidError::Exhausted { .. } => {
+                ApiError::NoSandboxUid(e.to_string())
+            }
             e => ApiError::Internal(e.to_string()),
         }
     }

@@ -57,11 +57,10 @@ impl Sessions {
                 cfg,
                 format!("{}-{}", container_name(session_id), e.seq),
                 &e.info,
-                e.workspace.clone(),
+                (e.workspace.clone(), e.host_uid),
                 req.command.clone(),
                 sandbox_env(&e.info, &e.env, &req.env),
                 timeout,
-                e.host_uid,
             );
             Ok((sandbox, spec, e.cancel.clone(), e.workspace.clone()))
         })?;

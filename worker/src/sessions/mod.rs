@@ -257,11 +257,10 @@ impl Sessions {
             &self.inner.cfg,
             container_name(&info.session_id),
             info,
-            workspace,
+            (workspace, host_uid),
             Vec::new(),
             sandbox_env(info, env, &BTreeMap::new()),
             Duration::from_secs(info.max_lifetime_seconds),
-            host_uid,
         );
         Ok(self.inner.ops.start(&spec).await?)
     }

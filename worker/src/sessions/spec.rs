@@ -35,17 +35,18 @@ pub(super) fn sandbox_env(
     env
 }
 
-/// The sandbox spec of a session (`command` empty) or of one of its commands.
+/// The sandbox spec of a session (`command` empty) or of one of its commands, over
+/// `workspace`: its directory and its host uid ([`crate::uid_pool`]).
 pub(super) fn sandbox_spec(
     cfg: &Config,
     name: String,
     info: &SessionInfo,
-    workspace: PathBuf,
+    workspace: (PathBuf, u32),
     command: Vec<String>,
     env: Vec<(String, String)>,
     timeout: Duration,
-    host_uid: u32,
 ) -> SandboxSpec {
+    let (workspace, host_uid) = workspace;
     sandbox::spec(
         &cfg.limits,
         SandboxRequest {

@@ -345,7 +345,8 @@ pub fn copy_tree(
                         return Err(refuse(format!("content over {} bytes", limits.max_bytes)));
                     }
                     let mut bounded = std::io::Read::take(&mut f, size);
-                    let n = beneath::write_file(ddir.as_fd(), &name, st.st_mode, owner, &mut bounded)?;
+                    let n =
+                        beneath::write_file(ddir.as_fd(), &name, st.st_mode, owner, &mut bounded)?;
                     report.files += 1;
                     report.bytes += n;
                 }
