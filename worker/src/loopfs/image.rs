@@ -6,7 +6,10 @@
 //! The filesystem is ext4 without a journal (scratch space, rebuilt rather than repaired),
 //! no reserved blocks (the sandbox user would not get them anyway), the inode count from
 //! `limits.disk_max_files`, and its root owned by the sandbox user. Mounted `nosuid`,
-//! `nodev`, `discard` (blocks a job frees go back to the host) and `noinit_itable`.
+//! `nodev` and `noinit_itable`, without `discard`: blocks the job frees stay allocated in
+//! the image (never more than its size), so the image's allocation is the volume's
+//! high-water mark, which tells the guard a volume filled even when what filled it (a
+//! file unlinked and held open) is gone by the time it looks.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -144,7 +147,7 @@ pub fn mount_detached(image: &Path) -> Result<OwnedFd, MakeError> {
     let m = |e: rustix::io::Errno| MakeError::Mount(e.into());
     let fs = rmount::fsopen("ext4", FsOpenFlags::FSOPEN_CLOEXEC).map_err(m)?;
     rmount::fsconfig_set_string(fs.as_fd(), "source", dev.path().as_path()).map_err(m)?;
-    for flag in ["discard", "noinit_itable"] {
+    for flag in ["noinit_itable"] {
         rmount::fsconfig_set_flag(fs.as_fd(), flag).map_err(m)?;
     }
     rmount::fsconfig_set_string(fs.as_fd(), "errors", "remount-ro").map_err(m)?;

@@ -443,6 +443,32 @@ pub fn cover(parent: BorrowedFd<'_>, name: &OsStr, label: &str) -> Option<OwnedF
     }
 }
 
+/// The image behind the volume whose root is `dir` (opened `O_PATH`, for `fstat`: its
+/// allocated blocks are the volume's high-water mark), when it is one of this node's.
+pub fn image_of(dir: &Path) -> Option<OwnedFd> {
+    let v = VOLUMES.get()?;
+    let s = rfs::statx(
+        rfs::CWD,
+        dir,
+        rfs::AtFlags::SYMLINK_NOFOLLOW,
+        rfs::StatxFlags::BASIC_STATS,
+    )
+    .ok()?;
+    if s.stx_dev_major != LOOP_MAJOR {
+        return None;
+    }
+    let image = backing_file(&format!("/dev/loop{}", s.stx_dev_minor))?;
+    if image.parent() != Some(v.dir.as_path()) {
+        return None;
+    }
+    rfs::open(
+        &image,
+        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .ok()
+}
+
 /// Whether `dir` is the root of a loop-device filesystem (a volume).
 pub fn is_volume(dir: &Path) -> bool {
     rfs::statx(
