@@ -19,6 +19,7 @@ pub mod bootstrap;
 pub mod config;
 pub mod dispatch;
 pub mod driver;
+pub mod gateway;
 pub mod llm;
 pub mod local_worker;
 pub mod mcp;

@@ -110,6 +110,7 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
         &[
             &[
                 "settings_file",
+                "gateway",
                 "session",
                 "store",
                 "artifacts",

@@ -366,3 +366,68 @@ async fn mcp_over_http_in_serve_behind_the_api_tokens() {
     a.cancel().await.unwrap();
     b.cancel().await.unwrap();
 }
+
+/// The sandbox gateway at `/v1/gateway` of `serve` admits only live job tokens: none, a
+/// forged one and an API token are refused (401, the reason naming no token), 1,000 such
+/// calls in a loop leave the service answering, and the forged token is in no log line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_refuses_absent_forged_and_api_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = start_worker(0);
+    let (model, _script) = model_server(vec![]);
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let endpoint = format!("http://{}", worker.addr);
+    let r = start_replica_with(
+        dir.path(),
+        "g1",
+        &db,
+        &model,
+        &["--worker-endpoint", &endpoint],
+        &[],
+    );
+    let url = format!("{}/v1/gateway", r.base);
+    let forged = format!("cgw_{}", "7".repeat(64));
+    let body = json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+        "params": { "name": "artifact.list", "arguments": {} } });
+    let http = reqwest::Client::new();
+    let post = |token: Option<&str>| {
+        let mut req = http
+            .post(&url)
+            .header("accept", "application/json, text/event-stream")
+            .timeout(Duration::from_secs(10))
+            .json(&body);
+        if let Some(t) = token {
+            req = req.bearer_auth(t);
+        }
+        req.send()
+    };
+    for (token, reason) in [
+        (None, "a valid bearer token is required"),
+        (Some(forged.as_str()), "unknown or revoked gateway token"),
+        (Some(TENANT_A), "unknown or revoked gateway token"),
+    ] {
+        let resp = post(token).await.unwrap();
+        assert_eq!(resp.status(), 401, "{token:?}");
+        let p: Value = resp.json().await.unwrap();
+        assert_eq!(p["type"], "urn:cynodeai:error:unauthorized");
+        assert!(p["detail"].as_str().unwrap().contains(reason), "{p}");
+    }
+    let t = Instant::now();
+    for _ in 0..1000 {
+        assert_eq!(post(Some(forged.as_str())).await.unwrap().status(), 401);
+    }
+    let loop_time = t.elapsed();
+    // Still answering the API (and MCP) after the loop.
+    let (s, _) = crate::service::call(
+        reqwest::Method::GET,
+        &format!("{}/v1/skills", r.base),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert_eq!(s, 200);
+    eprintln!("1000 refused gateway calls in {loop_time:?}");
+    drop(r);
+    let log = std::fs::read_to_string(dir.path().join("g1.log")).unwrap();
+    assert!(!log.contains(&forged[4..]), "a token reached the log");
+}

@@ -7,7 +7,11 @@
 //! - [`stdio`]: `cynode-pm mcp` on stdin/stdout for one tenant, with its own scheduler;
 //! - [`http`]: the same tools over streamable HTTP at `/v1/mcp` in `serve`, behind the
 //!   API tokens.
+//!
+//! For sandbox agents, [`gateway`]: the tool gateway at `/v1/gateway` behind job tokens
+//! ([`crate::gateway`]: minting, allowlist, audit).
 
+pub mod gateway;
 pub mod http;
 pub mod server;
 pub mod stdio;

@@ -166,6 +166,12 @@ pub fn router(state: Arc<AppState>, max_body: usize, timeout: Duration) -> Route
                 TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, timeout),
             ),
         )
+        // The sandbox agents' gateway at /v1/gateway, behind job tokens.
+        .merge(
+            crate::mcp::gateway::router(Arc::clone(&state), max_body).layer(
+                TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, timeout),
+            ),
+        )
         .fallback(|| async { Problem::not_found("route") })
         .layer(DefaultBodyLimit::disable())
         .layer(RequestBodyLimitLayer::new(max_body))

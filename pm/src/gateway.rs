@@ -1,0 +1,326 @@
+//! The sandbox agents' MCP gateway, its policy half: job tokens and the tool allowlist.
+//! (The MCP endpoint that serves the tools is `mcp::gateway`.)
+//!
+//! - A token is minted by the PM for one job and bound to its tenant, session, task and
+//!   job ([`Grant`]); it is revoked when the job ends, and expires by itself after the
+//!   job's deadline in any case.
+//! - Only the token's sha256 is kept: the registry, its `Debug` and any log line name
+//!   a token by nothing that could be replayed. [`JobToken`] is the one place the secret
+//!   lives; its `Debug` and `Display` are redacted.
+//! - [`decide`] is the allowlist: `artifact.put|get|list`, `skills.list|get`,
+//!   `web.fetch`, `api.call`, `help.*`; never `db.*`, `node.*`, `sandbox.*` or a skill
+//!   write, whatever the job's context asks for.
+//! - Calls are audited per job ([`AuditEntry`]: tool, outcome, bytes) and handed to the
+//!   driver with the revocation, which records them in the session's history (the driver
+//!   owns the session record while its job runs; a second writer would break its
+//!   optimistic versions).
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+/// What a job token allows: one job of one task of one session of one tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Grant {
+    pub tenant: String,
+    pub session_id: String,
+    pub task_id: String,
+    pub job_id: String,
+}
+
+/// The secret a job's node-side gateway endpoint presents. Never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct JobToken(String);
+
+impl JobToken {
+    /// The secret, for the one place that sends it (the Worker API request).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for JobToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JobToken(<redacted>)")
+    }
+}
+
+/// Why a token was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenError {
+    /// Never minted here, or revoked (its job ended).
+    #[error("unknown or revoked gateway token")]
+    Unknown,
+    /// Past its deadline.
+    #[error("expired gateway token")]
+    Expired,
+}
+
+/// One gateway call, as the session's history records it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct AuditEntry {
+    pub tool: String,
+    /// `ok`, `refused` or `error`.
+    pub outcome: String,
+    /// Bytes the call moved (artifact bytes in or out, reply size).
+    pub bytes: u64,
+    pub detail: Option<String>,
+}
+
+/// An artifact a job put through the gateway, verified, waiting to join the session
+/// when the job ends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutArtifact {
+    pub path: String,
+    pub sha256: String,
+    pub size_bytes: u64,
+    pub location: String,
+}
+
+struct Entry {
+    grant: Grant,
+    expires: Instant,
+    audit: Vec<AuditEntry>,
+    artifacts: Vec<PutArtifact>,
+}
+
+/// What a job left behind when its token was revoked.
+#[derive(Debug, Default)]
+pub struct Revoked {
+    pub audit: Vec<AuditEntry>,
+    pub artifacts: Vec<PutArtifact>,
+}
+
+/// Bound on the audit entries kept for one job (later calls are counted, not listed).
+pub const MAX_AUDIT_PER_JOB: usize = 2000;
+
+/// The job tokens of this process, by the sha256 of the token.
+#[derive(Default)]
+pub struct Tokens {
+    entries: Mutex<HashMap<String, Entry>>,
+}
+
+impl std::fmt::Debug for Tokens {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.entries.lock().map(|e| e.len()).unwrap_or(0);
+        f.debug_struct("Tokens").field("live", &n).finish()
+    }
+}
+
+fn digest(token: &str) -> String {
+    hex::encode(Sha256::digest(token.as_bytes()))
+}
+
+/// The process's token registry.
+pub fn tokens() -> &'static Tokens {
+    static T: OnceLock<Tokens> = OnceLock::new();
+    T.get_or_init(Tokens::default)
+}
+
+impl Tokens {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
+        // A panic while holding the lock leaves plain data: keep using it.
+        self.entries.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Mints a token for `grant`, valid for `ttl` unless revoked first. A job already
+    /// holding a token (a resumed session) gets a new one and the old one is revoked.
+    pub fn mint(&self, grant: Grant, ttl: Duration) -> JobToken {
+        let token = JobToken(format!(
+            "cgw_{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        ));
+        let mut e = self.lock();
+        e.retain(|_, v| v.grant.job_id != grant.job_id && v.expires > Instant::now());
+        e.insert(
+            digest(&token.0),
+            Entry {
+                grant,
+                expires: Instant::now() + ttl,
+                audit: Vec::new(),
+                artifacts: Vec::new(),
+            },
+        );
+        token
+    }
+
+    /// The grant of a live token.
+    pub fn check(&self, token: &str) -> Result<Grant, TokenError> {
+        let mut e = self.lock();
+        let key = digest(token);
+        match e.get(&key) {
+            None => Err(TokenError::Unknown),
+            Some(v) if v.expires <= Instant::now() => {
+                e.remove(&key);
+                Err(TokenError::Expired)
+            }
+            Some(v) => Ok(v.grant.clone()),
+        }
+    }
+
+    /// Records a call of `job_id`'s token.
+    pub fn audit(&self, job_id: &str, entry: AuditEntry) {
+        if let Some(v) = self.lock().values_mut().find(|v| v.grant.job_id == job_id) {
+            if v.audit.len() < MAX_AUDIT_PER_JOB {
+                v.audit.push(entry);
+            }
+        }
+    }
+
+    /// Keeps an artifact `job_id` put, for the session when the job ends.
+    pub fn put_artifact(&self, job_id: &str, a: PutArtifact) {
+        if let Some(v) = self.lock().values_mut().find(|v| v.grant.job_id == job_id) {
+            v.artifacts.retain(|x| x.path != a.path);
+            v.artifacts.push(a);
+        }
+    }
+
+    /// The artifacts `job_id` put so far.
+    pub fn artifacts_of(&self, job_id: &str) -> Vec<PutArtifact> {
+        self.lock()
+            .values()
+            .find(|v| v.grant.job_id == job_id)
+            .map(|v| v.artifacts.clone())
+            .unwrap_or_default()
+    }
+
+    /// Revokes `job_id`'s token (its job ended): what it recorded comes back once.
+    pub fn revoke_job(&self, job_id: &str) -> Revoked {
+        let mut e = self.lock();
+        let mut out = Revoked::default();
+        e.retain(|_, v| {
+            if v.grant.job_id == job_id {
+                out.audit.append(&mut v.audit);
+                out.artifacts.append(&mut v.artifacts);
+                false
+            } else {
+                true
+            }
+        });
+        out
+    }
+}
+
+/// The tools a gateway ever offers.
+pub const TOOLS: &[&str] = &[
+    "artifact.put",
+    "artifact.get",
+    "artifact.list",
+    "skills.list",
+    "skills.get",
+    "web.fetch",
+    "api.call",
+    "help.tools",
+];
+
+/// The decision on a tool name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    Allowed,
+    /// Never offered to a sandbox (`db.*`, `node.*`, `sandbox.*`, skill writes, or
+    /// anything else not on the allowlist).
+    Forbidden(String),
+}
+
+/// Whether a sandbox may call `tool`.
+pub fn decide(tool: &str) -> Decision {
+    for prefix in ["db.", "node.", "sandbox."] {
+        if tool.starts_with(prefix) {
+            return Decision::Forbidden(format!(
+                "`{tool}`: {prefix}* tools are never offered to a sandbox"
+            ));
+        }
+    }
+    if tool.starts_with("skills.") && !matches!(tool, "skills.list" | "skills.get") {
+        return Decision::Forbidden(format!("`{tool}`: skills are read-only from a sandbox"));
+    }
+    if TOOLS.contains(&tool) || (tool.starts_with("help.") && tool.len() > 5) {
+        Decision::Allowed
+    } else {
+        Decision::Forbidden(format!("`{tool}` is not a gateway tool"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn grant(job: &str) -> Grant {
+        Grant {
+            tenant: "acme".into(),
+            session_id: "s-1".into(),
+            task_id: "t1".into(),
+            job_id: job.into(),
+        }
+    }
+
+    #[test]
+    fn a_token_grants_its_job_until_revoked_or_expired() {
+        let t = Tokens::default();
+        let tok = t.mint(grant("j1"), Duration::from_secs(60));
+        assert_eq!(t.check(tok.expose()), Ok(grant("j1")));
+        // Forged: the right shape, never minted; and a prefix of the real one.
+        let forged = format!("cgw_{}", "0".repeat(64));
+        assert_eq!(t.check(&forged), Err(TokenError::Unknown));
+        assert_eq!(t.check(&tok.expose()[..20]), Err(TokenError::Unknown));
+        t.audit(
+            "j1",
+            AuditEntry {
+                tool: "skills.list".into(),
+                outcome: "ok".into(),
+                bytes: 10,
+                detail: None,
+            },
+        );
+        let r = t.revoke_job("j1");
+        assert_eq!(r.audit.len(), 1);
+        assert_eq!(t.check(tok.expose()), Err(TokenError::Unknown));
+
+        let short = t.mint(grant("j2"), Duration::ZERO);
+        assert_eq!(t.check(short.expose()), Err(TokenError::Expired));
+        assert_eq!(t.check(short.expose()), Err(TokenError::Unknown));
+    }
+
+    #[test]
+    fn a_new_token_for_the_same_job_revokes_the_old_one() {
+        let t = Tokens::default();
+        let a = t.mint(grant("j1"), Duration::from_secs(60));
+        let b = t.mint(grant("j1"), Duration::from_secs(60));
+        assert_ne!(a, b);
+        assert_eq!(t.check(a.expose()), Err(TokenError::Unknown));
+        assert_eq!(t.check(b.expose()), Ok(grant("j1")));
+    }
+
+    #[test]
+    fn the_secret_is_never_in_debug_output() {
+        let t = Tokens::default();
+        let tok = t.mint(grant("j1"), Duration::from_secs(60));
+        let shown = format!("{tok:?} {t:?} {:?}", t.check(tok.expose()));
+        assert!(!shown.contains(tok.expose()), "{shown}");
+        assert!(!shown.contains(&tok.expose()[4..20]), "{shown}");
+    }
+
+    #[test]
+    fn the_allowlist_never_offers_db_node_sandbox_or_skill_writes() {
+        for ok in TOOLS.iter().copied().chain(["help.artifact.put"]) {
+            assert_eq!(decide(ok), Decision::Allowed, "{ok}");
+        }
+        for bad in [
+            "db.query",
+            "node.exec",
+            "sandbox.spawn",
+            "skills.put",
+            "skills.delete",
+            "help.",
+            "artifact.delete",
+            "sessions.create",
+            "",
+        ] {
+            assert!(matches!(decide(bad), Decision::Forbidden(_)), "{bad}");
+        }
+    }
+}

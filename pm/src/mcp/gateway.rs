@@ -1,0 +1,380 @@
+//! The sandbox agents' MCP gateway at `/v1/gateway` of `serve`: streamable HTTP (rmcp,
+//! stateless, JSON replies) behind job tokens ([`crate::gateway`]), not API tokens. A
+//! request is admitted only with a live token; its [`Grant`] scopes every tool to one
+//! task of one session of one tenant:
+//! - `artifact.put` verifies the bytes against the sha256 the caller states (as job
+//!   artifacts are) and stores them content-addressed; they join the session, under the
+//!   job, when the job ends;
+//! - `artifact.list` and `artifact.get` see only the artifacts of the token's task
+//!   (jobs of that task, and this job's puts); `get` re-verifies the stored bytes;
+//! - `skills.list` and `skills.get` read the catalog;
+//! - `web.fetch` and `api.call` are refused with the reason: the PM has no route into a
+//!   task's egress proxy yet (a job reaches the network through its own egress policy);
+//! - `help.tools` lists the tools, `help.<tool>` describes one.
+//!
+//! Anything else (`db.*`, `node.*`, `sandbox.*`, skill writes, unknown names) is refused
+//! before any work (JSON-RPC -32602, `urn:cynodeai:error:forbidden`). Every call, refused
+//! or not, is audited (tool, outcome, bytes) into the job's entry of the registry, which
+//! the session's history receives when the job ends. Tokens never reach a log line.
+
+use std::sync::Arc;
+
+use axum::extract::Request;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use base64::Engine;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ErrorData, Implementation,
+    ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
+};
+use rmcp::service::{RequestContext, RoleServer};
+use rmcp::transport::streamable_http_server::session::never::NeverSessionManager;
+use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
+use rmcp::ServerHandler;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use sha2::{Digest, Sha256};
+
+use crate::gateway::{self, AuditEntry, Decision, Grant, PutArtifact};
+use crate::service::auth::Tenant;
+use crate::service::ops;
+use crate::service::problem::Problem;
+use crate::service::AppState;
+
+/// Where `serve` mounts the gateway.
+pub const PATH: &str = "/v1/gateway";
+/// Largest artifact one `artifact.put` or `artifact.get` carries.
+pub const MAX_ARTIFACT_BYTES: usize = 8 << 20;
+
+/// What each tool does, for `tools/list` and `help.*`.
+fn describe(tool: &str) -> &'static str {
+    match tool {
+        "artifact.put" => "Store an artifact of this task: {path, content_base64, sha256}; the bytes must match the sha256.",
+        "artifact.get" => "An artifact of this task by sha256 (or path): {sha256?, path?} -> content_base64, re-verified.",
+        "artifact.list" => "The artifacts of this task: path, sha256, size_bytes, job_id.",
+        "skills.list" => "The skill catalog (read-only).",
+        "skills.get" => "One skill's manifest: {skill_id} (read-only).",
+        "web.fetch" => "Fetch a URL through the task's egress rules (refused: not wired to egress yet).",
+        "api.call" => "Call a named API route through the task's egress rules (refused: not wired to egress yet).",
+        "help.tools" => "The gateway's tools and what they do.",
+        _ => "",
+    }
+}
+
+/// The gateway's MCP handler; the grant comes with each request.
+#[derive(Clone)]
+pub struct Gateway {
+    st: Arc<AppState>,
+}
+
+/// A refusal or failure of a gateway call.
+enum Refusal {
+    /// Not on the allowlist: a protocol error, before any work.
+    Forbidden(String),
+    /// Arguments off the tool's shape.
+    BadArguments(String),
+    /// The tool ran and refused (not found, integrity, egress not wired…).
+    Problem(Problem),
+}
+
+impl From<Problem> for Refusal {
+    fn from(p: Problem) -> Self {
+        Refusal::Problem(p)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PutArgs {
+    path: String,
+    content_base64: String,
+    sha256: String,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GetArgs {
+    #[serde(default)]
+    sha256: Option<String>,
+    #[serde(default)]
+    path: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SkillArgs {
+    skill_id: String,
+}
+
+fn parse<T: for<'de> Deserialize<'de>>(
+    tool: &str,
+    args: &Map<String, Value>,
+) -> Result<T, Refusal> {
+    serde_path_to_error::deserialize(Value::Object(args.clone()))
+        .map_err(|e| Refusal::BadArguments(format!("{tool}: {}: {}", e.path(), e.inner())))
+}
+
+/// A relative artifact path: no `..`, no leading `/`, no NUL, bounded.
+fn check_path(p: &str) -> Result<(), Refusal> {
+    let ok = !p.is_empty()
+        && p.len() <= 512
+        && !p.starts_with('/')
+        && !p.contains('\0')
+        && p.split('/').all(|c| !c.is_empty() && c != "." && c != "..");
+    if ok {
+        Ok(())
+    } else {
+        Err(Refusal::BadArguments(format!(
+            "artifact.put: path: `{p}` must be a relative path without `.`, `..` or empty parts"
+        )))
+    }
+}
+
+impl Gateway {
+    /// The artifacts of the grant's task: (path, sha256, size, job_id, location).
+    async fn task_artifacts(
+        &self,
+        g: &Grant,
+    ) -> Result<Vec<(String, String, u64, String, String)>, Problem> {
+        let (rec, _) = ops::owned(&self.st, &Tenant(g.tenant.clone()), &g.session_id).await?;
+        let jobs: Vec<String> = rec
+            .state
+            .history
+            .iter()
+            .filter(|h| h.kind == "job_dispatched" && h.data["task_id"] == g.task_id.as_str())
+            .filter_map(|h| h.data["job_id"].as_str().map(str::to_string))
+            .chain(std::iter::once(g.job_id.clone()))
+            .collect();
+        let mut out: Vec<_> = rec
+            .state
+            .artifacts
+            .iter()
+            .filter(|a| jobs.contains(&a.job_id))
+            .map(|a| {
+                (
+                    a.record.path.clone(),
+                    a.record.sha256.clone(),
+                    a.record.size_bytes,
+                    a.job_id.clone(),
+                    a.location.clone(),
+                )
+            })
+            .collect();
+        for a in gateway::tokens().artifacts_of(&g.job_id) {
+            out.push((a.path, a.sha256, a.size_bytes, g.job_id.clone(), a.location));
+        }
+        Ok(out)
+    }
+
+    async fn run(
+        &self,
+        g: &Grant,
+        tool: &str,
+        args: &Map<String, Value>,
+    ) -> Result<(Value, u64), Refusal> {
+        if let Decision::Forbidden(why) = gateway::decide(tool) {
+            return Err(Refusal::Forbidden(why));
+        }
+        match tool {
+            "artifact.put" => {
+                let a: PutArgs = parse(tool, args)?;
+                check_path(&a.path)?;
+                let bytes = base64::engine::general_purpose::STANDARD
+                    .decode(a.content_base64.as_bytes())
+                    .map_err(|e| Refusal::BadArguments(format!("artifact.put: content_base64: {e}")))?;
+                if bytes.len() > MAX_ARTIFACT_BYTES {
+                    return Err(Problem::new(axum::http::StatusCode::PAYLOAD_TOO_LARGE, "too-large",
+                        format!("artifact {} is {} bytes, over {MAX_ARTIFACT_BYTES}", a.path, bytes.len())).into());
+                }
+                let loc = crate::artifacts::verify_and_store(
+                    &self.st.pm.artifacts_dir,
+                    &a.path,
+                    &a.sha256,
+                    bytes.len() as u64,
+                    &bytes,
+                )
+                .map_err(|e| Problem::new(axum::http::StatusCode::UNPROCESSABLE_ENTITY, "artifact-integrity", e.to_string()))?;
+                let location = loc.display().to_string();
+                self.st.pm.store.put_artifact(&a.sha256, bytes.len() as u64, &location).await.map_err(Problem::from)?;
+                gateway::tokens().put_artifact(
+                    &g.job_id,
+                    PutArtifact { path: a.path.clone(), sha256: a.sha256.clone(), size_bytes: bytes.len() as u64, location },
+                );
+                Ok((json!({ "path": a.path, "sha256": a.sha256, "size_bytes": bytes.len() }), bytes.len() as u64))
+            }
+            "artifact.list" => {
+                let _: Map<String, Value> = parse(tool, args)?;
+                let list: Vec<Value> = self
+                    .task_artifacts(g)
+                    .await?
+                    .into_iter()
+                    .map(|(path, sha256, size, job, _)| json!({ "path": path, "sha256": sha256, "size_bytes": size, "job_id": job }))
+                    .collect();
+                Ok((json!({ "artifacts": list }), 0))
+            }
+            "artifact.get" => {
+                let a: GetArgs = parse(tool, args)?;
+                let all = self.task_artifacts(g).await?;
+                let found = all.iter().rev().find(|x| {
+                    a.sha256.as_deref().is_none_or(|s| s == x.1) && a.path.as_deref().is_none_or(|p| p == x.0)
+                });
+                let Some((path, sha, _, _, location)) = found.filter(|_| a.sha256.is_some() || a.path.is_some()) else {
+                    return Err(Problem::not_found("artifact of this task").into());
+                };
+                let bytes = tokio::fs::read(location)
+                    .await
+                    .map_err(|e| Problem::internal(format!("artifact {sha} unreadable: {e}")))?;
+                if hex::encode(Sha256::digest(&bytes)) != *sha {
+                    crate::metrics::metrics().artifact_integrity_failures.inc();
+                    return Err(Problem::internal(format!("artifact_integrity_failure: the stored bytes of {sha} no longer match")).into());
+                }
+                if bytes.len() > MAX_ARTIFACT_BYTES {
+                    return Err(Problem::new(axum::http::StatusCode::PAYLOAD_TOO_LARGE, "too-large", format!("artifact {path} is over {MAX_ARTIFACT_BYTES} bytes")).into());
+                }
+                let n = bytes.len() as u64;
+                Ok((json!({ "path": path, "sha256": sha, "size_bytes": n,
+                    "content_base64": base64::engine::general_purpose::STANDARD.encode(&bytes) }), n))
+            }
+            "skills.list" => Ok((ops::skills(&self.st), 0)),
+            "skills.get" => {
+                let a: SkillArgs = parse(tool, args)?;
+                Ok((ops::skill(&self.st, &a.skill_id)?, 0))
+            }
+            "web.fetch" | "api.call" => Err(Problem::new(
+                axum::http::StatusCode::FORBIDDEN,
+                "egress-not-wired",
+                format!("{tool}: the gateway has no route into the task's egress proxy yet; nothing was fetched"),
+            )
+            .into()),
+            "help.tools" => {
+                let tools: Vec<Value> = gateway::TOOLS
+                    .iter()
+                    .map(|t| json!({ "name": t, "description": describe(t) }))
+                    .collect();
+                Ok((json!({ "tools": tools }), 0))
+            }
+            other => match other.strip_prefix("help.").filter(|t| gateway::TOOLS.contains(t)) {
+                Some(t) => Ok((json!({ "name": t, "description": describe(t) }), 0)),
+                None => Err(Problem::not_found(format!("help for `{other}`")).into()),
+            },
+        }
+    }
+}
+
+impl ServerHandler for Gateway {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build()).with_server_info(
+            Implementation::new("cynode-pm-gateway", env!("CARGO_PKG_VERSION")),
+        )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, ErrorData> {
+        let open = Map::from_iter([("type".to_string(), json!("object"))]);
+        Ok(ListToolsResult::with_all_items(
+            gateway::TOOLS
+                .iter()
+                .map(|t| Tool::new(*t, describe(t), open.clone()))
+                .collect(),
+        ))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, ErrorData> {
+        let grant = context
+            .extensions
+            .get::<axum::http::request::Parts>()
+            .and_then(|p| p.extensions.get::<Grant>())
+            .cloned();
+        let Some(g) = grant else {
+            return Err(ErrorData::invalid_request(
+                "unauthorized",
+                Some(json!({ "type": "urn:cynodeai:error:unauthorized" })),
+            ));
+        };
+        let args = request.arguments.unwrap_or_default();
+        let tool = request.name.to_string();
+        let out = self.run(&g, &tool, &args).await;
+        let (outcome, bytes, detail) = match &out {
+            Ok((_, n)) => ("ok", *n, None),
+            Err(Refusal::Forbidden(d) | Refusal::BadArguments(d)) => {
+                ("refused", 0, Some(d.clone()))
+            }
+            Err(Refusal::Problem(p)) => ("refused", 0, p.0.detail.clone()),
+        };
+        tracing::info!(session_id = %g.session_id, task_id = %g.task_id, job_id = %g.job_id, tool = %tool, outcome, bytes, "gateway call");
+        gateway::tokens().audit(
+            &g.job_id,
+            AuditEntry {
+                tool: tool.clone(),
+                outcome: outcome.into(),
+                bytes,
+                detail,
+            },
+        );
+        match out {
+            Ok((v, _)) => Ok(CallToolResult::structured(v).into()),
+            Err(Refusal::Forbidden(d)) => Err(ErrorData::invalid_params(
+                d.clone(),
+                Some(json!({ "type": "urn:cynodeai:error:forbidden", "detail": d })),
+            )),
+            Err(Refusal::BadArguments(d)) => Err(ErrorData::invalid_params(
+                d.clone(),
+                Some(json!({ "type": "urn:cynodeai:error:invalid-request", "detail": d })),
+            )),
+            Err(Refusal::Problem(p)) => Ok(CallToolResult::structured_error(json!(p.0)).into()),
+        }
+    }
+}
+
+/// The gateway as a router to merge into the service's.
+pub fn router<S: Clone + Send + Sync + 'static>(st: Arc<AppState>, max_body: usize) -> Router<S> {
+    let config = StreamableHttpServerConfig::default()
+        .with_legacy_session_mode(false)
+        .with_json_response(true)
+        .with_sse_keep_alive(None)
+        .with_max_request_body_bytes(max_body)
+        .disable_allowed_hosts()
+        .with_cancellation_token(st.stop.child_token());
+    let handler = Gateway { st };
+    let service = StreamableHttpService::new(
+        move || Ok(handler.clone()),
+        Arc::new(NeverSessionManager::default()),
+        config,
+    );
+    Router::new()
+        .nest_service(PATH, service)
+        .layer(axum::middleware::from_fn(authenticate))
+}
+
+/// Admits a request with a live job token; the reason of a refusal names no token.
+async fn authenticate(mut req: Request, next: Next) -> Response {
+    let token = req
+        .headers()
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|t| t.trim().to_string());
+    let Some(token) = token else {
+        return Problem::unauthorized().into_response();
+    };
+    match gateway::tokens().check(&token) {
+        Ok(g) => {
+            req.extensions_mut().insert(g);
+            next.run(req).await
+        }
+        Err(e) => Problem::new(
+            axum::http::StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            e.to_string(),
+        )
+        .into_response(),
+    }
+}
