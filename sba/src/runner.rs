@@ -295,8 +295,20 @@ fn fill_ids(result: &mut JobResult, bytes: &[u8]) {
     }
 }
 
+/// The node's egress proxy variables (set only for a job with `network_policy:
+/// restricted`): passed on, so pip, npm, cargo and go in a step find the proxy.
+const PROXY_VARS: [&str; 6] = [
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "http_proxy",
+    "https_proxy",
+    "NO_PROXY",
+    "no_proxy",
+];
+
 /// The environment every command starts from: PATH, HOME, LANG from the runner, the
-/// node's CYNODE_* variables, and the job's ids and directories. Nothing else leaks in.
+/// node's CYNODE_* and egress proxy variables, and the job's ids and directories.
+/// Nothing else leaks in.
 fn base_env(job: &JobSpec, ws: &Workspace, out: &Workspace) -> Vec<(String, String)> {
     let mut env: Vec<(String, String)> = Vec::new();
     let get = |k: &str| std::env::var(k).ok();
@@ -312,7 +324,7 @@ fn base_env(job: &JobSpec, ws: &Workspace, out: &Workspace) -> Vec<(String, Stri
         get("LANG").unwrap_or_else(|| "C.UTF-8".into()),
     ));
     for (k, v) in std::env::vars() {
-        if k.starts_with("CYNODE_") {
+        if k.starts_with("CYNODE_") || PROXY_VARS.contains(&k.as_str()) {
             env.push((k, v));
         }
     }

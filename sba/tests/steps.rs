@@ -91,6 +91,31 @@ fn run_command_environment_is_explicit() {
     assert!(!stdout.contains("do-not-leak"));
 }
 
+/// The node's egress proxy variables reach a step (a `restricted` job's tools find the
+/// proxy through them); other variables of the runner still do not.
+#[test]
+fn run_command_gets_the_egress_proxy_variables() {
+    let sb = Sandbox::new();
+    sb.write_job(&one(
+        "run_command",
+        json!({ "command": "sh", "args": ["-c", "echo \"$HTTPS_PROXY $http_proxy $NO_PROXY $CYNODE_EGRESS_ROUTES_URL [$ALL_PROXY]\""] }),
+    ));
+    let out = sb
+        .command()
+        .env("HTTPS_PROXY", "http://127.0.0.1:3128")
+        .env("http_proxy", "http://127.0.0.1:3128")
+        .env("NO_PROXY", "localhost,127.0.0.1")
+        .env("CYNODE_EGRESS_ROUTES_URL", "http://127.0.0.1:3128/routes")
+        .env("ALL_PROXY", "socks5://elsewhere")
+        .output()
+        .unwrap();
+    let run = sb.finish(out);
+    assert_eq!(
+        run.step(0)["result"]["stdout"],
+        "http://127.0.0.1:3128 http://127.0.0.1:3128 localhost,127.0.0.1 http://127.0.0.1:3128/routes []\n"
+    );
+}
+
 #[test]
 fn run_command_may_not_override_cynode_variables() {
     let run = Sandbox::run_once(&one(
