@@ -147,9 +147,7 @@ pub fn mount_detached(image: &Path) -> Result<OwnedFd, MakeError> {
     let m = |e: rustix::io::Errno| MakeError::Mount(e.into());
     let fs = rmount::fsopen("ext4", FsOpenFlags::FSOPEN_CLOEXEC).map_err(m)?;
     rmount::fsconfig_set_string(fs.as_fd(), "source", dev.path().as_path()).map_err(m)?;
-    for flag in ["noinit_itable"] {
-        rmount::fsconfig_set_flag(fs.as_fd(), flag).map_err(m)?;
-    }
+    rmount::fsconfig_set_flag(fs.as_fd(), "noinit_itable").map_err(m)?;
     rmount::fsconfig_set_string(fs.as_fd(), "errors", "remount-ro").map_err(m)?;
     rmount::fsconfig_create(fs.as_fd()).map_err(m)?;
     let mnt = rmount::fsmount(
