@@ -814,3 +814,69 @@ fn skills_validate_checks_against_a_tenant() {
     let (code, errors, _) = validate_changed(|m, t| (m, t), &["--tenant", easy.to_str().unwrap()]);
     assert_eq!((code, errors), (0, vec![]));
 }
+
+/// python-test with `fetch_deps` asks for network and installs requirements.txt first
+/// (through the worker's egress proxy, to the skill's declared PyPI hosts); without it the
+/// job stays offline. The policy gate refuses the fetching job for a tenant whose egress
+/// does not cover PyPI, with a reason the model sees, and lets it through for one that does.
+#[test]
+fn python_test_fetches_dependencies_only_when_asked_and_allowed() {
+    use cynode_pm::policy::{LocalGate, Mode, PolicyInput, TenantEgress, TenantPolicy};
+    let offline = build("python-test", json!({})).unwrap();
+    assert_eq!(offline["constraints"].get("ext_net_allowed"), None);
+    assert_eq!(offline["steps"].as_array().unwrap().len(), 1);
+    let job = build("python-test", json!({ "fetch_deps": true })).unwrap();
+    assert_eq!(job["constraints"]["ext_net_allowed"], true);
+    assert_eq!(job["steps"][0]["id"], "deps");
+    assert_eq!(
+        job["steps"][0]["arguments"]["args"].as_array().unwrap()[..3],
+        [json!("-m"), json!("pip"), json!("install")]
+    );
+    assert_eq!(
+        job["steps"][1]["arguments"]["env"]["PYTHONPATH"],
+        "/tmp/pydeps"
+    );
+    let reg = registry();
+    let manifest = &reg.get("python-test").unwrap().manifest;
+    let gate = LocalGate::builtin(Mode::Enforce).unwrap();
+    let denied = gate.evaluate_sync(&PolicyInput::for_job(
+        job.clone(),
+        manifest,
+        None,
+        TenantPolicy::default(),
+    ));
+    assert!(
+        denied.deny.iter().any(|v| v.rule == "network_not_allowed"),
+        "{denied:?}"
+    );
+    let narrow = TenantPolicy {
+        egress: TenantEgress {
+            allow: vec!["pypi.org".into()],
+        },
+        ..TenantPolicy::default()
+    };
+    let denied = gate.evaluate_sync(&PolicyInput::for_job(job.clone(), manifest, None, narrow));
+    assert!(
+        denied
+            .deny
+            .iter()
+            .any(|v| v.rule == "egress_not_allowed" && v.message.contains("files.pythonhosted.org")),
+        "{denied:?}"
+    );
+    let pypi = TenantPolicy {
+        egress: TenantEgress {
+            allow: vec!["pypi.org".into(), "*.pythonhosted.org".into()],
+        },
+        ..TenantPolicy::default()
+    };
+    let allowed = gate.evaluate_sync(&PolicyInput::for_job(job, manifest, None, pypi));
+    assert!(allowed.deny.is_empty(), "{allowed:?}");
+    // Offline, the same skill passes for the default tenant.
+    let allowed = gate.evaluate_sync(&PolicyInput::for_job(
+        offline,
+        manifest,
+        None,
+        TenantPolicy::default(),
+    ));
+    assert!(allowed.deny.is_empty(), "{allowed:?}");
+}

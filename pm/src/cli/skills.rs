@@ -205,7 +205,9 @@ fn check_against_tenant(s: &Skill, t: &TenantPolicy, errors: &mut Vec<SkillError
             m.limits.max_output_bytes, t.max_output_bytes
         ));
     }
-    if m.network && !t.allow_network {
+    // A skill that declares its egress uses the network only when its inputs ask
+    // (fetching dependencies); without a tenant allowing it, its jobs run offline.
+    if m.network && m.egress.is_empty() && !t.allow_network && t.egress.allow.is_empty() {
         refuse("the skill declares network, which the tenant does not allow".into());
     }
     if !t.allowed_purposes.is_empty() && !t.allowed_purposes.contains(&m.purpose) {
