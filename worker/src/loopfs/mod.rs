@@ -47,6 +47,9 @@ const LOOP_MAJOR: u32 = 7;
 pub const VOLUMES_DIR: &str = "volumes";
 /// Pool images' name prefix.
 const POOL_PREFIX: &str = "pool-";
+/// The node's environment variable that, set to `off`, makes it use the poller (to
+/// measure or rule out the volumes).
+pub const OFF_VAR: &str = "CYNODE_DISK_VOLUMES";
 /// The longest pause of the pool's filler after a failure.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -203,7 +206,12 @@ pub fn init(layout: Layout, shape: Shape, pool: usize) -> Enforcement {
     if let Some(m) = MODE.get() {
         return m.clone();
     }
-    let mode = match probe(&layout.state_dir, shape) {
+    let probed = if std::env::var_os(OFF_VAR).is_some_and(|v| v == "off") {
+        Err(format!("{OFF_VAR}=off"))
+    } else {
+        probe(&layout.state_dir, shape)
+    };
+    let mode = match probed {
         Err(why) => Enforcement::Poller(why),
         Ok(()) => {
             let v = Arc::new(Volumes {
