@@ -96,6 +96,13 @@ pub struct Inference {
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(default, deny_unknown_fields)]
 pub struct JobContext {
+    /// The agent persona's title (upstream `mvp/phase-2`, REQ-SBAGNT-0113): the first
+    /// block of the agent's prompt when present.
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub persona_title: String,
+    /// The agent persona's description (upstream `mvp/phase-2`).
+    #[serde(skip_serializing_if = "String::is_empty")]
+    pub persona_description: String,
     pub baseline_context: String,
     pub project_context: String,
     pub task_context: String,

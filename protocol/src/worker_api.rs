@@ -304,8 +304,9 @@ pub struct RunJobResponse {
     pub job_id: String,
     pub status: WorkerJobStatus,
     /// -1 when the process never produced an exit code (timeout, runtime error). Always
-    /// written here; upstream omits it when 0, so absent reads as 0.
-    #[serde(default)]
+    /// written here; upstream omits it when 0, so absent reads as 0, and `null` (upstream
+    /// `mvp/phase-2`'s `*int` with no code) reads as -1.
+    #[serde(default, deserialize_with = "exit_code_or_null")]
     pub exit_code: i32,
     #[serde(default)]
     pub stdout: String,
@@ -588,4 +589,9 @@ mod tests {
         assert!(!AsyncJobState::InProgress.is_terminal());
         assert!(AsyncJobState::Canceled.is_terminal());
     }
+}
+
+/// `exit_code`: a number, or `null` for "no exit code" (-1).
+fn exit_code_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i32, D::Error> {
+    Ok(Option::<i32>::deserialize(d)?.unwrap_or(-1))
 }

@@ -293,3 +293,62 @@ fn what_upstream_cannot_express_is_named() {
         ["steps[0].arguments.stdin", "steps[1].arguments.encoding"]
     );
 }
+
+fn phase2(name: &str) -> String {
+    fixture(&format!("d59af45/{name}"))
+}
+
+#[test]
+fn phase2_fixtures_name_their_upstream_commit() {
+    assert!(phase2("README.md").contains("d59af459d26da045427bd471053201b22258e68f"));
+}
+
+/// Upstream `mvp/phase-2` (d59af45): job.json's context carries the agent persona.
+#[test]
+fn phase2__a_job_context_with_a_persona_is_read_and_written_back() {
+    let text = phase2("job_context_persona.json");
+    let job = JobSpec::from_json(text.as_bytes()).unwrap();
+    let ctx = job.context.clone().unwrap();
+    assert_eq!(ctx.persona_title, "Release engineer");
+    assert_eq!(
+        ctx.persona_description,
+        "Careful, terse; verifies every claim against the repository."
+    );
+    assert_eq!(ctx.baseline_context, "You run inside a CyNode sandbox.");
+    let ours: Value = serde_json::to_value(&job).unwrap();
+    assert_eq!(ours["context"]["persona_title"], "Release engineer");
+    let theirs = job.to_upstream().unwrap();
+    assert_eq!(theirs["context"]["persona_title"], "Release engineer");
+    assert_eq!(
+        theirs["context"]["persona_description"],
+        ctx.persona_description
+    );
+    // Without a persona, neither field is written.
+    let mut plain = job;
+    if let Some(c) = plain.context.as_mut() {
+        c.persona_title.clear();
+        c.persona_description.clear();
+    }
+    let v = serde_json::to_value(&plain).unwrap();
+    assert!(v["context"].get("persona_title").is_none(), "{v}");
+}
+
+/// Upstream `mvp/phase-2`: `sandbox.network_policy` is empty, none, restricted or allow.
+#[test]
+fn phase2__network_policy_none_restricted_and_allow_are_read() {
+    for p in ["none", "restricted", "allow"] {
+        let text = phase2(&format!("run_job_request_network_policy_{p}.json"));
+        let req: RunJobRequest = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{p}: {e}"));
+        let back = serde_json::to_value(req.sandbox.network_policy).unwrap();
+        assert_eq!(back, json!(p));
+    }
+}
+
+/// Upstream `mvp/phase-2`: `exit_code` is a `*int`; a `null` reads as "no exit code" (-1).
+#[test]
+fn phase2__a_response_with_exit_code_null_reads_as_no_exit_code() {
+    let resp: RunJobResponse =
+        serde_json::from_str(&phase2("run_job_response_exit_code_null.json")).unwrap();
+    assert_eq!(resp.exit_code, -1);
+    assert_eq!(resp.status, WorkerJobStatus::Failed);
+}

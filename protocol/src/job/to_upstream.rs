@@ -68,6 +68,8 @@ impl JobSpec {
                     m.insert(k.into(), json!(v));
                 }
             };
+            text("persona_title", &ctx.persona_title);
+            text("persona_description", &ctx.persona_description);
             text("baseline_context", &ctx.baseline_context);
             text("project_context", &ctx.project_context);
             text("task_context", &ctx.task_context);
