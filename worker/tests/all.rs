@@ -49,6 +49,7 @@ mod host_reads;
 mod host_writes;
 mod inference;
 mod listeners;
+mod microvm;
 mod sandbox_escapes;
 mod sessions;
 mod syscall_probe;

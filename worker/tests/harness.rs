@@ -82,7 +82,7 @@ fn backend_config(backend: &str, extra: &str) -> String {
             docker_ready();
             "backend: docker\n".to_string()
         }
-        "podman" | "bwrap" => format!("backend: {backend}\n"),
+        "podman" | "bwrap" | "microvm" => format!("backend: {backend}\n"),
         other => panic!("unknown test backend {other}"),
     }
 }

@@ -272,7 +272,12 @@ async fn worker_inference_proxy__listens_on_a_unix_socket_and_rejects_oversized_
     wait_until(Duration::from_secs(30), || sock.exists()).await;
     let meta = std::fs::metadata(&sock).unwrap();
     assert_eq!(meta.mode() & 0o777, 0o600);
-    assert_eq!(meta.uid(), 1000);
+    // The socket belongs to the workspace's own host uid (task `t`'s workspace).
+    let ws_uid = std::fs::metadata(sv.state_dir().join("workspaces").join("t"))
+        .unwrap()
+        .uid();
+    assert_eq!(meta.uid(), ws_uid);
+    assert_ne!(ws_uid, 1000, "the shared uid 1000");
 
     // A model outside the job's list: 403 with a JSON error, nothing sent upstream.
     let (code, v) = post_chat(&sock, &chat_body("m3", "hi"));
