@@ -1,0 +1,191 @@
+//! The microvm backend (issue 29): the backend contract's cases on `microvm`, named
+//! `microvm::<case>` (the cases seen to pass here so far), and attacks on the guest kernel
+//! itself: a kernel panic the job provokes, a timeout, the pool's one-job-per-VM rule.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::harness::{command_job, unique, Server};
+
+/// The test environment plus the guest kernel and init (cached after the first build).
+fn setup() {
+    static ONCE: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    crate::cases::setup();
+    ONCE.get_or_init(|| {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        cynode_testkit::setup_script(&root, &["deploy/microvm/build-kernel.sh"]);
+        cynode_testkit::setup_script(&root, &["deploy/microvm/build-init.sh"]);
+    });
+}
+
+macro_rules! on_microvm {
+    ($($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                setup();
+                crate::cases::$case("microvm").await;
+            }
+        )*
+    };
+}
+
+on_microvm!(
+    auth_is_required,
+    echo_hello,
+    cynode_env_is_present_and_not_overridable,
+    invalid_requests_name_the_field,
+    fork_bomb_is_contained,
+    memory_hog_is_contained,
+    full_queue_answers_503,
+);
+
+/// QEMU processes started for `sv`'s state directory.
+fn vms_of(sv: &Server) -> usize {
+    let needle = sv.state_dir().display().to_string();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .map(|c| String::from_utf8_lossy(&c).replace('\0', " "))
+        .filter(|c| c.starts_with("qemu-system") && c.contains(&needle))
+        .count()
+}
+
+/// Waits up to 30 s for `sv` to have `n` VMs.
+async fn wait_for_vms(sv: &Server, n: usize) {
+    let t = std::time::Instant::now();
+    while vms_of(sv) != n {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{} VMs, want {n}",
+            vms_of(sv)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_job_runs_on_its_own_kernel() {
+    setup();
+    let sv = Server::start("microvm", "");
+    let (_, v) = sv
+        .run_job(&unique("j"), "t", &["sh", "-c", "uname -r; id -u; id -g"])
+        .await;
+    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let out = v["stdout"].as_str().unwrap_or_default();
+    let mut lines = out.lines();
+    let guest = lines.next().unwrap_or_default();
+    assert!(guest.starts_with("6.1."), "{v}");
+    assert_ne!(guest, host.trim(), "{v}");
+    assert_eq!(lines.collect::<Vec<_>>(), ["1000", "1000"], "{v}");
+}
+
+/// A job that exhausts its memory in a guest booted with `panic_on_oom=2` panics the
+/// guest kernel: the job fails, the console shows the panic, no QEMU is left, and the
+/// node runs the next job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_kernel_panic_leaves_the_node_alone() {
+    setup();
+    let sv = Server::start(
+        "microvm",
+        "limits:\n  memory_mb: 64\nmicrovm:\n  pool_size: 0\n  kernel_args: [\"sysctl.vm.panic_on_oom=2\"]\n",
+    );
+    let body = command_job(
+        &unique("j"),
+        "t",
+        &[
+            "sh",
+            "-c",
+            "x=$(head -c 300000000 /dev/zero | tr '\\0' a); echo ${#x}",
+        ],
+    );
+    let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(v["status"], "failed", "{v}");
+    let reason = v["failure_reason"].as_str().unwrap_or_default();
+    assert!(reason.contains("ended without reporting an exit"), "{v}");
+    assert!(reason.contains("Kernel panic"), "{v}");
+    assert_eq!(vms_of(&sv), 0);
+    let (_, v) = sv.run_job(&unique("j"), "t", &["echo", "alive"]).await;
+    assert_eq!(v["stdout"], "alive\n", "{v}");
+    let (code, _) = sv.get("/readyz").await;
+    assert_eq!(code, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timeout_kills_the_vm() {
+    setup();
+    let sv = Server::start("microvm", "microvm:\n  pool_size: 0\n");
+    let mut body = command_job(&unique("j"), "t", &["sleep", "600"]);
+    body["sandbox"]["timeout_seconds"] = json!(2);
+    let t = std::time::Instant::now();
+    let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(v["status"], "timeout", "{v}");
+    assert!(t.elapsed() < Duration::from_secs(30), "{:?}", t.elapsed());
+    assert_eq!(vms_of(&sv), 0, "a QEMU survived its job's timeout");
+    assert_eq!(
+        crate::harness::mounts_with(&sv.state_dir().display().to_string()),
+        Vec::<String>::new()
+    );
+}
+
+/// Each pooled VM serves one job: two jobs see two boots (different boot ids), and the
+/// pool is refilled to its size after each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_pooled_vm_serves_one_job() {
+    setup();
+    let sv = Server::start("microvm", "microvm:\n  pool_size: 1\n");
+    wait_for_vms(&sv, 1).await;
+    let mut boots = Vec::new();
+    for _ in 0..2 {
+        let (_, v) = sv
+            .run_job(
+                &unique("j"),
+                "t",
+                &["sh", "-c", "cat /proc/sys/kernel/random/boot_id; ls /tmp"],
+            )
+            .await;
+        assert_eq!(v["status"], "completed", "{v}");
+        boots.push(v["stdout"].as_str().unwrap_or_default().to_string());
+        wait_for_vms(&sv, 1).await;
+    }
+    assert_ne!(boots[0], boots[1]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_reports_kvm_kernel_vmm_and_pool() {
+    setup();
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("worker.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "backend: microvm\nstate_dir: {}\n",
+            dir.path().join("state").display()
+        ),
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_cynode-worker"))
+        .args(["check", "--config"])
+        .arg(&cfg)
+        .env("WORKER_API_BEARER_TOKEN", "x".repeat(32))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("ok   backend microvm: "))
+        .unwrap_or_else(|| panic!("{text}"));
+    for part in [
+        "KVM API 12",
+        "kernel 6.1.",
+        "QEMU emulator version",
+        "mksquashfs",
+        "pool 0 idle of 2",
+    ] {
+        assert!(line.contains(part), "{part}: {line}");
+    }
+}
