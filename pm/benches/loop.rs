@@ -1,6 +1,6 @@
 //! PM loop benchmark: the PM's own overhead per turn, and many concurrent sessions.
 //!
-//! `cargo bench -p cynode-pm --bench loop [-- --sessions N --worker URL --token T --image I]`
+//! `cargo bench -p cynode-pm --bench loop [-- --sessions N --worker URL --token T --image I --datastore URL]`
 //!
 //! 1. Overhead per turn: one session of 400 `plan_update` turns against a scripted model
 //!    that answers instantly over real HTTP on 127.0.0.1, with SQLite. Every turn is a
@@ -116,36 +116,61 @@ fn main() {
         let p95 = common::percentile(&turns, 0.95);
         println!("pm overhead per turn (SQLite, {n} turns): p50 {p50:.2} ms, p95 {p95:.2} ms (target p50 < 5 ms)");
 
-        // 2. Concurrent sessions.
-        let p = Arc::new(pm(&url, worker.clone(), &image, &format!("sqlite://{}", dir.path().join("many.db").display())).await);
+        // 2. Concurrent sessions, on SQLite or on the datastore given with --datastore.
+        let db = common::arg("--datastore")
+            .unwrap_or_else(|| format!("sqlite://{}", dir.path().join("many.db").display()));
+        let store_kind = if db.starts_with("postgres") { "PostgreSQL" } else { "SQLite" };
+        let p = Arc::new(pm(&url, worker.clone(), &image, &db).await);
+        let run_tag = uuid::Uuid::new_v4().simple().to_string();
         let t = Instant::now();
         let mut handles = Vec::new();
         for i in 0..sessions {
             let p = Arc::clone(&p);
+            let tag = run_tag.clone();
             handles.push(tokio::spawn(async move {
-                let id = format!("bench-{i}");
+                let started = Instant::now();
+                let id = format!("bench-{tag}-{i}");
                 let rec = SessionRecord::new(&id, "t", "concurrent objective", Budgets::default());
                 p.create(&rec).await.map_err(|e| e.to_string())?;
                 let out = p.run(&id, &mut |_| {}).await.map_err(|e| e.to_string())?;
-                if out.status == SessionStatus::Completed { Ok(()) } else { Err(format!("{:?}", out.failure)) }
+                if out.status == SessionStatus::Completed {
+                    Ok(started.elapsed().as_secs_f64() * 1000.0)
+                } else {
+                    Err(format!("{:?}", out.failure))
+                }
             }));
         }
         let mut failures = Vec::new();
+        let mut to_final = Vec::new();
         for h in handles {
             match h.await {
-                Ok(Ok(())) => {}
+                Ok(Ok(ms)) => to_final.push(ms),
                 Ok(Err(e)) => failures.push(e),
                 Err(e) => failures.push(e.to_string()),
             }
         }
         let secs = t.elapsed().as_secs_f64();
+        let p95_final = common::percentile(&to_final, 0.95);
         println!(
-            "{sessions} concurrent sessions ({}): {secs:.2} s, {:.1} sessions/s, {} failures{}",
+            "{sessions} concurrent sessions on {store_kind} ({}): {secs:.2} s, {:.1} sessions/s, p95 time to final {p95_final:.0} ms, peak RSS {} MiB, {} failures{}",
             if worker.is_some() { "with a write-files job each" } else { "no jobs" },
             sessions as f64 / secs,
+            peak_rss_kib() / 1024,
             failures.len(),
             failures.first().map(|f| format!(" (first: {f})")).unwrap_or_default()
         );
         let _ = Duration::from_secs(0);
     });
+}
+
+/// This process's peak resident set (VmHWM), in KiB.
+fn peak_rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        })
+        .unwrap_or(0)
 }
