@@ -450,6 +450,11 @@ pub enum SbaLifecycle {
 /// RFC 9457 problem details, as the Worker API returns them (defined in [`crate::problem`]).
 pub use crate::problem::Problem;
 
+/// `exit_code`: a number, or `null` for "no exit code" (-1).
+fn exit_code_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i32, D::Error> {
+    Ok(Option::<i32>::deserialize(d)?.unwrap_or(-1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -589,9 +594,4 @@ mod tests {
         assert!(!AsyncJobState::InProgress.is_terminal());
         assert!(AsyncJobState::Canceled.is_terminal());
     }
-}
-
-/// `exit_code`: a number, or `null` for "no exit code" (-1).
-fn exit_code_or_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<i32, D::Error> {
-    Ok(Option::<i32>::deserialize(d)?.unwrap_or(-1))
 }
