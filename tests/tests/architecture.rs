@@ -152,7 +152,7 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
                 "reown",
                 "open_unlinked",
             ],
-            &["sessions", "workspace", "executor"],
+            &["sessions", "workspace", "executor", "job_egress"],
             &["node", "replay"],
             &["http"],
         ],

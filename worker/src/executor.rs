@@ -25,8 +25,8 @@ use tokio_util::sync::CancellationToken;
 use crate::backend::{Backend, EndReason};
 use crate::config::{Config, Limits};
 use crate::disk_guard::DiskLimit;
-use crate::egress::job::JobEgress;
 use crate::job_dir;
+use crate::job_egress::JobEgress;
 use crate::sandbox::{self, SandboxRequest, SandboxSpec};
 use crate::sandbox_files::{self, ReadError, TreeBounds, TreeError};
 use cynode_protocol::time::now_rfc3339;
@@ -34,7 +34,7 @@ use cynode_protocol::time::now_rfc3339;
 /// Validates a request completely before anything is created or started.
 pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, ValidationError> {
     req.validate()?;
-    let network = crate::egress::job::policy(cfg, req)?;
+    let network = crate::job_egress::policy(cfg, req)?;
     if !cfg.image_allowed(&req.sandbox.image) {
         return Err(ValidationError::new(
             "sandbox.image",
@@ -271,8 +271,8 @@ pub fn sandbox_spec(
             node.push((sandbox::ENV_SBA_AGENT_MAX_TURNS, turns.to_string()));
         }
     }
-    node.extend(crate::egress::job::env(matches!(
-        crate::egress::job::policy(cfg, req),
+    node.extend(crate::job_egress::env(matches!(
+        crate::job_egress::policy(cfg, req),
         Ok(Some(_))
     )));
     let env = sandbox::env(

@@ -32,6 +32,7 @@ pub mod http;
 pub mod image_ref;
 pub mod inference;
 pub mod job_dir;
+pub mod job_egress;
 pub mod loopfs;
 pub mod node;
 pub mod open_unlinked;

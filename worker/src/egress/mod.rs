@@ -19,7 +19,6 @@ pub mod addr;
 pub mod allowlist;
 pub mod audit;
 pub mod http1;
-pub mod job;
 pub mod netns;
 pub mod proxy;
 pub mod resolve;

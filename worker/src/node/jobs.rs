@@ -239,8 +239,8 @@ impl Node {
             }
             _ => None,
         };
-        let egress = match (crate::egress::job::policy(&self.cfg, req), &self.egress) {
-            (Ok(Some(policy)), Some(node)) => Some(crate::egress::job::JobEgress::new(
+        let egress = match (crate::job_egress::policy(&self.cfg, req), &self.egress) {
+            (Ok(Some(policy)), Some(node)) => Some(crate::job_egress::JobEgress::new(
                 Arc::clone(node),
                 &req.job_id,
                 policy,

@@ -69,7 +69,7 @@ pub enum StartError {
     #[error(transparent)]
     Inference(#[from] UpstreamError),
     #[error(transparent)]
-    Egress(#[from] crate::egress::job::EgressStartError),
+    Egress(#[from] crate::job_egress::EgressStartError),
     /// Settling the jobs a previous run left failed.
     #[error(transparent)]
     Reconcile(#[from] StoreError),
@@ -96,7 +96,7 @@ pub struct Node {
     /// The inference upstream, when configured.
     pub inference: Option<Arc<Upstream>>,
     /// The egress proxies' shared parts, when the node allows any destination.
-    pub egress: Option<Arc<crate::egress::job::NodeEgress>>,
+    pub egress: Option<Arc<crate::job_egress::NodeEgress>>,
     running: Mutex<HashMap<String, CancellationToken>>,
     permits: Arc<Semaphore>,
     waiting: AtomicUsize,
@@ -142,7 +142,7 @@ impl Node {
             Some(i) => Some(Arc::new(Upstream::from_config(i)?)),
             None => None,
         };
-        let egress = crate::egress::job::NodeEgress::from_config(&cfg.egress)?;
+        let egress = crate::job_egress::NodeEgress::from_config(&cfg.egress)?;
         let node = Arc::new(Node {
             inference,
             egress,

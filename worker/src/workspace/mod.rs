@@ -186,6 +186,7 @@ fn seed_error(e: SeedError) -> WorkspaceError {
     match e {
         SeedError::Refused(m) => ValidationError::new("body", m).into(),
         SeedError::HasContent => WorkspaceError::HasContent("workspace already has content".into()),
+        SeedError::Volume => WorkspaceError::HasContent(SeedError::Volume.to_string()),
         SeedError::Io(e) => WorkspaceError::Internal(format!("seeding failed: {e}")),
     }
 }

@@ -46,6 +46,10 @@ pub enum SeedError {
     /// The workspace received content while it was being seeded.
     #[error("workspace already has content")]
     HasContent,
+    /// The workspace is a disk volume (a job made it), which a staged tree cannot be
+    /// renamed onto: seed a workspace before its first job.
+    #[error("workspace is a disk volume made by a job; seed it before its first job")]
+    Volume,
     #[error("{0}")]
     Io(#[from] std::io::Error),
 }
@@ -120,9 +124,13 @@ impl Staging {
             Err(Errno::EXIST) => {}
             Err(e) => return Err(std::io::Error::from(e).into()),
         }
-        // An existing (empty) workspace: swap, then look at what was swapped out.
-        rfs::renameat_with(CWD, &self.path, CWD, target, RenameFlags::EXCHANGE)
-            .map_err(std::io::Error::from)?;
+        // An existing (empty) workspace: swap, then look at what was swapped out. A mount
+        // point (a job's disk volume) cannot be swapped: EBUSY, or EXDEV across devices.
+        match rfs::renameat_with(CWD, &self.path, CWD, target, RenameFlags::EXCHANGE) {
+            Ok(()) => {}
+            Err(Errno::BUSY | Errno::XDEV) => return Err(SeedError::Volume),
+            Err(e) => return Err(std::io::Error::from(e).into()),
+        }
         let old_is_empty = beneath::open_root(&self.path)
             .and_then(|fd| beneath::list(fd.as_fd(), 1))
             .map(|names| names.is_empty())

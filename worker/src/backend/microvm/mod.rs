@@ -20,7 +20,7 @@
 
 pub mod pool;
 pub mod rootfs;
-pub mod settings;
+pub use crate::config::microvm as settings;
 pub mod vm;
 
 use std::collections::BTreeMap;

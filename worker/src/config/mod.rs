@@ -2,6 +2,9 @@
 //! says anything. The bearer token never lives in the file itself: it comes from
 //! `--token-file`, the file's `token_file`, or `WORKER_API_BEARER_TOKEN`.
 
+pub mod microvm;
+pub mod sandbox_uids;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -48,7 +51,7 @@ pub struct Config {
     pub podman: EngineConfig,
     pub docker: EngineConfig,
     pub bwrap: BwrapConfig,
-    pub microvm: crate::backend::microvm::MicrovmConfig,
+    pub microvm: microvm::MicrovmConfig,
     /// Images jobs and sessions may use. Whatever it says, an image must be a valid OCI
     /// reference (`name[:tag][@digest]`, see `image_ref`), so no request value can
     /// become an engine flag. Empty (the default): any valid reference the backend already
@@ -86,7 +89,7 @@ pub struct Config {
     pub egress: EgressConfig,
     /// Host uids sandboxes run as, one per workspace (`{first, count}`; see
     /// [`crate::uid_pool`]): tenants never share the kernel's per-user budgets.
-    pub sandbox_uids: crate::uid_pool::UidRange,
+    pub sandbox_uids: sandbox_uids::UidRange,
 }
 
 /// The egress proxy's settings. `allow` is the node's ceiling: a job's
@@ -343,7 +346,7 @@ impl Default for Config {
                 ..EngineConfig::default()
             },
             bwrap: BwrapConfig::default(),
-            microvm: crate::backend::microvm::MicrovmConfig::default(),
+            microvm: microvm::MicrovmConfig::default(),
             images: Vec::new(),
             limits: Limits::default(),
             queue: QueueConfig::default(),
@@ -370,7 +373,7 @@ impl Default for Config {
             allow_plain_http: false,
             listener: cynode_tls::ListenerLimits::default(),
             egress: EgressConfig::default(),
-            sandbox_uids: crate::uid_pool::UidRange::default(),
+            sandbox_uids: sandbox_uids::UidRange::default(),
         }
     }
 }

@@ -13,9 +13,9 @@ use cynode_protocol::egress::EgressAudit;
 use cynode_protocol::worker_api::{NetworkPolicy, RunJobRequest};
 use cynode_protocol::ValidationError;
 
-use super::{EgressLimits, EgressProxy, Policy, Resolver, Routes};
 use crate::backend::netns_gate::NetnsHook;
 use crate::config::{BackendKind, Config, EgressConfig, OciRuntime};
+use crate::egress::{EgressLimits, EgressProxy, Policy, Resolver, Routes};
 
 /// Where the proxy listens inside the sandbox's own network namespace.
 pub const PROXY_ADDR: SocketAddr =
@@ -40,9 +40,9 @@ pub struct NodeEgress {
 #[derive(Debug, thiserror::Error)]
 pub enum EgressStartError {
     #[error("egress: {0}")]
-    Routes(#[from] super::routes::RouteError),
+    Routes(#[from] crate::egress::routes::RouteError),
     #[error("egress: {0}")]
-    Resolver(#[from] super::resolve::ResolveError),
+    Resolver(#[from] crate::egress::resolve::ResolveError),
 }
 
 impl NodeEgress {
@@ -139,7 +139,7 @@ impl JobEgress {
     }
 
     /// The backend's hook: binds [`PROXY_ADDR`] in the network namespace of the pid it is
-    /// given (on a blocking thread: [`super::netns::bind_in_netns`] joins the namespace on a
+    /// given (on a blocking thread: [`crate::egress::netns::bind_in_netns`] joins the namespace on a
     /// thread of its own) and starts the proxy there. Call once.
     pub fn hook(&mut self) -> NetnsHook {
         let slot = Arc::clone(&self.slot);
@@ -150,7 +150,7 @@ impl JobEgress {
             Box::pin(async move {
                 let policy = policy.ok_or("the egress hook ran twice")?;
                 let listener = tokio::task::spawn_blocking(move || {
-                    super::netns::bind_in_netns(pid, PROXY_ADDR)
+                    crate::egress::netns::bind_in_netns(pid, PROXY_ADDR)
                 })
                 .await
                 .map_err(|e| format!("egress proxy: the binding thread failed: {e}"))?
