@@ -2,6 +2,7 @@
 //! plan, artifacts, history…) plus where the loop is ([`Phase`]), its budgets, and the
 //! outcome. Serialised whole into the store.
 
+pub mod egress;
 pub mod evidence;
 
 use std::collections::BTreeMap;

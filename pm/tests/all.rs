@@ -2,6 +2,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod cli;
+mod egress;
 mod llm;
 mod policy;
 mod skills;

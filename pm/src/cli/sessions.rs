@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::Subcommand;
 use cynode_pm::config::datastore_url;
-use cynode_pm::session::Phase;
+use cynode_pm::session::{egress, Phase};
 use cynode_pm::store::Store;
 
 use super::args::{RunArgs, StoreArgs};
@@ -72,6 +72,8 @@ pub async fn sessions(cmd: &SessionsCmd, g: &Global) -> anyhow::Result<i32> {
                 Output::Json => {
                     let mut v = serde_json::to_value(&rec)?;
                     v["report"] = serde_json::to_value(rec.report())?;
+                    // Every job's egress audit, as stored (also in state.history).
+                    v["egress"] = serde_json::to_value(egress::of(&rec))?;
                     print_json(&v)
                 }
                 Output::Human => {
@@ -88,6 +90,10 @@ pub async fn sessions(cmd: &SessionsCmd, g: &Global) -> anyhow::Result<i32> {
                     outln!("{}", report.evidence_text().trim_end());
                     if let Some(c) = rec.deliverable.as_ref().and_then(|d| d.changeset.as_ref()) {
                         outln!("changeset:\n{}", c.trim_end());
+                    }
+                    let jobs = egress::of(&rec);
+                    if !jobs.is_empty() {
+                        outln!("{}", egress::text(&jobs, egress::SHOWN_PER_JOB).trim_end());
                     }
                     outln!("{}", report.summary_line());
                 }
