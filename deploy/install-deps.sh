@@ -8,7 +8,8 @@
 #      sandboxes), bubblewrap, busybox-static, git (the worker's changesets), curl (the
 #      model server scripts), patch, debootstrap, uidmap, slirp4netns, fuse-overlayfs,
 #      hyperfine, docker.io (a real Docker engine; it brings containerd and tini, whose
-#      docker-init session containers use), runsc (gVisor) and jq (step 3's merge) with apt
+#      docker-init session containers use), runsc (gVisor), jq (step 3's merge) and
+#      e2fsprogs (mke2fs, for the kernel-enforced disk volumes) with apt
 #      (skipped in well under a second when dpkg-query says they are all installed
 #      already);
 #   2. configures podman for this kind of machine with the drop-in
@@ -45,7 +46,7 @@
 set -euo pipefail
 
 PACKAGES=(podman runc catatonit bubblewrap busybox-static git curl patch debootstrap uidmap
-  slirp4netns fuse-overlayfs hyperfine docker.io runsc jq)
+  slirp4netns fuse-overlayfs hyperfine docker.io runsc jq e2fsprogs)
 DROPIN_DIR=/etc/containers/containers.conf.d
 DROPIN="$DROPIN_DIR/50-cynode.conf"
 DOCKER_CONFIG_FILE=/etc/docker/daemon.json

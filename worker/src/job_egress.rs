@@ -1,10 +1,10 @@
 //! One job's egress, from its request to its audit: [`policy`] checks the request against
-//! the node (`restricted` needs an allowlist on the node and a backend that can bind the
-//! proxy inside the sandbox; `sandbox.egress_allow` may narrow the node's ceiling, never
-//! widen it), [`env`] gives the variables the sandbox gets, and a [`JobEgress`] binds the
-//! proxy's listener at [`PROXY_ADDR`] inside the sandbox's network namespace (through the
-//! backend's [`NetnsHook`]) before the sandbox's command runs, and returns its audit when
-//! the job ends.
+//! the node (`restricted` with egress off is deny-all, no network; with egress on it needs
+//! a backend that can bind the proxy inside the sandbox; `sandbox.egress_allow` may narrow
+//! the node's ceiling, never widen it), [`env`] gives the variables the sandbox gets, and
+//! a [`JobEgress`] binds the proxy's listener at [`PROXY_ADDR`] inside the sandbox's
+//! network namespace (through the backend's [`NetnsHook`]) before the sandbox's command
+//! runs, and returns its audit when the job ends.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -62,20 +62,32 @@ impl NodeEgress {
 /// The field every refusal names.
 const FIELD: &str = "sandbox.network_policy";
 
-/// The job's proxy policy: `None` for a job without network (`none`, the default);
-/// `restricted` is refused on a node with egress off or a backend that cannot bind the
-/// proxy inside its sandboxes, and an `egress_allow` that widens the node's ceiling is
-/// refused naming the entry.
+/// The job's proxy policy: `None` for a job without network (`none`, the default, and
+/// `restricted` on a node with egress off, which is upstream's deny-all); `restricted` is
+/// refused on a node with egress on whose backend cannot bind the proxy inside its
+/// sandboxes, as is an `egress_allow` naming destinations the node does not offer (beyond
+/// its ceiling, or any at all when egress is off).
 pub fn policy(cfg: &Config, req: &RunJobRequest) -> Result<Option<Policy>, ValidationError> {
     if req.sandbox.network_policy.unwrap_or_default() != NetworkPolicy::Restricted {
         return Ok(None);
     }
     if cfg.egress.allow.patterns.is_empty() && cfg.egress.routes.is_empty() {
-        return Err(ValidationError::new(
-            FIELD,
-            "`restricted` needs the node's egress proxy, and this node allows no destination \
-             (worker.yaml egress.allow is empty)",
-        ));
+        // Upstream's meaning of `restricted` without a proxy: deny-all. The job runs with
+        // no network at all, as `none`; only a request that names destinations is refused,
+        // since the node cannot give it what it asks for.
+        if req
+            .sandbox
+            .egress_allow
+            .as_ref()
+            .is_some_and(|l| !l.is_empty())
+        {
+            return Err(ValidationError::new(
+                "sandbox.egress_allow",
+                "this node allows no destination (worker.yaml egress.allow is empty): \
+                 `restricted` runs here with no network at all",
+            ));
+        }
+        return Ok(None);
     }
     let backend_can = match cfg.backend {
         BackendKind::Bwrap => true,

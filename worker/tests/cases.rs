@@ -151,6 +151,14 @@ pub async fn no_network_for_none_and_restricted(backend: &'static str) {
         let (_, v) = sv.post("/v1/worker/jobs:run", &body).await;
         assert_eq!(v["stdout"], "lo\n", "{policy}: {v}");
     }
+    // This node allows no destination: `restricted` is upstream's deny-all, and a request
+    // that names destinations is refused rather than silently given none.
+    let mut body = command_job(&unique("j"), "t", &["true"]);
+    body["sandbox"]["network_policy"] = json!("restricted");
+    body["sandbox"]["egress_allow"] = json!(["pypi.org"]);
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 400, "{v}");
+    assert_field_starts(&v, "detail", "sandbox.egress_allow");
     let mut body = command_job(&unique("j"), "t", &["true"]);
     body["sandbox"]["network_policy"] = json!("allow");
     let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
@@ -558,6 +566,21 @@ pub async fn full_queue_answers_503(backend: &'static str) {
         "{full}"
     );
     assert_eq!(full["running"], 1, "{full}");
+    // /metrics says the same, and only to a caller with the token.
+    let text = sv.get_raw("/metrics").await.text().await.unwrap();
+    let b = node_backend(backend);
+    for line in [
+        format!("cynode_worker_jobs_running{{backend=\"{b}\"}} 1"),
+        format!("cynode_worker_jobs_queued{{backend=\"{b}\"}} 1"),
+        format!("cynode_worker_jobs_max_running{{backend=\"{b}\"}} 1"),
+    ] {
+        assert!(
+            text.lines().any(|l| l == line),
+            "{line} missing in:\n{text}"
+        );
+    }
+    let anonymous = sv.client.get(sv.url("/metrics")).send().await.unwrap();
+    assert_eq!(anonymous.status().as_u16(), 401);
     for id in &ids[..2] {
         sv.post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
             .await;

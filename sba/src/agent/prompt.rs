@@ -1,6 +1,7 @@
 //! What the model reads: the system prompt (the action contract and the rules), the job
-//! message (context sections in the seed's order, each headed, then the limits and the todo
-//! list), and one observation per action, each cut to a fixed size.
+//! message (the persona first when there is one, then the context sections in the seed's order,
+//! each headed, then the limits and the todo list), and one observation per action, each cut
+//! to a fixed size.
 
 use cynode_protocol::job::JobSpec;
 use cynode_protocol::result::{StepOutput, StepRecord, StepStatus};
@@ -53,6 +54,9 @@ fn list(items: &[String]) -> String {
         .join("\n")
 }
 
+/// The heading of the job's persona, the first section when the job has one.
+pub const PERSONA: &str = "Persona";
+
 /// The sections of the job message, in the seed's order; each is a `## ` heading.
 pub const SECTIONS: [&str; 10] = [
     "Baseline context",
@@ -67,8 +71,9 @@ pub const SECTIONS: [&str; 10] = [
     "Todo list",
 ];
 
-/// The job message: the seed's context order, every section headed (baseline and task
-/// always present), then the limits and the todo list.
+/// The job message: the persona first when there is one, then the seed's context order,
+/// every section headed (baseline and task always present), then the limits and the todo
+/// list.
 pub fn job_message(job: &JobSpec, remaining_secs: u64, max_turns: u32, todo: &str) -> String {
     let c = job.context.clone().unwrap_or_default();
     let text = |s: &str| {
@@ -115,10 +120,22 @@ pub fn job_message(job: &JobSpec, remaining_secs: u64, max_turns: u32, todo: &st
         limits,
         todo.to_string(),
     ];
-    SECTIONS
-        .iter()
-        .zip(bodies)
-        .map(|(h, body)| format!("## {h}\n{body}"))
+    // The persona, when the job has one, is the first block (upstream REQ-SBAGNT-0113).
+    let persona = [c.persona_title.trim(), c.persona_description.trim()]
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join("\n");
+    let persona = (!persona.is_empty())
+        .then(|| format!("## {PERSONA}\n{}", cut(&persona, MAX_SECTION_BYTES)));
+    persona
+        .into_iter()
+        .chain(
+            SECTIONS
+                .iter()
+                .zip(bodies)
+                .map(|(h, body)| format!("## {h}\n{body}")),
+        )
         .collect::<Vec<_>>()
         .join("\n\n")
 }
@@ -198,6 +215,7 @@ mod tests {
             ]
         );
         assert!(m.contains("## Task\nmake hello.txt"), "{m}");
+        assert!(!m.contains("## Persona"), "{m}");
         assert!(m.contains("## Baseline context\n(none)"), "{m}");
         assert!(m.contains("remaining time: 59 s"), "{m}");
         assert!(m.contains("at most 100 bytes"), "{m}");
@@ -207,5 +225,27 @@ mod tests {
     #[test]
     fn cut_keeps_char_boundaries() {
         assert_eq!(cut("héllo", 2), "h\n[... 5 bytes cut]");
+    }
+
+    #[test]
+    fn the_persona_comes_first_when_the_job_has_one() {
+        let job = JobSpec::from_json(
+            br#"{"protocol_version":"1.0","job_id":"j","task_id":"t",
+                "inference":{"allowed_models":["m"]},
+                "constraints":{"max_runtime_seconds":60,"max_output_bytes":100},
+                "context":{"persona_title":"Release engineer",
+                           "persona_description":"Careful with tags.",
+                           "baseline_context":"b","task_context":"x"}}"#,
+        )
+        .unwrap();
+        let m = job_message(&job, 59, 10, "");
+        assert!(
+            m.starts_with(
+                "## Persona\nRelease engineer\nCareful with tags.\n\n## Baseline context\nb"
+            ),
+            "{m}"
+        );
+        let heads = m.lines().filter(|l| l.starts_with("## ")).count();
+        assert_eq!(heads, SECTIONS.len() + 1);
     }
 }

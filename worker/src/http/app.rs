@@ -9,7 +9,7 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use super::extract::BodyLimit;
-use super::{auth, capacity, health, jobs, sessions, workspaces};
+use super::{auth, capacity, health, jobs, metrics, sessions, workspaces};
 use crate::node::Node;
 
 /// The router for `node`.
@@ -27,6 +27,7 @@ pub fn app(node: Arc<Node>) -> Router {
             get(jobs::artifact),
         )
         .route("/v1/worker/capacity", get(capacity::capacity))
+        .route("/metrics", get(metrics::metrics))
         .merge(workspaces::routes())
         .merge(sessions::routes())
         .route_layer(middleware::from_fn_with_state(

@@ -1,7 +1,7 @@
 //! The Worker API v1 over HTTP: [`app`] builds the router for a [`crate::node::Node`].
 //!
-//! Health endpoints are open; every `/v1/` route needs the bearer token (constant-time
-//! compare). Bodies are limited (413), parsed strictly with field-named errors (400), and
+//! Health endpoints are open; `/metrics` and every `/v1/` route need the bearer token
+//! (constant-time compare). Bodies are limited (413), parsed strictly with field-named errors (400), and
 //! every error is an RFC 9457 problem+json body through the one [`error::ApiError`].
 //!
 //! This is the top layer: the handlers translate HTTP to calls on the node, its sessions
@@ -14,6 +14,7 @@ pub mod error;
 pub mod extract;
 mod health;
 mod jobs;
+mod metrics;
 pub mod sessions;
 pub mod workspaces;
 
