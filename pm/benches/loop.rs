@@ -73,6 +73,7 @@ async fn pm(model_url: &str, worker: Option<(String, String)>, image: &str, db: 
         workers: WorkerPool::single(WorkerClient::new(&w, &t), image),
         worker_wait: std::time::Duration::from_secs(60),
         artifacts_dir: std::env::temp_dir().join("cynode-bench-artifacts"),
+        gateway_url: None,
     }
 }
 

@@ -153,5 +153,6 @@ pub async fn build_pm(config: &PmConfig, workers: WorkerPool) -> Result<Pm, Boot
         workers,
         worker_wait: config.worker_wait,
         artifacts_dir: config.artifacts_dir(),
+        gateway_url: None,
     })
 }

@@ -116,6 +116,62 @@ pub struct RunJobRequest {
     /// Extension: the workspace the job runs in; defaults to `task_id`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub workspace_id: Option<String>,
+    /// Extension: the PM's tool gateway for this job. The node serves it to the sandbox
+    /// as `/job/gateway.sock` and adds the token itself; the token is never stored with
+    /// the job, never part of its idempotency digest, and never enters the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gateway: Option<GatewayGrant>,
+}
+
+/// Longest gateway URL a request may carry.
+pub const MAX_GATEWAY_URL_LEN: usize = 2048;
+/// Longest gateway token a request may carry.
+pub const MAX_GATEWAY_TOKEN_LEN: usize = 512;
+
+/// Where a job's gateway calls go (`url`: the PM's `/v1/gateway`) and the job token the
+/// node presents there as `Authorization: Bearer`. `Debug` never shows the token.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct GatewayGrant {
+    pub url: String,
+    pub token: String,
+}
+
+impl std::fmt::Debug for GatewayGrant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GatewayGrant")
+            .field("url", &self.url)
+            .field("token", &"<redacted>")
+            .finish()
+    }
+}
+
+impl GatewayGrant {
+    /// An http(s) URL and a token of visible ASCII, both bounded; errors name the field
+    /// and never echo the token.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        let u = self.url.as_str();
+        if !(u.starts_with("http://") || u.starts_with("https://"))
+            || u.len() > MAX_GATEWAY_URL_LEN
+            || u.bytes().any(|b| !b.is_ascii_graphic())
+        {
+            return Err(ValidationError::new(
+                "gateway.url",
+                format!("must be an http:// or https:// URL of at most {MAX_GATEWAY_URL_LEN} visible ASCII characters"),
+            ));
+        }
+        let t = self.token.as_bytes();
+        if t.is_empty()
+            || t.len() > MAX_GATEWAY_TOKEN_LEN
+            || t.iter().any(|b| !b.is_ascii_graphic())
+        {
+            return Err(ValidationError::new(
+                "gateway.token",
+                format!("must be 1-{MAX_GATEWAY_TOKEN_LEN} visible ASCII characters"),
+            ));
+        }
+        Ok(())
+    }
 }
 
 impl RunJobRequest {
@@ -138,6 +194,7 @@ impl RunJobRequest {
                 ..SandboxSpec::default()
             },
             workspace_id,
+            gateway: None,
         }
     }
 
@@ -173,6 +230,9 @@ impl RunJobRequest {
             ));
         }
         self.validate_network()?;
+        if let Some(g) = &self.gateway {
+            g.validate()?;
+        }
         for key in self.sandbox.env.keys() {
             if key.is_empty() || key.contains('=') || key.contains('\0') {
                 return Err(ValidationError::new(
@@ -489,6 +549,41 @@ mod tests {
         let r: RunJobRequest = serde_json::from_value(req()).unwrap();
         r.validate().unwrap();
         assert_eq!(r.sandbox.command, ["echo", "hello"]);
+    }
+
+    /// The gateway extension: optional, validated, and its token never in `Debug` nor in
+    /// a validation error.
+    #[test]
+    fn gateway_grant_is_optional_checked_and_redacted() {
+        let secret = "cgw_0123456789abcdef";
+        let mut v = req();
+        v["gateway"] =
+            serde_json::json!({ "url": "http://127.0.0.1:8080/v1/gateway", "token": secret });
+        let r: RunJobRequest = serde_json::from_value(v.clone()).unwrap();
+        r.validate().unwrap();
+        assert!(!format!("{r:?}").contains(secret), "{r:?}");
+        for (field, bad) in [
+            ("url", "file:///etc/passwd"),
+            ("url", "http://a b"),
+            ("token", ""),
+            ("token", "cgw_with space"),
+        ] {
+            let mut w = v.clone();
+            w["gateway"][field] = bad.into();
+            let e = serde_json::from_value::<RunJobRequest>(w)
+                .unwrap()
+                .validate()
+                .unwrap_err();
+            assert!(
+                e.to_string().starts_with(&format!("gateway.{field}:")),
+                "{e}"
+            );
+            assert!(!e.to_string().contains("cgw_"), "{e}");
+        }
+        v["gateway"]["extra"] = 1.into();
+        assert!(serde_json::from_value::<RunJobRequest>(v).is_err());
+        let plain: RunJobRequest = serde_json::from_value(req()).unwrap();
+        assert!(!serde_json::to_string(&plain).unwrap().contains("gateway"));
     }
 
     /// Upstream CyNodeAI sends `"command": null` on every SBA dispatch (its field has no

@@ -70,6 +70,11 @@ pub struct ServeArgs {
     /// A TLS handshake must finish within this time.
     #[arg(long, default_value_t = 10)]
     pub tls_handshake_timeout_seconds: u64,
+    /// The sandbox gateway's URL as the workers reach it (this service's `/v1/gateway`),
+    /// handed to them with each job's token. Default: the listen address, when it is a
+    /// loopback one; otherwise jobs get no gateway unless this is set.
+    #[arg(long, env = "CYNODE_PM_GATEWAY_URL")]
+    pub gateway_url: Option<String>,
     #[command(flatten)]
     pub pm: PmArgs,
 }
@@ -96,7 +101,16 @@ pub async fn serve(args: &ServeArgs, g: &Global) -> anyhow::Result<i32> {
     )?;
     let workers = bootstrap::workers(&workers)?;
     let config = args.pm.config(g);
-    let pm = bootstrap::build_pm(&config, workers).await?;
+    let mut pm = bootstrap::build_pm(&config, workers).await?;
+    pm.gateway_url = args.gateway_url.clone().or_else(|| {
+        let scheme = if args.tls_cert_file.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        (args.listen.ip().is_loopback() && args.listen.port() != 0)
+            .then(|| format!("{scheme}://{}/v1/gateway", args.listen))
+    });
     let cfg = ServeConfig {
         listen: args.listen,
         tokens,

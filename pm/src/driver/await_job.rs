@@ -1,10 +1,17 @@
 //! Await: create the session's workspace on its worker, submit the journaled job
 //! (idempotent on job_id), and poll it to its end, saving each new state as an event.
+//! When the PM serves the sandbox gateway, the job gets a job token for it in the Worker
+//! API request (not in job.json), revoked when the job ends whatever the outcome; the
+//! calls it made and the artifacts it put join the session then.
 
 use cynode_protocol::worker_api::*;
 use serde_json::json;
 
+use cynode_protocol::result::ArtifactRecord;
+use cynode_protocol::session::SessionArtifact;
+
 use crate::dispatch::{DispatchError, WorkerClient};
+use crate::gateway::{self, Grant};
 use crate::session::{Dispatch, FailureKind, Phase, SessionRecord};
 use crate::store::StoreError;
 use crate::workers::PlaceError;
@@ -117,6 +124,7 @@ impl Pm {
             Some(rec.workspace_id.clone()),
         );
         self.egress_for(&d, &mut req);
+        let token = self.gateway_token(rec, &d, &mut req);
         let mut version = version;
         let outcome = match self.prepare_workspace(worker, rec, &d).await {
             Ok(()) => match worker.submit(&req).await {
@@ -128,6 +136,11 @@ impl Pm {
             },
             Err(e) => Err(e.into()),
         };
+        // Whatever the outcome (result, cancel, worker failure), the job is over for
+        // this driver: its token goes now, before anything is saved.
+        if let Some(t) = token {
+            record_gateway(rec, &d, t.revoke());
+        }
         let resp = match outcome {
             Ok(r) => r,
             Err(WatchError::Store(e)) => return Err(e.into()),
@@ -178,6 +191,41 @@ impl Pm {
         Ok(())
     }
 
+    /// Mints the job's gateway token (when this PM serves a gateway) and puts it in the
+    /// Worker API request beside the gateway's URL. It lives until the job's deadline
+    /// (its `max_runtime_seconds`, or the Worker API default, plus a grace) unless
+    /// revoked first, which the returned guard does when the job ends or is dropped.
+    fn gateway_token(
+        &self,
+        rec: &SessionRecord,
+        d: &Dispatch,
+        req: &mut RunJobRequest,
+    ) -> Option<JobGatewayToken> {
+        let url = self.gateway_url.as_ref()?;
+        let runtime = serde_json::from_str::<serde_json::Value>(&d.job_json)
+            .ok()
+            .and_then(|j| j["constraints"]["max_runtime_seconds"].as_u64())
+            .unwrap_or(DEFAULT_TIMEOUT_SECONDS)
+            .min(MAX_TIMEOUT_SECONDS);
+        let ttl = std::time::Duration::from_secs(runtime + TOKEN_GRACE_SECONDS);
+        let token = gateway::tokens().mint(
+            Grant {
+                tenant: rec.tenant_id.clone(),
+                session_id: rec.state.session_id.clone(),
+                task_id: d.task_id.clone(),
+                job_id: d.job_id.clone(),
+            },
+            ttl,
+        );
+        req.gateway = Some(GatewayGrant {
+            url: url.clone(),
+            token: token.expose().to_string(),
+        });
+        Some(JobGatewayToken {
+            job_id: Some(d.job_id.clone()),
+        })
+    }
+
     /// Creates the session's workspace (seeded as asked) on the worker its first job was
     /// placed on. Idempotent, so a resumed session repeats it safely.
     pub(super) async fn prepare_workspace(
@@ -203,5 +251,59 @@ impl Pm {
                 },
                 other => other,
             })
+    }
+}
+
+/// Beyond the job's own runtime, how long its gateway token may outlive a driver that
+/// never saw the job end (queueing, start-up, a lost PM): the deadline that bounds it.
+const TOKEN_GRACE_SECONDS: u64 = 600;
+
+/// A dispatched job's live gateway token: revoked by [`JobGatewayToken::revoke`] when
+/// the job ends, or on drop (a driver future dropped mid-job, a panic).
+struct JobGatewayToken {
+    job_id: Option<String>,
+}
+
+impl JobGatewayToken {
+    fn revoke(mut self) -> gateway::Revoked {
+        match self.job_id.take() {
+            Some(j) => gateway::tokens().revoke_job(&j),
+            None => gateway::Revoked::default(),
+        }
+    }
+}
+
+impl Drop for JobGatewayToken {
+    fn drop(&mut self) {
+        if let Some(j) = self.job_id.take() {
+            gateway::tokens().revoke_job(&j);
+        }
+    }
+}
+
+/// What the job did through the gateway joins the session: each call (tool, outcome,
+/// bytes) as a `gateway_calls` event, each verified `artifact.put` as an artifact of the
+/// job (its bytes were checked against their sha256 when they were put).
+fn record_gateway(rec: &mut SessionRecord, d: &Dispatch, revoked: gateway::Revoked) {
+    if !revoked.audit.is_empty() {
+        let refused = revoked.audit.iter().filter(|a| a.outcome != "ok").count();
+        rec.event(
+            "gateway_calls",
+            json!({ "job_id": d.job_id, "calls": revoked.audit, "refused": refused }),
+        );
+    }
+    for a in revoked.artifacts {
+        rec.state
+            .artifacts
+            .retain(|x| !(x.job_id == d.job_id && x.record.path == a.path));
+        rec.state.artifacts.push(SessionArtifact {
+            record: ArtifactRecord {
+                path: a.path,
+                sha256: a.sha256,
+                size_bytes: a.size_bytes,
+            },
+            job_id: d.job_id.clone(),
+            location: a.location,
+        });
     }
 }

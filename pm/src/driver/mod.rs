@@ -104,6 +104,10 @@ pub struct Pm {
     pub worker_wait: std::time::Duration,
     /// Where verified artifacts are stored.
     pub artifacts_dir: PathBuf,
+    /// The sandbox gateway (`/v1/gateway` of `serve`) as the workers reach it. When set,
+    /// each dispatched job gets a job token for it ([`crate::gateway`]), handed to the
+    /// worker in the Worker API request (never in job.json) and revoked when the job ends.
+    pub gateway_url: Option<String>,
 }
 
 fn failpoint(name: &str) {

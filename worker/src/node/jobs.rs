@@ -17,6 +17,7 @@ use super::reconcile::{canceled_before_start, restarted_response_for};
 use super::{Node, NodeError};
 use crate::callback;
 use crate::executor::{self, JobPaths};
+use crate::gateway_forward;
 use crate::inference::{self, Proxy};
 use crate::remove_tree::remove_tree_async;
 use crate::store::{request_digest, JobRecord, Mode};
@@ -59,6 +60,8 @@ impl Node {
     ) -> Result<RunJobResponse, NodeError> {
         default_image(self, &mut req);
         executor::validate(&self.cfg, &req)?;
+        // The gateway token is held in memory only: never digested, stored or logged.
+        let gateway = req.gateway.take();
         let digest = request_digest(&req)?;
         // The workspace's host uid, before the job is accepted: none free is a 503.
         self.uids.for_workspace(workspace_of(&req)).await?;
@@ -77,6 +80,9 @@ impl Node {
                 ))),
             };
         }
+        if let Some(g) = gateway {
+            gateway_forward::grants().put(&req.job_id, g);
+        }
         Ok(self.execute(req).await)
     }
 
@@ -88,10 +94,18 @@ impl Node {
     ) -> Result<(bool, AsyncJobStatus), NodeError> {
         default_image(self, &mut req);
         executor::validate(&self.cfg, &req)?;
+        // The gateway token is held in memory only: never digested, stored or logged.
+        // A repeat of a job still running (a PM resuming with a new token) replaces it.
+        let gateway = req.gateway.take();
         let digest = request_digest(&req)?;
         if let Some(existing) = self.store.get(&req.job_id).await? {
             if existing.request_digest != digest {
                 return Err(different_request(&req.job_id));
+            }
+            if let Some(g) = gateway {
+                if !existing.state.is_terminal() && gateway_forward::grants().has(&req.job_id) {
+                    gateway_forward::grants().put(&req.job_id, g);
+                }
             }
             return Ok((false, status_of(existing)));
         }
@@ -108,6 +122,9 @@ impl Node {
                 return Err(different_request(&req.job_id));
             }
             return Ok((false, status_of(existing)));
+        }
+        if let Some(g) = gateway {
+            gateway_forward::grants().put(&req.job_id, g);
         }
         let status = AsyncJobStatus {
             version: API_VERSION,
@@ -162,6 +179,7 @@ impl Node {
             self.execute_inner(&req, &cancel).await
         };
         drop(permit);
+        gateway_forward::grants().remove(&req.job_id);
         let state = if cancel.is_cancelled() && resp.status != WorkerJobStatus::Completed {
             AsyncJobState::Canceled
         } else {
@@ -238,6 +256,19 @@ impl Node {
                 }
             }
             _ => None,
+        };
+        let _gateway = if gateway_forward::grants().has(&req.job_id) {
+            match gateway_forward::listen(&paths.mount, &req.job_id, &self.job_sockets(), host_uid)
+            {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    let mut resp = restarted_response_for(req);
+                    resp.failure_reason = Some(format!("cannot start the gateway socket: {e}"));
+                    return resp;
+                }
+            }
+        } else {
+            None
         };
         let egress = match (crate::job_egress::policy(&self.cfg, req), &self.egress) {
             (Ok(Some(policy)), Some(node)) => Some(crate::job_egress::JobEgress::new(
