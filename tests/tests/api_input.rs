@@ -106,10 +106,8 @@ fn bodies_must_be_json_objects_sent_as_application_json() {
         ] {
             let a = post(&r.base, path, ctype, valid.as_bytes());
             let p = problem(&a, 415);
-            assert_eq!(
-                p["type"], "urn:cynodeai:error:unsupported-media-type",
-                "{p}"
-            );
+            // The one vocabulary (upstream's): a refused media type is `validation`.
+            assert_eq!(p["type"], "urn:cynodeai:error:validation", "{p}");
         }
     }
 
@@ -128,6 +126,7 @@ fn bodies_must_be_json_objects_sent_as_application_json() {
         ] {
             let a = post(&r.base, path, Some("application/json"), body.as_bytes());
             let p = problem(&a, 400);
+            assert_eq!(p["type"], "urn:cynodeai:error:validation", "{p}");
             assert!(
                 p["detail"].as_str().unwrap().contains("JSON object"),
                 "{body} to {path}: {p}"
@@ -154,7 +153,7 @@ fn over_the_body_limit_is_413_problem_json_with_and_without_content_length() {
         big.as_bytes(),
     );
     let p = problem(&a, 413);
-    assert_eq!(p["type"], "urn:cynodeai:error:payload-too-large", "{p}");
+    assert_eq!(p["type"], "urn:cynodeai:error:validation", "{p}");
     assert!(p["detail"].as_str().unwrap().contains("2048"), "{p}");
 
     // Chunked, no Content-Length: refused while reading.
@@ -171,11 +170,16 @@ fn over_the_body_limit_is_413_problem_json_with_and_without_content_length() {
         &chunked,
     );
     let p = problem(&a, 413);
-    assert_eq!(p["type"], "urn:cynodeai:error:payload-too-large", "{p}");
+    assert_eq!(p["type"], "urn:cynodeai:error:validation", "{p}");
 
     // Other rejections of the framework are problem+json too.
     let a = raw(&r.base, "DELETE /v1/sessions HTTP/1.1", b"");
-    problem(&a, 405);
+    let p = problem(&a, 405);
+    assert_eq!(p["type"], "urn:cynodeai:error:validation", "{p}");
     let a = raw(&r.base, "GET /v1/sessions?bogus=1 HTTP/1.1", b"");
-    problem(&a, 400);
+    let p = problem(&a, 400);
+    assert_eq!(p["type"], "urn:cynodeai:error:validation", "{p}");
+    let a = raw(&r.base, "GET /v1/no-such-route HTTP/1.1", b"");
+    let p = problem(&a, 404);
+    assert_eq!(p["type"], "urn:cynodeai:error:not_found", "{p}");
 }

@@ -280,3 +280,32 @@ fn only_three_sba_modules_read_the_environment() {
     readers.sort();
     assert_eq!(readers, ["agent/client.rs", "cli.rs", "runner.rs"]);
 }
+
+/// ARCHITECTURE.md's claim about problem types: every `urn:cynodeai:error:` kind is
+/// written by `protocol/src/problem.rs` (`ProblemKind`), the one vocabulary the worker and
+/// the PM share; no other source spells one.
+#[test]
+fn only_the_protocol_spells_a_problem_type() {
+    let mut files = Vec::new();
+    for krate in ["protocol", "sba", "worker", "pm", "tls"] {
+        sources(&workspace_root().join(krate).join("src"), &mut files);
+    }
+    let mut spellers: Vec<String> = files
+        .iter()
+        .filter(|f| {
+            fs::read_to_string(f)
+                .unwrap()
+                .lines()
+                .filter(|l| !l.trim_start().starts_with("//"))
+                .any(|l| l.contains("urn:cynodeai:error:"))
+        })
+        .map(|f| {
+            f.strip_prefix(workspace_root())
+                .unwrap()
+                .display()
+                .to_string()
+        })
+        .collect();
+    spellers.sort();
+    assert_eq!(spellers, ["protocol/src/problem.rs"]);
+}

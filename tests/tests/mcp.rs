@@ -199,11 +199,11 @@ async fn session_to_a_verified_artifact(c: &Client) -> String {
     // Refused operations: the HTTP API's problems, as isError results.
     let kind = |p: &Value| p["type"].as_str().unwrap().to_string();
     let p = refused(c, "skills.show", json!({ "skill_id": "no-such-skill" })).await;
-    assert_eq!(kind(&p), "urn:cynodeai:error:not-found", "{p}");
+    assert_eq!(kind(&p), "urn:cynodeai:error:not_found", "{p}");
     let p = refused(c, "sessions.get", json!({ "session_id": "s-missing" })).await;
     assert_eq!(
         (kind(&p), p["status"].clone()),
-        ("urn:cynodeai:error:not-found".into(), json!(404))
+        ("urn:cynodeai:error:not_found".into(), json!(404))
     );
     let p = refused(c, "sessions.cancel", json!({ "session_id": id })).await;
     assert_eq!(kind(&p), "urn:cynodeai:error:conflict", "{p}");
@@ -220,14 +220,14 @@ async fn session_to_a_verified_artifact(c: &Client) -> String {
         json!({ "session_id": id, "sha256": "0".repeat(64) }),
     )
     .await;
-    assert_eq!(kind(&p), "urn:cynodeai:error:not-found", "{p}");
+    assert_eq!(kind(&p), "urn:cynodeai:error:not_found", "{p}");
     let p = refused(
         c,
         "sessions.create",
         json!({ "objective": "x", "tenant": "someone-else" }),
     )
     .await;
-    assert_eq!(kind(&p), "urn:cynodeai:error:forbidden", "{p}");
+    assert_eq!(kind(&p), "urn:cynodeai:error:authorization", "{p}");
 
     // Protocol errors: an unknown tool, arguments off the schema (naming the field).
     let (code, data) = protocol_error(c, "db.query", json!({})).await;
@@ -235,12 +235,12 @@ async fn session_to_a_verified_artifact(c: &Client) -> String {
         (code, data["type"].clone()),
         (
             ErrorCode::INVALID_PARAMS,
-            json!("urn:cynodeai:error:unknown-tool")
+            json!("urn:cynodeai:error:not_found")
         )
     );
     let (code, data) = protocol_error(c, "sessions.get", json!({ "session": id })).await;
     assert_eq!(code, ErrorCode::INVALID_PARAMS);
-    assert_eq!(data["type"], "urn:cynodeai:error:invalid-request");
+    assert_eq!(data["type"], "urn:cynodeai:error:validation");
     assert!(
         data["detail"].as_str().unwrap().contains("session"),
         "{data}"
@@ -297,7 +297,7 @@ async fn mcp_stdio_client_runs_a_session_to_a_verified_artifact() {
     // Another tenant on the same datastore sees nothing of acme's.
     let globex = stdio_client(dir.path(), &db, &model, &worker.addr, "globex").await;
     let p = refused(&globex, "sessions.get", json!({ "session_id": id })).await;
-    assert_eq!(p["type"], "urn:cynodeai:error:not-found", "{p}");
+    assert_eq!(p["type"], "urn:cynodeai:error:not_found", "{p}");
     let s = call(&acme, "sessions.get", json!({ "session_id": id })).await;
     let sha = s["artifacts"][0]["sha256"].as_str().unwrap().to_string();
     let p = refused(
@@ -306,7 +306,7 @@ async fn mcp_stdio_client_runs_a_session_to_a_verified_artifact() {
         json!({ "session_id": id, "sha256": sha }),
     )
     .await;
-    assert_eq!(p["type"], "urn:cynodeai:error:not-found", "{p}");
+    assert_eq!(p["type"], "urn:cynodeai:error:not_found", "{p}");
     globex.cancel().await.unwrap();
     acme.cancel().await.unwrap();
 }
@@ -342,7 +342,7 @@ async fn mcp_over_http_in_serve_behind_the_api_tokens() {
         let resp = req.send().await.unwrap();
         assert_eq!(resp.status(), 401, "{token:?}");
         let body: Value = resp.json().await.unwrap();
-        assert_eq!(body["type"], "urn:cynodeai:error:unauthorized");
+        assert_eq!(body["type"], "urn:cynodeai:error:authentication");
     }
 
     let client = |token: &str| {
@@ -362,7 +362,7 @@ async fn mcp_over_http_in_serve_behind_the_api_tokens() {
     let id = session_to_a_verified_artifact(&a).await;
     let b = client(crate::service::TENANT_B).await;
     let p = refused(&b, "sessions.get", json!({ "session_id": id })).await;
-    assert_eq!(p["type"], "urn:cynodeai:error:not-found", "{p}");
+    assert_eq!(p["type"], "urn:cynodeai:error:not_found", "{p}");
     a.cancel().await.unwrap();
     b.cancel().await.unwrap();
 }
@@ -409,7 +409,7 @@ async fn gateway_refuses_absent_forged_and_api_tokens() {
         let resp = post(token).await.unwrap();
         assert_eq!(resp.status(), 401, "{token:?}");
         let p: Value = resp.json().await.unwrap();
-        assert_eq!(p["type"], "urn:cynodeai:error:unauthorized");
+        assert_eq!(p["type"], "urn:cynodeai:error:authentication");
         assert!(p["detail"].as_str().unwrap().contains(reason), "{p}");
     }
     let t = Instant::now();

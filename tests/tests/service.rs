@@ -237,7 +237,7 @@ async fn api_round_trip(db: &str) {
     .await;
     assert_eq!(
         (s, v["type"].as_str()),
-        (401, Some("urn:cynodeai:error:unauthorized"))
+        (401, Some("urn:cynodeai:error:authentication"))
     );
     // Bad bodies: a named field, never a crash.
     let (s, v) = call(

@@ -397,6 +397,7 @@ async fn job_id_reuse_with_another_request_is_409(backend: &'static str) {
             assert_eq!(r.status().as_u16(), 409, "{path}");
             assert_eq!(r.headers()["content-type"], "application/problem+json");
             let v: Value = r.json().await.unwrap();
+            assert_eq!(v["type"], "urn:cynodeai:error:conflict", "{path}: {v}");
             assert!(
                 v["detail"].as_str().unwrap_or("").contains(&id),
                 "{path}: {v}"

@@ -187,6 +187,7 @@ pub async fn lifecycle_keeps_the_workspace_and_removes_the_sandbox(backend: &'st
     assert_eq!((code, &again), (200, &ended));
     let (code, v) = sv.post(&exec, &exec_body(&["true"])).await;
     assert_eq!(code, 409, "{v}");
+    assert_eq!(v["type"], "urn:cynodeai:error:conflict", "{v}");
     assert_eq!(
         v["detail"],
         json!(format!("session {id} has ended (requested)"))
@@ -198,13 +199,14 @@ pub async fn lifecycle_keeps_the_workspace_and_removes_the_sandbox(backend: &'st
     // The workspace outlives the session.
     assert!(host.exists());
     // Unknown sessions are 404.
-    let (code, _) = sv
+    let (code, v) = sv
         .post(
             &format!("/v1/worker/sessions/{}/exec", unique("nope")),
             &exec_body(&["true"]),
         )
         .await;
     assert_eq!(code, 404);
+    assert_eq!(v["type"], "urn:cynodeai:error:not_found", "{v}");
 }
 
 /// Polls the session until its status is `ended` (bounded).

@@ -13,7 +13,7 @@
 //! - `help.tools` lists the tools, `help.<tool>` describes one.
 //!
 //! Anything else (`db.*`, `node.*`, `sandbox.*`, skill writes, unknown names) is refused
-//! before any work (JSON-RPC -32602, `urn:cynodeai:error:forbidden`). Every call, refused
+//! before any work (JSON-RPC -32602, `urn:cynodeai:error:authorization`). Every call, refused
 //! or not, is audited (tool, outcome, bytes) into the job's entry of the registry, which
 //! the session's history receives when the job ends. Tokens never reach a log line.
 
@@ -24,6 +24,7 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 use base64::Engine;
+use cynode_protocol::problem::ProblemKind;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ErrorData, Implementation,
     ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
@@ -184,7 +185,7 @@ impl Gateway {
                     .decode(a.content_base64.as_bytes())
                     .map_err(|e| Refusal::BadArguments(format!("artifact.put: content_base64: {e}")))?;
                 if bytes.len() > MAX_ARTIFACT_BYTES {
-                    return Err(Problem::new(axum::http::StatusCode::PAYLOAD_TOO_LARGE, "too-large",
+                    return Err(Problem::status(axum::http::StatusCode::PAYLOAD_TOO_LARGE,
                         format!("artifact {} is {} bytes, over {MAX_ARTIFACT_BYTES}", a.path, bytes.len())).into());
                 }
                 let loc = crate::artifacts::verify_and_store(
@@ -194,7 +195,7 @@ impl Gateway {
                     bytes.len() as u64,
                     &bytes,
                 )
-                .map_err(|e| Problem::new(axum::http::StatusCode::UNPROCESSABLE_ENTITY, "artifact-integrity", e.to_string()))?;
+                .map_err(|e| Problem::status(axum::http::StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))?;
                 let location = loc.display().to_string();
                 self.st.pm.store.put_artifact(&a.sha256, bytes.len() as u64, &location).await.map_err(Problem::from)?;
                 gateway::tokens().put_artifact(
@@ -230,7 +231,7 @@ impl Gateway {
                     return Err(Problem::internal(format!("artifact_integrity_failure: the stored bytes of {sha} no longer match")).into());
                 }
                 if bytes.len() > MAX_ARTIFACT_BYTES {
-                    return Err(Problem::new(axum::http::StatusCode::PAYLOAD_TOO_LARGE, "too-large", format!("artifact {path} is over {MAX_ARTIFACT_BYTES} bytes")).into());
+                    return Err(Problem::status(axum::http::StatusCode::PAYLOAD_TOO_LARGE, format!("artifact {path} is over {MAX_ARTIFACT_BYTES} bytes")).into());
                 }
                 let n = bytes.len() as u64;
                 Ok((json!({ "path": path, "sha256": sha, "size_bytes": n,
@@ -241,9 +242,7 @@ impl Gateway {
                 let a: SkillArgs = parse(tool, args)?;
                 Ok((ops::skill(&self.st, &a.skill_id)?, 0))
             }
-            "web.fetch" | "api.call" => Err(Problem::new(
-                axum::http::StatusCode::FORBIDDEN,
-                "egress-not-wired",
+            "web.fetch" | "api.call" => Err(Problem::forbidden(
                 format!("{tool}: the gateway has no route into the task's egress proxy yet; nothing was fetched"),
             )
             .into()),
@@ -296,7 +295,7 @@ impl ServerHandler for Gateway {
         let Some(g) = grant else {
             return Err(ErrorData::invalid_request(
                 "unauthorized",
-                Some(json!({ "type": "urn:cynodeai:error:unauthorized" })),
+                Some(json!({ "type": ProblemKind::Authentication.type_uri() })),
             ));
         };
         let args = request.arguments.unwrap_or_default();
@@ -323,11 +322,11 @@ impl ServerHandler for Gateway {
             Ok((v, _)) => Ok(CallToolResult::structured(v).into()),
             Err(Refusal::Forbidden(d)) => Err(ErrorData::invalid_params(
                 d.clone(),
-                Some(json!({ "type": "urn:cynodeai:error:forbidden", "detail": d })),
+                Some(json!({ "type": ProblemKind::Authorization.type_uri(), "detail": d })),
             )),
             Err(Refusal::BadArguments(d)) => Err(ErrorData::invalid_params(
                 d.clone(),
-                Some(json!({ "type": "urn:cynodeai:error:invalid-request", "detail": d })),
+                Some(json!({ "type": ProblemKind::Validation.type_uri(), "detail": d })),
             )),
             Err(Refusal::Problem(p)) => Ok(CallToolResult::structured_error(json!(p.0)).into()),
         }
@@ -372,7 +371,7 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
         }
         Err(e) => Problem::new(
             axum::http::StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ProblemKind::Authentication,
             e.to_string(),
         )
         .into_response(),

@@ -4,12 +4,14 @@
 //!
 //! Errors are structured both ways MCP has: an unknown tool or arguments that do not
 //! fit the tool's schema are JSON-RPC errors (-32602, `data.type` a
-//! `urn:cynodeai:error:` kind and `data.detail` naming the field); an operation that ran
+//! `urn:cynodeai:error:` kind of the one vocabulary, [`ProblemKind`]: `not_found` for
+//! an unknown tool, `validation` with `data.detail` naming the field); an operation that ran
 //! and was refused (not found, conflict, forbidden) is a tool result with `isError` and
 //! the RFC 9457 problem as its structured content, as the HTTP API would answer.
 
 use std::sync::Arc;
 
+use cynode_protocol::problem::ProblemKind;
 use rmcp::model::{
     CallToolRequestParams, CallToolResponse, CallToolResult, ErrorData, Implementation,
     ListToolsResult, PaginatedRequestParams, ServerCapabilities, ServerConfig, Tool,
@@ -67,11 +69,11 @@ pub fn error_response(e: ToolError) -> Result<CallToolResponse, ErrorData> {
     match e {
         ToolError::UnknownTool(name) => Err(ErrorData::invalid_params(
             format!("unknown tool `{name}`"),
-            Some(json!({ "type": "urn:cynodeai:error:unknown-tool", "tool": name })),
+            Some(json!({ "type": ProblemKind::NotFound.type_uri(), "tool": name })),
         )),
         ToolError::BadArguments(detail) => Err(ErrorData::invalid_params(
             detail.clone(),
-            Some(json!({ "type": "urn:cynodeai:error:invalid-request", "detail": detail })),
+            Some(json!({ "type": ProblemKind::Validation.type_uri(), "detail": detail })),
         )),
         ToolError::Problem(p) => Ok(CallToolResult::structured_error(json!(p.0)).into()),
     }
@@ -114,7 +116,7 @@ impl ServerHandler for PmMcp {
             // mount without it, refused rather than run as nobody.
             return Err(ErrorData::invalid_request(
                 "unauthorized",
-                Some(json!({ "type": "urn:cynodeai:error:unauthorized" })),
+                Some(json!({ "type": ProblemKind::Authentication.type_uri() })),
             ));
         };
         let args = request.arguments.unwrap_or_default();

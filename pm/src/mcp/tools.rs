@@ -238,9 +238,8 @@ pub async fn call(
             let a: ArtifactArgs = parse(tool, args)?;
             let bytes = ops::artifact(st, tenant, &a.session_id, &a.sha256).await?;
             if bytes.len() > MAX_INLINE_ARTIFACT_BYTES {
-                return Err(Problem::new(
+                return Err(Problem::status(
                     axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                    "too-large",
                     format!(
                         "artifact {} is {} bytes, over the {MAX_INLINE_ARTIFACT_BYTES} an MCP reply carries: GET /v1/sessions/{}/artifacts/{} instead",
                         a.sha256,

@@ -31,9 +31,8 @@ fn is_json(headers: &HeaderMap) -> bool {
 
 /// The 413 problem.
 pub fn too_large(limit: Option<usize>) -> Problem {
-    Problem::new(
+    Problem::status(
         StatusCode::PAYLOAD_TOO_LARGE,
-        "payload-too-large",
         match limit {
             Some(n) => format!("the request body is larger than {n} bytes (--max-body-bytes)"),
             None => "the request body is larger than this service accepts (--max-body-bytes)"
@@ -74,9 +73,8 @@ where
                 .headers()
                 .get(header::CONTENT_TYPE)
                 .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned());
-            return Err(Problem::new(
+            return Err(Problem::status(
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "unsupported-media-type",
                 match got {
                     Some(t) => format!("Content-Type `{t}` is not accepted: send application/json"),
                     None => "no Content-Type: send application/json".to_string(),
@@ -125,15 +123,7 @@ pub async fn problem_responses(max_body: usize, r: Response) -> Response {
     } else {
         text
     };
-    let kind = match status {
-        StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY => "invalid-request",
-        StatusCode::METHOD_NOT_ALLOWED => "method-not-allowed",
-        StatusCode::REQUEST_TIMEOUT => "timeout",
-        StatusCode::NOT_FOUND => "not-found",
-        StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported-media-type",
-        _ => "error",
-    };
-    let mut p = Problem::new(status, kind, detail).into_response();
+    let mut p = Problem::status(status, detail).into_response();
     // Keep what the original said about methods and retrying.
     for h in [header::ALLOW, header::RETRY_AFTER, header::WWW_AUTHENTICATE] {
         if let Some(v) = parts.headers.get(&h) {

@@ -54,11 +54,9 @@ pub async fn create_session(
     }
     if let Some(t) = &req.tenant {
         if *t != tenant.0 {
-            return Err(Problem::new(
-                axum::http::StatusCode::FORBIDDEN,
-                "forbidden",
-                format!("tenant: the token belongs to another tenant than `{t}`"),
-            ));
+            return Err(Problem::forbidden(format!(
+                "tenant: the token belongs to another tenant than `{t}`"
+            )));
         }
     }
     let id = match idempotency_key.map(str::trim) {

@@ -6,11 +6,13 @@ use std::borrow::Cow;
 
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
+use cynode_protocol::problem::ProblemKind;
 use serde::Serialize;
 use utoipa::ToSchema;
 
 /// One problem (RFC 9457): the workspace's one problem type,
-/// [`cynode_protocol::problem::Problem`], whose `type` is `urn:cynodeai:error:<kind>`.
+/// [`cynode_protocol::problem::Problem`], whose `type` is `urn:cynodeai:error:<kind>` with
+/// a kind of the one vocabulary the worker uses too, [`ProblemKind`].
 /// The service always sets `detail`.
 #[derive(Debug, Clone, Serialize)]
 #[serde(transparent)]
@@ -22,7 +24,10 @@ pub struct Problem(pub cynode_protocol::problem::Problem);
 #[derive(Serialize, ToSchema)]
 #[schema(as = Problem)]
 struct ProblemSchema {
-    /// A URI reference naming the problem type, e.g. `urn:cynodeai:error:not-found`.
+    /// A URI naming the problem type: `urn:cynodeai:error:` and one of `validation`,
+    /// `authentication`, `authorization`, `not_found`, `rate_limit`, `internal`,
+    /// `conflict`, `timeout`, `unavailable` (the worker's vocabulary too), e.g.
+    /// `urn:cynodeai:error:not_found`.
     #[serde(rename = "type")]
     kind: String,
     title: String,
@@ -43,8 +48,8 @@ impl ToSchema for Problem {
 }
 
 impl Problem {
-    /// A problem of `kind` (the last part of its `urn:cynodeai:error:` type).
-    pub fn new(status: StatusCode, kind: &str, detail: impl Into<String>) -> Self {
+    /// A problem of `kind` with HTTP `status`.
+    pub fn new(status: StatusCode, kind: ProblemKind, detail: impl Into<String>) -> Self {
         Problem(cynode_protocol::problem::Problem::new(
             status.as_u16(),
             kind,
@@ -53,37 +58,56 @@ impl Problem {
         ))
     }
 
+    /// A problem with HTTP `status` and the vocabulary's kind for it
+    /// ([`ProblemKind::for_status`]).
+    pub fn status(status: StatusCode, detail: impl Into<String>) -> Self {
+        Self::new(status, ProblemKind::for_status(status.as_u16()), detail)
+    }
+
     pub fn bad_request(detail: impl Into<String>) -> Self {
-        Self::new(StatusCode::BAD_REQUEST, "invalid-request", detail)
+        Self::new(StatusCode::BAD_REQUEST, ProblemKind::Validation, detail)
     }
 
     pub fn unauthorized() -> Self {
         Self::new(
             StatusCode::UNAUTHORIZED,
-            "unauthorized",
+            ProblemKind::Authentication,
             "a valid bearer token is required (Authorization: Bearer TOKEN)",
         )
+    }
+
+    /// Valid credentials that may not do this (403).
+    pub fn forbidden(detail: impl Into<String>) -> Self {
+        Self::new(StatusCode::FORBIDDEN, ProblemKind::Authorization, detail)
     }
 
     /// Also used for another tenant's resources: their existence is not revealed.
     pub fn not_found(what: impl Into<String>) -> Self {
         Self::new(
             StatusCode::NOT_FOUND,
-            "not-found",
+            ProblemKind::NotFound,
             format!("{} not found", what.into()),
         )
     }
 
     pub fn conflict(detail: impl Into<String>) -> Self {
-        Self::new(StatusCode::CONFLICT, "conflict", detail)
+        Self::new(StatusCode::CONFLICT, ProblemKind::Conflict, detail)
     }
 
     pub fn internal(detail: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", detail)
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            ProblemKind::Internal,
+            detail,
+        )
     }
 
     pub fn unavailable(detail: impl Into<String>) -> Self {
-        Self::new(StatusCode::SERVICE_UNAVAILABLE, "unavailable", detail)
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            ProblemKind::Unavailable,
+            detail,
+        )
     }
 }
 

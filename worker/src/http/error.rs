@@ -5,7 +5,7 @@
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use cynode_protocol::problem::{Problem, CONTENT_TYPE};
+use cynode_protocol::problem::{Problem, ProblemKind, CONTENT_TYPE};
 use cynode_protocol::ValidationError;
 
 use crate::node::NodeError;
@@ -35,31 +35,42 @@ pub enum ApiError {
 }
 
 impl ApiError {
-    /// Status, problem kind (upstream CyNodeAI's) and title.
-    fn parts(&self) -> (StatusCode, &'static str, &'static str) {
+    /// Status, problem kind and title. The kinds are upstream CyNodeAI's where upstream's
+    /// Worker API defines them (`validation` for 400 and 413, `authentication`,
+    /// `not_found`, `rate_limit`, `internal`); a 409, which upstream's Worker API never
+    /// answers, is the vocabulary's `conflict`.
+    fn parts(&self) -> (StatusCode, ProblemKind, &'static str) {
         match self {
-            ApiError::Unauthorized => (StatusCode::UNAUTHORIZED, "authentication", "Unauthorized"),
-            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "not_found", "Not Found"),
-            ApiError::Invalid(_) => (StatusCode::BAD_REQUEST, "validation", "Invalid request"),
+            ApiError::Unauthorized => (
+                StatusCode::UNAUTHORIZED,
+                ProblemKind::Authentication,
+                "Unauthorized",
+            ),
+            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, ProblemKind::NotFound, "Not Found"),
+            ApiError::Invalid(_) => (
+                StatusCode::BAD_REQUEST,
+                ProblemKind::Validation,
+                "Invalid request",
+            ),
             ApiError::TooLarge(_) => (
                 StatusCode::PAYLOAD_TOO_LARGE,
-                "validation",
+                ProblemKind::Validation,
                 "Payload Too Large",
             ),
             ApiError::Busy => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "rate_limit",
+                ProblemKind::RateLimit,
                 "Node at capacity",
             ),
-            ApiError::Conflict(_) => (StatusCode::CONFLICT, "validation", "Conflict"),
+            ApiError::Conflict(_) => (StatusCode::CONFLICT, ProblemKind::Conflict, "Conflict"),
             ApiError::NoSandboxUid(_) => (
                 StatusCode::SERVICE_UNAVAILABLE,
-                "rate_limit",
+                ProblemKind::RateLimit,
                 "No sandbox uid free",
             ),
             ApiError::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
-                "internal",
+                ProblemKind::Internal,
                 "Internal Server Error",
             ),
         }
