@@ -112,6 +112,9 @@ pub struct LocalWorkerConfig {
     pub image: String,
     /// A directory its workspaces may be seeded from.
     pub seed: Option<PathBuf>,
+    /// Its `egress.allow` ceiling (sorted, no duplicates): the tenant's `egress.allow`
+    /// and `run --egress-allow`. Empty: its egress proxy lets nothing through.
+    pub egress_allow: Vec<String>,
     /// Where it exports traces.
     pub otlp_endpoint: Option<String>,
     /// The program that keeps the worker (`cynode-pm` itself, run as

@@ -130,15 +130,19 @@ impl LocalWorker {
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut delay = Duration::from_millis(20);
         loop {
-            if let Some((mut w, seed)) = attach(&dir) {
-                if cfg.seed.is_none() || cfg.seed == seed {
+            if let Some((mut w, seed, egress_allow)) = attach(&dir) {
+                // Its egress ceiling must be this run's exactly: a wider one would let
+                // this run's jobs go where it does not allow, a narrower one would stop
+                // them.
+                if (cfg.seed.is_none() || cfg.seed == seed) && egress_allow == cfg.egress_allow {
                     notice(Notice::Attached {
                         keeper_pid: w.keeper_pid,
                         dir: dir.clone(),
                     });
                     return Ok(w);
                 }
-                // Its worker may not seed from our workspace: wait for it to end.
+                // Its worker may not seed from our workspace, or its egress differs: wait
+                // for it to end.
                 // Leave without `release`: this must not stop the worker.
                 let keeper_pid = w.keeper_pid;
                 drop(w.conn.take());
@@ -156,7 +160,7 @@ impl LocalWorker {
                     // Ours: attach to it (it listens before it says ready).
                     let t = Instant::now();
                     loop {
-                        if let Some((mut w, _)) = attach(&dir) {
+                        if let Some((mut w, _, _)) = attach(&dir) {
                             w.keeper = Some(keeper);
                             tracing::info!(endpoint = %w.endpoint, keeper_pid = w.keeper_pid, "local worker started");
                             return Ok(w);
@@ -182,9 +186,9 @@ impl LocalWorker {
     }
 }
 
-/// The keeper on `dir`, if one answers: the worker (with the open connection) and its
-/// seed root.
-fn attach(dir: &Path) -> Option<(LocalWorker, Option<PathBuf>)> {
+/// The keeper on `dir`, if one answers: the worker (with the open connection), its seed
+/// root and its egress ceiling.
+fn attach(dir: &Path) -> Option<(LocalWorker, Option<PathBuf>, Vec<String>)> {
     let conn = UnixStream::connect(keeper::socket_path(dir)).ok()?;
     conn.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
     let mut line = String::new();
@@ -198,7 +202,7 @@ fn attach(dir: &Path) -> Option<(LocalWorker, Option<PathBuf>)> {
         conn: Some(conn),
         keeper: None,
     };
-    Some((w, hello.seed))
+    Some((w, hello.seed, hello.egress_allow))
 }
 
 enum Spawned {
@@ -226,6 +230,7 @@ fn spawn_keeper(
         token_file: token_file.clone(),
         grace: cfg.grace,
         seed: cfg.seed.clone(),
+        egress_allow: cfg.egress_allow.clone(),
     };
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -349,7 +354,42 @@ fn prepare(cfg: &LocalWorkerConfig, dir: &Path) -> std::io::Result<(PathBuf, Pat
             rootfs.display()
         ));
     }
+    yaml.push_str(&egress_yaml(&cfg.egress_allow));
     let cfg_path = dir.join(format!("worker-{tag}.yaml"));
     std::fs::write(&cfg_path, yaml)?;
     Ok((cfg_path, token_file))
+}
+
+/// The worker.yaml `egress` section of the ceiling `allow`: each pattern a JSON string (a
+/// YAML double-quoted scalar, so `*.suffix` is no alias and no pattern can add a key).
+/// Nothing when `allow` is empty: the worker's default, no destination allowed.
+fn egress_yaml(allow: &[String]) -> String {
+    if allow.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = allow
+        .iter()
+        .map(|p| serde_json::Value::String(p.clone()).to_string())
+        .collect();
+    format!("egress:\n  allow: [{}]\n", list.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_egress_ceiling_is_written_quoted_and_only_when_given() {
+        assert_eq!(egress_yaml(&[]), "");
+        let allow = vec![
+            "*.pythonhosted.org".to_string(),
+            "127.0.0.1:8080".to_string(),
+            "x\"]\nlisten: 0.0.0.0:1".to_string(),
+        ];
+        let yaml = format!("listen: 127.0.0.1:0\n{}", egress_yaml(&allow));
+        let v: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+        assert_eq!(v["listen"], "127.0.0.1:0");
+        let back: Vec<String> = serde_yaml::from_value(v["egress"]["allow"].clone()).unwrap();
+        assert_eq!(back, allow);
+    }
 }

@@ -172,7 +172,21 @@ impl RunArgs {
         }
     }
 
-    /// The local worker of this run, its workspaces seeded from `seed`.
+    /// Where this run's jobs may go at most: the tenant's `egress.allow` and
+    /// `--egress-allow`, sorted, without duplicates (the local worker's `egress.allow`).
+    pub fn egress_ceiling(&self, global: &Global) -> anyhow::Result<Vec<String>> {
+        let tenant = cynode_pm::bootstrap::tenant(global.tenant.as_deref())?;
+        let all: std::collections::BTreeSet<String> = tenant
+            .egress
+            .allow
+            .into_iter()
+            .chain(self.egress_allow.iter().cloned())
+            .collect();
+        Ok(all.into_iter().collect())
+    }
+
+    /// The local worker of this run, its workspaces seeded from `seed`, its egress
+    /// ceiling [`Self::egress_ceiling`].
     pub fn local_worker(
         &self,
         global: &Global,
@@ -187,6 +201,7 @@ impl RunArgs {
             bwrap_rootfs: self.local.local_bwrap_rootfs.clone(),
             image: self.pm.workers.sandbox_image.clone(),
             seed,
+            egress_allow: self.egress_ceiling(global)?,
             otlp_endpoint: global.otlp_endpoint.clone(),
             keeper: exe.clone(),
             grace: Duration::from_secs(self.local.local_worker_grace_seconds),

@@ -65,6 +65,9 @@ pub struct Hello {
     /// The directory the worker's workspaces may be seeded from.
     #[serde(default)]
     pub seed: Option<PathBuf>,
+    /// The worker's `egress.allow` ceiling.
+    #[serde(default)]
+    pub egress_allow: Vec<String>,
 }
 
 /// The keeper's settings, from its command line.
@@ -77,6 +80,8 @@ pub struct KeeperArgs {
     pub grace: Duration,
     /// The worker's seed root (as its config says), told to attaching PMs.
     pub seed: Option<PathBuf>,
+    /// The worker's `egress.allow` ceiling (as its config says), told to attaching PMs.
+    pub egress_allow: Vec<String>,
 }
 
 impl KeeperArgs {
@@ -100,6 +105,11 @@ impl KeeperArgs {
                 .iter()
                 .flat_map(|s| ["--seed".into(), s.clone().into_os_string()]),
         )
+        .chain(
+            self.egress_allow
+                .iter()
+                .flat_map(|p| ["--egress-allow".into(), p.into()]),
+        )
         .collect()
     }
 
@@ -107,6 +117,7 @@ impl KeeperArgs {
         let mut it = args.iter();
         let (mut dir, mut program, mut config, mut token_file, mut grace, mut seed) =
             (None, None, None, None, None, None);
+        let mut egress_allow = Vec::new();
         while let Some(k) = it.next() {
             let v = it.next()?;
             match k.to_str()? {
@@ -116,6 +127,7 @@ impl KeeperArgs {
                 "--token-file" => token_file = Some(PathBuf::from(v)),
                 "--grace-seconds" => grace = v.to_str()?.parse::<u64>().ok(),
                 "--seed" => seed = Some(PathBuf::from(v)),
+                "--egress-allow" => egress_allow.push(v.to_str()?.to_string()),
                 _ => return None,
             }
         }
@@ -126,6 +138,7 @@ impl KeeperArgs {
             token_file: token_file?,
             grace: Duration::from_secs(grace?),
             seed,
+            egress_allow,
         })
     }
 }
@@ -269,6 +282,7 @@ fn serve(k: &KeeperArgs) -> i32 {
         token,
         keeper_pid: std::process::id(),
         seed: k.seed.clone(),
+        egress_allow: k.egress_allow.clone(),
     })
     .unwrap_or_default();
     accept_in_background(listener, hello, tx);
@@ -474,11 +488,13 @@ mod tests {
             token_file: "/s/worker/t".into(),
             grace: Duration::from_secs(600),
             seed: Some("/src/tree".into()),
+            egress_allow: vec!["127.0.0.1:8080".into(), "*.pythonhosted.org".into()],
         };
         let back = KeeperArgs::parse(&k.to_args()).unwrap();
         assert_eq!(back.grace, k.grace);
         assert_eq!(back.token_file, k.token_file);
         assert_eq!(back.seed, k.seed);
+        assert_eq!(back.egress_allow, k.egress_allow);
         assert!(KeeperArgs::parse(&["--dir".into()]).is_none());
     }
 }
