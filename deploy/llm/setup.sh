@@ -77,8 +77,15 @@ model_ok() {
   [[ -s "$MODEL" ]] && [[ "$(head -c 4 "$MODEL")" == "GGUF" ]]
 }
 
+# The build is native (-march=native) but without AMX: these machines' CPUs advertise
+# AMX in cpuid while the kernel (a PVM guest) does not enable its tile state, so the first
+# AMX instruction (tilezero, at model load) dies with SIGILL. A binary built with other
+# flags (an older cache) is rebuilt: the flags are stamped beside it.
+BUILD_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+STAMP="$SERVER.flags"
 server_ok() {
-  [[ -x "$SERVER" ]] && "$SERVER" --version >/dev/null 2>&1
+  [[ -x "$SERVER" ]] && [[ "$(cat "$STAMP" 2>/dev/null)" == "$BUILD_FLAGS" ]] &&
+    "$SERVER" --version >/dev/null 2>&1
 }
 
 # Installs the C/C++ toolchain and cmake when any is missing. apt-get update runs only if
@@ -152,7 +159,9 @@ else
     -DLLAMA_USE_PREBUILT_UI=OFF \
     -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF \
-    -DBUILD_SHARED_LIBS=OFF >&2
+    -DBUILD_SHARED_LIBS=OFF \
+    -DCMAKE_C_FLAGS="$BUILD_FLAGS" \
+    -DCMAKE_CXX_FLAGS="$BUILD_FLAGS" >&2
   log "building llama-server with $JOBS jobs (a few minutes)"
   cmake --build "$WORK/build" --target llama-server -j "$JOBS" >&2
   built="$WORK/build/bin/llama-server"
@@ -160,6 +169,7 @@ else
   [[ -n "$built" && -x "$built" ]] || die "the build produced no llama-server binary"
   cp -f "$built" "$SERVER.tmp"
   mv -f "$SERVER.tmp" "$SERVER"
+  printf '%s' "$BUILD_FLAGS" >"$STAMP"
   server_ok || die "$SERVER does not run --version"
   log "llama-server built: $SERVER ($(stat -c %s "$SERVER") bytes)"
 fi

@@ -306,7 +306,7 @@ impl Workspace {
         } else {
             RenameFlags::NOREPLACE
         };
-        if let Err(e) = rustix::fs::renameat_with(&dir, tmp.as_str(), &dir, name, flags) {
+        if let Err(e) = rename_into_place(&dir, tmp.as_str(), name, flags) {
             let _ = rustix::fs::unlinkat(&dir, tmp.as_str(), AtFlags::empty());
             return Err(if e == Errno::EXIST {
                 refuse()
@@ -367,6 +367,24 @@ pub fn check_regular(st: &rustix::fs::Stat, shown: &str) -> Result<()> {
         return Err(StepError::escape(shown, "file has several hard links"));
     }
     Ok(())
+}
+
+/// Renames `tmp` to `name` in `dir`. Where `RENAME_NOREPLACE` is answered EINVAL (gVisor's
+/// file systems), a hard link gives the same no-replace guarantee (EEXIST when `name`
+/// exists), and the temporary name is then removed.
+fn rename_into_place(
+    dir: &OwnedFd,
+    tmp: &str,
+    name: &OsStr,
+    flags: RenameFlags,
+) -> rustix::io::Result<()> {
+    match rustix::fs::renameat_with(dir, tmp, dir, name, flags) {
+        Err(Errno::INVAL) if flags == RenameFlags::NOREPLACE => {
+            rustix::fs::linkat(dir, tmp, dir, name, AtFlags::empty())?;
+            rustix::fs::unlinkat(dir, tmp, AtFlags::empty())
+        }
+        other => other,
+    }
 }
 
 /// Maps a resolution errno: EXDEV/ELOOP from RESOLVE_BENEATH mean an escape attempt.
