@@ -6,4 +6,5 @@ mod egress;
 mod llm;
 mod policy;
 mod skills;
+mod skills_fetch;
 mod store;
