@@ -12,12 +12,6 @@ use std::task::{Context, Poll};
 const GAPS: &[(&str, &str, &str, &str)] = &[
     (
         "runsc",
-        "backends",
-        "sba_job_end_to_end_with_verified_artifacts",
-        "the SBA's file steps fail under gVisor: `access report.txt: invalid argument`",
-    ),
-    (
-        "runsc",
         "sandbox_escapes",
         "escape_runner_cannot_be_traced",
         "gVisor's /proc lets a step of the same uid read the non-dumpable runner's /proc/<pid>/environ",

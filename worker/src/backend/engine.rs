@@ -218,6 +218,14 @@ impl EngineBackend {
             let out = self
                 .cli_output(&["info", "--format", "{{json .Runtimes}}"])
                 .await?;
+            if !out.status.success() {
+                return Err(BackendError::Unavailable(format!(
+                    "`{} info` failed ({}), so whether the daemon has runsc is unknown: {}",
+                    self.cfg.binary,
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr[..out.stderr.len().min(2048)]).trim()
+                )));
+            }
             let runtimes: serde_json::Value =
                 serde_json::from_slice(&out.stdout).unwrap_or_default();
             let want: Vec<String> = RUNSC_FLAGS.iter().map(|f| format!("--{f}")).collect();
