@@ -10,7 +10,7 @@
 //!   grant in place.
 //! - Each request on the socket is forwarded to that URL with `Authorization: Bearer
 //!   <token>` added here; of the sandbox's headers only `Content-Type`, `Accept` and
-//!   `Mcp-Protocol-Version` go on (the sandbox's own `Authorization`, if any, is
+//!   the MCP ones (`Mcp-Protocol-Version`, `Mcp-Method`, `Mcp-Name`) go on (the sandbox's own `Authorization`, if any, is
 //!   dropped). No redirects are followed, no proxy is used. When the job ends its grant
 //!   is removed and the socket closed; the PM revokes the token too.
 //! - The job is the only client and may be hostile. The socket is served by the bounded
@@ -216,7 +216,13 @@ pub fn serve(
 }
 
 /// The sandbox's headers that go on to the gateway.
-const PASSED_HEADERS: [&str; 3] = ["content-type", "accept", "mcp-protocol-version"];
+const PASSED_HEADERS: [&str; 5] = [
+    "content-type",
+    "accept",
+    "mcp-protocol-version",
+    "mcp-method",
+    "mcp-name",
+];
 
 async fn forward(State(f): State<Arc<Forwarder>>, headers: HeaderMap, body: Body) -> Response {
     let refuse = |status, kind, msg: &str| {

@@ -43,6 +43,7 @@ mod egress;
 mod egress_jobs;
 mod engine_check;
 mod gaps;
+mod gateway;
 mod hardening;
 mod harness;
 mod host_reads;
