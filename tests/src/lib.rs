@@ -2,7 +2,8 @@
 //! workspace (see ARCHITECTURE.md, "tests/"). The library is their one harness: where the
 //! workspace, the built binaries and the test image's root filesystem are ([`bin`],
 //! [`rootfs`]); the scripted model ([`model`]); an OTLP trace collector ([`otlp`]); running the PM ([`pm`]) and a worker
-//! ([`worker`]); serving a test's own app ([`serve`]). Every process it starts is owned by
+//! ([`worker`]); serving a test's own app ([`serve`]); temporary directories that let go of
+//! a worker's disk volumes ([`temp`]). Every process it starts is owned by
 //! the test (killed on drop, pass or panic).
 
 // A harness: what cannot go on fails the test at once, with its message.
@@ -12,6 +13,7 @@ pub mod model;
 pub mod otlp;
 pub mod pm;
 pub mod serve;
+pub mod temp;
 pub mod worker;
 
 pub use model::{model_app, model_server, Model};
@@ -20,6 +22,7 @@ pub use pm::{
     plan_statuses, pm_with, session_id, write_then_search,
 };
 pub use serve::{serve_https_in_background, serve_in_background};
+pub use temp::{tempdir, TempDir};
 pub use worker::{serve_worker, start_worker, Worker, TOKEN};
 
 use std::path::{Path, PathBuf};

@@ -15,7 +15,7 @@ use crate::{bin, rootfs};
 pub struct Worker {
     _child: OwnedChild,
     pub addr: String,
-    _dir: tempfile::TempDir,
+    _dir: crate::TempDir,
 }
 
 pub const TOKEN: &str = "e2e-worker-token-0123456789";
@@ -34,7 +34,7 @@ impl Worker {
 }
 
 pub fn start_worker(port: u16) -> Worker {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = crate::tempdir().unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::write(dir.path().join("token"), TOKEN).unwrap();

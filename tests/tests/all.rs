@@ -12,6 +12,7 @@ mod deploy;
 mod e2e;
 mod egress_e2e;
 mod evidence;
+mod gateway;
 mod listeners;
 mod mcp;
 mod otel;

@@ -83,7 +83,7 @@ fn problem(answer: &(u16, String, String), status: u16) -> Value {
 
 #[test]
 fn bodies_must_be_json_objects_sent_as_application_json() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let r = replica(dir.path());
     let valid = json!({ "objective": "say hi" }).to_string();
 
@@ -141,7 +141,7 @@ fn bodies_must_be_json_objects_sent_as_application_json() {
 
 #[test]
 fn over_the_body_limit_is_413_problem_json_with_and_without_content_length() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let r = replica(dir.path());
     let big = json!({ "objective": "x".repeat(8192) }).to_string();
 

@@ -99,7 +99,7 @@ async fn a_postgres_outage_is_answered_503_promptly() {
     let relay = Relay::start(server.clone()).await;
     let relayed = db.replacen(&server, &format!("127.0.0.1:{}", relay.port), 1);
     assert_ne!(relayed, db, "the URL names {server}");
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let replica = start_replica_with(
         dir.path(),
         "r1",

@@ -430,7 +430,7 @@ fn systemd_worker_registry_uses_the_units_credential() {
 fn llm_stop_stops_the_recorded_server_and_nothing_else() {
     use cynode_testkit::OwnedChild;
     use std::time::Duration;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let fake = dir.path().join("llama-server");
     std::fs::copy("/bin/sleep", &fake).unwrap();
     let run = dir.path().join("run");
@@ -587,7 +587,7 @@ fn running(pid: u32) -> bool {
 
 #[test]
 fn run_demo_stops_the_model_server_it_started_and_keeps_it_when_asked() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let (said, pid) = demo_with_stand_ins(dir.path(), &[], &[]);
     assert_ne!(pid, 0, "no model server was started: {said}");
     let stopped = !running(pid);
@@ -609,7 +609,7 @@ fn run_demo_stops_the_model_server_it_started_and_keeps_it_when_asked() {
         .collect();
     assert!(left.is_empty(), "{left:?}");
 
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let (said, pid) = demo_with_stand_ins(dir.path(), &["--keep-model"], &[]);
     let kept = running(pid);
     // Stop it before asserting, so a failure leaves nothing behind.

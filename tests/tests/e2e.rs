@@ -41,7 +41,7 @@ fn offered_kinds(request: &Value) -> Vec<String> {
 
 #[test]
 fn objective_completes_through_worker_and_sba() {
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let (url, model) = model_server(happy_script());
     let out = pm(state.path(), &url, &["run", "greet the world"], None);
     let v = final_state(&out);
@@ -71,8 +71,8 @@ fn objective_completes_through_worker_and_sba() {
 /// first job is placed on, before that job runs; the changeset is against the seed.
 #[test]
 fn seeded_workspace_is_created_where_the_first_job_runs() {
-    let state = tempfile::tempdir().unwrap();
-    let seed = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
+    let seed = cynode_tests::tempdir().unwrap();
     std::fs::write(seed.path().join("notes.txt"), "a seeded line\n").unwrap();
     let (url, model) = model_server(write_then_search("hi\n", "seeded"));
     let seed_arg = seed.path().display().to_string();
@@ -107,7 +107,7 @@ fn seeded_workspace_is_created_where_the_first_job_runs() {
 /// that ignores the schema) is rejected and asked again, and the session still completes.
 #[test]
 fn plan_only_replies_are_cut_short_by_the_progress_guard() {
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let plan_only =
         json!({ "type": "plan_update", "state_patch": [], "payload": { "note": "thinking" } });
     let (url, model) = model_server(vec![
@@ -142,7 +142,7 @@ fn plan_only_replies_are_cut_short_by_the_progress_guard() {
 /// rules: its off-schema replies are fed back and asked again.
 #[test]
 fn autonomous_run_acts_first_never_asks_and_finishes_on_evidence() {
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let write = json!({ "type": "job_request",
         "state_patch": [{ "op": "add", "path": "/plan/-", "value":
             { "task_id": "t1", "description": "write the greeting", "status": "in_progress" } }],
@@ -207,8 +207,8 @@ fn autonomous_run_acts_first_never_asks_and_finishes_on_evidence() {
 /// The built-in skills and policy are in the binary: `run` works from an empty directory.
 #[test]
 fn run_works_from_an_empty_directory() {
-    let state = tempfile::tempdir().unwrap();
-    let empty = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
+    let empty = cynode_tests::tempdir().unwrap();
     let (url, _model) = model_server(happy_script());
     let mut cmd = pm_command(state.path(), &url, &["run", "greet the world"], &[]);
     cmd.current_dir(empty.path());
@@ -223,7 +223,7 @@ fn run_works_from_an_empty_directory() {
 }
 
 fn crash_then_resume(failpoint: &str) {
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let (url, model) = model_server(happy_script());
     let out = pm(
         state.path(),
@@ -272,7 +272,7 @@ fn crash_after_result_resumes_without_a_second_job() {
 
 #[test]
 fn invalid_model_output_fails_with_model_contract_violation() {
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let garbage: Vec<Value> = (0..10)
         .map(|_| Value::String("this is not json".into()))
         .collect();
@@ -287,7 +287,7 @@ fn invalid_model_output_fails_with_model_contract_violation() {
 
 #[test]
 fn policy_denial_is_fed_back_and_the_model_replans() {
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let script = vec![
         json!({ "type": "plan_update", "state_patch": [
             { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write a file", "status": "pending" } }
@@ -313,7 +313,7 @@ fn policy_denial_is_fed_back_and_the_model_replans() {
 
 #[test]
 fn clarification_round_trip() {
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let script = vec![
         json!({ "type": "message", "state_patch": [], "payload": { "text": "Which file name should I use?" } }),
         json!({ "type": "final", "state_patch": [], "payload": { "summary": "used the answer" } }),
@@ -385,7 +385,7 @@ async fn tampering_proxy(upstream: String) -> String {
 #[test]
 fn tampered_artifact_is_rejected_with_artifact_integrity_failure() {
     let worker = start_worker(0);
-    let skills = tempfile::tempdir().unwrap();
+    let skills = cynode_tests::tempdir().unwrap();
     report_skill(skills.path());
     let rt = tokio::runtime::Runtime::new().unwrap();
     let proxy = rt.block_on(tampering_proxy(worker.addr.clone()));
@@ -397,7 +397,7 @@ fn tampered_artifact_is_rejected_with_artifact_integrity_failure() {
         json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
     ];
     let (url, model) = model_server(script);
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let skill_dir = skills.path().display().to_string();
     let out = pm_with(
         state.path(),
@@ -435,7 +435,7 @@ fn worker_down_then_back_is_retried_without_duplicates() {
         .unwrap()
         .port();
     let (url, _model) = model_server(happy_script());
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let endpoint = format!("http://127.0.0.1:{port}");
     let starter = std::thread::spawn(move || {
         std::thread::sleep(std::time::Duration::from_millis(1500));
@@ -523,7 +523,7 @@ fn real_pm(model: &LocalModel, state: &Path, args: &[&str], deadline: Instant) -
 fn real_llm_drives_the_loop() {
     let deadline = Instant::now() + REAL_LLM_BUDGET;
     let model = LocalModel::start(&workspace_root(), REAL_LLM_PORT, Duration::from_secs(120));
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let common = [
         "--no-builtin-skills",
         "--skill-dir",
@@ -601,7 +601,7 @@ fn the_tenants_allowed_images_are_checked_against_the_image_the_job_runs_in() {
         ("docker.io/library/*", 0),
         ("localhost/cynode-sba-test:*", 1),
     ] {
-        let state = tempfile::tempdir().unwrap();
+        let state = cynode_tests::tempdir().unwrap();
         let tenant = state.path().join("tenant.yaml");
         std::fs::write(
             &tenant,

@@ -83,12 +83,12 @@ fn script(first: &str, second: Option<&str>) -> Vec<Value> {
 struct EgressWorker {
     _child: OwnedChild,
     addr: String,
-    _dir: tempfile::TempDir,
+    _dir: cynode_tests::TempDir,
 }
 
 fn egress_worker(allow: &str) -> EgressWorker {
     use std::os::unix::fs::PermissionsExt;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     std::fs::write(dir.path().join("token"), TOKEN).unwrap();
     let cfg = format!(
@@ -186,7 +186,7 @@ fn a_declared_egress_is_fetched_through_the_proxy_and_one_beyond_the_tenant_is_r
     let (far_port, far_hits) = origin();
     let dest = format!("127.0.0.1:{port}");
     let far = format!("127.0.0.1:{far_port}");
-    let skills = tempfile::tempdir().unwrap();
+    let skills = cynode_tests::tempdir().unwrap();
     fetch_skill(skills.path(), "fetch-origin", &dest, true);
     fetch_skill(skills.path(), "fetch-far", &far, true);
     // The node's ceiling and the tenant (through --egress-allow) list only the first.
@@ -195,7 +195,7 @@ fn a_declared_egress_is_fetched_through_the_proxy_and_one_beyond_the_tenant_is_r
     let seen = Arc::new(Mutex::new(Vec::new()));
     let front = rt.block_on(recording_front(worker.addr.clone(), seen.clone()));
     let (url, _model) = model_server(script("fetch-origin", Some("fetch-far")));
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let mut args: Vec<String> = vec![
         "run".into(),
         "fetch the origin".into(),
@@ -281,11 +281,11 @@ fn a_declared_egress_is_fetched_through_the_proxy_and_one_beyond_the_tenant_is_r
 fn runs_local_worker_gets_the_runs_egress_ceiling_and_none_without_it() {
     let (port, hits) = origin();
     let dest = format!("127.0.0.1:{port}");
-    let skills = tempfile::tempdir().unwrap();
+    let skills = cynode_tests::tempdir().unwrap();
     fetch_skill(skills.path(), "fetch-origin", &dest, true);
     fetch_skill(skills.path(), "fetch-undeclared", &dest, false);
 
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let (url, _model) = model_server(script("fetch-origin", None));
     let mut args: Vec<String> = vec![
         "run".into(),
@@ -310,10 +310,10 @@ fn runs_local_worker_gets_the_runs_egress_ceiling_and_none_without_it() {
 
     // No ceiling: the same fetch, from a skill that declares no egress (so the job gets
     // the worker's whole list), for a tenant that allows network, goes nowhere.
-    let tenant_dir = tempfile::tempdir().unwrap();
+    let tenant_dir = cynode_tests::tempdir().unwrap();
     let tenant = tenant_dir.path().join("tenant.yaml");
     std::fs::write(&tenant, "tenant_id: default\nallow_network: true\n").unwrap();
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let (url, _model) = model_server(script("fetch-undeclared", None));
     let mut args: Vec<String> = vec![
         "run".into(),

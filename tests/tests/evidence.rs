@@ -42,7 +42,7 @@ fn human(cmd: &mut Command) {
 
 #[test]
 fn the_deliverable_is_the_evidence_report() {
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let (url, model) = model_server(three_tasks("wrote, inspected and found the greeting"));
     let mut cmd = pm_command(state.path(), &url, &["run", "greet and check"], &[]);
     human(&mut cmd);

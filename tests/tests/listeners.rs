@@ -82,7 +82,7 @@ async fn flood(r: &Replica, client: &reqwest::Client, url: &str, stall: Stall) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slowloris_and_huge_heads_cannot_starve_pm_serve() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let r = replica(dir.path(), "plain", &[]);
     let client = reqwest::Client::builder()
         .pool_max_idle_per_host(0)
@@ -117,7 +117,7 @@ async fn slowloris_and_huge_heads_cannot_starve_pm_serve() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stalled_tls_handshakes_cannot_starve_pm_serve() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "pm");
     let cert = ca.server(dir.path(), "pm-server");
     let r = replica(

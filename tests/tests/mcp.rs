@@ -287,7 +287,7 @@ async fn stdio_client(dir: &Path, db: &str, model: &str, worker: &str, tenant: &
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mcp_stdio_client_runs_a_session_to_a_verified_artifact() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let worker = start_worker(0);
     let (model, _script) = model_server(artifact_script());
     let db = format!("sqlite://{}", dir.path().join("pm.db").display());
@@ -314,7 +314,7 @@ async fn mcp_stdio_client_runs_a_session_to_a_verified_artifact() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mcp_over_http_in_serve_behind_the_api_tokens() {
     cynode_tls::install_provider();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let worker = start_worker(0);
     let (model, _script) = model_server(artifact_script());
     let db = format!("sqlite://{}", dir.path().join("pm.db").display());
@@ -372,7 +372,7 @@ async fn mcp_over_http_in_serve_behind_the_api_tokens() {
 /// calls in a loop leave the service answering, and the forged token is in no log line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gateway_refuses_absent_forged_and_api_tokens() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let worker = start_worker(0);
     let (model, _script) = model_server(vec![]);
     let db = format!("sqlite://{}", dir.path().join("pm.db").display());

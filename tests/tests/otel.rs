@@ -122,7 +122,7 @@ fn span_field(line: &Value, key: &str) -> Option<String> {
 #[test]
 fn otlp_traces_arrive_and_the_worker_logs_the_same_trace_id() {
     let (collector, bodies) = otlp_receiver();
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let out = greet(state.path(), ("CYNODE_OTLP_ENDPOINT", collector.as_str()));
     let v = final_state(&out);
     assert_eq!(out.status.code(), Some(0), "{v}");
@@ -243,7 +243,7 @@ fn otlp_traces_arrive_and_the_worker_logs_the_same_trace_id() {
 
 #[test]
 fn log_lines_in_a_session_carry_its_ids_and_no_traceparent_without_an_endpoint() {
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let out = greet(state.path(), ("CYNODE_LOG_LEVEL", "info,cynode_pm=debug"));
     let v = final_state(&out);
     assert_eq!(out.status.code(), Some(0), "{v}");

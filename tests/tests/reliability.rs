@@ -288,11 +288,11 @@ enum Stop {
 /// start from a cleared environment (never the model key), and both are gone once the
 /// resumed PM ends.
 fn a_job_survives_its_pm_and_resume_takes_its_result(stop: Stop) {
-    let logs = tempfile::tempdir().unwrap();
-    let skills = tempfile::tempdir().unwrap();
+    let logs = cynode_tests::tempdir().unwrap();
+    let skills = cynode_tests::tempdir().unwrap();
     slow_skill(skills.path());
     let skill_dir = skills.path().display().to_string();
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let (url, model) = model_server(slow_script(6));
     let mut pm = spawn_pm(
         logs.path(),
@@ -392,11 +392,11 @@ fn ctrl_c_of_run_mid_job_then_resume_takes_the_jobs_result() {
 /// gone too.
 #[test]
 fn an_orphaned_local_worker_stops_after_its_grace_period() {
-    let logs = tempfile::tempdir().unwrap();
-    let skills = tempfile::tempdir().unwrap();
+    let logs = cynode_tests::tempdir().unwrap();
+    let skills = cynode_tests::tempdir().unwrap();
     slow_skill(skills.path());
     let skill_dir = skills.path().display().to_string();
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let (url, _model) = model_server(slow_script(40));
     let mut pm = spawn_pm(
         logs.path(),
@@ -445,11 +445,11 @@ fn an_orphaned_local_worker_stops_after_its_grace_period() {
 /// the first one's job away; both sessions complete and each job ran once.
 #[test]
 fn two_runs_on_one_state_dir_never_break_each_other() {
-    let logs = tempfile::tempdir().unwrap();
-    let skills = tempfile::tempdir().unwrap();
+    let logs = cynode_tests::tempdir().unwrap();
+    let skills = cynode_tests::tempdir().unwrap();
     slow_skill(skills.path());
     let skill_dir = skills.path().display().to_string();
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let (url_a, _) = model_server(slow_script(4));
     let (url_b, _) = model_server(slow_script(1));
     let mut a = spawn_pm(
@@ -516,7 +516,7 @@ fn two_runs_on_one_state_dir_never_break_each_other() {
 #[test]
 fn processes_opening_a_fresh_state_dir_at_once_all_succeed() {
     for trial in 0..6 {
-        let state = tempfile::tempdir().unwrap();
+        let state = cynode_tests::tempdir().unwrap();
         let dir = state.path().join("fresh");
         let mut procs: Vec<Child> = (0..4)
             .map(|_| {
@@ -553,11 +553,11 @@ fn processes_opening_a_fresh_state_dir_at_once_all_succeed() {
 /// non-ASCII characters are fetched, verified and stored.
 #[test]
 fn odd_artifact_names_arrive_end_to_end() {
-    let logs = tempfile::tempdir().unwrap();
-    let skills = tempfile::tempdir().unwrap();
+    let logs = cynode_tests::tempdir().unwrap();
+    let skills = cynode_tests::tempdir().unwrap();
     odd_names_skill(skills.path());
     let skill_dir = skills.path().display().to_string();
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let names = [
         "issue #12 notes.txt",
         "what?x=1&y=2.txt",
@@ -604,8 +604,8 @@ fn odd_artifact_names_arrive_end_to_end() {
 #[test]
 fn a_wrong_worker_token_fails_at_once_naming_the_worker() {
     let worker = start_worker(0);
-    let logs = tempfile::tempdir().unwrap();
-    let state = tempfile::tempdir().unwrap();
+    let logs = cynode_tests::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let (url, _) = model_server(vec![
         json!({ "type": "plan_update", "state_patch": [
             { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "look", "status": "pending" } }
@@ -661,7 +661,7 @@ fn silent_model() -> String {
 #[test]
 fn a_model_that_never_answers_fails_within_the_model_timeout() {
     let url = silent_model();
-    let logs = tempfile::tempdir().unwrap();
+    let logs = cynode_tests::tempdir().unwrap();
     for (name, args, envs) in [
         (
             "flag",
@@ -677,7 +677,7 @@ fn a_model_that_never_answers_fails_within_the_model_timeout() {
             ],
         ),
     ] {
-        let state = tempfile::tempdir().unwrap();
+        let state = cynode_tests::tempdir().unwrap();
         let mut all = vec![
             "run",
             "say something",

@@ -220,7 +220,7 @@ fn happy_script() -> Vec<Value> {
 
 /// The API surface on one datastore.
 async fn api_round_trip(db: &str) {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let worker = start_worker(0);
     let (model, script) = model_server(happy_script());
     let r = start_replica(dir.path(), "r1", db, &model, &worker, &[]);
@@ -424,7 +424,7 @@ async fn api_round_trip(db: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn api_on_sqlite() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     api_round_trip(&format!("sqlite://{}", dir.path().join("pm.db").display())).await;
 }
 
@@ -490,7 +490,7 @@ async fn worker_job(worker: &Worker, job: &str) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_stops_the_worker_job() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let skills = sleep_skill(dir.path());
     let worker = start_worker(0);
     let (model, _script) = model_server(nap_script(60));
@@ -548,7 +548,7 @@ async fn cancel_stops_the_worker_job() {
 
 /// Two replicas on a fresh PostgreSQL database, one session napping in a worker job.
 struct MidJob {
-    dir: tempfile::TempDir,
+    dir: cynode_tests::TempDir,
     worker: Worker,
     script: cynode_tests::Model,
     db: String,
@@ -561,7 +561,7 @@ struct MidJob {
 
 /// Starts [`MidJob`] with `extra` replica flags and waits until the nap job is active.
 async fn two_replicas_mid_job(nap: u32, objective: &str, extra: &[&str]) -> MidJob {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let skills = sleep_skill(dir.path());
     let worker = start_worker(0);
     let (model, script) = model_server(nap_script(nap));

@@ -18,7 +18,7 @@ fn https_model(dir: &std::path::Path, ca: &TestCa) -> (String, cynode_tests::Mod
 
 #[test]
 fn a_model_that_speaks_only_https_is_reached_with_ca_file_or_ssl_cert_file() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "model");
     let ca_file = ca.cert_file.display().to_string();
     for (how, args, envs) in [
@@ -30,7 +30,7 @@ fn a_model_that_speaks_only_https_is_reached_with_ca_file_or_ssl_cert_file() {
         ),
     ] {
         let (url, model) = https_model(dir.path(), &ca);
-        let state = tempfile::tempdir().unwrap();
+        let state = cynode_tests::tempdir().unwrap();
         let mut all = vec!["run", "greet the world"];
         all.extend(args);
         let out = pm_with(state.path(), &url, &all, &envs);
@@ -45,10 +45,10 @@ fn a_model_that_speaks_only_https_is_reached_with_ca_file_or_ssl_cert_file() {
 
 #[test]
 fn an_untrusted_model_certificate_fails_the_session_naming_the_cause() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "model");
     let (url, model) = https_model(dir.path(), &ca);
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let out = pm_with(
         state.path(),
         &url,

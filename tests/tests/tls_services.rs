@@ -71,7 +71,7 @@ fn https_replica(dir: &Path, name: &str, tls_args: &[&str]) -> (crate::service::
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_answers_over_https_and_refuses_plain_http_and_unknown_cas() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "pm");
     let cert = ca.server(dir.path(), "pm-server");
     let (replica, https) = https_replica(
@@ -95,7 +95,7 @@ async fn serve_answers_over_https_and_refuses_plain_http_and_unknown_cas() {
     assert!(plain.is_err(), "plain http was answered: {plain:?}");
 
     // A client that trusts only another CA refuses the server, naming the certificate.
-    let other_dir = tempfile::tempdir().unwrap();
+    let other_dir = cynode_tests::tempdir().unwrap();
     let other = TestCa::new(other_dir.path(), "other");
     let stranger = https_client(&cynode_tls::ClientTls {
         ca_file: Some(other.cert_file.clone()),
@@ -111,7 +111,7 @@ async fn serve_answers_over_https_and_refuses_plain_http_and_unknown_cas() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_with_a_client_ca_requires_a_client_certificate_from_it() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "pm");
     let cert = ca.server(dir.path(), "pm-server");
     let clients = TestCa::new(dir.path(), "clients");
@@ -155,7 +155,7 @@ async fn serve_with_a_client_ca_requires_a_client_certificate_from_it() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_picks_up_a_rotated_certificate_without_a_restart() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let old_ca = TestCa::new(dir.path(), "old");
     let cert = old_ca.server(dir.path(), "pm-server");
     let (_replica, https) = https_replica(
@@ -180,7 +180,7 @@ async fn serve_picks_up_a_rotated_certificate_without_a_restart() {
     );
     // A certificate from a new CA is written over the same files (as a Secret update or
     // a renewal does); the running server serves it within a bounded time.
-    let new_dir = tempfile::tempdir().unwrap();
+    let new_dir = cynode_tests::tempdir().unwrap();
     let new_ca = TestCa::new(new_dir.path(), "new");
     let renewed = new_ca.server(new_dir.path(), "pm-server");
     std::fs::copy(&renewed.key_file, &cert.key_file).unwrap();
@@ -205,7 +205,7 @@ async fn serve_picks_up_a_rotated_certificate_without_a_restart() {
 
 #[test]
 fn serve_refuses_to_start_with_a_key_that_is_not_pem() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "pm");
     let cert = ca.server(dir.path(), "pm-server");
     std::fs::write(dir.path().join("tokens"), "t0123456789abcdef acme\n").unwrap();
@@ -276,11 +276,11 @@ fn received(bodies: &Bodies) -> BTreeSet<(String, String)> {
 
 #[test]
 fn an_https_only_collector_receives_the_pm_spans_trusted_by_ssl_cert_file() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "collector");
     let (collector, bodies) = https_collector(dir.path(), &ca);
     let (url, _model) = model_server(happy_script());
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let ca_file = ca.cert_file.display().to_string();
     let out = pm_with(
         state.path(),
@@ -311,7 +311,7 @@ fn an_https_only_collector_receives_the_pm_spans_trusted_by_ssl_cert_file() {
 #[test]
 fn the_worker_exports_its_request_span_to_an_https_only_collector() {
     use std::io::BufRead;
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "collector");
     let (collector, bodies) = https_collector(dir.path(), &ca);
     std::fs::write(dir.path().join("token"), cynode_tests::TOKEN).unwrap();
@@ -381,11 +381,11 @@ fn the_worker_exports_its_request_span_to_an_https_only_collector() {
 
 #[test]
 fn an_untrusted_collector_gets_no_spans_and_the_session_still_completes() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "collector");
     let (collector, bodies) = https_collector(dir.path(), &ca);
     let (url, _model) = model_server(happy_script());
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let out = pm_with(
         state.path(),
         &url,
@@ -439,14 +439,14 @@ struct TlsPostgres {
     child: Option<OwnedChild>,
     port: u16,
     log: PathBuf,
-    _dir: tempfile::TempDir,
+    _dir: cynode_tests::TempDir,
 }
 
 impl TlsPostgres {
     fn start(ca: &TestCa, certs: &Path) -> TlsPostgres {
         let (uid, gid) = postgres_ids();
         let bin = pg_bin();
-        let dir = tempfile::tempdir().unwrap();
+        let dir = cynode_tests::tempdir().unwrap();
         chown(dir.path(), uid, gid);
         let data = dir.path().join("data");
         let mut init = Command::new(bin.join("initdb"));
@@ -550,7 +550,7 @@ impl Drop for TlsPostgres {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_reaches_a_tls_only_postgres_with_verify_full_and_refuses_a_wrong_ca() {
-    let certs = tempfile::tempdir().unwrap();
+    let certs = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(certs.path(), "db");
     let pg = TlsPostgres::start(&ca, certs.path());
     let verify = |ca_file: &Path| {

@@ -152,8 +152,8 @@ fn run_sba(
     mut resp: RunJobResponse,
     timeout: Duration,
 ) -> RunJobResponse {
-    let job_dir = tempfile::tempdir().unwrap();
-    let ws = tempfile::tempdir().unwrap();
+    let job_dir = cynode_tests::tempdir().unwrap();
+    let ws = cynode_tests::tempdir().unwrap();
     std::fs::write(job_dir.path().join("job.json"), &req.sandbox.job_spec_json).unwrap();
     let mode = upstream::effective_execution_mode(spec).to_string();
     let mut cmd = std::process::Command::new(sba);
@@ -269,7 +269,7 @@ fn pm_completes_a_session_on_a_worker_that_speaks_only_the_upstream_api() {
         ),
         json!({ "type": "final", "state_patch": [], "payload": { "summary": "done on upstream" } }),
     ]);
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let token = state.path().join("worker-token");
     std::fs::write(&token, TOKEN).unwrap();
     let out = pm_with(

@@ -25,13 +25,13 @@ struct TlsWorker {
     _child: OwnedChild,
     addr: String,
     token_file: PathBuf,
-    _dir: tempfile::TempDir,
+    _dir: cynode_tests::TempDir,
 }
 
 fn start_tls_worker(server: &CertFiles, client_ca: &Path) -> TlsWorker {
     use std::os::unix::fs::PermissionsExt;
     let rootfs = cynode_tests::rootfs();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
     let token_file = dir.path().join("token");
     std::fs::write(&token_file, TOKEN).unwrap();
@@ -85,7 +85,7 @@ fn workers_file(dir: &Path, w: &TlsWorker, ca: &Path, identity: Option<&CertFile
 /// `cynode-pm run` of the happy script with `args`; returns its output, the time it took
 /// and how many model requests it made.
 fn run(args: &[&str]) -> (Output, Duration, usize) {
-    let state = tempfile::tempdir().unwrap();
+    let state = cynode_tests::tempdir().unwrap();
     let (url, model) = model_server(happy_script());
     let mut all = vec![
         "run",
@@ -126,7 +126,7 @@ fn assert_fails_at_once(what: &str, (out, took, _): (Output, Duration, usize), w
 
 #[test]
 fn a_session_runs_over_mutual_tls_through_a_workers_file_and_worker_endpoint() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "nodes");
     let w = start_tls_worker(&ca.server(dir.path(), "worker"), &ca.cert_file);
     let pm_cert = ca.client(dir.path(), "pm");
@@ -172,7 +172,7 @@ fn a_session_runs_over_mutual_tls_through_a_workers_file_and_worker_endpoint() {
 
 #[test]
 fn refused_or_untrusted_certificates_fail_the_session_at_once_naming_the_worker() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "nodes");
     let other = TestCa::new(dir.path(), "other");
     let w = start_tls_worker(&ca.server(dir.path(), "worker"), &ca.cert_file);
@@ -228,7 +228,7 @@ fn refused_or_untrusted_certificates_fail_the_session_at_once_naming_the_worker(
 
 #[test]
 fn plain_http_to_a_non_loopback_worker_is_a_start_up_error() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let token = dir.path().join("token");
     std::fs::write(&token, TOKEN).unwrap();
     let file = dir.path().join("workers.yaml");
@@ -274,7 +274,7 @@ fn plain_http_to_a_non_loopback_worker_is_a_start_up_error() {
 /// handshake is recognised as a TLS failure and said in words; a refused connection is not.
 #[tokio::test]
 async fn each_certificate_problem_is_recognised_as_a_tls_failure() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let ca = TestCa::new(dir.path(), "nodes");
     let other = TestCa::new(dir.path(), "other");
     let cert = ca.server(dir.path(), "srv");

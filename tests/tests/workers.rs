@@ -134,7 +134,7 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
     let w1 = start_worker(0);
     let mut w2 = start_worker(0);
     let w2_port: u16 = w2.addr.rsplit(':').next().unwrap().parse().unwrap();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let workers = registry(
         dir.path(),
         &format!(
@@ -298,7 +298,7 @@ async fn session_ending(base: &str, body: Value) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_seed_fails_the_session_naming_the_worker() {
     let w = start_worker(0);
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let (model, _m) = model_server(vec![plan("t1"), write("t1"), fin()]);
     let endpoint = format!("http://{}", w.addr);
     let r = serve(dir.path(), &model, &["--worker-endpoint", &endpoint], &[]);
@@ -321,7 +321,7 @@ async fn a_refused_seed_fails_the_session_naming_the_worker() {
 /// worker and why; `/readyz` says no worker is ready.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_reachable_worker_fails_the_session_after_the_wait() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dead_port = dead.local_addr().unwrap().port();
     drop(dead);
@@ -362,7 +362,7 @@ async fn no_reachable_worker_fails_the_session_after_the_wait() {
 /// A registry under which no skill can run is a startup error that names what is offered.
 #[test]
 fn no_runnable_skill_is_a_startup_error() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     std::fs::write(dir.path().join("tokens"), format!("{TENANT_A} acme\n")).unwrap();
     let workers = registry(
         dir.path(),
