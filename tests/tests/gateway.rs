@@ -180,7 +180,7 @@ fn calls_of(events: &[(u64, String, Value)], job_id: &str) -> Vec<(String, Strin
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sandbox_jobs_use_the_gateway_through_the_node_without_seeing_the_token() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = cynode_tests::tempdir().unwrap();
     let unc = unc_base64(dir.path());
     let mine = b"written through the gateway by t1\n";
     let theirs = b"written through the gateway by t2\n";
