@@ -48,7 +48,11 @@ pub struct Config {
     pub backend: BackendKind,
     /// Where job records, job directories and workspaces live.
     pub state_dir: PathBuf,
+    /// Keys left out take Podman's defaults (binary `podman`, runtime `runc`).
+    #[serde(deserialize_with = "podman_engine")]
     pub podman: EngineConfig,
+    /// Keys left out take Docker's defaults (binary `docker`), not Podman's.
+    #[serde(deserialize_with = "docker_engine")]
     pub docker: EngineConfig,
     pub bwrap: BwrapConfig,
     pub microvm: microvm::MicrovmConfig,
@@ -378,6 +382,36 @@ impl Default for Config {
     }
 }
 
+fn podman_engine<'de, D: serde::Deserializer<'de>>(d: D) -> Result<EngineConfig, D::Error> {
+    engine_over(d, Config::default().podman)
+}
+
+fn docker_engine<'de, D: serde::Deserializer<'de>>(d: D) -> Result<EngineConfig, D::Error> {
+    engine_over(d, Config::default().docker)
+}
+
+/// An engine's section over that engine's own defaults: a key the section leaves out
+/// (`docker: {runtime: runsc}`) keeps the engine's value (binary `docker`), where a plain
+/// `#[serde(default)]` would take [`EngineConfig::default`]'s (Podman's).
+fn engine_over<'de, D: serde::Deserializer<'de>>(
+    d: D,
+    defaults: EngineConfig,
+) -> Result<EngineConfig, D::Error> {
+    use serde::de::Error;
+    let given = serde_yaml::Value::deserialize(d)?;
+    let mut merged = serde_yaml::to_value(&defaults).map_err(D::Error::custom)?;
+    match (&mut merged, given) {
+        (serde_yaml::Value::Mapping(base), serde_yaml::Value::Mapping(over)) => {
+            for (k, v) in over {
+                base.insert(k, v);
+            }
+        }
+        (_, serde_yaml::Value::Null) => {}
+        (_, other) => merged = other,
+    }
+    EngineConfig::deserialize(merged).map_err(D::Error::custom)
+}
+
 impl Default for EngineConfig {
     fn default() -> Self {
         Self {
@@ -545,6 +579,12 @@ mod tests {
         assert_eq!(cfg.podman.runsc_path, Path::new(DEFAULT_RUNSC_PATH));
         assert_eq!(cfg.docker.runtime, OciRuntime::Default);
         assert_eq!(Config::default().podman.runtime, OciRuntime::Runc);
+        // A section that names only some keys keeps its own engine's defaults.
+        assert_eq!(cfg.podman.binary, "podman");
+        assert_eq!(cfg.docker.binary, "docker");
+        let cfg: Config = serde_yaml::from_str("podman:\n  binary: /opt/podman\n").unwrap();
+        assert_eq!(cfg.podman.runtime, OciRuntime::Runc);
+        assert!(serde_yaml::from_str::<Config>("docker:\n  binry: x\n").is_err());
         for bad in ["--privileged", "/usr/bin/runsc", "runsc --debug", "gvisor"] {
             let text = format!("podman:\n  runtime: \"{bad}\"\n");
             assert!(serde_yaml::from_str::<Config>(&text).is_err(), "{bad:?}");
