@@ -145,6 +145,7 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
                 "backend",
                 "inference",
                 "callback",
+                "gateway_forward",
                 "store",
                 "disk_guard",
                 "disk_limit",
