@@ -84,7 +84,8 @@ async fn the_job_runs_on_its_own_kernel() {
     assert_eq!(lines.collect::<Vec<_>>(), ["1000", "1000"], "{v}");
 }
 
-/// A job that exhausts its memory in a guest booted with `panic_on_oom=2` panics the
+/// A job that exhausts its memory (300 MB against 128 MiB: a 64 MiB guest sometimes
+/// failed to boot its init at all) in a guest booted with `panic_on_oom=2` panics the
 /// guest kernel: the job fails, the console shows the panic, no QEMU is left, and the
 /// node runs the next job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,7 +93,7 @@ async fn a_guest_kernel_panic_leaves_the_node_alone() {
     setup();
     let sv = Server::start(
         "microvm",
-        "limits:\n  memory_mb: 64\nmicrovm:\n  pool_size: 0\n  kernel_args: [\"sysctl.vm.panic_on_oom=2\"]\n",
+        "limits:\n  memory_mb: 128\nmicrovm:\n  pool_size: 0\n  kernel_args: [\"sysctl.vm.panic_on_oom=2\"]\n",
     );
     let body = command_job(
         &unique("j"),
