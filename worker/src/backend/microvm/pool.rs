@@ -68,11 +68,22 @@ impl Pool {
             .join(format!("vm-{}-{n}", std::process::id()))
     }
 
-    /// Boots one VM from `template` in a fresh directory.
+    /// Boots one VM from `template` in a fresh directory. A guest that fails before it
+    /// says it is ready (no job code has run in it yet) is booted once more in another
+    /// directory: under TCG the guest's init has been seen to die with SIGSEGV at boot,
+    /// now and then (cause not found; the console is logged).
     pub async fn boot(&self, template: &Template) -> Result<Vm, VmError> {
         let mut l = template.clone();
         l.dir = self.next_dir();
-        l.boot().await
+        match l.boot().await {
+            Err(VmError::Boot(why)) => {
+                tracing::warn!(reason = %why, "microvm guest failed to boot; booting another");
+                let mut again = template.clone();
+                again.dir = self.next_dir();
+                again.boot().await
+            }
+            other => other,
+        }
     }
 
     /// A VM for `image` with `template`'s limits: a waiting one, or a new one. Starts a
