@@ -85,3 +85,51 @@ pub fn serve_worker(config: &Path) -> (OwnedChild, String) {
         .unwrap_or_else(|_| panic!("the worker did not report its address within 60 s"));
     (child, addr)
 }
+
+/// A pass-through to the worker at `upstream` (`host:port`) that keeps the JSON body of
+/// every job request (`POST /v1/worker/jobs`, or `jobs:run`): the Worker API requests a PM
+/// dispatched, gateway grant included. Returns its own `http://` URL.
+pub async fn recording_front(
+    upstream: String,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
+) -> String {
+    use axum::extract::State;
+    type Front = (String, std::sync::Arc<std::sync::Mutex<Vec<Value>>>);
+    async fn forward(
+        State((up, seen)): State<Front>,
+        req: axum::extract::Request,
+    ) -> axum::response::Response {
+        let (parts, body) = req.into_parts();
+        let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
+        let path = parts.uri.path();
+        if parts.method == axum::http::Method::POST
+            && (path == "/v1/worker/jobs" || path.ends_with("jobs:run"))
+        {
+            seen.lock()
+                .unwrap()
+                .push(serde_json::from_slice(&bytes).unwrap());
+        }
+        let mut r = reqwest::Client::new()
+            .request(parts.method.clone(), format!("http://{up}{}", parts.uri))
+            .body(bytes.to_vec());
+        for h in ["authorization", "content-type", "accept"] {
+            if let Some(v) = parts.headers.get(h) {
+                r = r.header(h, v.to_str().unwrap());
+            }
+        }
+        let resp = r.send().await.unwrap();
+        let mut b = axum::response::Response::builder().status(resp.status().as_u16());
+        if let Some(c) = resp.headers().get("content-type") {
+            b = b.header("content-type", c.to_str().unwrap());
+        }
+        b.body(axum::body::Body::from(resp.bytes().await.unwrap()))
+            .unwrap()
+    }
+    let app = axum::Router::new()
+        .fallback(forward)
+        .with_state((upstream, seen));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    format!("http://{addr}")
+}

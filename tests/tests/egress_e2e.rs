@@ -12,7 +12,6 @@ use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-use axum::extract::State;
 use axum::Router;
 use cynode_testkit::OwnedChild;
 use cynode_tests::{final_state, model_server, pm_with, rootfs, serve_in_background, TOKEN};
@@ -106,53 +105,6 @@ fn egress_worker(allow: &str) -> EgressWorker {
     }
 }
 
-/// A pass-through to the worker at `upstream` that keeps the body of every job request
-/// (`POST /v1/worker/jobs`, or `jobs:run`): the Worker API requests the PM dispatched.
-async fn recording_front(upstream: String, seen: Arc<Mutex<Vec<Value>>>) -> String {
-    type Front = (String, Arc<Mutex<Vec<Value>>>);
-    async fn forward(
-        State((up, seen)): State<Front>,
-        req: axum::extract::Request,
-    ) -> axum::response::Response {
-        let (parts, body) = req.into_parts();
-        let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
-        let path = parts.uri.path();
-        if parts.method == axum::http::Method::POST
-            && (path == "/v1/worker/jobs" || path.ends_with("jobs:run"))
-        {
-            seen.lock()
-                .unwrap()
-                .push(serde_json::from_slice(&bytes).unwrap());
-        }
-        let mut r = reqwest::Client::new()
-            .request(parts.method.clone(), format!("http://{up}{}", parts.uri))
-            .body(bytes.to_vec());
-        for h in ["authorization", "content-type"] {
-            if let Some(v) = parts.headers.get(h) {
-                r = r.header(h, v.to_str().unwrap());
-            }
-        }
-        let resp = r.send().await.unwrap();
-        let status = resp.status().as_u16();
-        let ctype = resp
-            .headers()
-            .get("content-type")
-            .map(|v| v.to_str().unwrap().to_string())
-            .unwrap_or_else(|| "application/json".into());
-        let body = resp.bytes().await.unwrap().to_vec();
-        axum::response::Response::builder()
-            .status(status)
-            .header("content-type", ctype)
-            .body(axum::body::Body::from(body))
-            .unwrap()
-    }
-    let app = Router::new().fallback(forward).with_state((upstream, seen));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
-    format!("http://{addr}")
-}
-
 /// The `job_egress` events of a final state, as (job_id, records).
 fn egress_events(v: &Value) -> Vec<(String, Vec<Value>)> {
     v["state"]["history"]
@@ -193,7 +145,10 @@ fn a_declared_egress_is_fetched_through_the_proxy_and_one_beyond_the_tenant_is_r
     let worker = egress_worker(&dest);
     let rt = tokio::runtime::Runtime::new().unwrap();
     let seen = Arc::new(Mutex::new(Vec::new()));
-    let front = rt.block_on(recording_front(worker.addr.clone(), seen.clone()));
+    let front = rt.block_on(cynode_tests::worker::recording_front(
+        worker.addr.clone(),
+        seen.clone(),
+    ));
     let (url, _model) = model_server(script("fetch-origin", Some("fetch-far")));
     let state = cynode_tests::tempdir().unwrap();
     let mut args: Vec<String> = vec![

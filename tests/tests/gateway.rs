@@ -12,8 +12,6 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::extract::State;
-use axum::Router;
 use base64::Engine;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -117,43 +115,6 @@ fn gateway_skill(dir: &Path, id: &str, unc: &str, calls: &[(&str, String)]) {
     );
 }
 
-/// A pass-through to the worker that keeps every gateway token the PM sends it.
-async fn token_tap(upstream: String, seen: Arc<Mutex<Vec<String>>>) -> String {
-    type Tap = (String, Arc<Mutex<Vec<String>>>);
-    async fn forward(
-        State((up, seen)): State<Tap>,
-        req: axum::extract::Request,
-    ) -> axum::response::Response {
-        let (parts, body) = req.into_parts();
-        let bytes = axum::body::to_bytes(body, usize::MAX).await.unwrap();
-        if let Ok(v) = serde_json::from_slice::<Value>(&bytes) {
-            if let Some(t) = v["gateway"]["token"].as_str() {
-                seen.lock().unwrap().push(t.to_string());
-            }
-        }
-        let mut r = reqwest::Client::new()
-            .request(parts.method.clone(), format!("http://{up}{}", parts.uri))
-            .body(bytes.to_vec());
-        for h in ["authorization", "content-type", "accept"] {
-            if let Some(v) = parts.headers.get(h) {
-                r = r.header(h, v.to_str().unwrap());
-            }
-        }
-        let resp = r.send().await.unwrap();
-        let mut b = axum::response::Response::builder().status(resp.status().as_u16());
-        if let Some(c) = resp.headers().get("content-type") {
-            b = b.header("content-type", c.to_str().unwrap());
-        }
-        b.body(axum::body::Body::from(resp.bytes().await.unwrap()))
-            .unwrap()
-    }
-    let app = Router::new().fallback(forward).with_state((upstream, seen));
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = l.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
-    format!("http://{addr}")
-}
-
 /// The data of the session's events of `kind` (its event stream, read to its end).
 fn of_kind(events: &[(u64, String, Value)], kind: &str) -> Vec<Value> {
     events
@@ -223,8 +184,8 @@ async fn sandbox_jobs_use_the_gateway_through_the_node_without_seeing_the_token(
         ],
     );
     let worker = start_worker(0);
-    let tokens = Arc::new(Mutex::new(Vec::new()));
-    let front = token_tap(worker.addr.clone(), tokens.clone()).await;
+    let requests = Arc::new(Mutex::new(Vec::new()));
+    let front = cynode_tests::worker::recording_front(worker.addr.clone(), requests.clone()).await;
     let plan = json!({ "type": "plan_update", "payload": {}, "state_patch": [
         { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "one", "status": "pending" } },
         { "op": "add", "path": "/plan/-", "value": { "task_id": "t2", "description": "two", "status": "pending" } }] });
@@ -297,7 +258,12 @@ async fn sandbox_jobs_use_the_gateway_through_the_node_without_seeing_the_token(
     );
 
     // The tokens the PM handed the worker: one a job, refused now that the jobs ended.
-    let tokens = tokens.lock().unwrap().clone();
+    let tokens: Vec<String> = requests
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|r| r["gateway"]["token"].as_str().map(str::to_string))
+        .collect();
     assert!(tokens.len() >= 2, "{tokens:?}");
     let http = reqwest::Client::new();
     for t in &tokens {
