@@ -20,9 +20,8 @@ use axum::Router;
 use cynode_protocol::worker_api::SbaLifecycle;
 use cynode_tls::ListenerLimits;
 use serde::Deserialize;
-use tokio_util::sync::CancellationToken;
 
-use crate::sandbox::{bind_job_socket, STATUS_SOCKET};
+use crate::sandbox::{serve_job_socket, JobSocket, STATUS_SOCKET};
 
 /// Largest callback body read. An `in_progress` callback is a few hundred bytes; a
 /// `completed` one carries the whole result, which the node does not use (a larger one is
@@ -36,17 +35,7 @@ pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 pub type OnStatus = Arc<dyn Fn(SbaLifecycle) + Send + Sync>;
 
 /// A running listener; dropping it stops the server and removes the socket.
-pub struct CallbackServer {
-    stop: CancellationToken,
-    path: std::path::PathBuf,
-}
-
-impl Drop for CallbackServer {
-    fn drop(&mut self) {
-        self.stop.cancel();
-        let _ = std::fs::remove_file(&self.path);
-    }
-}
+pub type CallbackServer = JobSocket;
 
 #[derive(Clone)]
 struct Ctx {
@@ -62,7 +51,6 @@ pub fn listen(
     on_status: OnStatus,
     limits: &ListenerLimits,
 ) -> std::io::Result<CallbackServer> {
-    let (path, listener) = bind_job_socket(dir, STATUS_SOCKET, None, 0o777)?;
     let ctx = Ctx {
         job_id: job_id.to_string(),
         on_status,
@@ -70,15 +58,7 @@ pub fn listen(
     let app = Router::new()
         .route("/status", post(receive))
         .with_state(ctx);
-    let stop = CancellationToken::new();
-    let done = stop.clone();
-    tokio::spawn(cynode_tls::serve_unix(
-        listener,
-        app,
-        limits.clone(),
-        async move { done.cancelled().await },
-    ));
-    Ok(CallbackServer { stop, path })
+    serve_job_socket(dir, STATUS_SOCKET, None, 0o777, app, limits)
 }
 
 /// What the node reads of a callback (`SbaStatusCallback` without its result).

@@ -25,7 +25,7 @@
 //! - Only `POST /` (and `POST /mcp`) exist; other paths 404, other methods 405.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
@@ -40,9 +40,8 @@ use cynode_protocol::worker_api::GatewayGrant;
 use cynode_tls::ListenerLimits;
 use serde_json::json;
 use tokio::sync::Semaphore;
-use tokio_util::sync::CancellationToken;
 
-use crate::sandbox::bind_job_socket;
+use crate::sandbox::{serve_job_socket, JobSocket};
 
 /// The socket's file name in the job directory (`/job/gateway.sock` in the sandbox).
 pub const SOCKET_NAME: &str = "gateway.sock";
@@ -159,15 +158,12 @@ fn error(status: StatusCode, kind: &str, message: &str) -> Response {
 /// A running gateway socket; dropping it stops serving, removes the socket and logs the
 /// job's totals.
 pub struct ForwardServer {
-    stop: CancellationToken,
-    path: PathBuf,
+    _socket: JobSocket,
     forwarder: Arc<Forwarder>,
 }
 
 impl Drop for ForwardServer {
     fn drop(&mut self) {
-        self.stop.cancel();
-        let _ = std::fs::remove_file(&self.path);
         let f = &self.forwarder;
         tracing::info!(
             job_id = %f.job_id,
@@ -198,19 +194,10 @@ pub fn serve(
     limits: &ListenerLimits,
     owner: Option<u32>,
 ) -> std::io::Result<ForwardServer> {
-    let (path, listener) = bind_job_socket(dir, SOCKET_NAME, owner, 0o600)?;
     let router = app(Arc::clone(&forwarder));
-    let stop = CancellationToken::new();
-    let done = stop.clone();
-    tokio::spawn(cynode_tls::serve_unix(
-        listener,
-        router,
-        limits.clone(),
-        async move { done.cancelled().await },
-    ));
+    let socket = serve_job_socket(dir, SOCKET_NAME, owner, 0o600, router, limits)?;
     Ok(ForwardServer {
-        stop,
-        path,
+        _socket: socket,
         forwarder,
     })
 }

@@ -36,10 +36,9 @@ use axum::Router;
 use serde_json::{json, Value};
 
 use cynode_tls::ListenerLimits;
-use tokio_util::sync::CancellationToken;
 
 use crate::config::InferenceConfig;
-use crate::sandbox::{bind_job_socket, INFERENCE_SOCKET as SOCKET_NAME};
+use crate::sandbox::{serve_job_socket, JobSocket, INFERENCE_SOCKET as SOCKET_NAME};
 
 /// Why the configured upstream cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -201,15 +200,12 @@ pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// A running proxy; dropping it stops serving (closing every connection), removes the
 /// socket and logs the totals.
 pub struct ProxyServer {
-    stop: CancellationToken,
-    path: PathBuf,
+    _socket: JobSocket,
     proxy: Arc<Proxy>,
 }
 
 impl Drop for ProxyServer {
     fn drop(&mut self) {
-        self.stop.cancel();
-        let _ = std::fs::remove_file(&self.path);
         let p = &self.proxy;
         tracing::info!(
             job_id = %p.job_id,
@@ -230,17 +226,12 @@ pub fn listen(
     limits: &ListenerLimits,
     host_uid: u32,
 ) -> std::io::Result<ProxyServer> {
-    let (path, listener) = bind_job_socket(dir, SOCKET_NAME, Some(host_uid), 0o600)?;
     let router = app(Arc::clone(&proxy));
-    let stop = CancellationToken::new();
-    let done = stop.clone();
-    tokio::spawn(cynode_tls::serve_unix(
-        listener,
-        router,
-        limits.clone(),
-        async move { done.cancelled().await },
-    ));
-    Ok(ProxyServer { stop, path, proxy })
+    let socket = serve_job_socket(dir, SOCKET_NAME, Some(host_uid), 0o600, router, limits)?;
+    Ok(ProxyServer {
+        _socket: socket,
+        proxy,
+    })
 }
 
 fn error(status: StatusCode, kind: &str, message: &str) -> Response {

@@ -3,7 +3,9 @@
 //! env names the node sets (which a request can never override), the in-sandbox URLs of
 //! the node's sockets, and [`spec`], the one builder of a [`SandboxSpec`] for jobs and
 //! sessions alike (mounts, workdir, no network by default, the node's resource limits and
-//! output cap), and [`bind_job_socket`], how a node socket appears in the job directory.
+//! output cap), [`bind_job_socket`], how a node socket appears in the job directory, and
+//! [`serve_job_socket`], the one way the node serves such a socket (status, inference,
+//! gateway).
 //!
 //! A leaf: it knows the config's limits and the protocol, nothing else of the node.
 
@@ -59,6 +61,44 @@ pub const STATUS_URL: &str = "http+unix://%2Fjob%2Fstatus.sock/status";
 pub const INFERENCE_SOCKET: &str = "inference.sock";
 /// `INFERENCE_PROXY_URL` as the sandbox sees it.
 pub const PROXY_URL: &str = "http+unix://%2Fjob%2Finference.sock";
+
+/// A job socket being served; dropping it stops its accept loop (closing every
+/// connection) and removes the socket.
+#[derive(Debug)]
+pub struct JobSocket {
+    stop: tokio_util::sync::CancellationToken,
+    path: PathBuf,
+}
+
+impl Drop for JobSocket {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Binds `<dir>/<name>` as [`bind_job_socket`] does and serves `router` on it through the
+/// node's bounded accept loop (`cynode_tls::serve_unix`, under `limits`) until the
+/// returned [`JobSocket`] is dropped. Must be called within the node's tokio runtime.
+pub fn serve_job_socket(
+    dir: &Path,
+    name: &str,
+    owner: Option<u32>,
+    mode: u32,
+    router: axum::Router,
+    limits: &cynode_tls::ListenerLimits,
+) -> std::io::Result<JobSocket> {
+    let (path, listener) = bind_job_socket(dir, name, owner, mode)?;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let done = stop.clone();
+    tokio::spawn(cynode_tls::serve_unix(
+        listener,
+        router,
+        limits.clone(),
+        async move { done.cancelled().await },
+    ));
+    Ok(JobSocket { stop, path })
+}
 
 /// Binds the socket `<dir>/<name>` a sandbox reaches under [`JOB_MOUNT`], replacing a
 /// stale one. It binds through `/proc/self/fd/<dir fd>/<name>`, so a long state path still
