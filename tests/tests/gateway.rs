@@ -7,6 +7,11 @@
 //! between the PM and the worker) are refused, and they appear nowhere in the sandbox
 //! (its environment and every file of /job and /workspace, collected as an artifact),
 //! the session's record or the PM's log.
+//!
+//! An agent-mode job (the SBA driven by its own scripted model through the worker's
+//! inference proxy) calls the tools its `context.mcp_tools` lists as actions; a tool it
+//! does not list is refused by the SBA and never reaches the gateway (the gateway's own
+//! audit of the job shows only the listed calls).
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -318,4 +323,198 @@ async fn sandbox_jobs_use_the_gateway_through_the_node_without_seeing_the_token(
         assert!(!record.contains(&t[4..]), "a token in the session");
         assert!(!log.contains(&t[4..]), "a token in the PM's log");
     }
+}
+
+/// A bwrap worker whose inference upstream is `model` (serving `smollm2`); its directory
+/// goes with the returned guard.
+fn worker_with_inference(
+    model: &str,
+) -> (cynode_testkit::OwnedChild, String, cynode_tests::TempDir) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = cynode_tests::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(dir.path().join("token"), cynode_tests::TOKEN).unwrap();
+    let cfg = format!(
+        "listen: 127.0.0.1:0\nbackend: bwrap\nstate_dir: {}\ntoken_file: {}\nbwrap:\n  rootfs:\n    \"localhost/cynode-sba-test:latest\": {}\ninference:\n  base_url: {model}\n  models: [smollm2]\n",
+        dir.path().join("state").display(),
+        dir.path().join("token").display(),
+        cynode_tests::rootfs().display()
+    );
+    std::fs::write(dir.path().join("w.yaml"), &cfg).unwrap();
+    let (child, addr) = cynode_tests::worker::serve_worker(&dir.path().join("w.yaml"));
+    (child, addr, dir)
+}
+
+/// What the agent of [`agent_model`] puts as `agent/note.txt`.
+const NOTE: &str = "written by the agent through the gateway\n";
+
+/// The SBA's scripted model: put a note, read a skill, try a tool the job does not list
+/// (`artifact.list`, which the gateway would allow), finish.
+fn agent_model() -> (String, cynode_tests::Model) {
+    let act = |ty: &str, arguments: Value| json!({ "thought": ty, "action": { "type": ty, "arguments": arguments } });
+    model_server(vec![
+        act(
+            "tool_call",
+            json!({ "name": "artifact.put",
+            "arguments": { "path": "agent/note.txt", "content": NOTE } }),
+        ),
+        act(
+            "tool_call",
+            json!({ "name": "skills.get", "arguments": { "skill_id": "write-files" } }),
+        ),
+        act(
+            "tool_call",
+            json!({ "name": "artifact.list", "arguments": {} }),
+        ),
+        act(
+            "finish",
+            json!({ "status": "success", "final_answer": "note stored" }),
+        ),
+    ])
+}
+
+/// The skill `gw-agent` in `skills`: an agent job that lists `artifact.put` and
+/// `skills.get`.
+fn agent_skill(skills: &Path) {
+    let template = json!({
+        "execution_mode": "agent_inference",
+        "inference": { "allowed_models": ["smollm2"] },
+        "constraints": { "max_runtime_seconds": 90, "max_output_bytes": 65536 },
+        "context": { "task_context": "store a note as an artifact of this task",
+                     "mcp_tools": ["artifact.put", "skills.get"] }
+    });
+    cynode_tests::write_skill(
+        &skills.join("gw-agent"),
+        "skill_id: gw-agent\nversion: 1.0.0\ndescription: an agent that uses the gateway\npurpose: base-tools\nallowed_commands: [sh]\nlimits:\n  max_runtime_seconds: 90\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  properties: {}\n",
+        &template.to_string(),
+        "{}",
+    );
+}
+
+/// The PM's scripted model: one task, the `gw-agent` job, final.
+fn agent_pm_model() -> (String, cynode_tests::Model) {
+    let plan = json!({ "type": "plan_update", "payload": {}, "state_patch": [
+        { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "note", "status": "pending" } }] });
+    model_server(vec![
+        plan,
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "gw-agent", "inputs": {} } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
+    ])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_job_calls_its_listed_tools_and_an_unlisted_one_never_reaches_the_gateway() {
+    let dir = cynode_tests::tempdir().unwrap();
+    let note = NOTE;
+    let (sba_model_url, sba_model) = agent_model();
+    let (_w, worker_addr, _wdir) = worker_with_inference(&sba_model_url);
+    let skills = dir.path().join("skills");
+    agent_skill(&skills);
+    let (pm_model, pm_model_handle) = agent_pm_model();
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let skill_dir = skills.display().to_string();
+    let endpoint = format!("http://{worker_addr}");
+    let r = start_replica_with(
+        dir.path(),
+        "gwa",
+        &db,
+        &pm_model,
+        &["--worker-endpoint", &endpoint],
+        &["--skill-dir", "skills", "--skill-dir", &skill_dir],
+    );
+    let (s, v) = call(
+        reqwest::Method::POST,
+        &format!("{}/v1/sessions", r.base),
+        TENANT_A,
+        Some(json!({ "objective": "let an agent use the gateway" })),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["session_id"].as_str().unwrap().to_string();
+    let v = wait_status(
+        &r.base,
+        &id,
+        &["completed", "failed"],
+        Duration::from_secs(240),
+    )
+    .await;
+    let log = || std::fs::read_to_string(dir.path().join("gwa.log")).unwrap_or_default();
+    assert_eq!(v["status"], "completed", "{v}\n{}", log());
+    let job = v["deliverable"]["report"]["tasks"][0]["jobs"][0]["job_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // The gateway's audit of the job: the two listed calls, nothing of artifact.list.
+    let events = crate::service::sse(&r.base, &id, None, None).await;
+    let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(
+        calls_of(&events, &job),
+        [s("artifact.put", "ok"), s("skills.get", "ok")],
+        "{events:?}"
+    );
+    // The put joined the session, verified.
+    assert!(
+        v["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["sha256"] == sha(note.as_bytes()) && a["path"] == "agent/note.txt"),
+        "{v}"
+    );
+    // The SBA's model read the skill, then the refusal of the unlisted tool.
+    let turns = sba_model.requests();
+    assert_eq!(turns.len(), 4, "{turns:?}");
+    let last_user = |i: usize| {
+        turns[i]["messages"].as_array().unwrap().last().unwrap()["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert!(
+        last_user(1).starts_with("Result of tool_call artifact.put: ok"),
+        "{}",
+        last_user(1)
+    );
+    assert!(
+        last_user(2).starts_with("Result of tool_call skills.get: ok"),
+        "{}",
+        last_user(2)
+    );
+    assert!(last_user(2).contains("write-files"), "{}", last_user(2));
+    assert!(
+        last_user(3).starts_with("Result of tool_call artifact.list: refused\ntool `artifact.list` refused: not in context.mcp_tools"),
+        "{}",
+        last_user(3)
+    );
+    // result.json recorded all three (the PM's model reads them in the job's result).
+    let fed: Vec<String> = pm_model_handle
+        .requests()
+        .iter()
+        .flat_map(|b| b["messages"].as_array().cloned().unwrap_or_default())
+        .filter_map(|m| m["content"].as_str().map(str::to_string))
+        .filter_map(|c| {
+            let prefix = format!("result of job {job}: ");
+            let at = c.find(&prefix)? + prefix.len();
+            c[at..].lines().next().map(str::to_string)
+        })
+        .collect();
+    assert!(!fed.is_empty(), "the PM's model never saw the job's result");
+    let result: Value = serde_json::from_str(&fed[0]).unwrap();
+    let recorded: Vec<(String, String)> = result["tool_calls"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no tool_calls in {result}"))
+        .iter()
+        .map(|c| s(c["tool"].as_str().unwrap(), c["outcome"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        recorded,
+        [
+            s("artifact.put", "ok"),
+            s("skills.get", "ok"),
+            s("artifact.list", "refused")
+        ]
+    );
+    assert_eq!(result["tool_calls"][2]["bytes"], 0);
+    assert!(result["tool_calls"][0]["bytes"].as_u64().unwrap() > 0);
 }
