@@ -11,7 +11,8 @@
 //! An agent-mode job (the SBA driven by its own scripted model through the worker's
 //! inference proxy) calls the tools its `context.mcp_tools` lists as actions; a tool it
 //! does not list is refused by the SBA and never reaches the gateway (the gateway's own
-//! audit of the job shows only the listed calls).
+//! audit of the job shows only the listed calls). `cynode-pm run` hosts the gateway for
+//! its own session: the same agent job under `run` gets its tools.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -517,4 +518,59 @@ async fn an_agent_job_calls_its_listed_tools_and_an_unlisted_one_never_reaches_t
     );
     assert_eq!(result["tool_calls"][2]["bytes"], 0);
     assert!(result["tool_calls"][0]["bytes"].as_u64().unwrap() > 0);
+}
+
+/// `cynode-pm run` hosts the gateway for its own session: an agent job of a `run` (on a
+/// worker of this machine) calls its listed tools, and the calls are in the session.
+#[test]
+fn run_hosts_the_gateway_for_its_own_session() {
+    let dir = cynode_tests::tempdir().unwrap();
+    let (sba_model_url, _sba_model) = agent_model();
+    let (_w, worker_addr, _wdir) = worker_with_inference(&sba_model_url);
+    let skills = dir.path().join("skills");
+    agent_skill(&skills);
+    let (pm_model, _pm_model) = agent_pm_model();
+    let endpoint = format!("http://{worker_addr}");
+    let skill_dir = skills.display().to_string();
+    let out = cynode_tests::pm_with(
+        &dir.path().join("state"),
+        &pm_model,
+        &[
+            "run",
+            "let an agent use the gateway",
+            "--worker-endpoint",
+            &endpoint,
+            "--skill-dir",
+            &skill_dir,
+        ],
+        &[("CYNODE_WORKER_TOKEN", cynode_tests::TOKEN)],
+    );
+    let v = cynode_tests::completed(&out);
+    let calls: Vec<(String, String)> = v["state"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "gateway_calls")
+        .flat_map(|e| e["data"]["calls"].as_array().cloned().unwrap_or_default())
+        .map(|c| {
+            (
+                c["tool"].as_str().unwrap().to_string(),
+                c["outcome"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(
+        calls,
+        [s("artifact.put", "ok"), s("skills.get", "ok")],
+        "{v}"
+    );
+    assert!(
+        v["state"]["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["sha256"] == sha(NOTE.as_bytes())),
+        "{v}"
+    );
 }
