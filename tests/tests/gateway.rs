@@ -12,7 +12,8 @@
 //! inference proxy) calls the tools its `context.mcp_tools` lists as actions; a tool it
 //! does not list is refused by the SBA and never reaches the gateway (the gateway's own
 //! audit of the job shows only the listed calls). `cynode-pm run` hosts the gateway for
-//! its own session: the same agent job under `run` gets its tools.
+//! its own session: the same agent job under `run` gets its tools. A running job's token
+//! is refused once its session is canceled, and once its worker dies and the job fails.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -518,6 +519,168 @@ async fn an_agent_job_calls_its_listed_tools_and_an_unlisted_one_never_reaches_t
     );
     assert_eq!(result["tool_calls"][2]["bytes"], 0);
     assert!(result["tool_calls"][0]["bytes"].as_u64().unwrap() > 0);
+}
+
+/// A session of `serve` (scripted model, real bwrap worker behind a recording front) whose
+/// one job sleeps, and the gateway token the PM handed the worker for it, once the job
+/// runs and the token is accepted.
+struct RunningJob {
+    r: crate::service::Replica,
+    worker: Option<cynode_tests::Worker>,
+    session: String,
+    token: String,
+    _model: cynode_tests::Model,
+    dir: cynode_tests::TempDir,
+}
+
+/// `artifact.list` on the PM's gateway with `token`: the status and the problem's detail.
+async fn list_with(base: &str, token: &str) -> (u16, String) {
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/v1/gateway"))
+        .header("accept", "application/json, text/event-stream")
+        .bearer_auth(token)
+        .json(&json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": { "name": "artifact.list", "arguments": {} } }))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let v: Value = resp.json().await.unwrap_or(Value::Null);
+    (status, v["detail"].as_str().unwrap_or_default().to_string())
+}
+
+/// Polls until `token` is refused (401) or `within` passes; returns how long it took.
+async fn refused_within(base: &str, token: &str, within: Duration) -> Duration {
+    let t = std::time::Instant::now();
+    loop {
+        let (status, detail) = list_with(base, token).await;
+        if status == 401 {
+            assert!(detail.contains("unknown or revoked"), "{detail}");
+            return t.elapsed();
+        }
+        assert_eq!(status, 200, "{detail}");
+        assert!(
+            t.elapsed() < within,
+            "the token is still accepted after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn running_job(name: &str) -> RunningJob {
+    let dir = cynode_tests::tempdir().unwrap();
+    let skills = dir.path().join("skills");
+    let template = json!({
+        "constraints": { "max_runtime_seconds": 120, "max_output_bytes": 65536,
+            "allowed_commands": ["sh"], "allowed_paths": ["/workspace"] },
+        "steps": [{ "id": "wait", "type": "run_command",
+            "arguments": { "command": "sh", "args": ["-c", "sleep 100"] } }]
+    });
+    cynode_tests::write_skill(
+        &skills.join("gw-sleep"),
+        "skill_id: gw-sleep\nversion: 1.0.0\ndescription: sleep while holding a gateway token\npurpose: base-tools\nallowed_commands: [sh]\nlimits:\n  max_runtime_seconds: 120\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  properties: {}\n",
+        &template.to_string(),
+        "{}",
+    );
+    let worker = start_worker(0);
+    let requests = Arc::new(Mutex::new(Vec::new()));
+    let front = cynode_tests::worker::recording_front(worker.addr.clone(), requests.clone()).await;
+    let plan = json!({ "type": "plan_update", "payload": {}, "state_patch": [
+        { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "wait", "status": "pending" } }] });
+    let (model, m) = model_server(vec![
+        plan,
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "gw-sleep", "inputs": {} } }),
+    ]);
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let skill_dir = skills.display().to_string();
+    let r = start_replica_with(
+        dir.path(),
+        name,
+        &db,
+        &model,
+        &["--worker-endpoint", &front],
+        &["--skill-dir", "skills", "--skill-dir", &skill_dir],
+    );
+    let (s, v) = call(
+        reqwest::Method::POST,
+        &format!("{}/v1/sessions", r.base),
+        TENANT_A,
+        Some(json!({ "objective": "hold a token" })),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let session = v["session_id"].as_str().unwrap().to_string();
+    // The job's token, once the worker has the job and reports it running.
+    let t = std::time::Instant::now();
+    let token = loop {
+        let seen = requests.lock().unwrap().clone();
+        if let Some(tok) = seen.iter().find_map(|r| r["gateway"]["token"].as_str()) {
+            let job = seen[0]["job_id"].as_str().unwrap().to_string();
+            let s = worker.get(&format!("/v1/worker/jobs/{job}")).await;
+            let st: Value = s.json().await.unwrap();
+            if st["status"] == "in_progress" {
+                break tok.to_string();
+            }
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(90),
+            "no running job with a token: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let (status, detail) = list_with(&r.base, &token).await;
+    assert_eq!(status, 200, "a running job's token is accepted: {detail}");
+    RunningJob {
+        r,
+        worker: Some(worker),
+        session,
+        token,
+        _model: m,
+        dir,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_is_refused_once_its_session_is_canceled() {
+    let j = running_job("gwc").await;
+    let (s, v) = call(
+        reqwest::Method::POST,
+        &format!("{}/v1/sessions/{}:cancel", j.r.base, j.session),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert!(s == 200 || s == 202, "{s} {v}");
+    let took = refused_within(&j.r.base, &j.token, Duration::from_secs(60)).await;
+    eprintln!("token refused {took:?} after the cancel");
+    let v = wait_status(
+        &j.r.base,
+        &j.session,
+        &["canceled"],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(v["status"], "canceled", "{v}");
+    let log = std::fs::read_to_string(j.dir.path().join("gwc.log")).unwrap_or_default();
+    assert!(!log.contains(&j.token[4..]), "a token in the PM's log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_is_refused_once_its_worker_dies_and_the_job_fails() {
+    let mut j = running_job("gwd").await;
+    // The worker and its sandbox go (the process group is killed).
+    drop(j.worker.take());
+    let took = refused_within(&j.r.base, &j.token, Duration::from_secs(150)).await;
+    eprintln!("token refused {took:?} after the worker died");
+    let v = wait_status(
+        &j.r.base,
+        &j.session,
+        &["failed", "completed", "canceled"],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(v["status"], "failed", "{v}");
 }
 
 /// `cynode-pm run` hosts the gateway for its own session: an agent job of a `run` (on a
