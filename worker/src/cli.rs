@@ -133,7 +133,7 @@ async fn check(args: NodeArgs) -> anyhow::Result<i32> {
     if let Err(e) = cfg.token() {
         missing.push(format!("token: {e}"));
     }
-    let backend = cynode_worker::backend::Backend::from_config(&cfg);
+    let backend = cynode_worker::backend::from_config(&cfg);
     match backend.check().await {
         Ok(v) => println!("ok   backend {}: {v}", cfg.backend.as_str()),
         Err(e) => missing.push(format!("backend {}: {e}", cfg.backend.as_str())),

@@ -22,7 +22,7 @@ use cynode_protocol::worker_api::{
 use cynode_protocol::{JobResult, ValidationError};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{Backend, EndReason};
+use crate::backend::{EndReason, SandboxBackend};
 use crate::config::{Config, Limits};
 use crate::disk_guard::DiskLimit;
 use crate::job_dir;
@@ -304,7 +304,7 @@ pub fn sandbox_spec(
 
 /// Runs a prepared job and builds its response.
 pub async fn run(
-    backend: &Backend,
+    backend: &dyn SandboxBackend,
     spec: &SandboxSpec,
     req: &RunJobRequest,
     paths: &JobPaths,
@@ -316,7 +316,7 @@ pub async fn run(
 /// [`run`], with the job's egress proxy started inside the sandbox before its command
 /// runs; its audit goes into the response.
 pub async fn run_with_egress(
-    backend: &Backend,
+    backend: &dyn SandboxBackend,
     spec: &SandboxSpec,
     req: &RunJobRequest,
     paths: &JobPaths,
@@ -332,7 +332,7 @@ pub async fn run_with_egress(
         trip.clone(),
     );
     let hook = egress.as_mut().map(JobEgress::hook);
-    let out = backend.run_gated(spec, &trip, hook).await;
+    let out = backend.run_with_hook(spec, &trip, hook).await;
     let audit = match egress {
         Some(e) => e.finish().await,
         None => None,

@@ -14,7 +14,7 @@ use cynode_protocol::worker_api::{NetworkPolicy, RunJobRequest};
 use cynode_protocol::ValidationError;
 
 use crate::backend::netns_gate::NetnsHook;
-use crate::config::{BackendKind, Config, EgressConfig, OciRuntime};
+use crate::config::{BackendKind, Config, EgressConfig};
 use crate::egress::{EgressLimits, EgressProxy, Policy, Resolver, Routes};
 
 /// Where the proxy listens inside the sandbox's own network namespace.
@@ -89,12 +89,7 @@ pub fn policy(cfg: &Config, req: &RunJobRequest) -> Result<Option<Policy>, Valid
         }
         return Ok(None);
     }
-    let backend_can = match cfg.backend {
-        BackendKind::Bwrap => true,
-        BackendKind::Podman => cfg.podman.runtime != OciRuntime::Runsc,
-        BackendKind::Docker | BackendKind::Microvm => false,
-    };
-    if !backend_can {
+    if !crate::backend::can_gate(cfg) {
         return Err(ValidationError::new(
             FIELD,
             format!(

@@ -17,7 +17,6 @@ use tokio_util::sync::CancellationToken;
 
 use std::os::fd::AsFd;
 
-use crate::backend::Backend;
 use crate::config::Config;
 use crate::executor::{self, JobPaths};
 use crate::job_dir;
@@ -99,9 +98,16 @@ async fn replay_in(
     drop(ws_fd);
     let resp = match executor::prepare(paths, req, uid) {
         Ok(()) => {
-            let backend = Backend::from_config(cfg);
+            let backend = crate::backend::from_config(cfg);
             let spec = executor::sandbox_spec(cfg, req, paths, uid);
-            Ok(executor::run(&backend, &spec, req, paths, &CancellationToken::new()).await)
+            Ok(executor::run(
+                backend.as_ref(),
+                &spec,
+                req,
+                paths,
+                &CancellationToken::new(),
+            )
+            .await)
         }
         Err(e) => Err(e),
     };

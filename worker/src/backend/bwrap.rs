@@ -31,15 +31,22 @@
 use std::ffi::CString;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use super::netns_gate::{Gate, NetnsHook};
-use super::{capture, seccomp, BackendError, ResourceLimits, SandboxOutcome, SandboxSpec};
-use crate::config::BwrapConfig;
+use super::{
+    capture, seccomp, BackendError, IsolatedError, IsolatedOutput, IsolatedRun, PerCommand,
+    ResourceLimits, SandboxBackend, SandboxOutcome, SandboxSpec, SessionSandbox,
+};
+use crate::config::{BackendKind, BwrapConfig};
 use crate::sandbox::SANDBOX_UID_TEXT;
+
+mod isolated;
+pub use isolated::IsolatedBwrap;
 
 /// What runs when an SBA job's image has no explicit command.
 pub const SBA_ENTRYPOINT: &str = "/usr/local/bin/cynode-sba";
@@ -248,40 +255,6 @@ impl BwrapBackend {
             .filter(|p| p.is_dir())
     }
 
-    /// bwrap runs, and cgroups are usable for limits.
-    pub async fn check(&self) -> Result<String, BackendError> {
-        let out = super::client_env(&mut Command::new(self.binary()))
-            .arg("--version")
-            .output()
-            .await
-            .map_err(|e| BackendError::Client(format!("{} not runnable: {e}", self.binary())))?;
-        if !out.status.success() {
-            return Err(BackendError::Refused(format!(
-                "{} --version failed",
-                self.binary()
-            )));
-        }
-        let limits = match Cgroup::layout() {
-            Some(CgroupLayout::V2) => "cgroup v2 limits",
-            Some(CgroupLayout::V1) => "cgroup v1 limits",
-            None => {
-                return Err(BackendError::Unavailable(
-                    "no writable cgroup hierarchy for memory/pids/cpu limits".into(),
-                ))
-            }
-        };
-        seccomp_programs()?;
-        let userns = if self.disable_userns {
-            ", --disable-userns"
-        } else {
-            ""
-        };
-        Ok(format!(
-            "{}, {limits}, seccomp{userns}",
-            String::from_utf8_lossy(&out.stdout).trim()
-        ))
-    }
-
     /// The bwrap argv for `spec` with `rootfs` as `/`, confined by `confinement` (its
     /// [`Confinement::args`]).
     pub fn args(&self, spec: &SandboxSpec, rootfs: &Path, confinement: &[String]) -> Vec<String> {
@@ -309,11 +282,6 @@ impl BwrapBackend {
         }
         a.extend(spec.command.iter().cloned());
         a
-    }
-
-    /// Runs the sandbox to the end.
-    pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
-        self.run_with(spec, cancel, None).await
     }
 
     /// Runs the sandbox to the end; with a `hook`, bwrap reports the sandbox's pid and
@@ -421,9 +389,68 @@ impl BwrapBackend {
         drop(confinement);
         outcome
     }
+}
+
+#[async_trait::async_trait]
+impl SandboxBackend for BwrapBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Bwrap
+    }
+
+    /// bwrap runs, and cgroups are usable for limits.
+    async fn check(&self) -> Result<String, BackendError> {
+        let out = super::client_env(&mut Command::new(self.binary()))
+            .arg("--version")
+            .output()
+            .await
+            .map_err(|e| BackendError::Client(format!("{} not runnable: {e}", self.binary())))?;
+        if !out.status.success() {
+            return Err(BackendError::Refused(format!(
+                "{} --version failed",
+                self.binary()
+            )));
+        }
+        let limits = match Cgroup::layout() {
+            Some(CgroupLayout::V2) => "cgroup v2 limits",
+            Some(CgroupLayout::V1) => "cgroup v1 limits",
+            None => {
+                return Err(BackendError::Unavailable(
+                    "no writable cgroup hierarchy for memory/pids/cpu limits".into(),
+                ))
+            }
+        };
+        seccomp_programs()?;
+        let userns = if self.disable_userns {
+            ", --disable-userns"
+        } else {
+            ""
+        };
+        Ok(format!(
+            "{}, {limits}, seccomp{userns}",
+            String::from_utf8_lossy(&out.stdout).trim()
+        ))
+    }
+
+    async fn has_image(&self, image: &str) -> bool {
+        self.rootfs_for(image).is_some()
+    }
+
+    /// Runs the sandbox to the end.
+    async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
+        self.run_with(spec, cancel, None).await
+    }
+
+    async fn run_gated(
+        &self,
+        spec: &SandboxSpec,
+        cancel: &CancellationToken,
+        hook: NetnsHook,
+    ) -> SandboxOutcome {
+        self.run_with(spec, cancel, Some(hook)).await
+    }
 
     /// Removes leftover cgroups of sandboxes (their processes died with the node).
-    pub async fn remove_all_managed(&self) -> usize {
+    async fn remove_all_managed(&self) -> usize {
         let mut removed = 0;
         for dir in Cgroup::parent_dirs(&self.node) {
             let Ok(entries) = std::fs::read_dir(&dir) else {
@@ -441,6 +468,29 @@ impl BwrapBackend {
             }
         }
         removed
+    }
+
+    /// Nothing of a bwrap sandbox outlives its run but its cgroup, which
+    /// [`SandboxBackend::remove_all_managed`] removes.
+    async fn remove_named(&self, _name: &str) {}
+
+    /// bubblewrap has no natural long-lived sandbox: each command of a session is a fresh
+    /// sandbox over the same workspace ([`PerCommand`]).
+    async fn start_session(
+        &self,
+        _spec: &SandboxSpec,
+    ) -> Result<Arc<dyn SessionSandbox>, BackendError> {
+        Ok(Arc::new(PerCommand(self.clone())))
+    }
+
+    async fn run_isolated(&self, run: IsolatedRun) -> Result<IsolatedOutput, IsolatedError> {
+        IsolatedBwrap::new(
+            self.binary().to_string(),
+            self.node.clone(),
+            Some(self.disable_userns),
+        )
+        .run(run)
+        .await
     }
 }
 

@@ -15,13 +15,17 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
+use super::bwrap::IsolatedBwrap;
+use super::netns_gate::NetnsHook;
 use super::{
-    capture, seccomp, BackendError, EndReason, SandboxOutcome, SandboxSpec, MANAGED_LABEL,
+    capture, seccomp, BackendError, EndReason, IsolatedError, IsolatedOutput, IsolatedRun,
+    SandboxBackend, SandboxOutcome, SandboxSpec, SessionSandbox, MANAGED_LABEL,
 };
 use crate::config::{BackendKind, EngineConfig, OciRuntime};
 use crate::sandbox::engine_user;
@@ -55,12 +59,27 @@ pub struct EngineBackend {
     /// directory, so nothing an engine helper writes to its current directory (conmon
     /// leaves an `oom` file there after an OOM kill) lands where the node was started.
     workdir: PathBuf,
+    /// Isolated runs (the changeset's git) go to the node's bubblewrap.
+    tools: IsolatedBwrap,
+}
+
+/// Whether `kind` with `runtime` can start a container gated
+/// ([`SandboxBackend::run_gated`]): Podman with runc or crun. Docker has no `init`, and
+/// gVisor serves a network of its own inside its sandbox.
+pub fn can_gate(kind: BackendKind, runtime: OciRuntime) -> bool {
+    kind == BackendKind::Podman && runtime != OciRuntime::Runsc
 }
 
 impl EngineBackend {
     /// A backend for `kind` (podman or docker) of the node whose state lives in
     /// `state_dir`.
-    pub fn new(kind: BackendKind, cfg: EngineConfig, node: String, state_dir: &Path) -> Self {
+    pub fn new(
+        kind: BackendKind,
+        cfg: EngineConfig,
+        node: String,
+        state_dir: &Path,
+        tools: IsolatedBwrap,
+    ) -> Self {
         let text = seccomp::oci_profile().to_string();
         let digest = {
             use sha2::Digest;
@@ -75,6 +94,7 @@ impl EngineBackend {
             node,
             profile,
             workdir: client_workdir(state_dir),
+            tools,
         }
     }
 
@@ -126,9 +146,9 @@ impl EngineBackend {
         self.cfg.init_path.as_deref()
     }
 
-    /// podman or docker.
-    pub fn kind(&self) -> BackendKind {
-        self.kind
+    /// The client binary (`podman`, `docker`, or as configured).
+    pub fn binary(&self) -> &str {
+        &self.cfg.binary
     }
 
     /// A command of the engine's client: cleared environment, no stdin, killed when
@@ -162,49 +182,6 @@ impl EngineBackend {
             }
             (r, _) => vec![format!("--runtime={}", r.as_str())],
         }
-    }
-
-    /// The engine answers (Docker: its daemon, not only the client), the OCI runtime is
-    /// there (runsc: Podman's `runsc_path` exists, Docker's daemon has `runsc`
-    /// registered), the seccomp profile is in place, and the init binary that session
-    /// containers need (`run --init`) exists. `Err` says what is missing and how to fix it.
-    pub async fn check(&self) -> Result<String, BackendError> {
-        let binary = &self.cfg.binary;
-        // Docker's client answers `version` without a daemon; the server's version needs one.
-        let side = match self.kind {
-            BackendKind::Docker => "{{.Server.Version}}",
-            _ => "{{.Client.Version}}",
-        };
-        let out = self.cli_output(&["version", "--format", side]).await?;
-        if !out.status.success() {
-            let said = last_line(&out.stderr);
-            return Err(BackendError::Refused(match self.kind {
-                BackendKind::Docker => format!(
-                    "no Docker daemon answers `{binary} version` ({said}): start dockerd (deploy/docker/start.sh does, without systemd) or set DOCKER_HOST"
-                ),
-                _ => format!("{binary} version failed: {said}"),
-            }));
-        }
-        let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        self.check_runtime().await?;
-        self.ensure_profile()?;
-        let (init, present) = self.init_binary();
-        if !present {
-            let package = match self.kind {
-                BackendKind::Docker => "tini",
-                _ => "catatonit",
-            };
-            return Err(BackendError::Unavailable(format!(
-                "{} {version}; session sandboxes need the init binary {init} (`run --init`), which is missing: install the Debian package `{package}` or set {}.init_path",
-                self.kind.as_str(),
-                self.kind.as_str()
-            )));
-        }
-        let runtime = match self.cfg.runtime {
-            OciRuntime::Default => String::new(),
-            r => format!(" (runtime {})", r.as_str()),
-        };
-        Ok(format!("{} {version}{runtime}", self.kind.as_str()))
     }
 
     /// gVisor is there: Podman's `runsc_path` is a file; Docker's daemon lists a runtime
@@ -264,24 +241,6 @@ impl EngineBackend {
         }
     }
 
-    /// Whether the image exists locally (nothing is ever pulled).
-    pub async fn has_image(&self, image: &str) -> bool {
-        let sub = match self.kind {
-            BackendKind::Docker => ["image", "inspect"],
-            _ => ["image", "exists"],
-        };
-        self.command()
-            .args(sub)
-            .arg("--")
-            .arg(image)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .await
-            .map(|s| s.success())
-            .unwrap_or(false)
-    }
-
     /// The `run` argv for `spec` (without the binary).
     pub fn run_args(&self, spec: &SandboxSpec) -> Vec<String> {
         let l = &spec.limits;
@@ -332,28 +291,6 @@ impl EngineBackend {
         a.push(spec.image.clone());
         a.extend(cmd.cloned());
         a
-    }
-
-    /// Runs the container to the end.
-    pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
-        let started = Instant::now();
-        if let Err(e) = self.ensure_profile() {
-            return SandboxOutcome::start_failed(e.to_string(), started);
-        }
-        let mut cmd = self.command();
-        cmd.args(self.run_args(spec));
-        let (mut child, out, err) = match spawn_client(cmd, &self.cfg.binary, spec.output_cap) {
-            Ok(spawned) => spawned,
-            Err(e) => return SandboxOutcome::start_failed(e, started),
-        };
-        let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;
-        let status = match status {
-            Some(s) => Some(s),
-            None => self.stop_and_remove(&spec.name, &mut child).await,
-        };
-        let exit_code = status.and_then(|s| s.code());
-        let outcome = SandboxOutcome::collected(exit_code, out, err, end, started).await;
-        engine_refused(outcome, &self.cfg.binary, "start the container")
     }
 
     /// Ends a container whose client is still running (timeout or cancel). A client that
@@ -422,14 +359,138 @@ impl EngineBackend {
             _ => Vec::new(),
         }
     }
+}
+
+#[async_trait::async_trait]
+impl SandboxBackend for EngineBackend {
+    fn kind(&self) -> BackendKind {
+        self.kind
+    }
+
+    /// The engine answers (Docker: its daemon, not only the client), the OCI runtime is
+    /// there (runsc: Podman's `runsc_path` exists, Docker's daemon has `runsc`
+    /// registered), the seccomp profile is in place, and the init binary that session
+    /// containers need (`run --init`) exists. `Err` says what is missing and how to fix it.
+    async fn check(&self) -> Result<String, BackendError> {
+        let binary = &self.cfg.binary;
+        // Docker's client answers `version` without a daemon; the server's version needs one.
+        let side = match self.kind {
+            BackendKind::Docker => "{{.Server.Version}}",
+            _ => "{{.Client.Version}}",
+        };
+        let out = self.cli_output(&["version", "--format", side]).await?;
+        if !out.status.success() {
+            let said = last_line(&out.stderr);
+            return Err(BackendError::Refused(match self.kind {
+                BackendKind::Docker => format!(
+                    "no Docker daemon answers `{binary} version` ({said}): start dockerd (deploy/docker/start.sh does, without systemd) or set DOCKER_HOST"
+                ),
+                _ => format!("{binary} version failed: {said}"),
+            }));
+        }
+        let version = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        self.check_runtime().await?;
+        self.ensure_profile()?;
+        let (init, present) = self.init_binary();
+        if !present {
+            let package = match self.kind {
+                BackendKind::Docker => "tini",
+                _ => "catatonit",
+            };
+            return Err(BackendError::Unavailable(format!(
+                "{} {version}; session sandboxes need the init binary {init} (`run --init`), which is missing: install the Debian package `{package}` or set {}.init_path",
+                self.kind.as_str(),
+                self.kind.as_str()
+            )));
+        }
+        let runtime = match self.cfg.runtime {
+            OciRuntime::Default => String::new(),
+            r => format!(" (runtime {})", r.as_str()),
+        };
+        Ok(format!("{} {version}{runtime}", self.kind.as_str()))
+    }
+
+    /// Whether the image exists locally (nothing is ever pulled).
+    async fn has_image(&self, image: &str) -> bool {
+        let sub = match self.kind {
+            BackendKind::Docker => ["image", "inspect"],
+            _ => ["image", "exists"],
+        };
+        self.command()
+            .args(sub)
+            .arg("--")
+            .arg(image)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .await
+            .map(|s| s.success())
+            .unwrap_or(false)
+    }
+
+    /// Runs the container to the end.
+    async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
+        let started = Instant::now();
+        if let Err(e) = self.ensure_profile() {
+            return SandboxOutcome::start_failed(e.to_string(), started);
+        }
+        let mut cmd = self.command();
+        cmd.args(self.run_args(spec));
+        let (mut child, out, err) = match spawn_client(cmd, &self.cfg.binary, spec.output_cap) {
+            Ok(spawned) => spawned,
+            Err(e) => return SandboxOutcome::start_failed(e, started),
+        };
+        let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;
+        let status = match status {
+            Some(s) => Some(s),
+            None => self.stop_and_remove(&spec.name, &mut child).await,
+        };
+        let exit_code = status.and_then(|s| s.code());
+        let outcome = SandboxOutcome::collected(exit_code, out, err, end, started).await;
+        engine_refused(outcome, &self.cfg.binary, "start the container")
+    }
+
+    /// Podman with runc or crun ([`can_gate`]) starts the container in two halves
+    /// (`gated.rs`); the others refuse.
+    async fn run_gated(
+        &self,
+        spec: &SandboxSpec,
+        cancel: &CancellationToken,
+        hook: NetnsHook,
+    ) -> SandboxOutcome {
+        if can_gate(self.kind, self.cfg.runtime) {
+            self.run_in_halves(spec, cancel, hook).await
+        } else {
+            super::cannot_gate(self.kind)
+        }
+    }
 
     /// Removes every container of this node.
-    pub async fn remove_all_managed(&self) -> usize {
+    async fn remove_all_managed(&self) -> usize {
         let names = self.list_managed().await;
         for n in &names {
             self.force_remove(n).await;
         }
         names.len()
+    }
+
+    async fn remove_named(&self, name: &str) {
+        self.force_remove(name).await;
+    }
+
+    /// One keep-alive container per session ([`session`]).
+    async fn start_session(
+        &self,
+        spec: &SandboxSpec,
+    ) -> Result<Arc<dyn SessionSandbox>, BackendError> {
+        Ok(Arc::new(
+            session::KeepAliveSession::start(self, spec).await?,
+        ))
+    }
+
+    /// In the node's bubblewrap, as on every backend.
+    async fn run_isolated(&self, run: IsolatedRun) -> Result<IsolatedOutput, IsolatedError> {
+        self.tools.run(run).await
     }
 }
 
@@ -480,10 +541,15 @@ pub(super) fn engine_refused(mut o: SandboxOutcome, binary: &str, what: &str) ->
 }
 
 mod gated;
+pub mod session;
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tools() -> IsolatedBwrap {
+        IsolatedBwrap::new("bwrap".into(), "n".into(), Some(false))
+    }
 
     fn spec(image: &str, command: &[&str]) -> SandboxSpec {
         crate::sandbox::example_spec(image, command)
@@ -495,7 +561,13 @@ mod tests {
     #[test]
     fn image_follows_the_end_of_options() {
         for kind in [BackendKind::Podman, BackendKind::Docker] {
-            let e = EngineBackend::new(kind, EngineConfig::default(), "n".into(), Path::new("/s"));
+            let e = EngineBackend::new(
+                kind,
+                EngineConfig::default(),
+                "n".into(),
+                Path::new("/s"),
+                tools(),
+            );
             let a = e.run_args(&spec("img:1", &["sh", "--user=0:0", "img:1", "-c", "id"]));
             let end = a.iter().position(|x| x == "--").unwrap();
             assert_eq!(&a[end + 1..], ["img:1", "--user=0:0", "img:1", "-c", "id"]);
@@ -517,7 +589,7 @@ mod tests {
                 runtime,
                 ..EngineConfig::default()
             };
-            let e = EngineBackend::new(kind, cfg, "n".into(), Path::new("/s"));
+            let e = EngineBackend::new(kind, cfg, "n".into(), Path::new("/s"), tools());
             let a = e.run_args(&spec("img:1", &["true"]));
             let end = a.iter().position(|x| x == "--").unwrap();
             a[..end]
@@ -550,8 +622,15 @@ mod tests {
     /// container lived on): it gets plain `rm --force`, which kills at once.
     #[test]
     fn docker_rm_takes_only_force() {
-        let e =
-            |kind| EngineBackend::new(kind, EngineConfig::default(), "n".into(), Path::new("/s"));
+        let e = |kind| {
+            EngineBackend::new(
+                kind,
+                EngineConfig::default(),
+                "n".into(),
+                Path::new("/s"),
+                tools(),
+            )
+        };
         assert_eq!(e(BackendKind::Docker).remove_args(), ["rm", "--force"]);
         assert_eq!(
             e(BackendKind::Podman).remove_args(),
@@ -568,6 +647,7 @@ mod tests {
             EngineConfig::default(),
             "n".into(),
             state.path(),
+            tools(),
         );
         let cmd = e.command();
         assert_eq!(
@@ -582,7 +662,13 @@ mod tests {
             init_path: Some("/nonexistent/catatonit".into()),
             ..EngineConfig::default()
         };
-        let e = EngineBackend::new(BackendKind::Podman, cfg, "n".into(), Path::new("/s"));
+        let e = EngineBackend::new(
+            BackendKind::Podman,
+            cfg,
+            "n".into(),
+            Path::new("/s"),
+            tools(),
+        );
         assert_eq!(
             e.init_binary(),
             ("/nonexistent/catatonit".to_string(), false)

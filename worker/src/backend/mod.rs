@@ -1,8 +1,14 @@
-//! Sandbox backends behind one interface: Podman and Docker (same CLI flags) and
-//! bubblewrap. The worker decides nothing about what a job does; a backend only starts an
-//! isolated process tree with the limits it is given, captures its output with caps, and
-//! guarantees it is gone afterwards.
+//! Sandbox backends behind one interface, [`SandboxBackend`]: Podman and Docker (same CLI
+//! flags, [`engine`]), bubblewrap ([`bwrap`]) and the KVM microVM ([`microvm`]). The
+//! worker decides nothing about what a job does; a backend only starts an isolated process
+//! tree with the limits it is given, captures its output with caps, and guarantees it is
+//! gone afterwards.
+//!
+//! Adding a backend: its module here implementing [`SandboxBackend`], one arm in
+//! [`from_config`] and [`can_gate`], its [`BackendKind`] variant (config), and its name in
+//! the contract suite's list (`worker/tests/all.rs`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use cynode_protocol::worker_api::Truncated;
@@ -13,10 +19,13 @@ use crate::config::{BackendKind, Config};
 pub mod bwrap;
 pub mod capture;
 pub mod engine;
+pub mod isolated;
 pub mod microvm;
 pub mod netns_gate;
 pub mod seccomp;
-pub mod session_ops;
+
+pub use isolated::{IsolatedError, IsolatedOutput, IsolatedRun};
+pub use netns_gate::NetnsHook;
 
 /// Label every sandbox of a node carries, valued with the node's id, so that node's
 /// orphans (and only its own) can be found and removed.
@@ -116,13 +125,6 @@ pub fn client_env(cmd: &mut tokio::process::Command) -> &mut tokio::process::Com
     cmd
 }
 
-/// Removes the named sandbox if it exists (reconciliation of one job).
-pub async fn remove_named(backend: &Backend, name: &str) {
-    if let Backend::Engine(e) = backend {
-        e.force_remove(name).await;
-    }
-}
-
 impl SandboxOutcome {
     /// The outcome of a client that ran: its exit code and what it wrote (collected within
     /// [`capture::DRAIN_BOUND`] of its exit).
@@ -175,83 +177,155 @@ pub async fn wait_or_stop(
     }
 }
 
-/// The configured backend.
-#[derive(Debug, Clone)]
-pub enum Backend {
-    Engine(engine::EngineBackend),
-    Bwrap(bwrap::BwrapBackend),
-    Microvm(microvm::MicrovmBackend),
-}
+/// What every backend does, each in its own module ([`bwrap`], [`engine`] for Podman and
+/// Docker, [`microvm`]): check itself, run one sandbox to its end (optionally gated for the
+/// egress proxy), hold a session's sandbox, run a host tool over sandbox-written content in
+/// isolation (the changeset's git), and remove what a previous run of the node left.
+///
+/// The node holds it as `Arc<dyn SandboxBackend>` ([`from_config`] is the one place that
+/// picks the implementation): one virtual call per sandbox operation is nothing next to
+/// starting a process, and each backend keeps its own state (session handles included)
+/// without a `match` over every backend in every method.
+#[async_trait::async_trait]
+pub trait SandboxBackend: Send + Sync + std::fmt::Debug {
+    /// The kind the config names (`podman`, `docker`, `bwrap`, `microvm`).
+    fn kind(&self) -> BackendKind;
 
-impl Backend {
-    /// Builds the backend the config names.
-    pub fn from_config(cfg: &Config) -> Backend {
-        let node = node_id(cfg);
-        match cfg.backend {
-            BackendKind::Podman => Backend::Engine(engine::EngineBackend::new(
-                BackendKind::Podman,
-                cfg.podman.clone(),
-                node,
-                &cfg.state_dir,
-            )),
-            BackendKind::Docker => Backend::Engine(engine::EngineBackend::new(
-                BackendKind::Docker,
-                cfg.docker.clone(),
-                node,
-                &cfg.state_dir,
-            )),
-            BackendKind::Bwrap => Backend::Bwrap(bwrap::BwrapBackend::new(cfg.bwrap.clone(), node)),
-            BackendKind::Microvm => Backend::Microvm(microvm::MicrovmBackend::new(
-                cfg.microvm.clone(),
-                &cfg.bwrap.rootfs,
-                ResourceLimits::from_limits(&cfg.limits),
-                &cfg.state_dir,
-            )),
-        }
-    }
-
-    /// `podman`, `docker` or `bwrap`.
-    pub fn kind(&self) -> BackendKind {
-        match self {
-            Backend::Engine(e) => e.kind(),
-            Backend::Bwrap(_) => BackendKind::Bwrap,
-            Backend::Microvm(_) => BackendKind::Microvm,
-        }
-    }
-
-    /// Checks that the backend answers; `Ok` carries a version line.
-    pub async fn check(&self) -> Result<String, BackendError> {
-        match self {
-            Backend::Engine(e) => e.check().await,
-            Backend::Bwrap(b) => b.check().await,
-            Backend::Microvm(m) => m.check().await,
-        }
-    }
+    /// Checks that the backend answers; `Ok` carries a version line, `Err` says what is
+    /// missing.
+    async fn check(&self) -> Result<String, BackendError>;
 
     /// Whether `image` can be run by this backend (exists locally / has a rootfs).
-    pub async fn has_image(&self, image: &str) -> bool {
-        match self {
-            Backend::Engine(e) => e.has_image(image).await,
-            Backend::Bwrap(b) => b.rootfs_for(image).is_some(),
-            Backend::Microvm(m) => m.rootfs_for(image).is_some(),
-        }
-    }
+    async fn has_image(&self, image: &str) -> bool;
 
     /// Runs one sandbox to the end; never leaves it running.
-    pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
-        match self {
-            Backend::Engine(e) => e.run(spec, cancel).await,
-            Backend::Bwrap(b) => b.run(spec, cancel).await,
-            Backend::Microvm(m) => m.run(spec, cancel).await,
+    async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome;
+
+    /// [`SandboxBackend::run`], calling `hook` once the sandbox's namespaces exist and
+    /// before its command runs ([`netns_gate`]). A backend that cannot refuses, which is
+    /// this default: the executor refuses such jobs before they get here.
+    async fn run_gated(
+        &self,
+        _spec: &SandboxSpec,
+        _cancel: &CancellationToken,
+        _hook: NetnsHook,
+    ) -> SandboxOutcome {
+        cannot_gate(self.kind())
+    }
+
+    /// [`SandboxBackend::run_gated`] with a hook, [`SandboxBackend::run`] without.
+    async fn run_with_hook(
+        &self,
+        spec: &SandboxSpec,
+        cancel: &CancellationToken,
+        hook: Option<NetnsHook>,
+    ) -> SandboxOutcome {
+        match hook {
+            Some(hook) => self.run_gated(spec, cancel, hook).await,
+            None => self.run(spec, cancel).await,
         }
     }
 
     /// Removes every sandbox this node manages (startup reconciliation). Returns how many.
-    pub async fn remove_all_managed(&self) -> usize {
-        match self {
-            Backend::Engine(e) => e.remove_all_managed().await,
-            Backend::Bwrap(b) => b.remove_all_managed().await,
-            Backend::Microvm(m) => m.remove_all_managed().await,
-        }
+    async fn remove_all_managed(&self) -> usize;
+
+    /// Removes the named sandbox if it still exists (reconciliation of one job).
+    async fn remove_named(&self, name: &str);
+
+    /// Starts the session sandbox described by `spec`, whose `timeout` is the session's max
+    /// lifetime. On error nothing is left behind.
+    async fn start_session(
+        &self,
+        spec: &SandboxSpec,
+    ) -> Result<Arc<dyn SessionSandbox>, BackendError>;
+
+    /// Runs a host tool over sandbox-written content in isolation ([`isolated`]).
+    async fn run_isolated(&self, run: IsolatedRun) -> Result<IsolatedOutput, IsolatedError>;
+}
+
+/// The outcome of a gated run on a backend that cannot gate.
+pub fn cannot_gate(kind: BackendKind) -> SandboxOutcome {
+    SandboxOutcome::start_failed(
+        format!(
+            "the {} backend cannot start a sandbox with an egress proxy",
+            kind.as_str()
+        ),
+        std::time::Instant::now(),
+    )
+}
+
+/// A session's sandbox on its backend, from [`SandboxBackend::start_session`].
+#[async_trait::async_trait]
+pub trait SessionSandbox: Send + Sync + std::fmt::Debug {
+    /// Runs `spec.command` in the session's sandbox to its end, within `spec.timeout`;
+    /// `cancel` (the session ending) stops it.
+    async fn exec(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome;
+
+    /// Whether the sandbox still lives and can run commands.
+    fn is_alive(&self) -> bool;
+
+    /// Removes the session's sandbox (kills whatever runs in it); absent is fine.
+    async fn stop(&self);
+}
+
+/// A session with no sandbox living between its commands: each command is a fresh sandbox
+/// of the backend over the same persisted workspace (bubblewrap, the microVM), so nothing
+/// but the workspace survives between commands (no background processes, no /tmp).
+#[derive(Debug, Clone)]
+pub struct PerCommand<B>(pub B);
+
+#[async_trait::async_trait]
+impl<B: SandboxBackend> SessionSandbox for PerCommand<B> {
+    async fn exec(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
+        self.0.run(spec, cancel).await
+    }
+
+    fn is_alive(&self) -> bool {
+        true
+    }
+
+    async fn stop(&self) {}
+}
+
+/// The backend the config names: the one place a [`BackendKind`] becomes an
+/// implementation.
+pub fn from_config(cfg: &Config) -> Arc<dyn SandboxBackend> {
+    let node = node_id(cfg);
+    let tools = bwrap::IsolatedBwrap::for_config(cfg);
+    match cfg.backend {
+        BackendKind::Podman => Arc::new(engine::EngineBackend::new(
+            BackendKind::Podman,
+            cfg.podman.clone(),
+            node,
+            &cfg.state_dir,
+            tools,
+        )),
+        BackendKind::Docker => Arc::new(engine::EngineBackend::new(
+            BackendKind::Docker,
+            cfg.docker.clone(),
+            node,
+            &cfg.state_dir,
+            tools,
+        )),
+        BackendKind::Bwrap => Arc::new(bwrap::BwrapBackend::new(cfg.bwrap.clone(), node)),
+        BackendKind::Microvm => Arc::new(microvm::MicrovmBackend::new(
+            cfg.microvm.clone(),
+            &cfg.bwrap.rootfs,
+            ResourceLimits::from_limits(&cfg.limits),
+            &cfg.state_dir,
+            tools,
+        )),
+    }
+}
+
+/// Whether sandboxes of `cfg`'s backend can be started gated
+/// ([`SandboxBackend::run_gated`]), so a job's egress proxy can bind inside them: asked
+/// of the configuration, before any backend exists (request validation).
+pub fn can_gate(cfg: &Config) -> bool {
+    match cfg.backend {
+        BackendKind::Bwrap => true,
+        BackendKind::Podman => engine::can_gate(BackendKind::Podman, cfg.podman.runtime),
+        BackendKind::Docker => engine::can_gate(BackendKind::Docker, cfg.docker.runtime),
+        BackendKind::Microvm => false,
     }
 }

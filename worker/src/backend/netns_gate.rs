@@ -1,8 +1,8 @@
-//! Starting a sandbox in two halves, so the node can act inside its network namespace
-//! before its command runs: the backend creates the sandbox (its namespaces exist, its
-//! command has not started), hands the pid of a process inside to a [`NetnsHook`] (the
-//! egress proxy binds its listener there), and only then lets the command run. A hook that
-//! fails ends the sandbox before its command ever ran.
+//! Starting a sandbox in two halves ([`super::SandboxBackend::run_gated`]), so the node
+//! can act inside its network namespace before its command runs: the backend creates the
+//! sandbox (its namespaces exist, its command has not started), hands the pid of a process
+//! inside to a [`NetnsHook`] (the egress proxy binds its listener there), and only then
+//! lets the command run. A hook that fails ends the sandbox before its command ever ran.
 //!
 //! - bubblewrap: `--info-fd` reports the sandbox's pid (`{"child-pid": N}`), and
 //!   `--block-fd` holds the sandbox before it executes the command until the node writes
@@ -17,9 +17,6 @@ use std::pin::Pin;
 use std::time::Duration;
 
 use rustix::pipe::{pipe_with, PipeFlags};
-use tokio_util::sync::CancellationToken;
-
-use super::{Backend, SandboxOutcome, SandboxSpec};
 
 /// What runs between the sandbox's creation and its command: given the pid of a process
 /// in the sandbox's namespaces. `Err` is the reason the sandbox is not started.
@@ -28,33 +25,6 @@ pub type NetnsHook =
 
 /// How long a created sandbox may take to report its pid.
 pub const PID_BOUND: Duration = Duration::from_secs(30);
-
-impl Backend {
-    /// Runs one sandbox to the end, calling `hook` (when given) once its namespaces exist
-    /// and before its command runs. Backends that cannot (Docker, the microVM, gVisor)
-    /// refuse a hook: the executor refuses such jobs before they get here.
-    pub async fn run_gated(
-        &self,
-        spec: &SandboxSpec,
-        cancel: &CancellationToken,
-        hook: Option<NetnsHook>,
-    ) -> SandboxOutcome {
-        let Some(hook) = hook else {
-            return self.run(spec, cancel).await;
-        };
-        match self {
-            Backend::Bwrap(b) => b.run_with(spec, cancel, Some(hook)).await,
-            Backend::Engine(e) if e.can_gate() => e.run_gated(spec, cancel, hook).await,
-            _ => SandboxOutcome::start_failed(
-                format!(
-                    "the {} backend cannot start a sandbox with an egress proxy",
-                    self.kind().as_str()
-                ),
-                std::time::Instant::now(),
-            ),
-        }
-    }
-}
 
 /// bwrap's `--info-fd` and `--block-fd` pipes: the node keeps the info pipe's read end and
 /// the block pipe's write end; bwrap inherits the other two (close-on-exec cleared only in

@@ -67,7 +67,7 @@ async fn changeset(
     State(node): State<Arc<Node>>,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let text = workspace::changeset(&node.cfg, &node.uids, &id).await?;
+    let text = workspace::changeset(&node.cfg, &node.uids, node.backend.as_ref(), &id).await?;
     let mut resp = text.into_response();
     resp.headers_mut().insert(
         header::CONTENT_TYPE,

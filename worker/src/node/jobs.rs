@@ -258,8 +258,13 @@ impl Node {
             _ => None,
         };
         let _gateway = if gateway_forward::grants().has(&req.job_id) {
-            match gateway_forward::listen(&paths.mount, &req.job_id, &self.job_sockets(), host_uid)
-            {
+            match gateway_forward::listen(
+                &paths.mount,
+                &req.job_id,
+                &self.job_sockets(),
+                &self.cfg.gateway.tls,
+                host_uid,
+            ) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     let mut resp = restarted_response_for(req);
@@ -286,7 +291,7 @@ impl Node {
         };
         let spec = executor::sandbox_spec(&self.cfg, req, &paths, host_uid);
         tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, egress = egress.is_some(), "job started");
-        executor::run_with_egress(&self.backend, &spec, req, &paths, cancel, egress).await
+        executor::run_with_egress(self.backend.as_ref(), &spec, req, &paths, cancel, egress).await
     }
 
     /// `GET /jobs/{id}`.

@@ -22,7 +22,7 @@ use cynode_protocol::ValidationError;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::Backend;
+use crate::backend::SandboxBackend;
 use crate::config::Config;
 use crate::inference::{Upstream, UpstreamError};
 use crate::sessions::Sessions;
@@ -87,7 +87,7 @@ pub use cynode_protocol::worker_health::Readiness;
 /// The node's shared state.
 pub struct Node {
     pub cfg: Arc<Config>,
-    pub backend: Backend,
+    pub backend: Arc<dyn SandboxBackend>,
     pub store: Store,
     pub token: String,
     pub sessions: Sessions,
@@ -137,7 +137,7 @@ impl Node {
             });
         }
         let uids = Arc::new(crate::uid_pool::UidPool::for_node(&cfg, store.clone()));
-        let backend = Backend::from_config(&cfg);
+        let backend = crate::backend::from_config(&cfg);
         let inference = match &cfg.inference {
             Some(i) => Some(Arc::new(Upstream::from_config(i)?)),
             None => None,

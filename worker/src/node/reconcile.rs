@@ -31,13 +31,15 @@ impl Node {
                 for delay in [1, 3, 10] {
                     tokio::time::sleep(std::time::Duration::from_secs(delay)).await;
                     for n in &names {
-                        crate::backend::remove_named(&backend, n).await;
+                        backend.remove_named(n).await;
                     }
                 }
             });
         }
         for rec in unfinished {
-            crate::backend::remove_named(&self.backend, &format!("cynode-{}", rec.job_id)).await;
+            self.backend
+                .remove_named(&format!("cynode-{}", rec.job_id))
+                .await;
             let paths = JobPaths::new(&self.cfg, &rec.request);
             let mut resp = restarted_response(&rec);
             if rec.request.sandbox.job_spec_json.is_some() {

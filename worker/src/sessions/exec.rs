@@ -13,7 +13,6 @@ use super::spec::{container_name, sandbox_env, sandbox_spec};
 use super::state::Phase;
 use super::validate::validate_exec;
 use super::{SessionError, Sessions};
-use crate::backend::session_ops::SessionOps;
 use crate::backend::{EndReason, SandboxOutcome};
 use crate::disk_guard::{Breach, DiskGuard, DiskLimit};
 use crate::sandbox::SandboxSpec;
@@ -73,7 +72,7 @@ impl Sessions {
             // child token: not a cancel of the session).
             let trip = cancel.child_token();
             let guard = DiskGuard::start(vec![workspace], limit, trip.clone());
-            let out = this.inner.ops.exec(&sandbox, &spec, &trip).await;
+            let out = sandbox.exec(&spec, &trip).await;
             let breach = guard.finish().await;
             let ended_at = now_rfc3339();
             let mut gone = None;
@@ -81,9 +80,7 @@ impl Sessions {
                 if let Some(e) = map.get_mut(&id) {
                     e.busy = false;
                     e.last_activity = Instant::now();
-                    if matches!(out.end, EndReason::StartFailed(_))
-                        && !SessionOps::is_alive(&sandbox)
-                    {
+                    if matches!(out.end, EndReason::StartFailed(_)) && !sandbox.is_alive() {
                         gone = e.end(SessionEndReason::SandboxExited);
                     }
                     // Over the disk limit: the session's sandbox goes (with whatever a
@@ -94,7 +91,7 @@ impl Sessions {
                 }
             }
             if let Some(sb) = gone {
-                this.inner.ops.remove(&sb).await;
+                sb.stop().await;
             }
             exec_response(&id, &spec, out, breach, started_at, ended_at)
         });

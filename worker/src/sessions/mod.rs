@@ -9,8 +9,10 @@
 //!   jobs, with the job sandbox's security flags and limits; it outlives the session.
 //! - Podman/Docker run one keep-alive container per session (`cynode-session-<id>`,
 //!   carrying the node label); bubblewrap runs each command as a fresh sandbox over the
-//!   same workspace, so only the workspace persists between commands there. See
-//!   [`crate::backend::session_ops`] for both, and for how a timed-out command is killed.
+//!   same workspace, so only the workspace persists between commands there. Each backend
+//!   starts its own ([`crate::backend::SandboxBackend::start_session`]); see
+//!   [`crate::backend::engine::session`] for how a timed-out command is killed in a
+//!   container.
 //! - One command at a time per session: a second concurrent exec answers 409. Every exec
 //!   refreshes the idle timer, and a session is never idle while a command runs.
 //! - A reaper task (every second) ends sessions past their idle timeout or max lifetime,
@@ -49,8 +51,7 @@ use spec::{container_name, sandbox_env, sandbox_spec};
 use state::{Entry, Phase};
 use validate::validate_create;
 
-use crate::backend::session_ops::{SessionOps, SessionSandbox};
-use crate::backend::{Backend, BackendError};
+use crate::backend::{BackendError, SandboxBackend, SessionSandbox};
 use crate::config::Config;
 
 /// Idle timeout when the request gives none.
@@ -82,7 +83,7 @@ enum StartError {
 struct Inner {
     cfg: Config,
     uids: Arc<crate::uid_pool::UidPool>,
-    ops: SessionOps,
+    backend: Arc<dyn SandboxBackend>,
     map: Mutex<HashMap<String, Entry>>,
 }
 
@@ -99,13 +100,16 @@ impl std::fmt::Debug for Sessions {
 }
 
 impl Sessions {
-    /// No sessions yet, on `backend` as `cfg` configures it; workspaces get their host
-    /// uids from `uids`.
-    pub fn new(cfg: &Config, backend: Backend, uids: Arc<crate::uid_pool::UidPool>) -> Self {
+    /// No sessions yet, on `backend`; workspaces get their host uids from `uids`.
+    pub fn new(
+        cfg: &Config,
+        backend: Arc<dyn SandboxBackend>,
+        uids: Arc<crate::uid_pool::UidPool>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 uids,
-                ops: SessionOps::new(cfg, backend),
+                backend,
                 cfg: cfg.clone(),
                 map: Mutex::new(HashMap::new()),
             }),
@@ -140,7 +144,7 @@ impl Sessions {
         if let Some(existing) = self.repeat(&req)? {
             return Ok((false, existing));
         }
-        if !self.inner.ops.backend().has_image(&req.image).await {
+        if !self.inner.backend.has_image(&req.image).await {
             return Err(SessionError::Invalid(ValidationError::new(
                 "image",
                 format!("image `{}` is not available on this node", req.image),
@@ -211,7 +215,7 @@ impl Sessions {
                 .await;
             let Ok(mut map) = this.inner.map.lock() else {
                 if let Ok(sb) = started {
-                    this.inner.ops.remove(&sb).await;
+                    sb.stop().await;
                 }
                 return Err(SessionError::poisoned());
             };
@@ -243,7 +247,7 @@ impl Sessions {
         env: &BTreeMap<String, String>,
         workspace: PathBuf,
         host_uid: u32,
-    ) -> Result<SessionSandbox, StartError> {
+    ) -> Result<Arc<dyn SessionSandbox>, StartError> {
         // Owned by the workspace's uid, as jobs make it; an existing workspace is kept.
         if !workspace.exists() {
             make_workspace(&workspace, host_uid).map_err(|e| {
@@ -262,7 +266,7 @@ impl Sessions {
             sandbox_env(info, env, &BTreeMap::new()),
             Duration::from_secs(info.max_lifetime_seconds),
         );
-        Ok(self.inner.ops.start(&spec).await?)
+        Ok(self.inner.backend.start_session(&spec).await?)
     }
 
     /// The answer to a repeated create, if the session exists.
@@ -310,8 +314,7 @@ impl Sessions {
         })?;
         if let Some(sb) = sandbox {
             // In its own task, so the sandbox is removed even if the client goes away.
-            let ops = self.inner.ops.clone();
-            tokio::spawn(async move { ops.remove(&sb).await })
+            tokio::spawn(async move { sb.stop().await })
                 .await
                 .map_err(|e| SessionError::Internal(format!("session removal failed: {e}")))?;
         }

@@ -10,7 +10,6 @@ use cynode_protocol::worker_sessions::SessionEndReason;
 
 use super::state::Phase;
 use super::{Inner, Sessions, REAP_INTERVAL};
-use crate::backend::session_ops::SessionOps;
 
 impl Sessions {
     /// Starts the reaper: every [`REAP_INTERVAL`] it ends expired sessions and removes
@@ -44,7 +43,7 @@ impl Sessions {
                 SessionEndReason::MaxLifetime
             } else if !e.busy && now >= e.last_activity + e.idle {
                 SessionEndReason::IdleTimeout
-            } else if !SessionOps::is_alive(sandbox) {
+            } else if !sandbox.is_alive() {
                 SessionEndReason::SandboxExited
             } else {
                 continue;
@@ -59,8 +58,7 @@ impl Sessions {
         });
         drop(map);
         for sb in ended {
-            let ops = self.inner.ops.clone();
-            tokio::spawn(async move { ops.remove(&sb).await });
+            tokio::spawn(async move { sb.stop().await });
         }
     }
 }

@@ -5,19 +5,20 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cynode_protocol::time::now_rfc3339;
 use cynode_protocol::worker_sessions::{SessionEndReason, SessionInfo, SessionStatus};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::session_ops::SessionSandbox;
+use crate::backend::SessionSandbox;
 
 /// Where a session is in its life.
 pub(super) enum Phase {
     /// The sandbox is being started.
     Starting,
-    Running(SessionSandbox),
+    Running(Arc<dyn SessionSandbox>),
     Ended {
         since: Instant,
     },
@@ -44,7 +45,7 @@ pub(super) struct Entry {
 
 impl Entry {
     /// Marks the session ended; returns the sandbox to remove, if it was running.
-    pub(super) fn end(&mut self, reason: SessionEndReason) -> Option<SessionSandbox> {
+    pub(super) fn end(&mut self, reason: SessionEndReason) -> Option<Arc<dyn SessionSandbox>> {
         let Phase::Running(_) = self.phase else {
             return None;
         };

@@ -24,6 +24,7 @@ use cynode_protocol::worker_api::{check_id, API_VERSION};
 use cynode_protocol::worker_workspaces::{CreateWorkspace, WorkspaceInfo};
 use cynode_protocol::ValidationError;
 
+use crate::backend::SandboxBackend;
 use crate::config::Config;
 use crate::uid_pool::{UidError, UidPool};
 use changeset::ChangesetLimits;
@@ -244,8 +245,14 @@ pub fn export_tar(cfg: &Config, id: &str) -> Result<TarStream, WorkspaceError> {
     Ok(TarStream::start(dir, ExportLimits::default()))
 }
 
-/// The workspace's changeset (see [`mod@changeset`]), computed by git in a sandbox.
-pub async fn changeset(cfg: &Config, uids: &UidPool, id: &str) -> Result<String, WorkspaceError> {
+/// The workspace's changeset (see [`mod@changeset`]), computed by git in an isolated run
+/// of `backend`.
+pub async fn changeset(
+    cfg: &Config,
+    uids: &UidPool,
+    backend: &dyn SandboxBackend,
+    id: &str,
+) -> Result<String, WorkspaceError> {
     let dir = existing_dir(cfg, id)?;
     let uid = uids.for_workspace(id).await?;
     let baseline = cfg.baselines_dir().join(id);
@@ -254,9 +261,10 @@ pub async fn changeset(cfg: &Config, uids: &UidPool, id: &str) -> Result<String,
     if !has_git && !baseline.exists() {
         make_sandbox_dir(&baseline, uid).map_err(|e| WorkspaceError::Internal(e.to_string()))?;
     }
-    let sandbox = changeset::ChangesetSandbox::for_node(cfg, uid);
     changeset::changeset(
-        &sandbox,
+        backend,
+        cfg,
+        uid,
         &dir,
         &baseline,
         has_git,

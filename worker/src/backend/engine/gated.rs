@@ -15,16 +15,11 @@ use tokio_util::sync::CancellationToken;
 use super::super::netns_gate::NetnsHook;
 use super::{engine_refused, last_line, spawn_client, EngineBackend, CLI_BOUND};
 use crate::backend::{SandboxOutcome, SandboxSpec};
-use crate::config::{BackendKind, OciRuntime};
 
 impl EngineBackend {
-    /// Podman with runc or crun (not gVisor).
-    pub fn can_gate(&self) -> bool {
-        self.kind == BackendKind::Podman && self.cfg.runtime != OciRuntime::Runsc
-    }
-
-    /// Runs the container to the end, `hook` called between its creation and its start.
-    pub async fn run_gated(
+    /// Runs the container to the end, `hook` called between its creation and its start
+    /// (Podman with runc or crun only: [`super::can_gate`]).
+    pub(super) async fn run_in_halves(
         &self,
         spec: &SandboxSpec,
         cancel: &CancellationToken,

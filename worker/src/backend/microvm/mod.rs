@@ -25,12 +25,18 @@ pub mod vm;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cynode_vminit::{GuestMsg, JobSpec, ShareMount};
 use tokio_util::sync::CancellationToken;
 
-use super::{capture, BackendError, EndReason, ResourceLimits, SandboxOutcome, SandboxSpec};
+use super::bwrap::IsolatedBwrap;
+use super::{
+    capture, BackendError, EndReason, IsolatedError, IsolatedOutput, IsolatedRun, PerCommand,
+    ResourceLimits, SandboxBackend, SandboxOutcome, SandboxSpec, SessionSandbox,
+};
+use crate::config::BackendKind;
 use crate::sandbox::SANDBOX_UID;
 pub use settings::MicrovmConfig;
 
@@ -50,6 +56,8 @@ pub struct MicrovmBackend {
     limits: ResourceLimits,
     dir: PathBuf,
     pool: pool::Pool,
+    /// Isolated runs (the changeset's git) go to the node's bubblewrap.
+    tools: IsolatedBwrap,
 }
 
 /// vCPUs for a CPU limit: rounded up, at least one, at most the host's.
@@ -91,6 +99,7 @@ impl MicrovmBackend {
         bwrap_rootfs: &BTreeMap<String, PathBuf>,
         limits: ResourceLimits,
         state_dir: &Path,
+        tools: IsolatedBwrap,
     ) -> Self {
         let mut rootfs = bwrap_rootfs.clone();
         rootfs.extend(cfg.rootfs.clone());
@@ -106,6 +115,7 @@ impl MicrovmBackend {
             limits,
             dir,
             pool,
+            tools,
         }
     }
 
@@ -117,8 +127,62 @@ impl MicrovmBackend {
             .filter(|p| p.is_dir())
     }
 
+    /// The launch template for `image` with `limits`.
+    async fn template(&self, image: &str, limits: ResourceLimits) -> Result<vm::Launch, String> {
+        let dir = self
+            .rootfs_for(image)
+            .ok_or_else(|| format!("no root filesystem configured for image `{image}`"))?;
+        let rootfs = rootfs::squashfs_for(
+            &self.cfg.mksquashfs,
+            dir,
+            &self.cfg.init,
+            &self.dir.join("rootfs"),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        Ok(vm::Launch {
+            qemu: self.cfg.qemu.clone(),
+            accel: self.cfg.accel,
+            cpu: self.cfg.cpu.clone(),
+            kernel: self.cfg.kernel.clone(),
+            rootfs,
+            memory_mb: limits.memory_mb + self.cfg.memory_overhead_mb,
+            vcpus: vcpus(limits.cpus),
+            kernel_args: self.cfg.kernel_args.clone(),
+            boot_timeout: Duration::from_secs(self.cfg.boot_timeout_seconds.max(1)),
+            dir: PathBuf::new(),
+            limits,
+        })
+    }
+
+    /// Starts filling the pool for every image with a root filesystem.
+    pub async fn prewarm(&self) {
+        if self.pool.size() == 0 {
+            return;
+        }
+        let images: Vec<String> = self.rootfs.keys().cloned().collect();
+        for image in images {
+            match self.template(&image, self.limits).await {
+                Ok(t) => self.pool.refill(&image, &t),
+                Err(e) => tracing::warn!(image, error = %e, "microvm pool not filled"),
+            }
+        }
+    }
+
+    /// The pool (benchmarks and `check`).
+    pub fn pool(&self) -> &pool::Pool {
+        &self.pool
+    }
+}
+
+#[async_trait::async_trait]
+impl SandboxBackend for MicrovmBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Microvm
+    }
+
     /// KVM, the kernel, the init, the VMM, mksquashfs and the pool.
-    pub async fn check(&self) -> Result<String, BackendError> {
+    async fn check(&self) -> Result<String, BackendError> {
         let kvm = match (kvm_api_version(), self.cfg.accel) {
             (Ok(v), _) => format!("KVM API {v}"),
             (Err(e), settings::Accel::Tcg) => format!("no KVM ({e})"),
@@ -177,50 +241,12 @@ impl MicrovmBackend {
         ))
     }
 
-    /// The launch template for `image` with `limits`.
-    async fn template(&self, image: &str, limits: ResourceLimits) -> Result<vm::Launch, String> {
-        let dir = self
-            .rootfs_for(image)
-            .ok_or_else(|| format!("no root filesystem configured for image `{image}`"))?;
-        let rootfs = rootfs::squashfs_for(
-            &self.cfg.mksquashfs,
-            dir,
-            &self.cfg.init,
-            &self.dir.join("rootfs"),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-        Ok(vm::Launch {
-            qemu: self.cfg.qemu.clone(),
-            accel: self.cfg.accel,
-            cpu: self.cfg.cpu.clone(),
-            kernel: self.cfg.kernel.clone(),
-            rootfs,
-            memory_mb: limits.memory_mb + self.cfg.memory_overhead_mb,
-            vcpus: vcpus(limits.cpus),
-            kernel_args: self.cfg.kernel_args.clone(),
-            boot_timeout: Duration::from_secs(self.cfg.boot_timeout_seconds.max(1)),
-            dir: PathBuf::new(),
-            limits,
-        })
-    }
-
-    /// Starts filling the pool for every image with a root filesystem.
-    pub async fn prewarm(&self) {
-        if self.pool.size() == 0 {
-            return;
-        }
-        let images: Vec<String> = self.rootfs.keys().cloned().collect();
-        for image in images {
-            match self.template(&image, self.limits).await {
-                Ok(t) => self.pool.refill(&image, &t),
-                Err(e) => tracing::warn!(image, error = %e, "microvm pool not filled"),
-            }
-        }
+    async fn has_image(&self, image: &str) -> bool {
+        self.rootfs_for(image).is_some()
     }
 
     /// Runs one job in a VM of its own; the VM is gone when this returns.
-    pub async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
+    async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
         let started = Instant::now();
         let fail = |msg: String| SandboxOutcome::start_failed(msg, started);
         let template = match self.template(&spec.image, spec.limits).await {
@@ -328,7 +354,7 @@ impl MicrovmBackend {
 
     /// Kills leftover VMs of a previous run (their QEMU died with the node), unmounts
     /// their shares, removes their directories, then starts filling the pool.
-    pub async fn remove_all_managed(&self) -> usize {
+    async fn remove_all_managed(&self) -> usize {
         let vms = self.dir.join("vms");
         let mut removed = 0;
         if let Ok(entries) = std::fs::read_dir(&vms) {
@@ -350,9 +376,21 @@ impl MicrovmBackend {
         removed
     }
 
-    /// The pool (benchmarks and `check`).
-    pub fn pool(&self) -> &pool::Pool {
-        &self.pool
+    /// A VM's QEMU dies with its run; leftovers are [`SandboxBackend::remove_all_managed`]'s.
+    async fn remove_named(&self, _name: &str) {}
+
+    /// Each command of a session runs in a VM of its own over the same workspace
+    /// ([`PerCommand`], as on bubblewrap).
+    async fn start_session(
+        &self,
+        _spec: &SandboxSpec,
+    ) -> Result<Arc<dyn SessionSandbox>, BackendError> {
+        Ok(Arc::new(PerCommand(self.clone())))
+    }
+
+    /// In the node's bubblewrap, as on every backend.
+    async fn run_isolated(&self, run: IsolatedRun) -> Result<IsolatedOutput, IsolatedError> {
+        self.tools.run(run).await
     }
 }
 

@@ -1,17 +1,11 @@
-//! Session sandboxes on each backend: start a long-lived sandbox, run one command in it,
-//! kill what a timed-out command left, remove the sandbox.
-//!
-//! - Podman/Docker: one keep-alive container per session, started detached with exactly
-//!   the job flags ([`EngineBackend::run_args`]: no network, read-only root, the workspace's host uid, all
-//!   capabilities dropped, no-new-privileges, memory/CPU/pids limits, tmpfs /tmp, the node
-//!   label) plus `--init`, running `sleep` for the session's max lifetime plus a margin
-//!   (so a container outlives a node killed with SIGKILL by at most that, even if the node
-//!   never restarts to reconcile). The init (catatonit / tini) is PID 1 so the orphans of
-//!   finished commands are reaped and never pile up against the pids limit. Each command
-//!   is an `exec --user N:N --workdir … --env …`.
-//! - bubblewrap: there is no natural long-lived sandbox, so each command is a fresh
-//!   sandbox ([`Backend::run`]) over the same persisted workspace; nothing but the
-//!   workspace survives between commands (no background processes, no /tmp).
+//! Session sandboxes on Podman and Docker: one keep-alive container per session, started
+//! detached with exactly the job flags ([`EngineBackend::run_args`]: no network, read-only
+//! root, the workspace's host uid, all capabilities dropped, no-new-privileges,
+//! memory/CPU/pids limits, tmpfs /tmp, the node label) plus `--init`, running `sleep` for
+//! the session's max lifetime plus a margin (so a container outlives a node killed with
+//! SIGKILL by at most that, even if the node never restarts to reconcile). The init
+//! (catatonit / tini) is PID 1 so the orphans of finished commands are reaped and never
+//! pile up against the pids limit. Each command is an `exec --user N:N --workdir … --env …`.
 //!
 //! Killing a timed-out command: killing the `podman exec` client leaves the command
 //! running inside the container, and `timeout`/`pkill` may not exist in the image. So the
@@ -35,9 +29,9 @@ use std::time::{Duration, Instant};
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
-use super::engine::EngineBackend;
-use super::{Backend, BackendError, EndReason, SandboxOutcome, SandboxSpec};
-use crate::config::{BackendKind, Config};
+use super::EngineBackend;
+use crate::backend::{BackendError, EndReason, SandboxOutcome, SandboxSpec, SessionSandbox};
+use crate::config::BackendKind;
 use crate::sandbox::engine_user;
 
 /// How long a keep-alive container outlives its session's max lifetime by itself; the
@@ -45,15 +39,6 @@ use crate::sandbox::engine_user;
 const KEEPALIVE_MARGIN: Duration = Duration::from_secs(60);
 /// Bound on `run -d` and `inspect` calls of the engine CLI.
 const CLI_BOUND: Duration = Duration::from_secs(60);
-
-/// The long-lived part of a session's sandbox.
-#[derive(Debug, Clone)]
-pub enum SessionSandbox {
-    /// A keep-alive container.
-    Container(KeepAlive),
-    /// Nothing lives between commands (bubblewrap).
-    PerCommand,
-}
 
 /// A running keep-alive container.
 #[derive(Debug, Clone)]
@@ -83,62 +68,68 @@ struct Gvisor {
     keep: Vec<u32>,
 }
 
-/// Session operations on the configured backend.
-#[derive(Debug, Clone)]
-pub struct SessionOps {
-    backend: Backend,
-    binary: String,
+/// A session's keep-alive container.
+#[derive(Debug)]
+pub struct KeepAliveSession {
+    engine: EngineBackend,
+    k: KeepAlive,
 }
 
-impl SessionOps {
-    /// Operations for `backend` as `cfg` configures it.
-    pub fn new(cfg: &Config, backend: Backend) -> Self {
-        let binary = match cfg.backend {
-            BackendKind::Docker => cfg.docker.binary.clone(),
-            BackendKind::Podman | BackendKind::Bwrap | BackendKind::Microvm => {
-                cfg.podman.binary.clone()
-            }
-        };
-        Self { backend, binary }
-    }
-
-    /// The backend sessions run on.
-    pub fn backend(&self) -> &Backend {
-        &self.backend
-    }
-
-    fn cmd(&self) -> Command {
-        if let Backend::Engine(engine) = &self.backend {
-            return engine.command();
-        }
-        let mut c = Command::new(&self.binary);
-        super::client_env(&mut c)
-            .stdin(Stdio::null())
-            .kill_on_drop(true);
-        c
-    }
-
-    /// Starts the session's sandbox described by `spec`, whose `timeout` is the session's
-    /// max lifetime (its command is ignored: the container runs `sleep`). On error nothing
-    /// is left behind.
-    pub async fn start(&self, spec: &SandboxSpec) -> Result<SessionSandbox, BackendError> {
-        let Backend::Engine(engine) = &self.backend else {
-            return Ok(SessionSandbox::PerCommand);
-        };
-        match self.start_container(engine, spec).await {
-            Ok(k) => Ok(SessionSandbox::Container(k)),
+impl KeepAliveSession {
+    /// Starts the session's container described by `spec`, whose `timeout` is the
+    /// session's max lifetime (its command is ignored: the container runs `sleep`). On
+    /// error nothing is left behind.
+    pub async fn start(engine: &EngineBackend, spec: &SandboxSpec) -> Result<Self, BackendError> {
+        let ops = Ops { engine };
+        match ops.start_container(spec).await {
+            Ok(k) => Ok(KeepAliveSession {
+                engine: engine.clone(),
+                k,
+            }),
             Err(e) => {
                 engine.force_remove(&spec.name).await;
                 Err(e)
             }
         }
     }
+}
 
-    async fn start_container(
-        &self,
-        engine: &EngineBackend,
-        spec: &SandboxSpec,
-    ) -> Result<KeepAlive, BackendError> {
+#[async_trait::async_trait]
+impl SessionSandbox for KeepAliveSession {
+    async fn exec(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
+        Ops {
+            engine: &self.engine,
+        }
+        .exec_in(&self.k, spec, cancel)
+        .await
+    }
+
+    /// A keep-alive container whose init is gone (a command killed its `sleep`, the
+    /// engine stopped it) cannot run commands any more.
+    fn is_alive(&self) -> bool {
+        let k = &self.k;
+        k.keep.first().is_some_and(|init| {
+            pid_ns_of(*init).as_deref() == Some(k.pid_ns.as_str()) && !is_zombie(*init)
+        })
+    }
+
+    async fn stop(&self) {
+        self.engine.force_remove(&self.k.name).await;
+    }
+}
+
+/// The engine's client calls of a session.
+struct Ops<'a> {
+    engine: &'a EngineBackend,
+}
+
+impl Ops<'_> {
+    fn cmd(&self) -> Command {
+        self.engine.command()
+    }
+
+    async fn start_container(&self, spec: &SandboxSpec) -> Result<KeepAlive, BackendError> {
+        let engine = self.engine;
         let mut keepalive = spec.clone();
         let keep_for = spec.timeout + KEEPALIVE_MARGIN;
         keepalive.command = vec!["sleep".into(), keep_for.as_secs().to_string()];
@@ -147,7 +138,7 @@ impl SessionOps {
         let mut args = engine.run_args(&keepalive);
         // `run --rm …` becomes `run --detach --init [--init-path=…] --rm …`.
         let mut extra = vec!["--detach".to_string(), "--init".to_string()];
-        if let (BackendKind::Podman, Some(p)) = (engine.kind(), engine.init_path()) {
+        if let (BackendKind::Podman, Some(p)) = (engine.kind, engine.init_path()) {
             extra.push(format!("--init-path={}", p.display()));
         }
         args.splice(1..1, extra);
@@ -155,7 +146,7 @@ impl SessionOps {
         if !out.status.success() {
             return Err(BackendError::Refused(format!(
                 "{} could not start the session container: {}",
-                self.binary,
+                self.engine.binary(),
                 last_line(&out.stderr)
             )));
         }
@@ -183,7 +174,7 @@ impl SessionOps {
         if pid_ns_of(std::process::id() as i32).as_deref() == Some(pid_ns.as_str()) {
             // Not a namespace of the container's own (gVisor's sandbox process runs in the
             // host's): "every process in it" would be every process of the host.
-            let gvisor = self.gvisor_of(engine, init, &spec.name).await?;
+            let gvisor = self.gvisor_of(init, &spec.name).await?;
             return Ok(KeepAlive {
                 name: spec.name.clone(),
                 pid_ns,
@@ -220,13 +211,8 @@ impl SessionOps {
     /// gVisor's handle on the session container whose sandbox process is host pid
     /// `sandbox`, once its init and `sleep` run (bounded). Refused for any other runtime:
     /// a container in the host's own PID namespace cannot be confined by host pids.
-    async fn gvisor_of(
-        &self,
-        engine: &EngineBackend,
-        sandbox: i32,
-        name: &str,
-    ) -> Result<Gvisor, BackendError> {
-        if engine.runtime() != crate::config::OciRuntime::Runsc {
+    async fn gvisor_of(&self, sandbox: i32, name: &str) -> Result<Gvisor, BackendError> {
+        if self.engine.runtime() != crate::config::OciRuntime::Runsc {
             return Err(BackendError::Unavailable(format!(
                 "the session container {name} shares the node's PID namespace; refusing it"
             )));
@@ -290,43 +276,14 @@ impl SessionOps {
             Ok(Ok(o)) => Ok(o),
             Ok(Err(e)) => Err(BackendError::Client(format!(
                 "cannot run {}: {e}",
-                self.binary
+                self.engine.binary()
             ))),
             Err(_) => Err(BackendError::Client(format!(
                 "{} did not answer within {}s",
-                self.binary,
+                self.engine.binary(),
                 CLI_BOUND.as_secs()
             ))),
         }
-    }
-
-    /// Runs `spec.command` in the session's sandbox to its end, within `spec.timeout`;
-    /// `cancel` (the session ending) stops it.
-    pub async fn exec(
-        &self,
-        sandbox: &SessionSandbox,
-        spec: &SandboxSpec,
-        cancel: &CancellationToken,
-    ) -> SandboxOutcome {
-        match sandbox {
-            SessionSandbox::PerCommand => self.backend.run(spec, cancel).await,
-            SessionSandbox::Container(k) => self.exec_in(k, spec, cancel).await,
-        }
-    }
-
-    /// The `exec` argv (without the binary) for `spec` in container `name`.
-    pub fn exec_args(name: &str, spec: &SandboxSpec) -> Vec<String> {
-        let mut a: Vec<String> = vec![
-            "exec".into(),
-            format!("--user={}", engine_user(spec.host_uid)),
-            format!("--workdir={}", spec.workdir),
-        ];
-        for (k, v) in &spec.env {
-            a.push(format!("--env={k}={v}"));
-        }
-        a.push(name.to_string());
-        a.extend(spec.command.iter().cloned());
-        a
     }
 
     async fn exec_in(
@@ -337,13 +294,13 @@ impl SessionOps {
     ) -> SandboxOutcome {
         let started = Instant::now();
         let mut cmd = self.cmd();
-        cmd.args(Self::exec_args(&k.name, spec));
+        cmd.args(exec_args(&k.name, spec));
         let (mut child, out, err) =
-            match super::engine::spawn_client(cmd, &self.binary, spec.output_cap) {
+            match super::spawn_client(cmd, self.engine.binary(), spec.output_cap) {
                 Ok(spawned) => spawned,
                 Err(e) => return SandboxOutcome::start_failed(e, started),
             };
-        let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;
+        let (status, end) = crate::backend::wait_or_stop(&mut child, spec.timeout, cancel).await;
         let status = match status {
             Some(s) => Some(s),
             None => {
@@ -362,30 +319,27 @@ impl SessionOps {
         let exit_code = status.and_then(|s| s.code());
         let outcome = SandboxOutcome::collected(exit_code, out, err, end, started).await;
         // e.g. the container is gone
-        super::engine::engine_refused(
+        super::engine_refused(
             outcome,
-            &self.binary,
+            self.engine.binary(),
             "run the command in the session container",
         )
     }
+}
 
-    /// Whether the sandbox still lives: a keep-alive container whose init is gone (a
-    /// command killed its `sleep`, the engine stopped it) cannot run commands any more.
-    pub fn is_alive(sandbox: &SessionSandbox) -> bool {
-        match sandbox {
-            SessionSandbox::PerCommand => true,
-            SessionSandbox::Container(k) => k.keep.first().is_some_and(|init| {
-                pid_ns_of(*init).as_deref() == Some(k.pid_ns.as_str()) && !is_zombie(*init)
-            }),
-        }
+/// The `exec` argv (without the binary) for `spec` in container `name`.
+pub fn exec_args(name: &str, spec: &SandboxSpec) -> Vec<String> {
+    let mut a: Vec<String> = vec![
+        "exec".into(),
+        format!("--user={}", engine_user(spec.host_uid)),
+        format!("--workdir={}", spec.workdir),
+    ];
+    for (k, v) in &spec.env {
+        a.push(format!("--env={k}={v}"));
     }
-
-    /// Removes the session's sandbox (kills whatever runs in it); absent is fine.
-    pub async fn remove(&self, sandbox: &SessionSandbox) {
-        if let (Backend::Engine(engine), SessionSandbox::Container(k)) = (&self.backend, sandbox) {
-            engine.force_remove(&k.name).await;
-        }
-    }
+    a.push(name.to_string());
+    a.extend(spec.command.iter().cloned());
+    a
 }
 
 /// SIGKILLs every process of the container except the keep-alive pair, until none is left
@@ -416,7 +370,7 @@ async fn kill_commands(k: &KeepAlive) {
 impl Gvisor {
     fn runsc(&self) -> Command {
         let mut c = Command::new(&self.runsc);
-        super::client_env(&mut c)
+        crate::backend::client_env(&mut c)
             .stdin(Stdio::null())
             .stderr(Stdio::null())
             .kill_on_drop(true)
@@ -523,7 +477,7 @@ mod tests {
         let mut spec = crate::sandbox::example_spec("img", &["sh", "-c", "echo hi"]);
         spec.env = vec![("A".into(), "b c".into())];
         assert_eq!(
-            SessionOps::exec_args("cynode-session-s", &spec),
+            exec_args("cynode-session-s", &spec),
             [
                 "exec",
                 "--user=4000000:4000000",
