@@ -7,6 +7,14 @@
 //! between the PM and the worker) are refused, and they appear nowhere in the sandbox
 //! (its environment and every file of /job and /workspace, collected as an artifact),
 //! the session's record or the PM's log.
+//!
+//! An agent-mode job (the SBA driven by its own scripted model through the worker's
+//! inference proxy) calls the tools its `context.mcp_tools` lists as actions; a tool it
+//! does not list is refused by the SBA and never reaches the gateway (the gateway's own
+//! audit of the job shows only the listed calls). `cynode-pm run` hosts the gateway for
+//! its own session: the same agent job under `run` gets its tools, and a job on `run`'s
+//! own local worker reaches the gateway too. A running job's token
+//! is refused once its session is canceled, and once its worker dies and the job fails.
 
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -318,4 +326,475 @@ async fn sandbox_jobs_use_the_gateway_through_the_node_without_seeing_the_token(
         assert!(!record.contains(&t[4..]), "a token in the session");
         assert!(!log.contains(&t[4..]), "a token in the PM's log");
     }
+}
+
+/// A bwrap worker whose inference upstream is `model` (serving `smollm2`); its directory
+/// goes with the returned guard.
+fn worker_with_inference(
+    model: &str,
+) -> (cynode_testkit::OwnedChild, String, cynode_tests::TempDir) {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = cynode_tests::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(dir.path().join("token"), cynode_tests::TOKEN).unwrap();
+    let cfg = format!(
+        "listen: 127.0.0.1:0\nbackend: bwrap\nstate_dir: {}\ntoken_file: {}\nbwrap:\n  rootfs:\n    \"localhost/cynode-sba-test:latest\": {}\ninference:\n  base_url: {model}\n  models: [smollm2]\n",
+        dir.path().join("state").display(),
+        dir.path().join("token").display(),
+        cynode_tests::rootfs().display()
+    );
+    std::fs::write(dir.path().join("w.yaml"), &cfg).unwrap();
+    let (child, addr) = cynode_tests::worker::serve_worker(&dir.path().join("w.yaml"));
+    (child, addr, dir)
+}
+
+/// What the agent of [`agent_model`] puts as `agent/note.txt`.
+const NOTE: &str = "written by the agent through the gateway\n";
+
+/// The SBA's scripted model: put a note, read a skill, try a tool the job does not list
+/// (`artifact.list`, which the gateway would allow), finish.
+fn agent_model() -> (String, cynode_tests::Model) {
+    let act = |ty: &str, arguments: Value| json!({ "thought": ty, "action": { "type": ty, "arguments": arguments } });
+    model_server(vec![
+        act(
+            "tool_call",
+            json!({ "name": "artifact.put",
+            "arguments": { "path": "agent/note.txt", "content": NOTE } }),
+        ),
+        act(
+            "tool_call",
+            json!({ "name": "skills.get", "arguments": { "skill_id": "write-files" } }),
+        ),
+        act(
+            "tool_call",
+            json!({ "name": "artifact.list", "arguments": {} }),
+        ),
+        act(
+            "finish",
+            json!({ "status": "success", "final_answer": "note stored" }),
+        ),
+    ])
+}
+
+/// The skill `gw-agent` in `skills`: an agent job that lists `artifact.put` and
+/// `skills.get`.
+fn agent_skill(skills: &Path) {
+    let template = json!({
+        "execution_mode": "agent_inference",
+        "inference": { "allowed_models": ["smollm2"] },
+        "constraints": { "max_runtime_seconds": 90, "max_output_bytes": 65536 },
+        "context": { "task_context": "store a note as an artifact of this task",
+                     "mcp_tools": ["artifact.put", "skills.get"] }
+    });
+    cynode_tests::write_skill(
+        &skills.join("gw-agent"),
+        "skill_id: gw-agent\nversion: 1.0.0\ndescription: an agent that uses the gateway\npurpose: base-tools\nallowed_commands: [sh]\nlimits:\n  max_runtime_seconds: 90\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  properties: {}\n",
+        &template.to_string(),
+        "{}",
+    );
+}
+
+/// The PM's scripted model: one task, the `gw-agent` job, final.
+fn agent_pm_model() -> (String, cynode_tests::Model) {
+    let plan = json!({ "type": "plan_update", "payload": {}, "state_patch": [
+        { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "note", "status": "pending" } }] });
+    model_server(vec![
+        plan,
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "gw-agent", "inputs": {} } }),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
+    ])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_agent_job_calls_its_listed_tools_and_an_unlisted_one_never_reaches_the_gateway() {
+    let dir = cynode_tests::tempdir().unwrap();
+    let note = NOTE;
+    let (sba_model_url, sba_model) = agent_model();
+    let (_w, worker_addr, _wdir) = worker_with_inference(&sba_model_url);
+    let skills = dir.path().join("skills");
+    agent_skill(&skills);
+    let (pm_model, pm_model_handle) = agent_pm_model();
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let skill_dir = skills.display().to_string();
+    let endpoint = format!("http://{worker_addr}");
+    let r = start_replica_with(
+        dir.path(),
+        "gwa",
+        &db,
+        &pm_model,
+        &["--worker-endpoint", &endpoint],
+        &["--skill-dir", "skills", "--skill-dir", &skill_dir],
+    );
+    let (s, v) = call(
+        reqwest::Method::POST,
+        &format!("{}/v1/sessions", r.base),
+        TENANT_A,
+        Some(json!({ "objective": "let an agent use the gateway" })),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["session_id"].as_str().unwrap().to_string();
+    let v = wait_status(
+        &r.base,
+        &id,
+        &["completed", "failed"],
+        Duration::from_secs(240),
+    )
+    .await;
+    let log = || std::fs::read_to_string(dir.path().join("gwa.log")).unwrap_or_default();
+    assert_eq!(v["status"], "completed", "{v}\n{}", log());
+    let job = v["deliverable"]["report"]["tasks"][0]["jobs"][0]["job_id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // The gateway's audit of the job: the two listed calls, nothing of artifact.list.
+    let events = crate::service::sse(&r.base, &id, None, None).await;
+    let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(
+        calls_of(&events, &job),
+        [s("artifact.put", "ok"), s("skills.get", "ok")],
+        "{events:?}"
+    );
+    // The put joined the session, verified.
+    assert!(
+        v["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["sha256"] == sha(note.as_bytes()) && a["path"] == "agent/note.txt"),
+        "{v}"
+    );
+    // The SBA's model read the skill, then the refusal of the unlisted tool.
+    let turns = sba_model.requests();
+    assert_eq!(turns.len(), 4, "{turns:?}");
+    let last_user = |i: usize| {
+        turns[i]["messages"].as_array().unwrap().last().unwrap()["content"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert!(
+        last_user(1).starts_with("Result of tool_call artifact.put: ok"),
+        "{}",
+        last_user(1)
+    );
+    assert!(
+        last_user(2).starts_with("Result of tool_call skills.get: ok"),
+        "{}",
+        last_user(2)
+    );
+    assert!(last_user(2).contains("write-files"), "{}", last_user(2));
+    assert!(
+        last_user(3).starts_with("Result of tool_call artifact.list: refused\ntool `artifact.list` refused: not in context.mcp_tools"),
+        "{}",
+        last_user(3)
+    );
+    // result.json recorded all three (the PM's model reads them in the job's result).
+    let fed: Vec<String> = pm_model_handle
+        .requests()
+        .iter()
+        .flat_map(|b| b["messages"].as_array().cloned().unwrap_or_default())
+        .filter_map(|m| m["content"].as_str().map(str::to_string))
+        .filter_map(|c| {
+            let prefix = format!("result of job {job}: ");
+            let at = c.find(&prefix)? + prefix.len();
+            c[at..].lines().next().map(str::to_string)
+        })
+        .collect();
+    assert!(!fed.is_empty(), "the PM's model never saw the job's result");
+    let result: Value = serde_json::from_str(&fed[0]).unwrap();
+    let recorded: Vec<(String, String)> = result["tool_calls"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no tool_calls in {result}"))
+        .iter()
+        .map(|c| s(c["tool"].as_str().unwrap(), c["outcome"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        recorded,
+        [
+            s("artifact.put", "ok"),
+            s("skills.get", "ok"),
+            s("artifact.list", "refused")
+        ]
+    );
+    assert_eq!(result["tool_calls"][2]["bytes"], 0);
+    assert!(result["tool_calls"][0]["bytes"].as_u64().unwrap() > 0);
+}
+
+/// A session of `serve` (scripted model, real bwrap worker behind a recording front) whose
+/// one job sleeps, and the gateway token the PM handed the worker for it, once the job
+/// runs and the token is accepted.
+struct RunningJob {
+    r: crate::service::Replica,
+    worker: Option<cynode_tests::Worker>,
+    session: String,
+    token: String,
+    _model: cynode_tests::Model,
+    dir: cynode_tests::TempDir,
+}
+
+/// `artifact.list` on the PM's gateway with `token`: the status and the problem's detail.
+async fn list_with(base: &str, token: &str) -> (u16, String) {
+    let resp = reqwest::Client::new()
+        .post(format!("{base}/v1/gateway"))
+        .header("accept", "application/json, text/event-stream")
+        .bearer_auth(token)
+        .json(&json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/call",
+            "params": { "name": "artifact.list", "arguments": {} } }))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let v: Value = resp.json().await.unwrap_or(Value::Null);
+    (status, v["detail"].as_str().unwrap_or_default().to_string())
+}
+
+/// Polls until `token` is refused (401) or `within` passes; returns how long it took.
+async fn refused_within(base: &str, token: &str, within: Duration) -> Duration {
+    let t = std::time::Instant::now();
+    loop {
+        let (status, detail) = list_with(base, token).await;
+        if status == 401 {
+            assert!(detail.contains("unknown or revoked"), "{detail}");
+            return t.elapsed();
+        }
+        assert_eq!(status, 200, "{detail}");
+        assert!(
+            t.elapsed() < within,
+            "the token is still accepted after {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+async fn running_job(name: &str) -> RunningJob {
+    let dir = cynode_tests::tempdir().unwrap();
+    let skills = dir.path().join("skills");
+    let template = json!({
+        "constraints": { "max_runtime_seconds": 120, "max_output_bytes": 65536,
+            "allowed_commands": ["sh"], "allowed_paths": ["/workspace"] },
+        "steps": [{ "id": "wait", "type": "run_command",
+            "arguments": { "command": "sh", "args": ["-c", "sleep 100"] } }]
+    });
+    cynode_tests::write_skill(
+        &skills.join("gw-sleep"),
+        "skill_id: gw-sleep\nversion: 1.0.0\ndescription: sleep while holding a gateway token\npurpose: base-tools\nallowed_commands: [sh]\nlimits:\n  max_runtime_seconds: 120\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  properties: {}\n",
+        &template.to_string(),
+        "{}",
+    );
+    let worker = start_worker(0);
+    let requests = Arc::new(Mutex::new(Vec::new()));
+    let front = cynode_tests::worker::recording_front(worker.addr.clone(), requests.clone()).await;
+    let plan = json!({ "type": "plan_update", "payload": {}, "state_patch": [
+        { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "wait", "status": "pending" } }] });
+    let (model, m) = model_server(vec![
+        plan,
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "gw-sleep", "inputs": {} } }),
+    ]);
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let skill_dir = skills.display().to_string();
+    let r = start_replica_with(
+        dir.path(),
+        name,
+        &db,
+        &model,
+        &["--worker-endpoint", &front],
+        &["--skill-dir", "skills", "--skill-dir", &skill_dir],
+    );
+    let (s, v) = call(
+        reqwest::Method::POST,
+        &format!("{}/v1/sessions", r.base),
+        TENANT_A,
+        Some(json!({ "objective": "hold a token" })),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let session = v["session_id"].as_str().unwrap().to_string();
+    // The job's token, once the worker has the job and reports it running.
+    let t = std::time::Instant::now();
+    let token = loop {
+        let seen = requests.lock().unwrap().clone();
+        if let Some(tok) = seen.iter().find_map(|r| r["gateway"]["token"].as_str()) {
+            let job = seen[0]["job_id"].as_str().unwrap().to_string();
+            let s = worker.get(&format!("/v1/worker/jobs/{job}")).await;
+            let st: Value = s.json().await.unwrap();
+            if st["status"] == "in_progress" {
+                break tok.to_string();
+            }
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(90),
+            "no running job with a token: {seen:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let (status, detail) = list_with(&r.base, &token).await;
+    assert_eq!(status, 200, "a running job's token is accepted: {detail}");
+    RunningJob {
+        r,
+        worker: Some(worker),
+        session,
+        token,
+        _model: m,
+        dir,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_is_refused_once_its_session_is_canceled() {
+    let j = running_job("gwc").await;
+    let (s, v) = call(
+        reqwest::Method::POST,
+        &format!("{}/v1/sessions/{}:cancel", j.r.base, j.session),
+        TENANT_A,
+        None,
+    )
+    .await;
+    assert!(s == 200 || s == 202, "{s} {v}");
+    let took = refused_within(&j.r.base, &j.token, Duration::from_secs(60)).await;
+    eprintln!("token refused {took:?} after the cancel");
+    let v = wait_status(
+        &j.r.base,
+        &j.session,
+        &["canceled"],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(v["status"], "canceled", "{v}");
+    let log = std::fs::read_to_string(j.dir.path().join("gwc.log")).unwrap_or_default();
+    assert!(!log.contains(&j.token[4..]), "a token in the PM's log");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_is_refused_once_its_worker_dies_and_the_job_fails() {
+    let mut j = running_job("gwd").await;
+    // The worker and its sandbox go (the process group is killed).
+    drop(j.worker.take());
+    let took = refused_within(&j.r.base, &j.token, Duration::from_secs(150)).await;
+    eprintln!("token refused {took:?} after the worker died");
+    let v = wait_status(
+        &j.r.base,
+        &j.session,
+        &["failed", "completed", "canceled"],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert_eq!(v["status"], "failed", "{v}");
+}
+
+/// `cynode-pm run` hosts the gateway for its own session: an agent job of a `run` (on a
+/// worker of this machine) calls its listed tools, and the calls are in the session.
+#[test]
+fn run_hosts_the_gateway_for_its_own_session() {
+    let dir = cynode_tests::tempdir().unwrap();
+    let (sba_model_url, _sba_model) = agent_model();
+    let (_w, worker_addr, _wdir) = worker_with_inference(&sba_model_url);
+    let skills = dir.path().join("skills");
+    agent_skill(&skills);
+    let (pm_model, _pm_model) = agent_pm_model();
+    let endpoint = format!("http://{worker_addr}");
+    let skill_dir = skills.display().to_string();
+    let out = cynode_tests::pm_with(
+        &dir.path().join("state"),
+        &pm_model,
+        &[
+            "run",
+            "let an agent use the gateway",
+            "--worker-endpoint",
+            &endpoint,
+            "--skill-dir",
+            &skill_dir,
+        ],
+        &[("CYNODE_WORKER_TOKEN", cynode_tests::TOKEN)],
+    );
+    let v = cynode_tests::completed(&out);
+    let calls: Vec<(String, String)> = v["state"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "gateway_calls")
+        .flat_map(|e| e["data"]["calls"].as_array().cloned().unwrap_or_default())
+        .map(|c| {
+            (
+                c["tool"].as_str().unwrap().to_string(),
+                c["outcome"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(
+        calls,
+        [s("artifact.put", "ok"), s("skills.get", "ok")],
+        "{v}"
+    );
+    assert!(
+        v["state"]["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["sha256"] == sha(NOTE.as_bytes())),
+        "{v}"
+    );
+}
+
+/// `cynode-pm run` on its own local worker: the gateway URL reaches that worker too, and a
+/// job calls the gateway through `/job/gateway.sock` (direct steps with the test's
+/// Unix-socket client: the local worker has no inference upstream for an agent).
+#[test]
+fn run_hands_its_gateway_to_its_local_worker() {
+    let dir = cynode_tests::tempdir().unwrap();
+    let unc = unc_base64(dir.path());
+    let skills = dir.path().join("skills");
+    gateway_skill(
+        &skills,
+        "gw-local",
+        &unc,
+        &[
+            (
+                "skill",
+                http_call("skills.get", json!({ "skill_id": "write-files" })),
+            ),
+            ("list", http_call("artifact.list", json!({}))),
+        ],
+    );
+    let (pm_model, _m) = model_server(cynode_tests::one_job_script(
+        "call the gateway",
+        "gw-local",
+        json!({}),
+        "done",
+    ));
+    let skill_dir = skills.display().to_string();
+    let out = cynode_tests::pm_with(
+        &dir.path().join("state"),
+        &pm_model,
+        &[
+            "run",
+            "call the gateway from a local job",
+            "--skill-dir",
+            &skill_dir,
+        ],
+        &[],
+    );
+    let v = cynode_tests::completed(&out);
+    let calls: Vec<(String, String)> = v["state"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["kind"] == "gateway_calls")
+        .flat_map(|e| e["data"]["calls"].as_array().cloned().unwrap_or_default())
+        .map(|c| {
+            (
+                c["tool"].as_str().unwrap().to_string(),
+                c["outcome"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(
+        calls,
+        [s("skills.get", "ok"), s("artifact.list", "ok")],
+        "{v}"
+    );
 }
