@@ -112,6 +112,25 @@ pub struct JobContext {
     pub additional_context: String,
     pub skill_ids: Vec<String>,
     pub skills: Option<serde_json::Value>,
+    /// The gateway tools the agent may call (agent mode's `tool_call` action), e.g.
+    /// `["artifact.put", "skills.get"]`. A name not listed is refused by the SBA before any
+    /// call; the gateway applies its own allowlist and the token's scope on top. Upstream
+    /// CyNodeAI has no such field (its SBA is told nothing); this project's name.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub mcp_tools: Vec<String>,
+}
+
+/// Longest gateway tool name `context.mcp_tools` accepts.
+pub const MAX_TOOL_NAME: usize = 64;
+
+/// Whether `name` has the shape of a gateway tool name: 1 to [`MAX_TOOL_NAME`] bytes of
+/// ASCII letters, digits, `.`, `_` and `-`.
+pub fn is_tool_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_TOOL_NAME
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
 /// The six step types, as named on the wire.
@@ -550,6 +569,18 @@ impl JobSpec {
                     "inference.allowed_models",
                     "agent_inference needs at least one allowed model",
                 )),
+            }
+        }
+        if let Some(ctx) = &self.context {
+            for (i, t) in ctx.mcp_tools.iter().enumerate() {
+                if !is_tool_name(t) {
+                    errs.push(ValidationError::new(
+                        format!("context.mcp_tools[{i}]"),
+                        format!(
+                            "`{t}` is not a tool name (1 to {MAX_TOOL_NAME} of A-Z a-z 0-9 . _ -)"
+                        ),
+                    ));
+                }
             }
         }
         if self.execution_mode == Some(ExecutionMode::DirectSteps) && self.steps.is_empty() {

@@ -143,6 +143,35 @@ pub struct JobResult {
     pub final_answer: Option<String>,
     #[serde(default)]
     pub todo: Option<Vec<TodoItem>>,
+    /// Agent mode: every gateway tool call the model asked for, in order (refusals
+    /// included). Absent when there were none; absent from upstream's result.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallRecord>,
+}
+
+/// One gateway tool call of an agent job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct ToolCallRecord {
+    /// The tool the model named.
+    pub tool: String,
+    /// `ok`, `refused` (by the SBA, before any call, or by the gateway) or `error` (the
+    /// call failed: no gateway, transport, a malformed reply).
+    pub outcome: ToolCallOutcome,
+    /// Bytes of the gateway's reply (0 when nothing was sent).
+    pub bytes: u64,
+    pub duration_ms: u64,
+    /// Why it was refused or failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// How a tool call ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolCallOutcome {
+    Ok,
+    Refused,
+    Error,
 }
 
 /// One step as it ran (or was skipped).

@@ -39,6 +39,10 @@ pub struct Cli {
     /// first allowed model the endpoint serves.
     #[arg(long, env = "SBA_INFERENCE_MODEL")]
     pub model: Option<String>,
+    /// Agent mode: the node's tool gateway (`http+unix://` or `http://`), called for the
+    /// tools the job lists in `context.mcp_tools`.
+    #[arg(long, env = "SBA_GATEWAY_URL", default_value = crate::agent::tools::DEFAULT_GATEWAY_URL)]
+    pub gateway: String,
 }
 
 /// Parses the command line, sets up logging, runs the job; returns the exit code.
@@ -69,6 +73,7 @@ pub fn main() -> i32 {
             .model
             .or_else(|| std::env::var("INFERENCE_MODEL").ok())
             .filter(|m| !m.is_empty()),
+        gateway_url: cli.gateway,
     };
     let opts = Options {
         agent,

@@ -1,5 +1,5 @@
-//! A deliberately tiny blocking HTTP/1.1 client for the two things the runner talks to:
-//! lifecycle callbacks and the inference endpoint.
+//! A deliberately tiny blocking HTTP/1.1 client for the three things the runner talks to:
+//! lifecycle callbacks, the inference endpoint and the node's gateway socket.
 //!
 //! One request per connection (`Connection: close`) over TCP (`http://host:port/path`) or a
 //! Unix socket (`http+unix://<percent-encoded socket path>/path`), so the runner needs no
@@ -164,11 +164,26 @@ pub fn send(
     body: Option<&[u8]>,
     lim: &Limits<'_>,
 ) -> Result<Response, HttpError> {
+    send_with(target, method, body, &[("Accept", "application/json")], lim)
+}
+
+/// [`send`] with the caller's extra headers (fixed names and values of the runner's own,
+/// never taken from a job or a model: no CR or LF is checked for).
+pub fn send_with(
+    target: &Target,
+    method: &str,
+    body: Option<&[u8]>,
+    headers: &[(&str, &str)],
+    lim: &Limits<'_>,
+) -> Result<Response, HttpError> {
     let (mut stream, host) = connect(target, lim)?;
     let mut head = format!(
-        "{method} {} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nUser-Agent: cynode-sba\r\nAccept: application/json\r\n",
+        "{method} {} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\nUser-Agent: cynode-sba\r\n",
         target.path()
     );
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
     if let Some(b) = body {
         head.push_str(&format!(
             "Content-Type: application/json\r\nContent-Length: {}\r\n",

@@ -99,6 +99,7 @@ pub fn run(opts: &Options) -> i32 {
         error: None,
         final_answer: None,
         todo: None,
+        tool_calls: Vec::new(),
     };
     let mut callbacks = Callbacks::new(opts.status_url.as_deref());
     let outcome = catch_unwind(AssertUnwindSafe(|| {

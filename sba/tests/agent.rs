@@ -500,3 +500,147 @@ fn suggested_steps_seed_the_todo_list_and_are_not_run() {
         )])
     );
 }
+
+/// A stand-in for the node's gateway socket: answers every `tools/call` with the tool's
+/// name as its result and records the request bodies.
+fn fake_gateway(path: &std::path::Path) -> std::sync::Arc<std::sync::Mutex<Vec<Value>>> {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let l = std::os::unix::net::UnixListener::bind(path).unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let out = seen.clone();
+    std::thread::spawn(move || {
+        for s in l.incoming() {
+            let Ok(mut s) = s else { return };
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let mut len = 0;
+            loop {
+                let mut line = String::new();
+                if r.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                    len = v.trim().parse().unwrap();
+                }
+            }
+            let mut b = vec![0; len];
+            r.read_exact(&mut b).unwrap();
+            let req: Value = serde_json::from_slice(&b).unwrap();
+            let body = json!({ "jsonrpc": "2.0", "id": req["id"], "result": {
+                "content": [], "structuredContent": { "called": req["params"]["name"] } } })
+            .to_string();
+            seen.lock().unwrap().push(req);
+            let _ = write!(
+                s,
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    out
+}
+
+#[test]
+fn listed_gateway_tools_are_called_and_unlisted_ones_refused_before_any_call() {
+    let sb = Sandbox::new();
+    let sock = sb.job_dir().join("gateway.sock");
+    let calls = fake_gateway(&sock);
+    let model = Model::tcp(
+        &["m1"],
+        vec![
+            act(
+                "tool_call",
+                json!({ "name": "artifact.put", "arguments": { "path": "n.txt", "content": "hi" } }),
+            ),
+            act(
+                "tool_call",
+                json!({ "name": "db.query", "arguments": { "sql": "select 1" } }),
+            ),
+            act(
+                "tool_call",
+                json!({ "name": "skills.get", "arguments": { "skill_id": "x" } }),
+            ),
+            finish("success", "stored n.txt"),
+        ],
+        None,
+    );
+    let mut job = agent_job(json!({ "task_context": "x" }));
+    job["context"]["mcp_tools"] = json!(["artifact.put", "skills.get"]);
+    let url = format!(
+        "http+unix://{}/",
+        sock.display().to_string().replace('/', "%2F")
+    );
+    let run = sb.run_env(
+        &job,
+        &[("OLLAMA_BASE_URL", &model.url), ("SBA_GATEWAY_URL", &url)],
+    );
+    assert_eq!(run.result.status, JobStatus::Success, "{}", run.message());
+    // Only the listed tools reached the gateway; the put was encoded and hashed.
+    let calls = calls.lock().unwrap().clone();
+    let names: Vec<&str> = calls
+        .iter()
+        .map(|c| c["params"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["artifact.put", "skills.get"]);
+    assert_eq!(calls[0]["params"]["arguments"]["content_base64"], "aGk=");
+    // result.json records all three, the refusal with its reason.
+    let recorded: Vec<(String, String, bool)> = run.raw["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["tool"].as_str().unwrap().to_string(),
+                c["outcome"].as_str().unwrap().to_string(),
+                c["bytes"].as_u64().unwrap() > 0,
+            )
+        })
+        .collect();
+    let r = |t: &str, o: &str, b: bool| (t.to_string(), o.to_string(), b);
+    assert_eq!(
+        recorded,
+        [
+            r("artifact.put", "ok", true),
+            r("db.query", "refused", false),
+            r("skills.get", "ok", true)
+        ]
+    );
+    // The model was offered only the listed tools, and read the refusal.
+    let seen = model.seen.lock().unwrap().clone();
+    let schema = &seen[0].body["response_format"]["json_schema"]["schema"];
+    assert!(
+        schema
+            .to_string()
+            .contains(r#""enum":["artifact.put","skills.get"]"#),
+        "{schema}"
+    );
+    let obs = seen[2].body["messages"].as_array().unwrap().last().unwrap()["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        obs.starts_with("Result of tool_call db.query: refused\ntool `db.query` refused: not in context.mcp_tools"),
+        "{obs}"
+    );
+}
+
+#[test]
+fn a_job_listing_no_tools_is_not_offered_tool_calls() {
+    let sb = Sandbox::new();
+    let (model, run) = run_scripted(
+        &sb,
+        vec![
+            act("tool_call", json!({ "name": "skills.list" })),
+            finish("success", "done"),
+        ],
+    );
+    assert_eq!(run.result.status, JobStatus::Success, "{}", run.message());
+    assert_eq!(run.raw["tool_calls"][0]["outcome"], "refused");
+    let seen = model.seen.lock().unwrap().clone();
+    assert!(!seen[0].body["response_format"]
+        .to_string()
+        .contains("tool_call"));
+    assert!(!seen[0].body["messages"][0]["content"]
+        .as_str()
+        .unwrap()
+        .contains("tool_call"));
+}

@@ -161,6 +161,23 @@ pub struct RunArgs {
     /// worker's own `egress.allow` still bounds it.
     #[arg(long = "egress-allow", value_name = "HOST", help_heading = "Session")]
     pub egress_allow: Vec<String>,
+    /// Where this run hosts the sandbox gateway for its session's jobs (MCP, job tokens;
+    /// as `serve`'s `/v1/gateway`). The default, a free loopback port, serves a local
+    /// worker or one on this machine.
+    #[arg(
+        long,
+        env = "CYNODE_PM_GATEWAY_LISTEN",
+        default_value = "127.0.0.1:0",
+        help_heading = "Session"
+    )]
+    pub gateway_listen: std::net::SocketAddr,
+    /// The gateway's URL as the workers reach it; default: `http://<listen>/v1/gateway`
+    /// when the listen address is a loopback one (otherwise jobs get no gateway).
+    #[arg(long, env = "CYNODE_PM_GATEWAY_URL", help_heading = "Session")]
+    pub gateway_url: Option<String>,
+    /// Largest request the hosted gateway accepts (an 8 MiB `artifact.put`, base64).
+    #[arg(long, default_value_t = 12 << 20, help_heading = "Session")]
+    pub gateway_max_body_bytes: usize,
 }
 
 impl RunArgs {

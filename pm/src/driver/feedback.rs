@@ -186,6 +186,10 @@ pub fn summarize(d: &Dispatch, resp: &RunJobResponse) -> String {
                 .collect(),
         );
         v["artifacts"] = json!(r.artifacts);
+        // An agent job's gateway tool calls (tool, outcome, bytes), bounded by its turns.
+        if !r.tool_calls.is_empty() {
+            v["tool_calls"] = json!(r.tool_calls);
+        }
     }
     format!("result of job {}: {}", d.job_id, v)
 }

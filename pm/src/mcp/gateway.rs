@@ -13,7 +13,10 @@
 //! - `help.tools` lists the tools, `help.<tool>` describes one.
 //!
 //! Anything else (`db.*`, `node.*`, `sandbox.*`, skill writes, unknown names) is refused
-//! before any work (JSON-RPC -32602, `urn:cynodeai:error:authorization`). Every call, refused
+//! before any work (JSON-RPC -32602, `urn:cynodeai:error:authorization`).
+//!
+//! `serve` mounts [`router`] beside its API; `cynode-pm run` has no API, so it hosts the
+//! gateway alone for its own session with [`host`], on a listener of its own. Every call, refused
 //! or not, is audited (tool, outcome, bytes) into the job's entry of the registry, which
 //! the session's history receives when the job ends. Tokens never reach a log line.
 
@@ -376,4 +379,62 @@ async fn authenticate(mut req: Request, next: Next) -> Response {
         )
         .into_response(),
     }
+}
+
+/// Bound on one request to a gateway hosted by [`host`] (`serve` uses its API's).
+pub const HOSTED_REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+/// The gateway hosted by [`host`]; dropping it stops the listener.
+#[derive(Debug)]
+pub struct Hosted {
+    stop: tokio_util::sync::CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for Hosted {
+    fn drop(&mut self) {
+        self.stop.cancel();
+        self.task.abort();
+    }
+}
+
+/// Serves the gateway alone on `listener` for the sessions `pm` drives in this process
+/// (`cynode-pm run`): the same handler, tokens and audit as `serve`'s `/v1/gateway`,
+/// through the same bounded accept loop (`cynode_tls::serve_with`, default listener
+/// limits), requests bounded by `max_body` and [`HOSTED_REQUEST_TIMEOUT`]. `pm` must
+/// already carry the gateway's URL (`Pm::gateway_url`) for its jobs to get tokens.
+pub fn host(
+    pm: Arc<crate::driver::Pm>,
+    listener: std::net::TcpListener,
+    max_body: usize,
+) -> Hosted {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let st = Arc::new(AppState {
+        pm,
+        tokens: crate::service::auth::Tokens::default(),
+        wake: Arc::new(tokio::sync::Notify::new()),
+        stop: stop.clone(),
+    });
+    let app: Router = router(st, max_body)
+        .layer(tower_http::timeout::TimeoutLayer::with_status_code(
+            axum::http::StatusCode::REQUEST_TIMEOUT,
+            HOSTED_REQUEST_TIMEOUT,
+        ))
+        .layer(tower_http::limit::RequestBodyLimitLayer::new(max_body));
+    let done = stop.clone();
+    let task = tokio::spawn(async move {
+        let shutdown = async move { done.cancelled().await };
+        if let Err(e) = cynode_tls::serve_with(
+            listener,
+            app,
+            None,
+            cynode_tls::ListenerLimits::default(),
+            shutdown,
+        )
+        .await
+        {
+            tracing::warn!(error = %e, "the session's gateway stopped");
+        }
+    });
+    Hosted { stop, task }
 }

@@ -5,8 +5,9 @@
 //!
 //! A reply is `{"thought": "...", "action": {"type": T, "arguments": {...}}}` where `T` is
 //! one of the six step types (arguments exactly as in job.json, parsed by the protocol
-//! crate and checked like a job's steps), `todo` (`add`, `start`, `complete`, `reorder`),
-//! or `finish` (`status`, `final_answer`). The schema names the arguments a model needs;
+//! crate and checked like a job's steps), `tool_call` (`name`, `arguments`: a gateway
+//! tool; offered in the schema only when the job lists tools in `context.mcp_tools`),
+//! `todo` (`add`, `start`, `complete`, `reorder`), or `finish` (`status`, `final_answer`). The schema names the arguments a model needs;
 //! the parser also accepts the rest of a step's job.json arguments (`env`, `mode`…).
 
 use cynode_protocol::job::{StepAction, StepType};
@@ -21,8 +22,17 @@ pub const SCHEMA_NAME: &str = "cynode_sba_action";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     Step(StepAction),
+    /// A gateway tool: its name (checked against the job's list by the loop, not here)
+    /// and its arguments (an object).
+    ToolCall {
+        name: String,
+        arguments: Value,
+    },
     Todo(TodoUpdate),
-    Finish { success: bool, final_answer: String },
+    Finish {
+        success: bool,
+        final_answer: String,
+    },
 }
 
 /// A change to the todo list; applied all or nothing.
@@ -65,6 +75,14 @@ struct WireAction {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
+struct ToolCallArgs {
+    name: String,
+    #[serde(default = "empty_object")]
+    arguments: Value,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
 struct FinishArgs {
     status: FinishStatus,
     final_answer: String,
@@ -93,6 +111,10 @@ pub enum ReplyError {
     EmptyTodo,
     #[error("action.arguments.final_answer: must not be empty")]
     EmptyAnswer,
+    #[error("action.arguments.name: `{0}` is not a tool name")]
+    ToolName(String),
+    #[error("action.arguments.arguments: must be an object")]
+    ToolArguments,
     #[error("action.type: unknown action `{0}`; expected one of {list}", list = ACTION_TYPES.join(", "))]
     UnknownAction(String),
     #[error("action.{}: {}", .0.path, .0.message)]
@@ -120,6 +142,20 @@ pub fn parse(content: &str) -> Result<Reply, ReplyError> {
                 return Err(ReplyError::EmptyTodo);
             }
             Action::Todo(upd)
+        }
+        "tool_call" => {
+            let t: ToolCallArgs =
+                serde_json::from_value(wire.action.arguments).map_err(ReplyError::Arguments)?;
+            if !cynode_protocol::job::is_tool_name(&t.name) {
+                return Err(ReplyError::ToolName(t.name));
+            }
+            if !t.arguments.is_object() {
+                return Err(ReplyError::ToolArguments);
+            }
+            Action::ToolCall {
+                name: t.name,
+                arguments: t.arguments,
+            }
         }
         "finish" => {
             let f: FinishArgs =
@@ -158,13 +194,14 @@ fn strip_fences(s: &str) -> &str {
 }
 
 /// Every action type, in the order the prompt lists them.
-pub const ACTION_TYPES: [&str; 8] = [
+pub const ACTION_TYPES: [&str; 9] = [
     "write_file",
     "read_file",
     "run_command",
     "list_tree",
     "search_files",
     "apply_unified_diff",
+    "tool_call",
     "todo",
     "finish",
 ];
@@ -186,12 +223,13 @@ fn variant(ty: &str, properties: Value, required: &[&str]) -> Value {
     })
 }
 
-/// The JSON Schema of a reply.
-pub fn schema() -> Value {
+/// The JSON Schema of a reply; `tool_call` is offered only when `tools` (the job's
+/// `context.mcp_tools`) is not empty, with `name` one of them.
+pub fn schema(tools: &[String]) -> Value {
     let s = json!({ "type": "string" });
     let strings = json!({ "type": "array", "items": { "type": "string" } });
     let count = json!({ "type": "integer", "minimum": 1 });
-    let variants = vec![
+    let mut variants = vec![
         variant(
             "write_file",
             json!({ "path": s, "content": s }),
@@ -218,6 +256,15 @@ pub fn schema() -> Value {
             &["pattern"],
         ),
         variant("apply_unified_diff", json!({ "diff": s }), &["diff"]),
+    ];
+    if !tools.is_empty() {
+        variants.push(variant(
+            "tool_call",
+            json!({ "name": { "enum": tools }, "arguments": { "type": "object" } }),
+            &["name", "arguments"],
+        ));
+    }
+    variants.extend([
         variant(
             "todo",
             json!({ "add": strings, "start": strings, "complete": strings, "reorder": strings }),
@@ -228,7 +275,7 @@ pub fn schema() -> Value {
             json!({ "status": { "enum": ["success", "failure"] }, "final_answer": s }),
             &["status", "final_answer"],
         ),
-    ];
+    ]);
     json!({
         "type": "object",
         "properties": {
@@ -241,10 +288,10 @@ pub fn schema() -> Value {
 }
 
 /// The `response_format` request field.
-pub fn response_format() -> Value {
+pub fn response_format(tools: &[String]) -> Value {
     json!({
         "type": "json_schema",
-        "json_schema": { "name": SCHEMA_NAME, "strict": true, "schema": schema() }
+        "json_schema": { "name": SCHEMA_NAME, "strict": true, "schema": schema(tools) }
     })
 }
 
@@ -323,15 +370,63 @@ mod tests {
         );
     }
 
-    #[test]
-    fn schema_lists_every_action_type() {
-        let s = schema();
-        let types: Vec<&str> = s["properties"]["action"]["anyOf"]
+    fn types(s: &Value) -> Vec<&str> {
+        s["properties"]["action"]["anyOf"]
             .as_array()
             .unwrap()
             .iter()
             .map(|v| v["properties"]["type"]["const"].as_str().unwrap())
-            .collect();
-        assert_eq!(types, ACTION_TYPES);
+            .collect()
+    }
+
+    #[test]
+    fn schema_lists_every_action_type() {
+        let tools = vec!["skills.get".to_string()];
+        let s = schema(&tools);
+        assert_eq!(types(&s), ACTION_TYPES);
+        let tool = &s["properties"]["action"]["anyOf"][6]["properties"]["arguments"];
+        assert_eq!(tool["properties"]["name"]["enum"], json!(["skills.get"]));
+        // A job listing no tools is not offered the action.
+        let none = schema(&[]);
+        assert!(!types(&none).contains(&"tool_call"));
+        assert_eq!(types(&none).len(), ACTION_TYPES.len() - 1);
+    }
+
+    #[test]
+    fn tool_calls_parse_with_a_name_and_object_arguments() {
+        let r = parse(r#"{"thought":"","action":{"type":"tool_call","arguments":{"name":"skills.get","arguments":{"skill_id":"x"}}}}"#).unwrap();
+        assert_eq!(
+            r.action,
+            Action::ToolCall {
+                name: "skills.get".into(),
+                arguments: json!({ "skill_id": "x" })
+            }
+        );
+        // Arguments default to {}; any well-formed name parses (the loop checks the list).
+        let r = parse(
+            r#"{"thought":"","action":{"type":"tool_call","arguments":{"name":"db.query"}}}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            r.action,
+            Action::ToolCall {
+                name: "db.query".into(),
+                arguments: json!({})
+            }
+        );
+        for (bad, want) in [
+            (r#"{"name":"a b"}"#, "is not a tool name"),
+            (r#"{"name":""}"#, "is not a tool name"),
+            (r#"{"name":"x","arguments":[1]}"#, "must be an object"),
+            (r#"{"arguments":{}}"#, "missing field `name`"),
+            (r#"{"name":"x","extra":1}"#, "unknown field `extra`"),
+        ] {
+            let e = parse(&format!(
+                r#"{{"thought":"","action":{{"type":"tool_call","arguments":{bad}}}}}"#
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
     }
 }

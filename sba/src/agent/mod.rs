@@ -5,16 +5,23 @@
 //! - [`contract`]: the JSON action contract (`response_format` schema and strict parser).
 //! - [`prompt`]: system prompt, job message, observations.
 //! - [`todo`]: the todo list, persisted to todo.json after every change.
+//! - [`tools`]: gateway tools (`tool_call`), limited to the job's `context.mcp_tools`.
 //!
 //! Every step the model asks for goes through [`crate::step_runner::run_step`], the same code
 //! direct steps use (confinement, allowlists, output caps, deadlines), and is recorded in
 //! result.json `steps`. The model is checked before any step runs: it must be in
 //! `inference.allowed_models` and served by the endpoint.
+//!
+//! A `tool_call` of a tool the job does not list is refused before anything is sent; every
+//! call (refusals included) is recorded in result.json `tool_calls` and its outcome, cut
+//! to size, is the model's next observation. Tool refusals and failures do not end the
+//! job (the model may work around them); the deadline and an interrupt do.
 
 pub mod client;
 pub mod contract;
 pub mod prompt;
 pub mod todo;
+pub mod tools;
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -47,6 +54,9 @@ pub struct Settings {
     pub max_turns: u32,
     /// A model to use instead of the first allowed one the endpoint serves.
     pub model: Option<String>,
+    /// The node's gateway socket ([`tools::DEFAULT_GATEWAY_URL`] unless the node says
+    /// otherwise with `SBA_GATEWAY_URL`).
+    pub gateway_url: String,
 }
 
 impl Default for Settings {
@@ -55,6 +65,7 @@ impl Default for Settings {
             todo_path: None,
             max_turns: DEFAULT_MAX_TURNS,
             model: None,
+            gateway_url: tools::DEFAULT_GATEWAY_URL.to_string(),
         }
     }
 }
@@ -168,8 +179,26 @@ impl Agent<'_, '_> {
         };
         tracing::info!(job_id = %job.job_id, model = %model, endpoint = %endpoint.url, source = endpoint.source, "agent started");
         let ws = self.ctx.ws.root_path().display().to_string();
+        let tools: Vec<String> = job
+            .context
+            .as_ref()
+            .map(|c| c.mcp_tools.clone())
+            .unwrap_or_default();
+        let mut gateway = if tools.is_empty() {
+            None
+        } else {
+            Some(
+                tools::Gateway::new(&self.settings.gateway_url).map_err(|e| {
+                    (
+                        FailureCode::ExecutionFailure,
+                        format!("gateway url {}: {e}", self.settings.gateway_url),
+                    )
+                })?,
+            )
+        };
+        let response_format = contract::response_format(&tools);
         self.messages = vec![
-            json!({ "role": "system", "content": prompt::system(&ws) }),
+            json!({ "role": "system", "content": prompt::system(&ws, &tools) }),
             json!({ "role": "user", "content": prompt::job_message(job, self.remaining_secs(), self.settings.max_turns, &self.todo.render()) }),
         ];
         let mut invalid = 0u32;
@@ -196,7 +225,7 @@ impl Agent<'_, '_> {
             let body = json!({
                 "model": model,
                 "messages": self.window(),
-                "response_format": contract::response_format(),
+                "response_format": response_format,
                 "temperature": 0.2,
                 "max_tokens": MAX_COMPLETION_TOKENS,
                 "stream": false
@@ -258,6 +287,39 @@ impl Agent<'_, '_> {
                         .map(|e| (e.kind, format!("step {id}: {}", e.message)));
                     result.push_step(rec);
                     if let Some(f) = stop {
+                        return Err(f);
+                    }
+                    self.messages
+                        .push(json!({ "role": "user", "content": obs }));
+                }
+                Action::ToolCall { name, arguments } => {
+                    // Listed tools imply a gateway (`tools` is not empty).
+                    let called = match (tools::unlisted(&name, &tools), gateway.as_mut()) {
+                        (Some(why), _) => tools::Called::refused(&name, why),
+                        (None, Some(gw)) => {
+                            gw.call(&name, &arguments, self.ctx.deadline, self.ctx.interrupted)
+                        }
+                        (None, None) => {
+                            tools::Called::refused(&name, "no gateway for this job".into())
+                        }
+                    };
+                    tracing::info!(
+                        job_id = %job.job_id,
+                        tool = %name,
+                        outcome = ?called.record.outcome,
+                        bytes = called.record.bytes,
+                        duration_ms = called.record.duration_ms,
+                        "tool call"
+                    );
+                    let obs = prompt::tool_observation(
+                        &name,
+                        called.record.outcome,
+                        &called.text,
+                        self.remaining_secs(),
+                        turns_left,
+                    );
+                    result.tool_calls.push(called.record);
+                    if let Some(f) = called.fatal {
                         return Err(f);
                     }
                     self.messages
@@ -385,6 +447,7 @@ fn prompt_cut(s: &str) -> String {
 fn action_name(a: &Action) -> &'static str {
     match a {
         Action::Step(s) => s.step_type().as_str(),
+        Action::ToolCall { .. } => "tool_call",
         Action::Todo(_) => "todo",
         Action::Finish { .. } => "finish",
     }

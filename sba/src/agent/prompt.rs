@@ -11,8 +11,20 @@ pub const MAX_SECTION_BYTES: usize = 8 * 1024;
 /// Cap on one observation fed back to the model, in bytes.
 pub const MAX_OBSERVATION_BYTES: usize = 4 * 1024;
 
-/// The system prompt.
-pub fn system(workspace: &str) -> String {
+/// The system prompt; the `tool_call` action is described only when the job lists
+/// gateway tools (`tools`, from `context.mcp_tools`).
+pub fn system(workspace: &str, tools: &[String]) -> String {
+    let tool_lines = if tools.is_empty() {
+        String::new()
+    } else {
+        let mut t = "- tool_call {\"name\": \"<tool>\", \"arguments\": {...}}: call a tool of the \
+task's gateway; only these tools:\n"
+            .to_string();
+        for name in tools {
+            t.push_str(&format!("  - {name} {}\n", super::tools::hint(name)));
+        }
+        t
+    };
     format!(
         "You are cynode-sba, an agent working inside a sandbox on one job. You act only through \
 the actions below; each reply is exactly one JSON object:\n\
@@ -24,6 +36,7 @@ Actions:\n\
 - list_tree {{\"path\": \"<dir>\"}}: list files.\n\
 - search_files {{\"pattern\": \"<regex>\", \"path\": \"<dir>\"}}: search text in files.\n\
 - apply_unified_diff {{\"diff\": \"<unified diff>\"}}: change files.\n\
+{tool_lines}\
 - todo {{\"add\": [\"<new item>\"], \"start\": [\"<id>\"], \"complete\": [\"<id>\"], \"reorder\": [\"<id>\"]}}: update your todo list.\n\
 - finish {{\"status\": \"success\", \"final_answer\": \"<what was done>\"}}: end the job; status \"failure\" if the goal cannot be met.\n\n\
 Rules: paths are relative to the workspace {workspace} and may not leave it. Work through \
@@ -176,6 +189,28 @@ pub fn observation(rec: &StepRecord, remaining_secs: u64, turns_left: u32) -> St
     }
     s.push_str(&footer(remaining_secs, turns_left));
     s
+}
+
+/// What the model learns from a tool call: the outcome and the result or the reason
+/// (already cut to size by the caller).
+pub fn tool_observation(
+    tool: &str,
+    outcome: cynode_protocol::result::ToolCallOutcome,
+    text: &str,
+    remaining_secs: u64,
+    turns_left: u32,
+) -> String {
+    use cynode_protocol::result::ToolCallOutcome as O;
+    let outcome = match outcome {
+        O::Ok => "ok",
+        O::Refused => "refused",
+        O::Error => "error",
+    };
+    format!(
+        "Result of tool_call {tool}: {outcome}\n{}{}",
+        cut(text, MAX_OBSERVATION_BYTES),
+        footer(remaining_secs, turns_left)
+    )
 }
 
 /// The line closing every message after the first: time and turns left.
