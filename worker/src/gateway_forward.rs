@@ -11,7 +11,9 @@
 //! - Each request on the socket is forwarded to that URL with `Authorization: Bearer
 //!   <token>` added here; of the sandbox's headers only `Content-Type`, `Accept` and
 //!   the MCP ones (`Mcp-Protocol-Version`, `Mcp-Method`, `Mcp-Name`) go on (the sandbox's own `Authorization`, if any, is
-//!   dropped). No redirects are followed, no proxy is used. When the job ends its grant
+//!   dropped). No redirects are followed, no proxy is used. An `https://` gateway is
+//!   verified against the system's roots and config `gateway.tls` (a private CA, a client
+//!   identity). When the job ends its grant
 //!   is removed and the socket closed; the PM revokes the token too.
 //! - The job is the only client and may be hostile. The socket is served by the bounded
 //!   accept loop (`cynode_tls::serve_unix`: the node's `listener` timeouts and header cap,
@@ -113,14 +115,20 @@ pub struct Forwarder {
 }
 
 impl Forwarder {
-    /// The forwarder of `job_id`, reading its grant from [`grants`] at each request.
-    pub fn new(job_id: &str) -> Result<Arc<Forwarder>, reqwest::Error> {
-        let client = reqwest::Client::builder()
+    /// The forwarder of `job_id`, reading its grant from [`grants`] at each request and
+    /// trusting, for an `https://` gateway, the system's roots and `tls` (config
+    /// `gateway.tls`).
+    pub fn new(job_id: &str, tls: &cynode_tls::ClientTls) -> std::io::Result<Arc<Forwarder>> {
+        let builder = reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .no_proxy()
             .connect_timeout(Duration::from_secs(10))
-            .timeout(UPSTREAM_TIMEOUT)
-            .build()?;
+            .timeout(UPSTREAM_TIMEOUT);
+        let client = tls
+            .apply(builder)
+            .map_err(|e| std::io::Error::other(format!("gateway.tls: {e}")))?
+            .build()
+            .map_err(std::io::Error::other)?;
         Ok(Arc::new(Forwarder {
             job_id: job_id.to_string(),
             client,
@@ -175,15 +183,16 @@ impl Drop for ForwardServer {
 }
 
 /// Binds `<dir>/gateway.sock` for `job_id` and serves it, connections bounded by
-/// `limits`; the socket belongs to the sandbox uid with mode 0600 (see
-/// [`bind_job_socket`]).
+/// `limits`, trusting `tls` for the gateway; the socket belongs to the sandbox uid with
+/// mode 0600 (see [`bind_job_socket`]).
 pub fn listen(
     dir: &Path,
     job_id: &str,
     limits: &ListenerLimits,
+    tls: &cynode_tls::ClientTls,
     host_uid: u32,
 ) -> std::io::Result<ForwardServer> {
-    let forwarder = Forwarder::new(job_id).map_err(std::io::Error::other)?;
+    let forwarder = Forwarder::new(job_id, tls)?;
     serve(dir, forwarder, limits, Some(host_uid))
 }
 

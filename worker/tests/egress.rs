@@ -212,7 +212,7 @@ impl Origin {
 }
 
 /// A CA and a server certificate for `name`: (CA PEM, certificate PEM, key PEM).
-fn certificates(name: &str) -> (String, String, String) {
+pub(crate) fn certificates(name: &str) -> (String, String, String) {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
     let ca_key = KeyPair::generate().unwrap();
     let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();

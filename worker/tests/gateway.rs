@@ -326,3 +326,116 @@ async fn a_job_cannot_starve_the_node_through_its_gateway_socket() {
     assert!(!log.contains(TOKEN), "the token reached the node's log");
     assert!(log.contains("gateway socket closed"), "{log}");
 }
+
+/// The recording PM side over HTTPS, its certificate (for `localhost`) issued by a
+/// private CA: (URL, CA PEM).
+async fn pm_side_https(seen: Seen, dir: &Path) -> (String, String) {
+    let (ca_pem, cert, key) = crate::egress::certificates("localhost");
+    let (cert_file, key_file) = (dir.join("pm.pem"), dir.join("pm-key.pem"));
+    std::fs::write(&cert_file, cert).unwrap();
+    std::fs::write(&key_file, key).unwrap();
+    let app = axum::Router::new()
+        .route("/v1/gateway", axum::routing::post(record))
+        .with_state(seen);
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!(
+        "https://localhost:{}/v1/gateway",
+        l.local_addr().unwrap().port()
+    );
+    let tls = cynode_tls::ServerTls {
+        cert_file,
+        key_file,
+        client_ca_file: None,
+    };
+    tokio::spawn(async move {
+        let _ = cynode_tls::serve(l, app, Some(tls), std::future::pending()).await;
+    });
+    (url, ca_pem)
+}
+
+/// A PM whose gateway is `https://` with a certificate of a private CA: a node given that
+/// CA (`gateway.tls.ca_file`) forwards a job's call there; a forwarder without it refuses
+/// the certificate (502) and the PM side sees nothing, so a node never sends a token to
+/// a server it cannot verify.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_gateway_of_a_private_ca_is_reached_only_when_the_node_trusts_it() {
+    env();
+    let certs = tempfile::tempdir().unwrap();
+    let seen = Seen::default();
+    let (url, ca_pem) = pm_side_https(seen.clone(), certs.path()).await;
+    let ca_file = certs.path().join("pm-ca.pem");
+    std::fs::write(&ca_file, &ca_pem).unwrap();
+    let call = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"skills.list","arguments":{}}}"#;
+
+    // Without the CA: a forwarder of the node's own kind, on a socket of the test's.
+    let untrusting = tempfile::tempdir().unwrap();
+    let job = unique("gw-untrusted");
+    cynode_worker::gateway_forward::grants().put(
+        &job,
+        cynode_protocol::worker_api::GatewayGrant {
+            url: url.clone(),
+            token: TOKEN.into(),
+        },
+    );
+    let f = cynode_worker::gateway_forward::Forwarder::new(&job, &Default::default()).unwrap();
+    let server = cynode_worker::gateway_forward::serve(
+        untrusting.path(),
+        f,
+        &cynode_tls::ListenerLimits::default(),
+        None,
+    )
+    .unwrap();
+    let sock = untrusting.path().join("gateway.sock");
+    let (code, answer) = tokio::task::spawn_blocking(move || exchange(&sock, &post("/", "", call)))
+        .await
+        .unwrap();
+    assert_eq!(
+        code, 502,
+        "an unverifiable gateway must not be reached: {answer}"
+    );
+    assert_eq!(
+        seen.calls.load(Ordering::SeqCst),
+        0,
+        "the PM side was reached"
+    );
+    drop(server);
+    cynode_worker::gateway_forward::grants().remove(&job);
+
+    // With it: a real node, config `gateway.tls.ca_file`, and a job's call.
+    let sv = Server::start(
+        "bwrap",
+        &format!("gateway:\n  tls:\n    ca_file: {}\n", ca_file.display()),
+    );
+    let id = unique("gw-tls");
+    let body = json!({
+        "version": 1, "task_id": "t", "job_id": id,
+        "sandbox": { "image": env().image, "command": ["sleep", "100"] },
+        "gateway": { "url": url, "token": TOKEN }
+    });
+    let (code, v) = sv.post("/v1/worker/jobs", &body).await;
+    assert_eq!(code, 202, "{v}");
+    let sock = sv
+        .state_dir()
+        .join("jobs")
+        .join(&id)
+        .join("job")
+        .join("gateway.sock");
+    let until = Instant::now() + Duration::from_secs(30);
+    while !sock.exists() {
+        assert!(Instant::now() < until, "gateway.sock never appeared");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (code, answer) = tokio::task::spawn_blocking(move || exchange(&sock, &post("/", "", call)))
+        .await
+        .unwrap();
+    assert_eq!(code, 200, "{answer}");
+    assert_eq!(
+        seen.auth.lock().unwrap().as_slice(),
+        [format!("Bearer {TOKEN}")],
+        "what the PM side saw"
+    );
+    let _ = sv
+        .post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
+        .await;
+    sv.wait_terminal(&id).await;
+}

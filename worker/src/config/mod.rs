@@ -94,6 +94,18 @@ pub struct Config {
     /// Host uids sandboxes run as, one per workspace (`{first, count}`; see
     /// [`crate::uid_pool`]): tenants never share the kernel's per-user budgets.
     pub sandbox_uids: sandbox_uids::UidRange,
+    /// The PM's tool gateway, which jobs reach through `/job/gateway.sock`: what the
+    /// node trusts when the gateway URL a PM hands it is `https://`.
+    pub gateway: GatewayConfig,
+}
+
+/// The forwarder to the PM's tool gateway ([`crate::gateway_forward`]).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct GatewayConfig {
+    /// Extra CA (a private one for the PM's certificate) and client identity; the
+    /// system's roots, and `SSL_CERT_FILE`, are trusted too.
+    pub tls: cynode_tls::ClientTls,
 }
 
 /// The egress proxy's settings. `allow` is the node's ceiling: a job's
@@ -378,6 +390,7 @@ impl Default for Config {
             listener: cynode_tls::ListenerLimits::default(),
             egress: EgressConfig::default(),
             sandbox_uids: sandbox_uids::UidRange::default(),
+            gateway: GatewayConfig::default(),
         }
     }
 }
