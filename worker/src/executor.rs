@@ -1,6 +1,8 @@
-//! From a validated request to a response the caller can trust: lay out the job
-//! directory, build the sandbox spec (mounts, env, limits), run it, and read back what the
-//! sandbox left, verifying every artifact's hash on the host. Everything the sandbox left is
+//! From a validated request to a response the caller can trust, as one pipeline:
+//! [`validate`] (before the job is accepted), then [`PreparedJob::prepare`] (lay out the
+//! job directory, build the sandbox spec: mounts, env, limits) and [`PreparedJob::run`]
+//! (run it on the backend and read back what the sandbox left, verifying every artifact's
+//! hash on the host); every response is built in [`response`]. Everything the sandbox left is
 //! read through [`crate::sandbox_files`] (beneath the job directory, no links, regular
 //! files only, bounded), and the job's disk use is held to its limit by
 //! [`crate::disk_guard`].
@@ -15,21 +17,22 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use cynode_protocol::job::{ExecutionMode, JobSpec};
-use cynode_protocol::result::{ArtifactRecord, JobStatus};
-use cynode_protocol::worker_api::{
-    NetworkPolicy, RunJobRequest, RunJobResponse, WorkerJobStatus, API_VERSION,
-};
+use cynode_protocol::result::ArtifactRecord;
+use cynode_protocol::worker_api::{NetworkPolicy, RunJobRequest, RunJobResponse};
 use cynode_protocol::{JobResult, ValidationError};
 use tokio_util::sync::CancellationToken;
 
-use crate::backend::{EndReason, SandboxBackend};
+use crate::backend::SandboxBackend;
 use crate::config::{Config, Limits};
 use crate::disk_guard::DiskLimit;
+use crate::egress::Policy;
 use crate::job_dir;
 use crate::job_egress::JobEgress;
 use crate::sandbox::{self, SandboxRequest, SandboxSpec};
 use crate::sandbox_files::{self, ReadError, TreeBounds, TreeError};
 use cynode_protocol::time::now_rfc3339;
+
+pub mod response;
 
 /// Validates a request completely before anything is created or started.
 pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, ValidationError> {
@@ -210,7 +213,7 @@ impl JobPaths {
 /// that does (a retained job's, with links a job planted in it) is refused, never reused.
 /// Every step goes through a directory fd without following links ([`crate::job_dir`]).
 /// What the sandbox writes is owned by `host_uid`, the workspace's ([`crate::uid_pool`]).
-pub fn prepare(paths: &JobPaths, req: &RunJobRequest, host_uid: u32) -> std::io::Result<()> {
+fn make_dirs(paths: &JobPaths, req: &RunJobRequest, host_uid: u32) -> std::io::Result<()> {
     let (jobs, name) = job_dir::split(&paths.root)?;
     let root = job_dir::create_new_dir(job_dir::open_node_dir(jobs)?.as_fd(), name)?;
     job_dir::write_new_file(
@@ -249,11 +252,14 @@ pub fn prepare(paths: &JobPaths, req: &RunJobRequest, host_uid: u32) -> std::io:
 /// The sandbox spec for `req`: its env (the request's, then the node's job variables;
 /// an SBA job's own `SBA_*` and `INFERENCE_PROXY_URL` come from the node only), the job
 /// directory and workspace mounts, the node's limits, and the workspace's `host_uid`.
-pub fn sandbox_spec(
+/// `inference` and `egress`: whether the job gets the node's inference and egress proxies.
+fn sandbox_spec(
     cfg: &Config,
     req: &RunJobRequest,
     paths: &JobPaths,
     host_uid: u32,
+    inference: bool,
+    egress: bool,
 ) -> SandboxSpec {
     let is_sba = req.sandbox.job_spec_json.is_some();
     let mut node = vec![
@@ -265,16 +271,13 @@ pub fn sandbox_spec(
     if is_sba {
         node.push((sandbox::ENV_SBA_STATUS_URL, sandbox::STATUS_URL.into()));
     }
-    if matches!(inference_models(cfg, req), Ok(Some(_))) {
+    if inference {
         node.push((sandbox::ENV_INFERENCE_PROXY_URL, sandbox::PROXY_URL.into()));
         if let Some(turns) = cfg.inference.as_ref().and_then(|i| i.agent_max_turns) {
             node.push((sandbox::ENV_SBA_AGENT_MAX_TURNS, turns.to_string()));
         }
     }
-    node.extend(crate::job_egress::env(matches!(
-        crate::job_egress::policy(cfg, req),
-        Ok(Some(_))
-    )));
+    node.extend(crate::job_egress::env(egress));
     let env = sandbox::env(
         &req.sandbox.env,
         |k| k == sandbox::ENV_INFERENCE_PROXY_URL || (is_sba && k.starts_with("SBA_")),
@@ -302,133 +305,122 @@ pub fn sandbox_spec(
     )
 }
 
-/// Runs a prepared job and builds its response.
-pub async fn run(
-    backend: &dyn SandboxBackend,
-    spec: &SandboxSpec,
-    req: &RunJobRequest,
-    paths: &JobPaths,
-    cancel: &CancellationToken,
-) -> RunJobResponse {
-    run_with_egress(backend, spec, req, paths, cancel, None).await
+/// A job ready to run, from [`PreparedJob::prepare`]: its directory and workspace made,
+/// its sandbox spec built, and what it gets of the node (inference models, an egress
+/// policy) decided once. The node attaches its per-job servers between the two steps
+/// (they listen in [`PreparedJob::paths`]' job directory), then [`PreparedJob::run`] runs
+/// it once and answers it.
+#[derive(Debug)]
+pub struct PreparedJob {
+    req: RunJobRequest,
+    paths: JobPaths,
+    spec: SandboxSpec,
+    models: Option<Vec<String>>,
+    egress_policy: Result<Option<Policy>, ValidationError>,
+    egress: Option<JobEgress>,
 }
 
-/// [`run`], with the job's egress proxy started inside the sandbox before its command
-/// runs; its audit goes into the response.
-pub async fn run_with_egress(
-    backend: &dyn SandboxBackend,
-    spec: &SandboxSpec,
-    req: &RunJobRequest,
-    paths: &JobPaths,
-    cancel: &CancellationToken,
-    mut egress: Option<JobEgress>,
-) -> RunJobResponse {
-    let started_at = now_rfc3339();
-    // The disk guard stops the sandbox through a child token: a breach is not a cancel.
-    let trip = cancel.child_token();
-    let guard = crate::disk_limit::start(
-        vec![paths.workspace.clone(), paths.mount.clone()],
-        paths.bounds.disk,
-        trip.clone(),
-    );
-    let hook = egress.as_mut().map(JobEgress::hook);
-    let out = backend.run_with_hook(spec, &trip, hook).await;
-    let audit = match egress {
-        Some(e) => e.finish().await,
-        None => None,
-    };
-    let breach = guard.finish().await;
-    let ended_at = now_rfc3339();
-    let mut resp = RunJobResponse {
-        version: API_VERSION,
-        task_id: req.task_id.clone(),
-        job_id: req.job_id.clone(),
-        status: WorkerJobStatus::Failed,
-        exit_code: out.exit_code.unwrap_or(-1),
-        stdout: out.stdout,
-        stderr: out.stderr,
-        started_at,
-        ended_at,
-        truncated: out.truncated,
-        sba_result: None,
-        artifacts: None,
-        failure_reason: None,
-        egress_dropped: audit.as_ref().map_or(0, |a| a.dropped),
-        egress: audit.map(|a| a.records),
-    };
-    let artifacts = collect_artifacts(paths).await;
-    match &out.end {
-        EndReason::StartFailed(msg) => {
-            resp.failure_reason = Some(msg.clone());
-            return resp;
-        }
-        EndReason::TimedOut => {
-            resp.status = WorkerJobStatus::Timeout;
-            resp.exit_code = -1;
-            resp.failure_reason = Some(format!(
-                "sandbox killed after its timeout of {}s",
-                spec.timeout.as_secs()
-            ));
-        }
-        EndReason::Canceled => {
-            resp.exit_code = -1;
-            resp.failure_reason = Some("canceled".into());
-        }
-        EndReason::Exited => {
-            resp.status = if resp.exit_code == 0 {
-                WorkerJobStatus::Completed
-            } else {
-                WorkerJobStatus::Failed
-            };
-            if resp.exit_code == 137 {
-                resp.failure_reason =
-                    Some("sandbox killed by SIGKILL: memory or pids limit reached".into());
-            }
-        }
+impl PreparedJob {
+    /// Creates the job directory (`request.json`, `job/`, `job/artifacts/`, and
+    /// `job/job.json` for SBA jobs) and the workspace when missing, and builds the sandbox
+    /// spec. The job directory must not exist: one that does (a retained job's, with links
+    /// a job planted in it) is refused, never reused. Every step goes through a directory
+    /// fd without following links ([`crate::job_dir`]). What the sandbox writes is owned
+    /// by `host_uid`, the workspace's ([`crate::uid_pool`]).
+    pub fn prepare(
+        cfg: &Config,
+        req: &RunJobRequest,
+        host_uid: u32,
+    ) -> std::io::Result<PreparedJob> {
+        let paths = JobPaths::new(cfg, req);
+        make_dirs(&paths, req, host_uid)?;
+        let models = inference_models(cfg, req).ok().flatten();
+        let egress_policy = crate::job_egress::policy(cfg, req);
+        let spec = sandbox_spec(
+            cfg,
+            req,
+            &paths,
+            host_uid,
+            models.is_some(),
+            matches!(egress_policy, Ok(Some(_))),
+        );
+        Ok(PreparedJob {
+            req: req.clone(),
+            paths,
+            spec,
+            models,
+            egress_policy,
+            egress: None,
+        })
     }
-    if let Some(b) = breach {
-        tracing::warn!(job_id = %req.job_id, reason = %b, "job over its disk limit");
-        resp.status = WorkerJobStatus::Failed;
-        if out.end != EndReason::Exited {
-            resp.exit_code = -1;
-        }
-        resp.failure_reason = Some(b.to_string());
-        resp.artifacts = artifacts.ok();
-        return resp;
-    }
-    let artifacts = match artifacts {
-        Ok(a) => a,
-        Err(e) => {
-            tracing::warn!(job_id = %req.job_id, reason = %e, "artifacts refused");
-            resp.status = WorkerJobStatus::Failed;
-            resp.failure_reason = Some(artifacts_reason(&e));
-            return resp;
-        }
-    };
-    resp.artifacts = Some(artifacts.clone());
-    if req.sandbox.job_spec_json.is_some() && out.end == EndReason::Exited {
-        match read_result(paths).await {
-            Ok(result) => apply_sba_result(&mut resp, result, &artifacts, true),
-            Err(reason) => {
-                resp.status = WorkerJobStatus::Failed;
-                resp.failure_reason = Some(reason.to_string());
-            }
-        }
-    }
-    resp
-}
 
-/// The failure reason for artifacts the node refused to collect, naming the cap.
-pub fn artifacts_reason(e: &TreeError) -> String {
-    let key = match e {
-        TreeError::TooManyFiles(_) => "limits.artifact_max_files",
-        TreeError::FileTooLarge { .. } => "limits.artifact_max_file_mb",
-        TreeError::TotalTooLarge { .. } => "limits.artifact_max_total_mb",
-        TreeError::TooSlow(_) => "limits.artifact_hash_seconds",
-        TreeError::Read(r) => return format!("cannot collect artifacts: {r}"),
-        TreeError::NotUtf8 { .. } => return format!("artifacts refused: {e}"),
-    };
-    format!("resource_limit_exceeded: artifacts: {e} ({key})")
+    /// The job's paths on the host.
+    pub fn paths(&self) -> &JobPaths {
+        &self.paths
+    }
+
+    /// The sandbox spec it runs with.
+    pub fn spec(&self) -> &SandboxSpec {
+        &self.spec
+    }
+
+    /// The models the job may use through the node's inference proxy; `None`: no proxy
+    /// ([`inference_models`]).
+    pub fn inference_models(&self) -> Option<&[String]> {
+        self.models.as_deref()
+    }
+
+    /// The job's egress policy ([`crate::job_egress::policy`]): `Ok(None)` for a job
+    /// without network, `Err` when the node no longer offers what it asks.
+    pub fn egress_policy(&self) -> &Result<Option<Policy>, ValidationError> {
+        &self.egress_policy
+    }
+
+    /// The job's egress proxy, started inside its sandbox before its command runs; its
+    /// audit goes into the response.
+    pub fn with_egress(mut self, egress: JobEgress) -> Self {
+        self.egress = Some(egress);
+        self
+    }
+
+    /// Runs the job once on `backend` and builds its response; `cancel` stops it.
+    pub async fn run(
+        self,
+        backend: &dyn SandboxBackend,
+        cancel: &CancellationToken,
+    ) -> RunJobResponse {
+        let PreparedJob {
+            req,
+            paths,
+            spec,
+            mut egress,
+            ..
+        } = self;
+        let started_at = now_rfc3339();
+        // The disk guard stops the sandbox through a child token: a breach is not a cancel.
+        let trip = cancel.child_token();
+        let guard = crate::disk_limit::start(
+            vec![paths.workspace.clone(), paths.mount.clone()],
+            paths.bounds.disk,
+            trip.clone(),
+        );
+        let hook = egress.as_mut().map(JobEgress::hook);
+        let out = backend.run_with_hook(&spec, &trip, hook).await;
+        let audit = match egress {
+            Some(e) => e.finish().await,
+            None => None,
+        };
+        let breach = guard.finish().await;
+        let end = response::RunEnd {
+            out,
+            started_at,
+            ended_at: now_rfc3339(),
+            timeout_secs: spec.timeout.as_secs(),
+            audit,
+            breach,
+        };
+        response::after_run(&req, &paths, end).await
+    }
 }
 
 /// Hashes the job's artifacts on a blocking thread, within the job's bounds.
@@ -474,49 +466,6 @@ pub async fn read_result(paths: &JobPaths) -> Result<JobResult, ResultError> {
         Err(e) => return Err(ResultError::Refused(e)),
     };
     serde_json::from_slice(&text).map_err(ResultError::Invalid)
-}
-
-/// Derives status from result.json; a missing or invalid one is a failure, never success.
-/// With `exit_known`, a result claiming success from a sandbox that exited non-zero is a
-/// failure too.
-pub fn apply_sba_result(
-    resp: &mut RunJobResponse,
-    result: JobResult,
-    host: &[ArtifactRecord],
-    exit_known: bool,
-) {
-    if result.job_id != resp.job_id {
-        resp.status = WorkerJobStatus::Failed;
-        resp.failure_reason = Some(format!(
-            "result.json is for job `{}`, not `{}`",
-            result.job_id, resp.job_id
-        ));
-        return;
-    }
-    resp.status = match result.status {
-        JobStatus::Success => WorkerJobStatus::Completed,
-        JobStatus::Failure => WorkerJobStatus::Failed,
-        JobStatus::Timeout => WorkerJobStatus::Timeout,
-    };
-    if exit_known && resp.status == WorkerJobStatus::Completed && resp.exit_code != 0 {
-        resp.status = WorkerJobStatus::Failed;
-        resp.failure_reason = Some(format!(
-            "result.json reports success but the sandbox exited with code {}",
-            resp.exit_code
-        ));
-        return;
-    }
-    for claimed in &result.artifacts {
-        let found = host.iter().find(|h| h.path == claimed.path);
-        if found != Some(claimed) {
-            resp.status = WorkerJobStatus::Failed;
-            resp.failure_reason = Some(format!(
-                "artifact {} reported by the sandbox does not match the file the node hashed",
-                claimed.path
-            ));
-        }
-    }
-    resp.sba_result = Some(result);
 }
 
 /// sha256 and size of every regular file under `rel` beneath `dir`, never following links,

@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 use std::os::fd::AsFd;
 
 use crate::config::Config;
-use crate::executor::{self, JobPaths};
+use crate::executor::{self, JobPaths, PreparedJob};
 use crate::job_dir;
 use crate::remove_tree::remove_tree_async;
 use crate::store::{Store, StoreError};
@@ -96,18 +96,10 @@ async fn replay_in(
     let ws_fd = job_dir::create_new_dir(job_dir::open_node_dir(spaces)?.as_fd(), ws)?;
     job_dir::own(&ws_fd, Some(uid), 0o755)?;
     drop(ws_fd);
-    let resp = match executor::prepare(paths, req, uid) {
-        Ok(()) => {
+    let resp = match PreparedJob::prepare(cfg, req, uid) {
+        Ok(job) => {
             let backend = crate::backend::from_config(cfg);
-            let spec = executor::sandbox_spec(cfg, req, paths, uid);
-            Ok(executor::run(
-                backend.as_ref(),
-                &spec,
-                req,
-                paths,
-                &CancellationToken::new(),
-            )
-            .await)
+            Ok(job.run(backend.as_ref(), &CancellationToken::new()).await)
         }
         Err(e) => Err(e),
     };

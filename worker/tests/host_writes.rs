@@ -91,8 +91,7 @@ pub async fn planted_links_in_a_job_directory_are_never_followed(backend: &'stat
         json!([]),
     ))
     .unwrap();
-    let paths = cynode_worker::executor::JobPaths::new(&cfg, &req);
-    let prepared = cynode_worker::executor::prepare(&paths, &req, 0x7000_0000);
+    let prepared = cynode_worker::executor::PreparedJob::prepare(&cfg, &req, 0x7000_0000);
     canary.assert_untouched();
     let e = prepared.expect_err("an existing job directory must be refused");
     assert!(e.to_string().contains("exists"), "{e}");

@@ -13,10 +13,10 @@ use cynode_protocol::worker_api::{
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::reconcile::{canceled_before_start, restarted_response_for};
 use super::{Node, NodeError};
 use crate::callback;
-use crate::executor::{self, JobPaths};
+use crate::executor::response::{self, state_of};
+use crate::executor::{self, JobPaths, PreparedJob};
 use crate::gateway_forward;
 use crate::inference::{self, Proxy};
 use crate::remove_tree::remove_tree_async;
@@ -174,7 +174,7 @@ impl Node {
         }
         let permit = Arc::clone(&self.permits).acquire_owned().await;
         let resp = if cancel.is_cancelled() {
-            canceled_before_start(&req)
+            response::canceled_before_start(&req)
         } else {
             self.execute_inner(&req, &cancel).await
         };
@@ -202,20 +202,15 @@ impl Node {
         req: &RunJobRequest,
         cancel: &CancellationToken,
     ) -> RunJobResponse {
-        let paths = JobPaths::new(&self.cfg, req);
         let host_uid = match self.uids.for_workspace(workspace_of(req)).await {
             Ok(uid) => uid,
-            Err(e) => {
-                let mut resp = restarted_response_for(req);
-                resp.failure_reason = Some(e.to_string());
-                return resp;
-            }
+            Err(e) => return response::not_run(req, e.to_string()),
         };
-        if let Err(e) = executor::prepare(&paths, req, host_uid) {
-            let mut resp = restarted_response_for(req);
-            resp.failure_reason = Some(format!("cannot prepare job directory: {e}"));
-            return resp;
-        }
+        let job = match PreparedJob::prepare(&self.cfg, req, host_uid) {
+            Ok(job) => job,
+            Err(e) => return response::not_run(req, format!("cannot prepare job directory: {e}")),
+        };
+        let mount = &job.paths().mount;
         let _callbacks = if req.sandbox.job_spec_json.is_some() {
             let store = self.store.clone();
             let job_id = req.job_id.clone();
@@ -228,7 +223,7 @@ impl Node {
                     });
                 }
             });
-            match callback::listen(&paths.mount, &req.job_id, on_status, &self.job_sockets()) {
+            match callback::listen(mount, &req.job_id, on_status, &self.job_sockets()) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     tracing::warn!(job_id = %req.job_id, error = %e, "no lifecycle socket; in_progress will not be reported");
@@ -242,16 +237,16 @@ impl Node {
                 .await;
             None
         };
-        let _proxy = match (executor::inference_models(&self.cfg, req), &self.inference) {
-            (Ok(Some(models)), Some(upstream)) => {
-                let proxy = Proxy::new(&req.job_id, models, Arc::clone(upstream));
-                match inference::listen(&paths.mount, proxy, &self.job_sockets(), host_uid) {
+        let _proxy = match (job.inference_models(), &self.inference) {
+            (Some(models), Some(upstream)) => {
+                let proxy = Proxy::new(&req.job_id, models.to_vec(), Arc::clone(upstream));
+                match inference::listen(mount, proxy, &self.job_sockets(), host_uid) {
                     Ok(s) => Some(s),
                     Err(e) => {
-                        let mut resp = restarted_response_for(req);
-                        resp.failure_reason =
-                            Some(format!("cannot start the inference proxy: {e}"));
-                        return resp;
+                        return response::not_run(
+                            req,
+                            format!("cannot start the inference proxy: {e}"),
+                        )
                     }
                 }
             }
@@ -259,7 +254,7 @@ impl Node {
         };
         let _gateway = if gateway_forward::grants().has(&req.job_id) {
             match gateway_forward::listen(
-                &paths.mount,
+                mount,
                 &req.job_id,
                 &self.job_sockets(),
                 &self.cfg.gateway.tls,
@@ -267,31 +262,32 @@ impl Node {
             ) {
                 Ok(s) => Some(s),
                 Err(e) => {
-                    let mut resp = restarted_response_for(req);
-                    resp.failure_reason = Some(format!("cannot start the gateway socket: {e}"));
-                    return resp;
+                    return response::not_run(req, format!("cannot start the gateway socket: {e}"))
                 }
             }
         } else {
             None
         };
-        let egress = match (crate::job_egress::policy(&self.cfg, req), &self.egress) {
+        let egress = match (job.egress_policy(), &self.egress) {
             (Ok(Some(policy)), Some(node)) => Some(crate::job_egress::JobEgress::new(
                 Arc::clone(node),
                 &req.job_id,
-                policy,
+                policy.clone(),
             )),
             (Ok(None), _) => None,
             (Ok(Some(_)), None) | (Err(_), _) => {
-                let mut resp = restarted_response_for(req);
-                resp.failure_reason =
-                    Some("the node no longer offers this job's egress (network_policy)".into());
-                return resp;
+                return response::not_run(
+                    req,
+                    "the node no longer offers this job's egress (network_policy)",
+                );
             }
         };
-        let spec = executor::sandbox_spec(&self.cfg, req, &paths, host_uid);
         tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, egress = egress.is_some(), "job started");
-        executor::run_with_egress(self.backend.as_ref(), &spec, req, &paths, cancel, egress).await
+        let job = match egress {
+            Some(e) => job.with_egress(e),
+            None => job,
+        };
+        job.run(self.backend.as_ref(), cancel).await
     }
 
     /// `GET /jobs/{id}`.
@@ -338,14 +334,6 @@ fn different_request(job_id: &str) -> NodeError {
     NodeError::Conflict(format!(
         "job {job_id} already exists with a different request; a job_id names one request"
     ))
-}
-
-pub(super) fn state_of(resp: &RunJobResponse) -> AsyncJobState {
-    match resp.status {
-        WorkerJobStatus::Completed => AsyncJobState::Completed,
-        WorkerJobStatus::Failed => AsyncJobState::Failed,
-        WorkerJobStatus::Timeout => AsyncJobState::Timeout,
-    }
 }
 
 fn status_of(rec: JobRecord) -> AsyncJobStatus {

@@ -2,12 +2,10 @@
 //! accepted or ran is settled, so nothing is silently lost. A job whose result.json is
 //! complete and verified keeps that result; any other fails as `worker_restarted`.
 
-use cynode_protocol::worker_api::{RunJobRequest, RunJobResponse};
-
-use super::jobs::state_of;
 use super::Node;
-use crate::executor::{self, JobPaths};
-use crate::store::{JobRecord, StoreError};
+use crate::executor::response::{self, state_of};
+use crate::executor::JobPaths;
+use crate::store::StoreError;
 
 impl Node {
     /// After a restart: remove every sandbox a previous run left, and settle every job that
@@ -41,51 +39,11 @@ impl Node {
                 .remove_named(&format!("cynode-{}", rec.job_id))
                 .await;
             let paths = JobPaths::new(&self.cfg, &rec.request);
-            let mut resp = restarted_response(&rec);
-            if rec.request.sandbox.job_spec_json.is_some() {
-                // The same reads as after a run: beneath the job directory, no links,
-                // bounded; a result that cannot be read or verified leaves the job
-                // `worker_restarted`.
-                if let Ok(result) = executor::read_result(&paths).await {
-                    match executor::collect_artifacts(&paths).await {
-                        Ok(artifacts) => {
-                            let mut settled = resp.clone();
-                            settled.failure_reason = None;
-                            settled.artifacts = Some(artifacts.clone());
-                            executor::apply_sba_result(&mut settled, result, &artifacts, false);
-                            if settled.failure_reason.is_none() {
-                                resp = settled;
-                            }
-                        }
-                        Err(e) => {
-                            resp.failure_reason = Some(format!(
-                                "worker_restarted; {}",
-                                executor::artifacts_reason(&e)
-                            ));
-                        }
-                    }
-                }
-            }
+            let resp = response::after_restart(&rec.request, &paths).await;
             let state = state_of(&resp);
             tracing::warn!(job_id = %rec.job_id, task_id = %rec.task_id, state = ?state, "reconciled job after restart");
             self.store.finish(&rec.job_id, state, &resp).await?;
         }
         Ok(())
     }
-}
-
-pub(super) fn restarted_response_for(req: &RunJobRequest) -> RunJobResponse {
-    RunJobResponse::not_run(req, None)
-}
-
-fn restarted_response(rec: &JobRecord) -> RunJobResponse {
-    let mut r = restarted_response_for(&rec.request);
-    r.failure_reason = Some("worker_restarted".into());
-    r
-}
-
-pub(super) fn canceled_before_start(req: &RunJobRequest) -> RunJobResponse {
-    let mut r = restarted_response_for(req);
-    r.failure_reason = Some("canceled before it started".into());
-    r
 }
