@@ -1,6 +1,7 @@
-//! Every case of `cases.rs`, once per backend.
+//! The contract suite: every case of `cases.rs`, once per backend of the one list
+//! (`backend_list!` in `all.rs`), and the test that the list names every backend kind.
 
-on_both_backends!(
+on_every_backend!(
     cases:
     auth_is_required,
     readyz_names_the_backend,
@@ -40,4 +41,28 @@ mod node {
         crate::cases::setup();
         crate::cases::failed_recording_returns_the_queue_slot("bwrap").await;
     }
+}
+
+/// Every `BackendKind` the worker has runs the contract suite: the list in `all.rs` names a
+/// backend of each kind (a new kind fails here until it is added there).
+#[test]
+fn every_backend_kind_is_in_the_list() {
+    use clap::ValueEnum;
+    use cynode_worker::config::BackendKind;
+    let listed: Vec<&str> = crate::SHARED_BACKENDS
+        .iter()
+        .chain(crate::CONTRACT_ONLY_BACKENDS)
+        .map(|b| crate::harness::node_backend(b))
+        .collect();
+    let kinds = BackendKind::value_variants();
+    assert!(kinds.len() >= 4, "{kinds:?}");
+    let missing: Vec<&str> = kinds
+        .iter()
+        .map(|k| k.as_str())
+        .filter(|k| !listed.contains(k))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "backend kinds the contract suite does not run on: {missing:?} (add them to backend_list! in worker/tests/all.rs)"
+    );
 }

@@ -706,3 +706,12 @@ pub async fn graceful_shutdown_finishes_running_jobs(backend: &'static str) {
 pub fn setup() {
     let _ = env();
 }
+
+/// [`setup`], plus what `backend` needs of its own (the microVM's guest kernel and init).
+pub fn setup_for(backend: &str) {
+    if backend == "microvm" {
+        crate::microvm::setup();
+    } else {
+        setup();
+    }
+}

@@ -66,9 +66,9 @@ pub fn is_engine(backend: &str) -> bool {
     engine_cli(backend).is_some()
 }
 
-/// The worker config lines that select a test backend: `bwrap`, `podman`, `docker`, or
-/// `runsc` (Podman with gVisor's runtime). Docker gets its daemon started and the test
-/// image loaded into it first (deploy/docker/start.sh, once per test binary).
+/// The worker config lines that select a test backend: `runsc` (Podman with gVisor's
+/// runtime), `docker`, else the backend of that name. Docker gets its daemon started and
+/// the test image loaded into it first (deploy/docker/start.sh, once per test binary).
 fn backend_config(backend: &str, extra: &str) -> String {
     match backend {
         "runsc" => {
@@ -82,8 +82,9 @@ fn backend_config(backend: &str, extra: &str) -> String {
             docker_ready();
             "backend: docker\n".to_string()
         }
-        "podman" | "bwrap" | "microvm" => format!("backend: {backend}\n"),
-        other => panic!("unknown test backend {other}"),
+        // Every other name is a `backend:` of its own (a name the worker does not know
+        // fails its config).
+        other => format!("backend: {other}\n"),
     }
 }
 
