@@ -9,6 +9,8 @@
 //! - [`resolve`]: the proxy's own resolver; answers checked, then pinned per connection.
 //! - [`http1`]: the strict HTTP/1.1 request heads the proxy accepts.
 //! - [`proxy`]: the server: plain HTTP forwarding and CONNECT tunnels, bounded per job.
+//! - [`relay`]: moving a connection's bytes between its two sockets (splice(2) through a
+//!   pipe), within the job's byte budget and the idle timeout.
 //! - [`netns`]: binding the listener inside a sandbox's network namespace.
 //! - [`audit`]: one record per attempt, logged, and kept up to a bound for the job.
 //! - [`routes`]: credentialed routes; the node adds the secret headers and speaks TLS.
@@ -21,6 +23,7 @@ pub mod audit;
 pub mod http1;
 pub mod netns;
 pub mod proxy;
+mod relay;
 pub mod resolve;
 pub mod routes;
 

@@ -10,16 +10,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cynode_protocol::egress::{EgressAudit, EgressDecision, EgressRecord};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use super::allowlist::{Host, Verdict};
 use super::audit::AuditLog;
 use super::http1::{self, BufConn, Framing, HeadError};
+use super::relay::{Activity, Budget, Pump, Stop};
 use super::resolve::{ResolveError, Resolver};
 use super::routes::{self, Routes, ROUTES_PREFIX};
 use super::{EgressLimits, Policy};
@@ -40,20 +40,8 @@ struct Shared {
     limits: EgressLimits,
     audit: AuditLog,
     /// Bytes carried so far, both ways, all connections.
-    used: AtomicU64,
+    budget: Budget,
     connections: Arc<Semaphore>,
-}
-
-impl Shared {
-    /// Counts `n` more bytes; false once the job's budget is spent.
-    fn charge(&self, n: usize) -> bool {
-        let before = self.used.fetch_add(n as u64, Ordering::Relaxed);
-        before.saturating_add(n as u64) <= self.limits.max_total_bytes
-    }
-
-    fn spent(&self) -> bool {
-        self.used.load(Ordering::Relaxed) >= self.limits.max_total_bytes
-    }
 }
 
 /// A running proxy for one job.
@@ -90,7 +78,7 @@ impl EgressProxy {
         let shared = Arc::new(Shared {
             audit: AuditLog::new(job_id, limits.max_audit_records),
             connections: Arc::new(Semaphore::new(limits.max_connections)),
-            used: AtomicU64::new(0),
+            budget: Budget::new(limits.max_total_bytes),
             policy,
             resolver,
             routes,
@@ -124,7 +112,7 @@ impl EgressProxy {
 
     /// Bytes carried so far, both ways.
     pub fn bytes_used(&self) -> u64 {
-        self.shared.used.load(Ordering::Relaxed)
+        self.shared.budget.used()
     }
 
     /// Stops accepting, ends open connections (each audited as "job ended"), and returns
@@ -209,7 +197,7 @@ async fn connection(
     };
     let outcome = match permit {
         None => denied(503, "too many connections for this job"),
-        Some(_) if shared.spent() => denied(429, "byte budget exhausted"),
+        Some(_) if shared.budget.spent() => denied(429, "byte budget exhausted"),
         Some(_permit) => {
             tokio::select! {
                 o = handle(&shared, &mut client, &mut attempt) => o,
@@ -386,49 +374,6 @@ async fn pinned_connect(shared: &Shared, host: &Host, port: u16) -> Result<TcpSt
     Err(denied(502, format!("cannot connect: {last}")))
 }
 
-/// Why copying stopped early.
-#[derive(Debug)]
-enum Stop {
-    Idle,
-    Budget,
-    Io(String),
-}
-
-impl Stop {
-    fn reason(&self) -> String {
-        match self {
-            Stop::Idle => "idle timeout".into(),
-            Stop::Budget => "byte budget exhausted".into(),
-            Stop::Io(e) => format!("connection error: {e}"),
-        }
-    }
-}
-
-/// The last time either direction moved a byte.
-struct Activity {
-    start: Instant,
-    last_ms: AtomicU64,
-}
-
-impl Activity {
-    fn new() -> Activity {
-        Activity {
-            start: Instant::now(),
-            last_ms: AtomicU64::new(0),
-        }
-    }
-
-    fn touch(&self) {
-        let ms = self.start.elapsed().as_millis() as u64;
-        self.last_ms.store(ms, Ordering::Relaxed);
-    }
-
-    fn idle_for(&self) -> Duration {
-        let now = self.start.elapsed().as_millis() as u64;
-        Duration::from_millis(now.saturating_sub(self.last_ms.load(Ordering::Relaxed)))
-    }
-}
-
 /// Writes `bytes` to `w`, counting them against the budget and `counter`.
 async fn send<W: AsyncWrite + Unpin>(
     shared: &Shared,
@@ -439,7 +384,7 @@ async fn send<W: AsyncWrite + Unpin>(
     if bytes.is_empty() {
         return Ok(());
     }
-    if !shared.charge(bytes.len()) {
+    if !shared.budget.charge(bytes.len()) {
         return Err(Stop::Budget);
     }
     w.write_all(bytes)
@@ -449,40 +394,24 @@ async fn send<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// Copies `r` to `w` until `r` ends (then shuts `w` down), the connection is idle for the
-/// idle timeout in both directions, or the budget is spent.
-async fn pump<R, W>(
+/// Copies one direction of a connection under the job's bounds (see `relay.rs`).
+async fn pump(
     shared: &Shared,
-    r: &mut R,
-    w: &mut W,
+    from: &TcpStream,
+    to: &TcpStream,
     counter: &AtomicU64,
     activity: &Activity,
-) -> Result<(), Stop>
-where
-    R: AsyncRead + Unpin,
-    W: AsyncWrite + Unpin,
-{
-    let idle = shared.limits.idle_timeout;
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match tokio::time::timeout(idle, r.read(&mut buf)).await {
-            Err(_) => {
-                if activity.idle_for() >= idle {
-                    return Err(Stop::Idle);
-                }
-                continue;
-            }
-            Ok(Err(e)) => return Err(Stop::Io(e.to_string())),
-            Ok(Ok(0)) => {
-                let _ = w.shutdown().await;
-                return Ok(());
-            }
-            Ok(Ok(n)) => n,
-        };
-        activity.touch();
-        send(shared, w, &buf[..n], counter).await?;
-        activity.touch();
+) -> Result<(), Stop> {
+    Pump {
+        from,
+        to,
+        budget: &shared.budget,
+        idle: shared.limits.idle_timeout,
+        counter,
+        activity,
     }
+    .run()
+    .await
 }
 
 async fn tunnel(
@@ -503,11 +432,9 @@ async fn tunnel(
         return Outcome::Allowed(stop.reason());
     }
     let activity = Activity::new();
-    let (mut cr, mut cw) = client.stream.split();
-    let (mut ur, mut uw) = upstream.split();
     let result = tokio::try_join!(
-        pump(shared, &mut cr, &mut uw, &attempt.up, &activity),
-        pump(shared, &mut ur, &mut cw, &attempt.down, &activity),
+        pump(shared, &client.stream, &upstream, &attempt.up, &activity),
+        pump(shared, &upstream, &client.stream, &attempt.down, &activity),
     );
     match result {
         Ok(_) => Outcome::Allowed("ok".into()),
@@ -578,8 +505,8 @@ async fn forward(
     let activity = Activity::new();
     match pump(
         shared,
-        &mut upstream.stream,
-        &mut client.stream,
+        &upstream.stream,
+        &client.stream,
         &attempt.down,
         &activity,
     )
