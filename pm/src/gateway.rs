@@ -96,6 +96,23 @@ pub struct Revoked {
 
 /// Bound on the audit entries kept for one job (later calls are counted, not listed).
 pub const MAX_AUDIT_PER_JOB: usize = 2000;
+/// Longest `detail` an audit entry (and a refusal) keeps: the rest of a hostile
+/// request's echo (a 12 MiB path or field name) is cut.
+pub const MAX_DETAIL_BYTES: usize = 300;
+/// What the audit and the log name a call whose tool name is not a tool name.
+pub const INVALID_TOOL: &str = "<invalid>";
+
+/// `s` cut to at most `max` bytes on a character boundary, `…` marking a cut.
+pub fn clip(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut i = max.saturating_sub('…'.len_utf8());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    format!("{}…", &s[..i])
+}
 
 /// The job tokens of this process, by the sha256 of the token.
 #[derive(Default)]

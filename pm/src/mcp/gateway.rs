@@ -119,6 +119,49 @@ fn parse<T: for<'de> Deserialize<'de>>(
         .map_err(|e| Refusal::BadArguments(format!("{tool}: {}: {}", e.path(), e.inner())))
 }
 
+/// How much of a refused path a message repeats.
+const MAX_PATH_ECHO: usize = 100;
+
+/// A refusal's text cut to [`gateway::MAX_DETAIL_BYTES`] (a hostile request's echo goes
+/// no further: not into the audit, the log or the reply).
+fn clipped(out: Result<(Value, u64), Refusal>) -> Result<(Value, u64), Refusal> {
+    let cut = |d: String| gateway::clip(&d, gateway::MAX_DETAIL_BYTES);
+    match out {
+        Ok(v) => Ok(v),
+        Err(Refusal::Forbidden(d)) => Err(Refusal::Forbidden(cut(d))),
+        Err(Refusal::BadArguments(d)) => Err(Refusal::BadArguments(cut(d))),
+        Err(Refusal::Problem(mut p)) => {
+            p.0.detail = p.0.detail.map(cut);
+            Err(Refusal::Problem(p))
+        }
+    }
+}
+
+/// The refusal of a tool name that is not one (too long, odd bytes): fixed, it does not
+/// repeat the name.
+fn invalid_name() -> Refusal {
+    Refusal::BadArguments(format!(
+        "the tool name is not a tool name (1 to {} of A-Z a-z 0-9 . _ -)",
+        cynode_protocol::job::MAX_TOOL_NAME
+    ))
+}
+
+/// The audit entry of a call to `tool` (already [`gateway::INVALID_TOOL`] for a name
+/// that is not one) with the clipped outcome `out`.
+fn audit_entry(tool: &str, out: &Result<(Value, u64), Refusal>) -> AuditEntry {
+    let (outcome, bytes, detail) = match out {
+        Ok((_, n)) => ("ok", *n, None),
+        Err(Refusal::Forbidden(d) | Refusal::BadArguments(d)) => ("refused", 0, Some(d.clone())),
+        Err(Refusal::Problem(p)) => ("refused", 0, p.0.detail.clone()),
+    };
+    AuditEntry {
+        tool: tool.to_string(),
+        outcome: outcome.into(),
+        bytes,
+        detail: detail.map(|d| gateway::clip(&d, gateway::MAX_DETAIL_BYTES)),
+    }
+}
+
 /// A relative artifact path: no `..`, no leading `/`, no NUL, bounded.
 fn check_path(p: &str) -> Result<(), Refusal> {
     let ok = !p.is_empty()
@@ -130,7 +173,8 @@ fn check_path(p: &str) -> Result<(), Refusal> {
         Ok(())
     } else {
         Err(Refusal::BadArguments(format!(
-            "artifact.put: path: `{p}` must be a relative path without `.`, `..` or empty parts"
+            "artifact.put: path: `{}` must be a relative path of at most 512 bytes without `.`, `..` or empty parts",
+            gateway::clip(p, MAX_PATH_ECHO)
         )))
     }
 }
@@ -302,25 +346,18 @@ impl ServerHandler for Gateway {
             ));
         };
         let args = request.arguments.unwrap_or_default();
-        let tool = request.name.to_string();
-        let out = self.run(&g, &tool, &args).await;
-        let (outcome, bytes, detail) = match &out {
-            Ok((_, n)) => ("ok", *n, None),
-            Err(Refusal::Forbidden(d) | Refusal::BadArguments(d)) => {
-                ("refused", 0, Some(d.clone()))
-            }
-            Err(Refusal::Problem(p)) => ("refused", 0, p.0.detail.clone()),
+        // A name that is not a tool name (a 12 MiB one…) goes no further than here: the
+        // audit, the log and the reply name it `<invalid>`.
+        let (tool, out) = if cynode_protocol::job::is_tool_name(&request.name) {
+            let tool: &str = &request.name;
+            (tool, self.run(&g, tool, &args).await)
+        } else {
+            (gateway::INVALID_TOOL, Err(invalid_name()))
         };
-        tracing::info!(session_id = %g.session_id, task_id = %g.task_id, job_id = %g.job_id, tool = %tool, outcome, bytes, "gateway call");
-        gateway::tokens().audit(
-            &g.job_id,
-            AuditEntry {
-                tool: tool.clone(),
-                outcome: outcome.into(),
-                bytes,
-                detail,
-            },
-        );
+        let out = clipped(out);
+        let entry = audit_entry(tool, &out);
+        tracing::info!(session_id = %g.session_id, task_id = %g.task_id, job_id = %g.job_id, tool = %entry.tool, outcome = %entry.outcome, bytes = entry.bytes, "gateway call");
+        gateway::tokens().audit(&g.job_id, entry);
         match out {
             Ok((v, _)) => Ok(CallToolResult::structured(v).into()),
             Err(Refusal::Forbidden(d)) => Err(ErrorData::invalid_params(
@@ -437,4 +474,47 @@ pub fn host(
         }
     });
     Hosted { stop, task }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hostile request's 1 MiB tool name or path stays out of the audit, the log and
+    /// the reply: the name is `<invalid>` with a fixed refusal, a path is echoed in at
+    /// most [`MAX_PATH_ECHO`] bytes, and any detail is cut to
+    /// [`gateway::MAX_DETAIL_BYTES`].
+    #[test]
+    fn a_huge_name_or_path_is_not_kept_or_repeated() {
+        let huge = "a".repeat(1 << 20);
+        // The name: refused before any work, as call_tool does.
+        assert!(!cynode_protocol::job::is_tool_name(&huge));
+        let out = clipped(Err(invalid_name()));
+        let e = audit_entry(gateway::INVALID_TOOL, &out);
+        assert!(e.tool.len() <= 64, "{}", e.tool.len());
+        assert_eq!(e.outcome, "refused");
+        let d = e.detail.unwrap();
+        assert!(d.len() <= 300 && !d.contains("aaaa"), "{d}");
+
+        // The path.
+        let Err(Refusal::BadArguments(m)) = check_path(&huge) else {
+            panic!("a 1 MiB path was accepted");
+        };
+        assert!(m.len() < 300, "{}", m.len());
+        let e = audit_entry("artifact.put", &clipped(Err(Refusal::BadArguments(m))));
+        assert!(e.detail.unwrap().len() <= 300);
+
+        // Any other detail (an unknown field's name echoed by serde, a problem).
+        let out = clipped(Err(Refusal::BadArguments(huge.clone())));
+        let Err(Refusal::BadArguments(m)) = &out else {
+            unreachable!()
+        };
+        assert!(m.len() <= 300, "the reply repeats {} bytes", m.len());
+        assert!(audit_entry("skills.get", &out).detail.unwrap().len() <= 300);
+        let p = Problem::not_found(huge.clone());
+        let out = clipped(Err(Refusal::Problem(p)));
+        assert!(audit_entry("artifact.get", &out).detail.unwrap().len() <= 300);
+        // Multi-byte text is cut on a character boundary.
+        assert!(gateway::clip(&"é".repeat(400), 300).len() <= 300);
+    }
 }
