@@ -116,27 +116,31 @@ pub struct Forwarder {
 
 impl Forwarder {
     /// The forwarder of `job_id`, reading its grant from [`grants`] at each request and
-    /// trusting, for an `https://` gateway, the system's roots and `tls` (config
-    /// `gateway.tls`).
-    pub fn new(job_id: &str, tls: &cynode_tls::ClientTls) -> std::io::Result<Arc<Forwarder>> {
-        let builder = reqwest::Client::builder()
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy()
-            .connect_timeout(Duration::from_secs(10))
-            .timeout(UPSTREAM_TIMEOUT);
-        let client = tls
-            .apply(builder)
-            .map_err(|e| std::io::Error::other(format!("gateway.tls: {e}")))?
-            .build()
-            .map_err(std::io::Error::other)?;
-        Ok(Arc::new(Forwarder {
+    /// sending through `client` (the node's, from [`client`]).
+    pub fn new(job_id: &str, client: reqwest::Client) -> Arc<Forwarder> {
+        Arc::new(Forwarder {
             job_id: job_id.to_string(),
             client,
             places: Semaphore::new(IN_FLIGHT),
             requests: AtomicU64::new(0),
             refused: AtomicU64::new(0),
-        }))
+        })
     }
+}
+
+/// The node's one client to the PM's gateway, built when the node starts (so a bad
+/// `gateway.tls` stops the node, not every job): no redirects, no proxy, bounded connect
+/// and exchange, trusting the system's roots and `tls` (config `gateway.tls`).
+pub fn client(tls: &cynode_tls::ClientTls) -> Result<reqwest::Client, String> {
+    let builder = reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .no_proxy()
+        .connect_timeout(Duration::from_secs(10))
+        .timeout(UPSTREAM_TIMEOUT);
+    tls.apply(builder)
+        .map_err(|e| format!("gateway.tls: {e}"))?
+        .build()
+        .map_err(|e| format!("gateway.tls: {e}"))
 }
 
 /// The socket's routes.
@@ -182,17 +186,17 @@ impl Drop for ForwardServer {
     }
 }
 
-/// Binds `<dir>/gateway.sock` for `job_id` and serves it, connections bounded by
-/// `limits`, trusting `tls` for the gateway; the socket belongs to the sandbox uid with
-/// mode 0600 (see [`bind_job_socket`]).
+/// Binds `<dir>/gateway.sock` for `job_id` and serves it through the node's `client`,
+/// connections bounded by `limits`; the socket belongs to the sandbox uid with mode 0600
+/// (see [`bind_job_socket`]).
 pub fn listen(
     dir: &Path,
     job_id: &str,
     limits: &ListenerLimits,
-    tls: &cynode_tls::ClientTls,
+    client: &reqwest::Client,
     host_uid: u32,
 ) -> std::io::Result<ForwardServer> {
-    let forwarder = Forwarder::new(job_id, tls)?;
+    let forwarder = Forwarder::new(job_id, client.clone());
     serve(dir, forwarder, limits, Some(host_uid))
 }
 
@@ -279,7 +283,14 @@ async fn forward(State(f): State<Arc<Forwarder>>, headers: HeaderMap, body: Body
         } else {
             StatusCode::BAD_GATEWAY
         };
-        tracing::warn!(job_id = %f.job_id, error = %e.without_url(), "gateway upstream failed");
+        let e = e.without_url();
+        let mut reason = e.to_string();
+        let mut source = std::error::Error::source(&e);
+        while let Some(s) = source {
+            reason.push_str(&format!(": {s}"));
+            source = s.source();
+        }
+        tracing::warn!(job_id = %f.job_id, error = %reason, "gateway upstream failed");
         error(
             status,
             "upstream_unavailable",

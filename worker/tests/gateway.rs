@@ -353,10 +353,11 @@ async fn pm_side_https(seen: Seen, dir: &Path) -> (String, String) {
     (url, ca_pem)
 }
 
-/// A PM whose gateway is `https://` with a certificate of a private CA: a node given that
-/// CA (`gateway.tls.ca_file`) forwards a job's call there; a forwarder without it refuses
-/// the certificate (502) and the PM side sees nothing, so a node never sends a token to
-/// a server it cannot verify.
+/// A PM whose gateway is `https://` with a certificate of a private CA: a node without
+/// that CA refuses the certificate (502 to the job, the reason in its log) and the PM side
+/// sees nothing, so a node never sends a token to a server it cannot verify; a node given
+/// the CA (`gateway.tls.ca_file`) forwards the call; a node whose `gateway.tls` names a
+/// missing file does not start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_gateway_of_a_private_ca_is_reached_only_when_the_node_trusts_it() {
     env();
@@ -365,30 +366,48 @@ async fn an_https_gateway_of_a_private_ca_is_reached_only_when_the_node_trusts_i
     let (url, ca_pem) = pm_side_https(seen.clone(), certs.path()).await;
     let ca_file = certs.path().join("pm-ca.pem");
     std::fs::write(&ca_file, &ca_pem).unwrap();
-    let call = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"skills.list","arguments":{}}}"#;
 
-    // Without the CA: a forwarder of the node's own kind, on a socket of the test's.
-    let untrusting = tempfile::tempdir().unwrap();
-    let job = unique("gw-untrusted");
-    cynode_worker::gateway_forward::grants().put(
-        &job,
-        cynode_protocol::worker_api::GatewayGrant {
-            url: url.clone(),
-            token: TOKEN.into(),
-        },
-    );
-    let f = cynode_worker::gateway_forward::Forwarder::new(&job, &Default::default()).unwrap();
-    let server = cynode_worker::gateway_forward::serve(
-        untrusting.path(),
-        f,
-        &cynode_tls::ListenerLimits::default(),
-        None,
-    )
-    .unwrap();
-    let sock = untrusting.path().join("gateway.sock");
-    let (code, answer) = tokio::task::spawn_blocking(move || exchange(&sock, &post("/", "", call)))
-        .await
-        .unwrap();
+    let call_through = |sv: &Server| {
+        let (sv_addr, state) = (sv.addr.clone(), sv.state_dir());
+        let url = url.clone();
+        async move {
+            let client = reqwest::Client::new();
+            let id = unique("gw-tls");
+            let body = json!({
+                "version": 1, "task_id": "t", "job_id": id,
+                "sandbox": { "image": env().image, "command": ["sleep", "100"] },
+                "gateway": { "url": url, "token": TOKEN }
+            });
+            let r = client
+                .post(format!("http://{sv_addr}/v1/worker/jobs"))
+                .bearer_auth(crate::harness::TOKEN)
+                .json(&body)
+                .timeout(Duration::from_secs(60))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 202);
+            let sock = state
+                .join("jobs")
+                .join(&id)
+                .join("job")
+                .join("gateway.sock");
+            let until = Instant::now() + Duration::from_secs(30);
+            while !sock.exists() {
+                assert!(Instant::now() < until, "gateway.sock never appeared");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            let call = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"skills.list","arguments":{}}}"#;
+            let answer = tokio::task::spawn_blocking(move || exchange(&sock, &post("/", "", call)))
+                .await
+                .unwrap();
+            (id, answer)
+        }
+    };
+
+    // A node without the CA.
+    let untrusting = Server::start("bwrap", "");
+    let (id, (code, answer)) = call_through(&untrusting).await;
     assert_eq!(
         code, 502,
         "an unverifiable gateway must not be reached: {answer}"
@@ -398,36 +417,24 @@ async fn an_https_gateway_of_a_private_ca_is_reached_only_when_the_node_trusts_i
         0,
         "the PM side was reached"
     );
-    drop(server);
-    cynode_worker::gateway_forward::grants().remove(&job);
+    let log = untrusting.log.lock().unwrap().join("\n");
+    assert!(
+        log.lines()
+            .any(|l| l.contains("gateway upstream failed") && l.contains("certificate")),
+        "the node's log should name the certificate problem: {log}"
+    );
+    let _ = untrusting
+        .post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
+        .await;
+    untrusting.wait_terminal(&id).await;
+    drop(untrusting);
 
-    // With it: a real node, config `gateway.tls.ca_file`, and a job's call.
+    // A node given the CA.
     let sv = Server::start(
         "bwrap",
         &format!("gateway:\n  tls:\n    ca_file: {}\n", ca_file.display()),
     );
-    let id = unique("gw-tls");
-    let body = json!({
-        "version": 1, "task_id": "t", "job_id": id,
-        "sandbox": { "image": env().image, "command": ["sleep", "100"] },
-        "gateway": { "url": url, "token": TOKEN }
-    });
-    let (code, v) = sv.post("/v1/worker/jobs", &body).await;
-    assert_eq!(code, 202, "{v}");
-    let sock = sv
-        .state_dir()
-        .join("jobs")
-        .join(&id)
-        .join("job")
-        .join("gateway.sock");
-    let until = Instant::now() + Duration::from_secs(30);
-    while !sock.exists() {
-        assert!(Instant::now() < until, "gateway.sock never appeared");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let (code, answer) = tokio::task::spawn_blocking(move || exchange(&sock, &post("/", "", call)))
-        .await
-        .unwrap();
+    let (id, (code, answer)) = call_through(&sv).await;
     assert_eq!(code, 200, "{answer}");
     assert_eq!(
         seen.auth.lock().unwrap().as_slice(),
@@ -438,4 +445,30 @@ async fn an_https_gateway_of_a_private_ca_is_reached_only_when_the_node_trusts_i
         .post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
         .await;
     sv.wait_terminal(&id).await;
+    drop(sv);
+
+    // A node whose gateway.tls names a file that is not there.
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, crate::harness::TOKEN).unwrap();
+    let config = dir.path().join("worker.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen: 127.0.0.1:0\nbackend: bwrap\nstate_dir: {}\ntoken_file: {}\ngateway:\n  tls:\n    ca_file: {}\n",
+            dir.path().join("state").display(),
+            token.display(),
+            dir.path().join("no-such-ca.pem").display()
+        ),
+    )
+    .unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_cynode-worker"));
+    cmd.args(["serve", "--config"])
+        .arg(&config)
+        .current_dir(dir.path())
+        .env_remove("WORKER_API_BEARER_TOKEN");
+    let out = cynode_testkit::output_bounded(cmd, Duration::from_secs(60));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the node started: {stderr}");
+    assert!(stderr.contains("gateway.tls"), "{stderr}");
 }

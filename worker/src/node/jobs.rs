@@ -257,7 +257,7 @@ impl Node {
                 mount,
                 &req.job_id,
                 &self.job_sockets(),
-                &self.cfg.gateway.tls,
+                &self.gateway,
                 host_uid,
             ) {
                 Ok(s) => Some(s),

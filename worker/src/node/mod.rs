@@ -70,6 +70,9 @@ pub enum StartError {
     Inference(#[from] UpstreamError),
     #[error(transparent)]
     Egress(#[from] crate::job_egress::EgressStartError),
+    /// `gateway.tls` names a file that cannot be read or used.
+    #[error("{0}")]
+    Gateway(String),
     /// Settling the jobs a previous run left failed.
     #[error(transparent)]
     Reconcile(#[from] StoreError),
@@ -97,6 +100,9 @@ pub struct Node {
     pub inference: Option<Arc<Upstream>>,
     /// The egress proxies' shared parts, when the node allows any destination.
     pub egress: Option<Arc<crate::job_egress::NodeEgress>>,
+    /// The client to the PM's tool gateway (config `gateway.tls`), shared by the jobs'
+    /// gateway sockets.
+    pub gateway: reqwest::Client,
     running: Mutex<HashMap<String, CancellationToken>>,
     permits: Arc<Semaphore>,
     waiting: AtomicUsize,
@@ -143,9 +149,12 @@ impl Node {
             None => None,
         };
         let egress = crate::job_egress::NodeEgress::from_config(&cfg.egress)?;
+        let gateway =
+            crate::gateway_forward::client(&cfg.gateway.tls).map_err(StartError::Gateway)?;
         let node = Arc::new(Node {
             inference,
             egress,
+            gateway,
             sessions: Sessions::new(&cfg, backend.clone(), Arc::clone(&uids)),
             uids,
             permits: Arc::new(Semaphore::new(cfg.queue.max_running.max(1))),
