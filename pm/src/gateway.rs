@@ -85,6 +85,9 @@ struct Entry {
     expires: Instant,
     audit: Vec<AuditEntry>,
     artifacts: Vec<PutArtifact>,
+    /// `artifact.put`s admitted so far, and their bytes ([`Tokens::admit_put`]).
+    puts: usize,
+    put_bytes: u64,
 }
 
 /// What a job left behind when its token was revoked.
@@ -96,6 +99,11 @@ pub struct Revoked {
 
 /// Bound on the audit entries kept for one job (later calls are counted, not listed).
 pub const MAX_AUDIT_PER_JOB: usize = 2000;
+/// Most `artifact.put`s one job may make (each becomes an artifact of the session, and
+/// the PM's model is shown the session's artifacts every turn).
+pub const MAX_PUTS_PER_JOB: usize = 64;
+/// Most bytes one job may put through `artifact.put`, all puts together.
+pub const MAX_PUT_BYTES_PER_JOB: u64 = 64 << 20;
 /// Longest `detail` an audit entry (and a refusal) keeps: the rest of a hostile
 /// request's echo (a 12 MiB path or field name) is cut.
 pub const MAX_DETAIL_BYTES: usize = 300;
@@ -160,6 +168,8 @@ impl Tokens {
                 expires: Instant::now() + ttl,
                 audit: Vec::new(),
                 artifacts: Vec::new(),
+                puts: 0,
+                put_bytes: 0,
             },
         );
         token
@@ -186,6 +196,29 @@ impl Tokens {
                 v.audit.push(entry);
             }
         }
+    }
+
+    /// Counts an `artifact.put` of `size` bytes by `job_id` against its caps
+    /// ([`MAX_PUTS_PER_JOB`], [`MAX_PUT_BYTES_PER_JOB`]) before anything is stored; the
+    /// reason when it is over them (or the job holds no live token).
+    pub fn admit_put(&self, job_id: &str, size: u64) -> Result<(), String> {
+        let mut e = self.lock();
+        let Some(v) = e.values_mut().find(|v| v.grant.job_id == job_id) else {
+            return Err("artifact.put: the job holds no live gateway token".into());
+        };
+        if v.puts >= MAX_PUTS_PER_JOB {
+            return Err(format!(
+                "artifact.put: this job has made {MAX_PUTS_PER_JOB} puts, the most one job may; nothing was stored"
+            ));
+        }
+        if v.put_bytes + size > MAX_PUT_BYTES_PER_JOB {
+            return Err(format!(
+                "artifact.put: {size} more bytes would take this job past {MAX_PUT_BYTES_PER_JOB} bytes of puts; nothing was stored"
+            ));
+        }
+        v.puts += 1;
+        v.put_bytes += size;
+        Ok(())
     }
 
     /// Keeps an artifact `job_id` put, for the session when the job ends.
@@ -300,6 +333,40 @@ mod tests {
         let short = t.mint(grant("j2"), Duration::ZERO);
         assert_eq!(t.check(short.expose()), Err(TokenError::Expired));
         assert_eq!(t.check(short.expose()), Err(TokenError::Unknown));
+    }
+
+    #[test]
+    fn a_job_may_put_64_artifacts_and_64_mib() {
+        let t = Tokens::default();
+        let _tok = t.mint(grant("j1"), Duration::from_secs(60));
+        let mut refused = Vec::new();
+        for i in 0..100 {
+            match t.admit_put("j1", 1) {
+                Ok(()) => t.put_artifact(
+                    "j1",
+                    PutArtifact {
+                        path: format!("p{i}.txt"),
+                        sha256: "00".into(),
+                        size_bytes: 1,
+                        location: "x".into(),
+                    },
+                ),
+                Err(why) => refused.push((i, why)),
+            }
+        }
+        assert_eq!(refused.len(), 36);
+        assert_eq!(refused[0].0, 64, "the 65th put is the first refused");
+        assert!(refused[0].1.contains("64 puts"), "{}", refused[0].1);
+        assert_eq!(t.artifacts_of("j1").len(), 64);
+        assert_eq!(t.revoke_job("j1").artifacts.len(), 64);
+
+        let _tok = t.mint(grant("j2"), Duration::from_secs(60));
+        assert!(t.admit_put("j2", 60 << 20).is_ok());
+        let why = t.admit_put("j2", 5 << 20).unwrap_err();
+        assert!(why.contains("bytes of puts"), "{why}");
+        assert!(t.admit_put("j2", 4 << 20).is_ok());
+        // A job without a live token puts nothing.
+        assert!(t.admit_put("j3", 1).is_err());
     }
 
     #[test]

@@ -100,11 +100,24 @@ impl Pm {
     }
 }
 
+/// How many of the session's artifacts the model is shown each turn (the rest are
+/// counted: `"… N more"`).
+pub(super) const MAX_ARTIFACTS_SHOWN: usize = 50;
+
 pub(super) fn state_summary(rec: &SessionRecord) -> Value {
+    let all = &rec.state.artifacts;
+    let mut artifacts: Vec<Value> = all
+        .iter()
+        .take(MAX_ARTIFACTS_SHOWN)
+        .map(|a| json!({ "path": a.record.path, "sha256": a.record.sha256 }))
+        .collect();
+    if all.len() > MAX_ARTIFACTS_SHOWN {
+        artifacts.push(json!(format!("… {} more", all.len() - MAX_ARTIFACTS_SHOWN)));
+    }
     json!({
         "plan": rec.state.plan,
         "notes": rec.state.notes,
-        "artifacts": rec.state.artifacts.iter().map(|a| json!({ "path": a.record.path, "sha256": a.record.sha256 })).collect::<Vec<_>>(),
+        "artifacts": artifacts,
         "turn": rec.turn,
         "jobs_dispatched": rec.jobs_dispatched,
         "budgets": rec.budgets,
@@ -112,4 +125,33 @@ pub(super) fn state_summary(rec: &SessionRecord) -> Value {
 }
 pub(super) fn feedback_text(rec: &SessionRecord) -> Option<String> {
     (!rec.feedback.is_empty()).then(|| rec.feedback.join("\n"))
+}
+
+#[cfg(test)]
+mod tests {
+    use cynode_protocol::result::ArtifactRecord;
+    use cynode_protocol::session::SessionArtifact;
+
+    use super::*;
+
+    #[test]
+    fn the_model_is_shown_at_most_50_artifacts_and_a_count() {
+        let mut rec = SessionRecord::new("s-1", "default", "o", Default::default());
+        for i in 0..1000 {
+            rec.state.artifacts.push(SessionArtifact {
+                record: ArtifactRecord {
+                    path: format!("p{i}"),
+                    sha256: "0".repeat(64),
+                    size_bytes: 1,
+                },
+                job_id: "j1".into(),
+                location: "x".into(),
+            });
+        }
+        let v = state_summary(&rec);
+        let shown = v["artifacts"].as_array().unwrap();
+        assert_eq!(shown.len(), MAX_ARTIFACTS_SHOWN + 1);
+        assert_eq!(shown[0]["path"], "p0");
+        assert_eq!(shown[MAX_ARTIFACTS_SHOWN], "… 950 more");
+    }
 }

@@ -4,7 +4,8 @@
 //! task of one session of one tenant:
 //! - `artifact.put` verifies the bytes against the sha256 the caller states (as job
 //!   artifacts are) and stores them content-addressed; they join the session, under the
-//!   job, when the job ends;
+//!   job, when the job ends; a job may make at most 64 puts of 64 MiB in all
+//!   (`gateway::MAX_PUTS_PER_JOB`, `MAX_PUT_BYTES_PER_JOB`), refused beyond (429);
 //! - `artifact.list` and `artifact.get` see only the artifacts of the token's task
 //!   (jobs of that task, and this job's puts); `get` re-verifies the stored bytes;
 //! - `skills.list` and `skills.get` read the catalog;
@@ -235,6 +236,18 @@ impl Gateway {
                     return Err(Problem::status(axum::http::StatusCode::PAYLOAD_TOO_LARGE,
                         format!("artifact {} is {} bytes, over {MAX_ARTIFACT_BYTES}", a.path, bytes.len())).into());
                 }
+                // Checked before the job's put cap counts it: a put whose bytes do not
+                // match uses up nothing.
+                if hex::encode(Sha256::digest(&bytes)) != a.sha256 {
+                    return Err(Problem::status(
+                        axum::http::StatusCode::UNPROCESSABLE_ENTITY,
+                        format!("artifact {}: the bytes do not match the stated sha256", a.path),
+                    )
+                    .into());
+                }
+                gateway::tokens()
+                    .admit_put(&g.job_id, bytes.len() as u64)
+                    .map_err(|why| Problem::status(axum::http::StatusCode::TOO_MANY_REQUESTS, why))?;
                 let loc = crate::artifacts::verify_and_store(
                     &self.st.pm.artifacts_dir,
                     &a.path,
