@@ -8,6 +8,7 @@ use serde_json::{json, Value};
 
 use crate::artifacts::{verify_and_store, ArtifactError};
 use crate::dispatch::WorkerClient;
+use crate::gateway::clip;
 use crate::session::evidence::job_evidence;
 use crate::session::{Dispatch, SessionRecord};
 
@@ -103,7 +104,7 @@ impl Pm {
             .sba_result
             .as_ref()
             .and_then(|r| match (&r.failure_code, &r.failure_message) {
-                (Some(c), Some(m)) => Some(format!("{c}: {m}")),
+                (Some(c), Some(m)) => Some(format!("{c}: {}", clip(m, MAX_FAILURE_MESSAGE_BYTES))),
                 (Some(c), None) => Some(c.to_string()),
                 _ => None,
             })
@@ -135,6 +136,13 @@ impl Pm {
     }
 }
 
+/// Most tool calls of one job the model reads (the rest are `tool_calls_dropped`).
+const MAX_TOOL_CALLS_SHOWN: usize = 30;
+/// Longest tool-call error the model reads.
+const MAX_TOOL_ERROR_BYTES: usize = 200;
+/// Longest `failure_message` of a result.json the model and the session keep.
+const MAX_FAILURE_MESSAGE_BYTES: usize = 2000;
+
 /// A compact result for the model: statuses, codes, tails, artifacts; never raw megabytes.
 pub fn summarize(d: &Dispatch, resp: &RunJobResponse) -> String {
     let mut v = json!({
@@ -143,7 +151,10 @@ pub fn summarize(d: &Dispatch, resp: &RunJobResponse) -> String {
     });
     if let Some(r) = &resp.sba_result {
         v["failure_code"] = json!(r.failure_code);
-        v["failure_message"] = json!(r.failure_message);
+        v["failure_message"] = json!(r
+            .failure_message
+            .as_deref()
+            .map(|m| clip(m, MAX_FAILURE_MESSAGE_BYTES)));
         v["steps"] = Value::Array(
             r.steps
                 .iter()
@@ -186,9 +197,29 @@ pub fn summarize(d: &Dispatch, resp: &RunJobResponse) -> String {
                 .collect(),
         );
         v["artifacts"] = json!(r.artifacts);
-        // An agent job's gateway tool calls (tool, outcome, bytes), bounded by its turns.
+        // An agent job's gateway tool calls (tool, outcome, bytes). result.json is the
+        // sandbox's (up to 16 MiB): the first MAX_TOOL_CALLS_SHOWN with a tool name that
+        // is one, errors cut, the rest counted.
         if !r.tool_calls.is_empty() {
-            v["tool_calls"] = json!(r.tool_calls);
+            let kept: Vec<Value> = r
+                .tool_calls
+                .iter()
+                .filter(|c| cynode_protocol::job::is_tool_name(&c.tool))
+                .take(MAX_TOOL_CALLS_SHOWN)
+                .map(|c| {
+                    let mut o = json!({ "tool": c.tool, "outcome": c.outcome,
+                        "bytes": c.bytes, "duration_ms": c.duration_ms });
+                    if let Some(e) = &c.error {
+                        o["error"] = json!(clip(e, MAX_TOOL_ERROR_BYTES));
+                    }
+                    o
+                })
+                .collect();
+            let dropped = r.tool_calls.len() - kept.len();
+            v["tool_calls"] = Value::Array(kept);
+            if dropped > 0 {
+                v["tool_calls_dropped"] = json!(dropped);
+            }
         }
     }
     format!("result of job {}: {}", d.job_id, v)
@@ -200,4 +231,57 @@ pub(super) fn tail(s: &str, n: usize) -> &str {
         i += 1;
     }
     &s[i..]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hostile result.json's tool calls and failure message reach the model bounded.
+    #[test]
+    fn a_flood_of_tool_calls_is_summarized_small() {
+        let mut resp: RunJobResponse = serde_json::from_value(json!({
+            "version": 1, "task_id": "t1", "job_id": "j1", "status": "failed",
+        }))
+        .unwrap();
+        let calls: Vec<Value> = (0..10_000)
+            .map(|i| {
+                let tool = if i % 2 == 0 {
+                    "skills.get".to_string()
+                } else {
+                    "x".repeat(5000)
+                };
+                json!({ "tool": tool, "outcome": "error", "bytes": 0,
+                    "duration_ms": 1, "error": "e".repeat(1024) })
+            })
+            .collect();
+        resp.sba_result = Some(
+            serde_json::from_value(json!({
+                "protocol_version": "1", "job_id": "j1", "task_id": "t1",
+                "status": "failure", "started_at": "", "finished_at": "",
+                "steps": [], "artifacts": [], "tool_calls": calls,
+                "failure_code": "step_failed", "failure_message": "m".repeat(1 << 20),
+                "resource_usage": {"cpu_time_ms": 0, "max_rss_bytes": 0},
+            }))
+            .unwrap(),
+        );
+        let d = Dispatch {
+            job_id: "j1".into(),
+            task_id: "t1".into(),
+            skill_id: "s".into(),
+            attempt: 1,
+            job_json: "{}".into(),
+            worker_id: String::new(),
+            image: String::new(),
+            new_workspace: false,
+        };
+        let s = summarize(&d, &resp);
+        assert!(s.len() < 16 * 1024, "{} bytes", s.len());
+        let v: Value = serde_json::from_str(s.split_once(": ").unwrap().1).unwrap();
+        let kept = v["tool_calls"].as_array().unwrap();
+        assert_eq!(kept.len(), 30);
+        assert!(kept.iter().all(|c| c["tool"] == "skills.get"));
+        assert!(kept[0]["error"].as_str().unwrap().len() <= 200);
+        assert_eq!(v["tool_calls_dropped"], 10_000 - 30);
+    }
 }
