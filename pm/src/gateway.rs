@@ -1,8 +1,9 @@
 //! The sandbox agents' MCP gateway, its policy half: job tokens and the tool allowlist.
 //! (The MCP endpoint that serves the tools is `mcp::gateway`.)
 //!
-//! - A token is minted by the PM for one job and bound to its tenant, session, task and
-//!   job ([`Grant`]); it is revoked when the job ends, and expires by itself after the
+//! - A token is minted by the PM for one job that lists tools in its
+//!   `context.mcp_tools`, and bound to its tenant, session, task, job and those tools
+//!   ([`Grant`]); it is revoked when the job ends, and expires by itself after the
 //!   job's deadline in any case.
 //! - Only the token's sha256 is kept: the registry, its `Debug` and any log line name
 //!   a token by nothing that could be replayed. [`JobToken`] is the one place the secret
@@ -29,6 +30,16 @@ pub struct Grant {
     pub session_id: String,
     pub task_id: String,
     pub job_id: String,
+    /// The tools the job's `context.mcp_tools` lists: the only ones its token may call
+    /// (on top of [`decide`]'s allowlist).
+    pub tools: Vec<String>,
+}
+
+impl Grant {
+    /// Whether the job listed `tool` in its `context.mcp_tools`.
+    pub fn lists(&self, tool: &str) -> bool {
+        self.tools.iter().any(|t| t == tool)
+    }
 }
 
 /// The secret a job's node-side gateway endpoint presents. Never printed.
@@ -305,6 +316,7 @@ mod tests {
             session_id: "s-1".into(),
             task_id: "t1".into(),
             job_id: job.into(),
+            tools: vec!["skills.get".into()],
         }
     }
 

@@ -175,6 +175,9 @@ pub struct RunArgs {
     /// when the listen address is a loopback one (otherwise jobs get no gateway).
     #[arg(long, env = "CYNODE_PM_GATEWAY_URL", help_heading = "Session")]
     pub gateway_url: Option<String>,
+    /// Host no sandbox gateway: no job of this run gets a token, whatever it lists.
+    #[arg(long, help_heading = "Session")]
+    pub no_gateway: bool,
     /// Largest request the hosted gateway accepts (an 8 MiB `artifact.put`, base64).
     #[arg(long, default_value_t = 12 << 20, help_heading = "Session")]
     pub gateway_max_body_bytes: usize,

@@ -128,25 +128,28 @@ async fn drive_session(
         .egress
         .allow
         .extend(args.egress_allow.iter().cloned());
-    // The sandbox gateway for this session's jobs, as `serve` hosts it: on its own
-    // listener, its URL handed to the workers with each job's token.
-    let listener = std::net::TcpListener::bind(args.gateway_listen)
-        .with_context(|| format!("--gateway-listen {}", args.gateway_listen))?;
-    let addr = listener.local_addr()?;
-    pm.gateway_url = args.gateway_url.clone().or_else(|| {
-        addr.ip()
-            .is_loopback()
-            .then(|| format!("http://{addr}/v1/gateway"))
-    });
-    if pm.gateway_url.is_none() {
-        tracing::warn!(%addr, "the gateway listens on a non-loopback address without --gateway-url: jobs get no gateway");
-    }
+    // The sandbox gateway for this session's jobs (those listing tools), as `serve`
+    // hosts it: on its own listener, its URL handed to the workers with each job's token.
+    let listener = if args.no_gateway {
+        None
+    } else {
+        let listener = std::net::TcpListener::bind(args.gateway_listen)
+            .with_context(|| format!("--gateway-listen {}", args.gateway_listen))?;
+        let addr = listener.local_addr()?;
+        pm.gateway_url = args.gateway_url.clone().or_else(|| {
+            addr.ip()
+                .is_loopback()
+                .then(|| format!("http://{addr}/v1/gateway"))
+        });
+        if pm.gateway_url.is_none() {
+            tracing::warn!(%addr, "the gateway listens on a non-loopback address without --gateway-url: jobs get no gateway");
+        }
+        Some(listener)
+    };
     let pm = std::sync::Arc::new(pm);
-    let _gateway = cynode_pm::mcp::gateway::host(
-        std::sync::Arc::clone(&pm),
-        listener,
-        args.gateway_max_body_bytes,
-    );
+    let _gateway = listener.map(|l| {
+        cynode_pm::mcp::gateway::host(std::sync::Arc::clone(&pm), l, args.gateway_max_body_bytes)
+    });
     match start {
         Start::Resume { id, answer } => {
             if let Some(text) = answer {

@@ -1,6 +1,7 @@
 //! Await: create the session's workspace on its worker, submit the journaled job
 //! (idempotent on job_id), and poll it to its end, saving each new state as an event.
-//! When the PM serves the sandbox gateway, the job gets a job token for it in the Worker
+//! When the PM serves the sandbox gateway and the job lists tools in its
+//! `context.mcp_tools`, the job gets a job token for them in the Worker
 //! API request (not in job.json), revoked when the job ends whatever the outcome; the
 //! calls it made and the artifacts it put join the session then.
 
@@ -191,7 +192,8 @@ impl Pm {
         Ok(())
     }
 
-    /// Mints the job's gateway token (when this PM serves a gateway) and puts it in the
+    /// Mints the job's gateway token (when this PM serves a gateway and the job lists
+    /// tools in its `context.mcp_tools`; the token admits those only) and puts it in the
     /// Worker API request beside the gateway's URL. It lives until the job's deadline
     /// (its `max_runtime_seconds`, or the Worker API default, plus a grace) unless
     /// revoked first, which the returned guard does when the job ends or is dropped.
@@ -202,9 +204,21 @@ impl Pm {
         req: &mut RunJobRequest,
     ) -> Option<JobGatewayToken> {
         let url = self.gateway_url.as_ref()?;
-        let runtime = serde_json::from_str::<serde_json::Value>(&d.job_json)
-            .ok()
-            .and_then(|j| j["constraints"]["max_runtime_seconds"].as_u64())
+        let job = serde_json::from_str::<serde_json::Value>(&d.job_json).ok()?;
+        // Only a job that lists tools gets a token, for those tools only.
+        let tools: Vec<String> = job["context"]["mcp_tools"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|t| t.as_str().map(str::to_string))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if tools.is_empty() {
+            return None;
+        }
+        let runtime = job["constraints"]["max_runtime_seconds"]
+            .as_u64()
             .unwrap_or(DEFAULT_TIMEOUT_SECONDS)
             .min(MAX_TIMEOUT_SECONDS);
         let ttl = std::time::Duration::from_secs(runtime + TOKEN_GRACE_SECONDS);
@@ -214,6 +228,7 @@ impl Pm {
                 session_id: rec.state.session_id.clone(),
                 task_id: d.task_id.clone(),
                 job_id: d.job_id.clone(),
+                tools,
             },
             ttl,
         );

@@ -1,7 +1,8 @@
 //! The sandbox agents' MCP gateway at `/v1/gateway` of `serve`: streamable HTTP (rmcp,
 //! stateless, JSON replies) behind job tokens ([`crate::gateway`]), not API tokens. A
 //! request is admitted only with a live token; its [`Grant`] scopes every tool to one
-//! task of one session of one tenant:
+//! task of one session of one tenant, and admits only the tools the job lists in its
+//! `context.mcp_tools`:
 //! - `artifact.put` verifies the bytes against the sha256 the caller states (as job
 //!   artifacts are) and stores them content-addressed; they join the session, under the
 //!   job, when the job ends; a job may make at most 64 puts of 64 MiB in all
@@ -224,6 +225,13 @@ impl Gateway {
     ) -> Result<(Value, u64), Refusal> {
         if let Decision::Forbidden(why) = gateway::decide(tool) {
             return Err(Refusal::Forbidden(why));
+        }
+        // The job's own list, enforced here too: an SBA (or a job's own client on the
+        // socket) calling a tool the job does not list is refused by the gateway.
+        if !g.lists(tool) {
+            return Err(Refusal::Forbidden(format!(
+                "`{tool}` is not in the job's context.mcp_tools"
+            )));
         }
         match tool {
             "artifact.put" => {
