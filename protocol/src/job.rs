@@ -120,6 +120,9 @@ pub struct JobContext {
     pub mcp_tools: Vec<String>,
 }
 
+/// Most tools `context.mcp_tools` may list (each name once).
+pub const MAX_MCP_TOOLS: usize = 32;
+
 /// Longest gateway tool name `context.mcp_tools` accepts.
 pub const MAX_TOOL_NAME: usize = 64;
 
@@ -572,7 +575,20 @@ impl JobSpec {
             }
         }
         if let Some(ctx) = &self.context {
+            if ctx.mcp_tools.len() > MAX_MCP_TOOLS {
+                errs.push(ValidationError::new(
+                    "context.mcp_tools",
+                    format!("at most {MAX_MCP_TOOLS} tools"),
+                ));
+            }
+            let mut listed = HashSet::new();
             for (i, t) in ctx.mcp_tools.iter().enumerate() {
+                if !listed.insert(t.as_str()) {
+                    errs.push(ValidationError::new(
+                        format!("context.mcp_tools[{i}]"),
+                        "listed twice",
+                    ));
+                }
                 if !is_tool_name(t) {
                     errs.push(ValidationError::new(
                         format!("context.mcp_tools[{i}]"),
@@ -771,6 +787,21 @@ mod tests {
             }]
         );
         assert_eq!(job.effective_mode(), ExecutionMode::DirectSteps);
+    }
+
+    #[test]
+    fn mcp_tools_are_few_and_each_listed_once() {
+        let mut v = base();
+        v["context"] = serde_json::json!({ "mcp_tools": ["skills.get", "artifact.put"] });
+        assert!(parse(&v).is_ok());
+        v["context"]["mcp_tools"] = serde_json::json!(["skills.get", "skills.get"]);
+        let e = first_error(&v);
+        assert_eq!(e.path, "context.mcp_tools[1]", "{e:?}");
+        let many: Vec<String> = (0..=MAX_MCP_TOOLS).map(|i| format!("help.t{i}")).collect();
+        v["context"]["mcp_tools"] = serde_json::json!(many);
+        assert_eq!(first_error(&v).path, "context.mcp_tools");
+        v["context"]["mcp_tools"] = serde_json::json!(many[..MAX_MCP_TOOLS]);
+        assert!(parse(&v).is_ok());
     }
 
     #[test]
