@@ -251,8 +251,9 @@ impl Agent<'_, '_> {
                 thought = parsed.as_ref().map(|r| r.thought.as_str()).unwrap_or(""),
                 "model turn"
             );
-            self.messages
-                .push(json!({ "role": "assistant", "content": prompt_cut(&reply.content) }));
+            self.messages.push(
+                json!({ "role": "assistant", "content": prompt::cut(&reply.content, 8 * 1024) }),
+            );
             let reply = match parsed {
                 Ok(r) => {
                     invalid = 0;
@@ -430,18 +431,6 @@ Do them and complete them with the todo action, or finish with status failure.",
         }
         head.iter().chain(&tail[start..]).cloned().collect()
     }
-}
-
-fn prompt_cut(s: &str) -> String {
-    const MAX: usize = 8 * 1024;
-    if s.len() <= MAX {
-        return s.to_string();
-    }
-    let mut end = MAX;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    s[..end].to_string()
 }
 
 fn action_name(a: &Action) -> &'static str {

@@ -45,7 +45,9 @@ is done. After each action you get its result."
     )
 }
 
-fn cut(s: &str, max: usize) -> String {
+/// `s` cut to `max` bytes on a character boundary, with a note of what was cut (the one
+/// cut of the agent's prompt text).
+pub(crate) fn cut(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_string();
     }
@@ -207,8 +209,7 @@ pub fn tool_observation(
         O::Error => "error",
     };
     format!(
-        "Result of tool_call {tool}: {outcome}\n{}{}",
-        cut(text, MAX_OBSERVATION_BYTES),
+        "Result of tool_call {tool}: {outcome}\n{text}{}",
         footer(remaining_secs, turns_left)
     )
 }

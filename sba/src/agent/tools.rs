@@ -24,11 +24,13 @@ use cynode_protocol::FailureCode;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
+use super::prompt::cut;
 use crate::http::{self, HttpError, Limits, Target};
 
 /// Where the node serves the gateway socket inside the sandbox.
 pub const DEFAULT_GATEWAY_URL: &str = "http+unix://%2Fjob%2Fgateway.sock/";
-/// Cap on one gateway reply (an 8 MiB artifact, base64, and its envelope).
+/// Cap on one gateway reply (an 8 MiB artifact, base64 once in `structuredContent`: the
+/// gateway sends a big result's JSON once, with a short text, and its envelope).
 pub const MAX_REPLY_BYTES: usize = 12 << 20;
 /// Cap on what of a reply the model reads.
 pub const MAX_RESULT_BYTES: usize = 4 * 1024;
@@ -141,7 +143,7 @@ impl Gateway {
         let sent = http::send_with(&self.target, "POST", Some(&body), &headers, &lim);
         let (outcome, bytes, text, fatal) = match sent {
             Ok(r) => {
-                let (outcome, text) = read_reply(r.status, &r.body);
+                let (outcome, text) = read_reply(r.status, &r.body, id);
                 (outcome, r.body.len() as u64, text, None)
             }
             Err(e) => {
@@ -201,8 +203,8 @@ fn prepare(tool: &str, arguments: &Value) -> Value {
     args
 }
 
-/// The outcome and the text of a gateway reply.
-fn read_reply(status: u16, body: &[u8]) -> (ToolCallOutcome, String) {
+/// The outcome and the text of a gateway reply to the request with JSON-RPC id `id`.
+fn read_reply(status: u16, body: &[u8], id: u64) -> (ToolCallOutcome, String) {
     let raw = String::from_utf8_lossy(body);
     if !(200..300).contains(&status) {
         let detail = serde_json::from_slice::<Value>(body)
@@ -226,6 +228,15 @@ fn read_reply(status: u16, body: &[u8]) -> (ToolCallOutcome, String) {
             ),
         );
     };
+    if msg["id"] != json!(id) {
+        return (
+            ToolCallOutcome::Error,
+            format!(
+                "the gateway's reply answers JSON-RPC id {}, not this call's {id}",
+                cut(&msg["id"].to_string(), 64)
+            ),
+        );
+    }
     if let Some(e) = msg.get("error") {
         let detail = e["data"]["detail"]
             .as_str()
@@ -278,17 +289,6 @@ fn json_rpc_message(raw: &str) -> Option<Value> {
         .filter_map(|l| l.strip_prefix("data:"))
         .filter_map(|d| serde_json::from_str::<Value>(d.trim()).ok())
         .find(|v| v.get("jsonrpc").is_some())
-}
-
-fn cut(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}\n[... {} bytes cut]", &s[..end], s.len() - end)
 }
 
 #[cfg(test)]
@@ -464,6 +464,22 @@ mod tests {
     }
 
     #[test]
+    fn a_reply_to_another_id_is_an_error() {
+        let reply = json!({ "jsonrpc": "2.0", "id": 7, "result": {
+            "content": [{ "type": "text", "text": "for someone else" }] } });
+        let sse = format!(
+            "event: message\ndata: {}\n\n",
+            json!({ "jsonrpc": "2.0", "id": "1", "result": { "content": [] } })
+        );
+        let gw = fake(vec![(200, reply.to_string()), (200, sse)]);
+        for _ in 0..2 {
+            let c = call(&gw.url, "skills.list", json!({}));
+            assert_eq!(c.record.outcome, ToolCallOutcome::Error, "{c:?}");
+            assert!(c.text.contains("not this call's 1"), "{}", c.text);
+        }
+    }
+
+    #[test]
     fn large_results_are_cut_before_the_prompt_and_no_gateway_is_an_error() {
         let big = "x".repeat(100_000);
         let reply = json!({ "jsonrpc": "2.0", "id": 1, "result": { "content": [{ "type": "text", "text": big }] } }).to_string();
@@ -477,6 +493,15 @@ mod tests {
             "{}",
             &c.text[c.text.len() - 40..]
         );
+        // Cut once: the model's observation keeps the note.
+        let obs = super::super::prompt::tool_observation(
+            "artifact.get",
+            ToolCallOutcome::Ok,
+            &c.text,
+            10,
+            3,
+        );
+        assert!(obs.contains("bytes cut]\n\n[remaining time"), "{obs}");
 
         let c = call(
             "http+unix://%2Fnonexistent%2Fgw.sock/",
