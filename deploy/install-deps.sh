@@ -46,7 +46,7 @@
 set -euo pipefail
 
 PACKAGES=(podman runc catatonit bubblewrap busybox-static git curl patch debootstrap uidmap
-  slirp4netns fuse-overlayfs hyperfine docker.io runsc jq e2fsprogs)
+  slirp4netns fuse-overlayfs hyperfine docker.io runsc jq e2fsprogs python3-pip)
 DROPIN_DIR=/etc/containers/containers.conf.d
 DROPIN="$DROPIN_DIR/50-cynode.conf"
 DOCKER_CONFIG_FILE=/etc/docker/daemon.json

@@ -4,7 +4,8 @@
 #   1. deploy/install-deps.sh     host tools (podman, runc, catatonit, bubblewrap, git, …)
 #   2. deploy/sba/build-static.sh the static cynode-sba
 #   3. deploy/sba/build-test-image.sh + export-rootfs.sh   the offline test image and its
-#      root filesystem for bwrap
+#      root filesystem for bwrap; build-python-test-image.sh the same image plus the
+#      host's Debian python3 and pip (a few seconds; the egress pip tests, both backends)
 #   3b. deploy/docker/start.sh    a Docker daemon (started when none answers; its pid in
 #      /var/cache/cynode/dockerd/started.pid) with the same test image loaded from podman
 #   4. deploy/microvm/build-kernel.sh + build-init.sh   QEMU, the microvm guest kernel
@@ -28,6 +29,8 @@ bin=$(bash deploy/sba/build-static.sh)
 log "test image"
 bash deploy/sba/build-test-image.sh "$bin" >/dev/null
 bash deploy/sba/export-rootfs.sh localhost/cynode-sba-test:latest >/dev/null
+bash deploy/sba/build-python-test-image.sh >/dev/null
+bash deploy/sba/export-rootfs.sh localhost/cynode-sba-test-python:latest >/dev/null
 log "Docker daemon and the test image in it"
 bash deploy/docker/start.sh localhost/cynode-sba-test:latest
 log "microvm guest kernel, VMM and init"

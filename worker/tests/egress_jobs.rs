@@ -390,12 +390,98 @@ async fn index_with(wheel: Vec<u8>) -> (u16, std::sync::Arc<std::sync::atomic::A
     (port, downloads)
 }
 
+/// The offline test image with the host's Debian Python and pip
+/// (deploy/sba/build-python-test-image.sh, built by deploy/test-env.sh) and its root
+/// filesystem for bwrap: (image, rootfs). Built once per test binary.
+fn python_image() -> &'static (String, std::path::PathBuf) {
+    static IMAGE: std::sync::OnceLock<(String, std::path::PathBuf)> = std::sync::OnceLock::new();
+    IMAGE.get_or_init(|| {
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        let base = env().image.clone();
+        let image = "localhost/cynode-sba-test-python:latest".to_string();
+        cynode_testkit::setup_script(
+            &root,
+            &["deploy/sba/build-python-test-image.sh", &base, &image],
+        );
+        let rootfs = cynode_testkit::setup_script(&root, &["deploy/sba/export-rootfs.sh", &image]);
+        (image, rootfs.into())
+    })
+}
+
+/// The same job on bwrap and on Podman, in the Python test image (busybox, the runner,
+/// the host's python3 and pip): `pip install` of a wheel the test built, from a PEP 503
+/// index on 127.0.0.1 reached by name through the proxy, then Python's own urllib to an
+/// HTTPS origin with a CA made here, through CONNECT. Only the proxy's variables tell the
+/// tools where to go.
+async fn pip_installs_a_wheel_through_the_proxy(backend: &'static str) {
+    crate::cases::setup();
+    let (image, rootfs) = python_image();
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (index_port, downloads) = index_with(build_wheel(dir.path())).await;
+        let (secure, ca) = Origin::https(dir.path(), "secure.test").await;
+        let dns = Dns::start(&[
+            ("pypi.test", &[Ipv4Addr::LOCALHOST]),
+            ("secure.test", &[Ipv4Addr::LOCALHOST]),
+        ])
+        .await;
+        // Continues the harness's `bwrap.rootfs` map (Podman runs the image itself).
+        let config = format!(
+            "    \"{image}\": {}\negress:\n  allow: [\"pypi.test:{index_port}\", \"secure.test:{}\", \"127.0.0.1\"]\n  nameservers: [\"{}\"]\n",
+            rootfs.display(),
+            secure.port,
+            dns.addr
+        );
+        let server = Server::start(backend, &config);
+        let script = format!(
+            "set -e; printf '%s' \"$TEST_CA\" > /tmp/ca.pem; \
+             python3 -m pip install --no-cache-dir --disable-pip-version-check -q \
+               --index-url http://pypi.test:{index_port}/simple/ --trusted-host pypi.test:{index_port} \
+               --target /workspace/site egresspkg; \
+             PYTHONPATH=/workspace/site python3 -c 'import egresspkg; print(egresspkg.VALUE)'; \
+             python3 -c 'import ssl, sys, urllib.request; \
+ctx = ssl.create_default_context(cafile=\"/tmp/ca.pem\"); \
+print(urllib.request.urlopen(sys.argv[1], context=ctx, timeout=20).read().decode())' \
+               https://secure.test:{}/hello"
+            , secure.port
+        );
+        let mut req = restricted_job(&unique("pip"), &script, None, json!({ "TEST_CA": ca }));
+        req["sandbox"]["image"] = image.as_str().into();
+        let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
+        assert_eq!(code, 200, "{resp}");
+        assert_eq!(resp["status"], "completed", "{resp}");
+        assert_eq!(
+            resp["stdout"],
+            "fetched through the egress proxy\nhello from origin\n",
+            "{resp}"
+        );
+        assert_eq!(downloads.load(std::sync::atomic::Ordering::SeqCst), 1);
+        assert_eq!(secure.hits(), 1);
+        let pip: Vec<&Value> = records(&resp, "pypi.test", "GET");
+        assert!(pip.len() >= 2 && pip.iter().all(|r| r["decision"] == "allowed"), "{}", resp["egress"]);
+        let tls = records(&resp, "secure.test", "CONNECT");
+        assert!(tls.len() == 1 && tls[0]["bytes_down"].as_u64() > Some(1000), "{}", resp["egress"]);
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bwrap_pip_installs_a_wheel_through_the_proxy() {
+    pip_installs_a_wheel_through_the_proxy("bwrap").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn podman_pip_installs_a_wheel_through_the_proxy() {
+    pip_installs_a_wheel_through_the_proxy("podman").await;
+}
+
 /// bwrap with the host's root filesystem as the image (it has python3, pip and curl; the
 /// busybox test image has neither): `pip install` of a wheel the test built, from a PEP
 /// 503 index on 127.0.0.1 reached by name through the proxy, and curl to an HTTPS origin
 /// with a CA made here through CONNECT. Only the proxy's variables tell the tools where
-/// to go. (Podman runs images only: no image with pip is built offline, so this case is
-/// bwrap's; the HTTP and CONNECT paths are the same code on both backends.)
+/// to go. (bwrap only: a full distribution's tools, curl among them; the Python test
+/// image runs pip on both backends above.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bwrap_pip_installs_a_wheel_and_curl_reaches_https_through_the_proxy() {
     crate::cases::setup();
