@@ -49,7 +49,8 @@ use crate::sandbox::{serve_job_socket, JobSocket};
 pub const SOCKET_NAME: &str = "gateway.sock";
 /// Largest request body forwarded (an 8 MiB `artifact.put`, base64, and its envelope).
 pub const MAX_REQUEST_BYTES: usize = 12 << 20;
-/// Largest reply passed back.
+/// Largest reply passed back (an 8 MiB `artifact.get`, base64 once in the reply's
+/// `structuredContent`, and its envelope).
 pub const MAX_RESPONSE_BYTES: usize = 12 << 20;
 /// Requests of one job forwarded at once.
 pub const IN_FLIGHT: usize = 2;

@@ -380,7 +380,7 @@ impl ServerHandler for Gateway {
         tracing::info!(session_id = %g.session_id, task_id = %g.task_id, job_id = %g.job_id, tool = %entry.tool, outcome = %entry.outcome, bytes = entry.bytes, "gateway call");
         gateway::tokens().audit(&g.job_id, entry);
         match out {
-            Ok((v, _)) => Ok(CallToolResult::structured(v).into()),
+            Ok((v, _)) => Ok(reply(v).into()),
             Err(Refusal::Forbidden(d)) => Err(ErrorData::invalid_params(
                 d.clone(),
                 Some(json!({ "type": ProblemKind::Authorization.type_uri(), "detail": d })),
@@ -392,6 +392,26 @@ impl ServerHandler for Gateway {
             Err(Refusal::Problem(p)) => Ok(CallToolResult::structured_error(json!(p.0)).into()),
         }
     }
+}
+
+/// Largest result also given as text content; a larger one (an `artifact.get` of
+/// megabytes) is in `structuredContent` only, with a short note as its text, so an 8 MiB
+/// artifact (10.7 MiB of base64) is sent once and fits the 12 MiB reply caps of the
+/// worker's forwarder and the SBA.
+const MAX_TEXT_COPY_BYTES: usize = 64 << 10;
+
+/// A tool's result: its JSON as `structuredContent`, and as text content too when small.
+fn reply(v: Value) -> CallToolResult {
+    let text = v.to_string();
+    if text.len() <= MAX_TEXT_COPY_BYTES {
+        return CallToolResult::structured(v);
+    }
+    let mut r = CallToolResult::success(vec![rmcp::model::ContentBlock::text(format!(
+        "{} bytes of JSON in structuredContent",
+        text.len()
+    ))]);
+    r.structured_content = Some(v);
+    r
 }
 
 /// The gateway as a router to merge into the service's.
@@ -524,6 +544,14 @@ mod tests {
         assert!(m.len() < 300, "{}", m.len());
         let e = audit_entry("artifact.put", &clipped(Err(Refusal::BadArguments(m))));
         assert!(e.detail.unwrap().len() <= 300);
+
+        // A big result goes once.
+        let big = json!({ "content_base64": "A".repeat(1 << 20) });
+        let r = serde_json::to_string(&reply(big)).unwrap();
+        assert!(r.len() < (1 << 20) + 1024, "{} bytes", r.len());
+        let small = serde_json::to_value(reply(json!({ "a": 1 }))).unwrap();
+        assert_eq!(small["structuredContent"]["a"], 1);
+        assert_eq!(small["content"][0]["text"], r#"{"a":1}"#);
 
         // Any other detail (an unknown field's name echoed by serde, a problem).
         let out = clipped(Err(Refusal::BadArguments(huge.clone())));
