@@ -161,20 +161,27 @@ pub struct RunArgs {
     /// worker's own `egress.allow` still bounds it.
     #[arg(long = "egress-allow", value_name = "HOST", help_heading = "Session")]
     pub egress_allow: Vec<String>,
-    /// Where this run hosts the sandbox gateway for its session's jobs (MCP, job tokens;
-    /// as `serve`'s `/v1/gateway`). The default, a free loopback port, serves a local
-    /// worker or one on this machine.
+    /// Where this run hosts the sandbox gateway for its session's jobs that list tools
+    /// (MCP, job tokens; as `serve`'s `/v1/gateway`). The default, a free loopback port,
+    /// serves a local worker or one on this machine. The gateway speaks plain HTTP: a
+    /// non-loopback address is refused without --gateway-allow-plain-http.
     #[arg(
         long,
-        env = "CYNODE_PM_GATEWAY_LISTEN",
+        env = "CYNODE_RUN_GATEWAY_LISTEN",
         default_value = "127.0.0.1:0",
         help_heading = "Session"
     )]
     pub gateway_listen: std::net::SocketAddr,
-    /// The gateway's URL as the workers reach it; default: `http://<listen>/v1/gateway`
-    /// when the listen address is a loopback one (otherwise jobs get no gateway).
-    #[arg(long, env = "CYNODE_PM_GATEWAY_URL", help_heading = "Session")]
+    /// The gateway's URL (http:// or https://, e.g. a TLS proxy in front of it) as the
+    /// workers reach it; default: `http://<listen>/v1/gateway` when the listen address is
+    /// a loopback one and the worker is local or on loopback (otherwise jobs get no
+    /// gateway, warned).
+    #[arg(long, env = "CYNODE_RUN_GATEWAY_URL", help_heading = "Session")]
     pub gateway_url: Option<String>,
+    /// Accept a non-loopback --gateway-listen although the gateway speaks plain HTTP (job
+    /// tokens then cross the network in clear: a trusted network only).
+    #[arg(long, help_heading = "Session")]
+    pub gateway_allow_plain_http: bool,
     /// Host no sandbox gateway: no job of this run gets a token, whatever it lists.
     #[arg(long, help_heading = "Session")]
     pub no_gateway: bool,

@@ -130,21 +130,19 @@ async fn drive_session(
         .extend(args.egress_allow.iter().cloned());
     // The sandbox gateway for this session's jobs (those listing tools), as `serve`
     // hosts it: on its own listener, its URL handed to the workers with each job's token.
-    let listener = if args.no_gateway {
-        None
-    } else {
+    let listener = if gateway_hosted(args)? {
         let listener = std::net::TcpListener::bind(args.gateway_listen)
             .with_context(|| format!("--gateway-listen {}", args.gateway_listen))?;
         let addr = listener.local_addr()?;
-        pm.gateway_url = args.gateway_url.clone().or_else(|| {
-            addr.ip()
-                .is_loopback()
-                .then(|| format!("http://{addr}/v1/gateway"))
-        });
-        if pm.gateway_url.is_none() {
-            tracing::warn!(%addr, "the gateway listens on a non-loopback address without --gateway-url: jobs get no gateway");
-        }
+        // gateway_hosted: without --gateway-url the listen address is a loopback one.
+        pm.gateway_url = Some(
+            args.gateway_url
+                .clone()
+                .unwrap_or_else(|| format!("http://{addr}/v1/gateway")),
+        );
         Some(listener)
+    } else {
+        None
     };
     let pm = std::sync::Arc::new(pm);
     let _gateway = listener.map(|l| {
@@ -189,6 +187,73 @@ async fn drive_session(
     };
     reporter.finish();
     Ok(print_outcome(&rec, json_out))
+}
+
+/// Whether `run` hosts the sandbox gateway; an error for flags that would expose it:
+/// - `--no-gateway`: no;
+/// - `--gateway-url` must be `http://` or `https://`;
+/// - a non-loopback `--gateway-listen` without `--gateway-url`: no (warned), the workers
+///   could not be told where it is; with one, refused unless `--gateway-allow-plain-http`
+///   (the gateway speaks plain HTTP: tokens would cross the network in clear);
+/// - a remote worker (`--worker-endpoint` not on loopback, or `--workers-file`) and no
+///   `--gateway-url`: no (warned), a loopback URL would not reach it.
+pub(crate) fn gateway_hosted(args: &RunArgs) -> anyhow::Result<bool> {
+    if args.no_gateway {
+        return Ok(false);
+    }
+    if let Some(url) = &args.gateway_url {
+        let ok = ["http://", "https://"]
+            .iter()
+            .any(|p| url.len() > p.len() && url.starts_with(p));
+        if !ok {
+            anyhow::bail!("--gateway-url {url}: must be an http:// or https:// URL");
+        }
+    }
+    let listen = args.gateway_listen;
+    if !listen.ip().is_loopback() {
+        if args.gateway_url.is_none() {
+            tracing::warn!(%listen, "the gateway would listen on a non-loopback address without --gateway-url: no gateway, jobs get no token");
+            return Ok(false);
+        }
+        if !args.gateway_allow_plain_http {
+            anyhow::bail!(
+                "--gateway-listen {listen} is not a loopback address and the gateway speaks plain HTTP (job tokens in clear); listen on loopback (behind a TLS proxy named by --gateway-url), or give --gateway-allow-plain-http on a trusted network"
+            );
+        }
+    }
+    if args.gateway_url.is_none() && remote_worker(args) {
+        tracing::warn!("the worker is not on this machine and no --gateway-url names a gateway it can reach: no gateway, jobs get no token");
+        return Ok(false);
+    }
+    Ok(true)
+}
+
+/// Whether the session's worker may be on another machine: `--workers-file`, or a
+/// `--worker-endpoint` whose host is not a loopback address or `localhost`.
+fn remote_worker(args: &RunArgs) -> bool {
+    let w = &args.pm.workers;
+    if w.workers_file.is_some() {
+        return true;
+    }
+    let Some(endpoint) = &w.worker_endpoint else {
+        return false;
+    };
+    let host = endpoint
+        .split_once("://")
+        .map_or(endpoint.as_str(), |(_, rest)| rest)
+        .split(['/', '?', '#'])
+        .next()
+        .unwrap_or_default();
+    let host = host.rsplit_once('@').map_or(host, |(_, h)| h);
+    let host = match host.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or_default(),
+        None => host.rsplit_once(':').map_or(host, |(h, _)| h),
+    };
+    let loopback = host.eq_ignore_ascii_case("localhost")
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback());
+    !loopback
 }
 
 /// Prints the deliverable or the failure; returns the exit code.
@@ -241,6 +306,61 @@ fn print_outcome(rec: &SessionRecord, json_out: bool) -> i32 {
 #[cfg(test)]
 mod tests {
     use clap::Parser;
+
+    fn run_args(extra: &[&str]) -> super::RunArgs {
+        let mut argv = vec!["cynode-pm", "run", "o"];
+        argv.extend_from_slice(extra);
+        match crate::cli::Cli::try_parse_from(argv).unwrap().command {
+            crate::cli::Command::Run(cmd) => cmd.args,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn the_gateway_is_hosted_only_where_it_is_safe_and_reachable() {
+        let hosted = |extra: &[&str]| super::gateway_hosted(&run_args(extra));
+        // A local worker, loopback: hosted.
+        assert!(hosted(&[]).unwrap());
+        assert!(hosted(&["--worker-endpoint", "http://127.0.0.1:9"]).unwrap());
+        assert!(hosted(&["--worker-endpoint", "https://localhost:9/x"]).unwrap());
+        assert!(!hosted(&["--no-gateway"]).unwrap());
+        // A remote worker without a URL: no gateway (a loopback URL would not reach it).
+        assert!(!hosted(&["--worker-endpoint", "https://10.1.2.3:9"]).unwrap());
+        assert!(!hosted(&["--worker-endpoint", "http://node.example:9"]).unwrap());
+        let url = ["--gateway-url", "https://pm.example/v1/gateway"];
+        assert!(
+            hosted(&[&["--worker-endpoint", "https://10.1.2.3:9"][..], &url[..]].concat()).unwrap()
+        );
+        // The URL's scheme.
+        for bad in [
+            "ftp://x/v1/gateway",
+            "pm.example:1",
+            "http://",
+            "javascript:x",
+        ] {
+            let e = hosted(&["--gateway-url", bad]).unwrap_err().to_string();
+            assert!(e.contains("--gateway-url"), "{e}");
+        }
+        // A non-loopback listen: no gateway without a URL; refused without the plain
+        // HTTP opt-in; accepted with it.
+        assert!(!hosted(&["--gateway-listen", "0.0.0.0:0"]).unwrap());
+        let e = hosted(&[&["--gateway-listen", "0.0.0.0:0"][..], &url[..]].concat())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("--gateway-allow-plain-http"), "{e}");
+        assert!(hosted(
+            &[
+                &[
+                    "--gateway-listen",
+                    "0.0.0.0:0",
+                    "--gateway-allow-plain-http"
+                ][..],
+                &url[..]
+            ]
+            .concat()
+        )
+        .unwrap());
+    }
 
     #[test]
     fn an_empty_sandbox_image_is_refused_at_the_command_line() {
