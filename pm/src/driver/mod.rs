@@ -105,7 +105,8 @@ pub struct Pm {
     /// Where verified artifacts are stored.
     pub artifacts_dir: PathBuf,
     /// The sandbox gateway (`/v1/gateway` of `serve`) as the workers reach it. When set,
-    /// each dispatched job gets a job token for it ([`crate::gateway`]), handed to the
+    /// each dispatched job that lists tools in its `context.mcp_tools` gets a job token
+    /// for them ([`crate::gateway`]), handed to the
     /// worker in the Worker API request (never in job.json) and revoked when the job ends.
     pub gateway_url: Option<String>,
 }
