@@ -91,10 +91,23 @@ fn sha(b: &[u8]) -> String {
     hex::encode(Sha256::digest(b))
 }
 
-/// A test-only skill `id` whose job writes the client and the requests `calls`, sends
-/// each over /job/gateway.sock, and collects its environment and every file of /job
-/// and /workspace as the artifact `dump.txt`.
-fn gateway_skill(dir: &Path, id: &str, unc: &str, calls: &[(&str, String)]) {
+/// A shell function `req` for [`gateway_skill`]'s `extra`: sends the JSON-RPC body in
+/// the file `body` to /job/gateway.sock as one HTTP request (`UNC` is the client), the
+/// reply to the file `reply`.
+const SH_REQ: &str = r#"req() { n=$(wc -c < body); printf 'POST / HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\nMcp-Protocol-Version: 2025-06-18\r\nContent-Length: %s\r\n\r\n' $n > req; cat body >> req; ./UNC /job/gateway.sock < req > reply; }; "#;
+
+/// A test-only skill `id` listing `tools` in its `context.mcp_tools`, whose job writes
+/// the client and the requests `calls`, sends each over /job/gateway.sock, runs the
+/// shell `extra` (where `UNC` is the client), and collects its environment, `ls /job`
+/// and every file of /job and /workspace as the artifact `dump.txt`.
+fn gateway_skill(
+    dir: &Path,
+    id: &str,
+    unc: &str,
+    tools: &[&str],
+    calls: &[(&str, String)],
+    extra: &str,
+) {
     let mut steps = vec![json!({ "id": "client", "type": "write_file",
         "arguments": { "path": format!("{id}.b64"), "content": unc } })];
     let mut names = Vec::new();
@@ -104,20 +117,24 @@ fn gateway_skill(dir: &Path, id: &str, unc: &str, calls: &[(&str, String)]) {
         names.push(*name);
     }
     let script = format!(
-        "base64 -d {id}.b64 > {id}.unc && chmod 700 {id}.unc && for r in {}; do ./{id}.unc /job/gateway.sock < {id}-$r.http > {id}-$r.out; echo \"== $r\"; tail -n 1 {id}-$r.out; echo; done; (env; find /job /workspace -type f ! -name dump.txt -exec cat {{}} +) > /tmp/dump 2>&1; mv /tmp/dump dump.txt; true",
-        names.join(" ")
+        "base64 -d {id}.b64 > {id}.unc && chmod 700 {id}.unc && for r in {}; do ./{id}.unc /job/gateway.sock < {id}-$r.http > {id}-$r.out; echo \"== $r\"; tail -n 1 {id}-$r.out; echo; done; {}(env; echo '== ls /job'; ls -a /job; find /job /workspace -type f ! -name dump.txt -exec cat {{}} +) > /tmp/dump 2>&1; mv /tmp/dump dump.txt; true",
+        names.join(" "),
+        extra.replace("UNC", &format!("{id}.unc"))
     );
     steps.push(json!({ "id": "call", "type": "run_command",
         "arguments": { "command": "sh", "args": ["-c", script] } }));
-    let template = json!({
-        "constraints": { "max_runtime_seconds": 60, "max_output_bytes": 262144,
+    let mut template = json!({
+        "constraints": { "max_runtime_seconds": 120, "max_output_bytes": 262144,
             "allowed_commands": ["sh"], "allowed_paths": ["/workspace"] },
         "artifacts": ["dump.txt"],
         "steps": steps
     });
+    if !tools.is_empty() {
+        template["context"] = json!({ "mcp_tools": tools });
+    }
     cynode_tests::write_skill(
         &dir.join(id),
-        &format!("skill_id: {id}\nversion: 1.0.0\ndescription: call the sandbox gateway\npurpose: base-tools\nallowed_commands: [sh]\nlimits:\n  max_runtime_seconds: 60\n  max_output_bytes: 262144\ninputs_schema:\n  type: object\n  additionalProperties: false\n  properties: {{}}\n"),
+        &format!("skill_id: {id}\nversion: 1.0.0\ndescription: call the sandbox gateway\npurpose: base-tools\nallowed_commands: [sh]\nlimits:\n  max_runtime_seconds: 120\n  max_output_bytes: 262144\ninputs_schema:\n  type: object\n  additionalProperties: false\n  properties: {{}}\n"),
         &template.to_string(),
         "{}",
     );
@@ -130,6 +147,27 @@ fn of_kind(events: &[(u64, String, Value)], kind: &str) -> Vec<Value> {
         .filter(|e| e.1 == kind)
         .map(|e| e.2.get("data").cloned().unwrap_or_else(|| e.2.clone()))
         .collect()
+}
+
+/// A `run`'s session history (its `--output json` record) as [`calls_of`] and
+/// [`of_kind`] read events.
+fn history(v: &Value) -> Vec<(u64, String, Value)> {
+    v["state"]["history"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| (0, e["kind"].as_str().unwrap_or_default().into(), e.clone()))
+        .collect()
+}
+
+/// The job of a one-task session's record.
+fn only_job(v: &Value) -> String {
+    let jobs: Vec<String> = of_kind(&history(v), "job_dispatched")
+        .iter()
+        .filter_map(|d| d["job_id"].as_str().map(str::to_string))
+        .collect();
+    assert_eq!(jobs.len(), 1, "{v}");
+    jobs[0].clone()
 }
 
 /// The `gateway_calls` of a job: (tool, outcome) in order.
@@ -166,6 +204,7 @@ async fn sandbox_jobs_use_the_gateway_through_the_node_without_seeing_the_token(
         &skills,
         "gw-one",
         &unc,
+        &["artifact.put", "skills.get", "db.query", "artifact.get"],
         &[
             ("put", put(mine)),
             (
@@ -178,11 +217,13 @@ async fn sandbox_jobs_use_the_gateway_through_the_node_without_seeing_the_token(
                 http_call("artifact.get", json!({ "sha256": sha(mine) })),
             ),
         ],
+        "",
     );
     gateway_skill(
         &skills,
         "gw-two",
         &unc,
+        &["artifact.put", "artifact.get"],
         &[
             ("put", put(theirs)),
             (
@@ -190,6 +231,7 @@ async fn sandbox_jobs_use_the_gateway_through_the_node_without_seeing_the_token(
                 http_call("artifact.get", json!({ "sha256": sha(mine) })),
             ),
         ],
+        "",
     );
     let worker = start_worker(0);
     let requests = Arc::new(Mutex::new(Vec::new()));
@@ -203,32 +245,8 @@ async fn sandbox_jobs_use_the_gateway_through_the_node_without_seeing_the_token(
         json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t2", "skill_id": "gw-two", "inputs": {} } }),
         json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
     ]);
-    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
-    let skill_dir = skills.display().to_string();
-    let r = start_replica_with(
-        dir.path(),
-        "gw",
-        &db,
-        &model,
-        &["--worker-endpoint", &front],
-        &["--skill-dir", "skills", "--skill-dir", &skill_dir],
-    );
-    let (s, v) = call(
-        reqwest::Method::POST,
-        &format!("{}/v1/sessions", r.base),
-        TENANT_A,
-        Some(json!({ "objective": "use the gateway" })),
-    )
-    .await;
-    assert_eq!(s, 201, "{v}");
-    let id = v["session_id"].as_str().unwrap().to_string();
-    let v = wait_status(
-        &r.base,
-        &id,
-        &["completed", "failed"],
-        Duration::from_secs(240),
-    )
-    .await;
+    let (r, id, v) =
+        serve_session(&dir, "gw", &model, &front, &skills, "use the gateway", &[]).await;
     let log = || std::fs::read_to_string(dir.path().join("gw.log")).unwrap_or_default();
     assert_eq!(v["status"], "completed", "{v}\n{}", log());
     let events = crate::service::sse(&r.base, &id, None, None).await;
@@ -328,6 +346,302 @@ async fn sandbox_jobs_use_the_gateway_through_the_node_without_seeing_the_token(
     }
 }
 
+/// Hostile jobs on the gateway path (serve, a real bwrap worker behind the recording
+/// front, real SBA): a job listing no tools gets no token and no socket; a job listing
+/// `skills.get` that posts `artifact.put` to the socket itself is refused by the gateway;
+/// 50 calls with a 1 MiB tool name or path leave a small audit and nothing of them in the
+/// log; of 100 one-byte puts the 65th is refused and the session keeps 64.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_jobs_are_bounded_by_the_gateway() {
+    let dir = cynode_tests::tempdir().unwrap();
+    let unc = unc_base64(dir.path());
+    let skills = dir.path().join("skills");
+    let x = sha(b"x");
+    let one = |content: &[u8]| {
+        http_call(
+            "artifact.put",
+            json!({ "path": "narrow.txt",
+            "content_base64": base64::engine::general_purpose::STANDARD.encode(content),
+            "sha256": sha(content) }),
+        )
+    };
+    gateway_skill(&skills, "gw-none", &unc, &[], &[], "");
+    gateway_skill(
+        &skills,
+        "gw-narrow",
+        &unc,
+        &["skills.get"],
+        &[
+            ("put", one(b"not listed\n")),
+            (
+                "skill",
+                http_call("skills.get", json!({ "skill_id": "write-files" })),
+            ),
+        ],
+        "",
+    );
+    let flood = format!(
+        r#"{SH_REQ}head -c 1048576 /dev/zero | tr '\0' a > big; {{ printf '{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"'; cat big; printf '","arguments":{{}}}}}}'; }} > body; for i in $(seq 25); do req; done; {{ printf '{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"artifact.put","arguments":{{"path":"'; cat big; printf '","content_base64":"eA==","sha256":"{x}"}}}}}}'; }} > body; for i in $(seq 25); do req; done; rm -f big body req reply; "#
+    );
+    gateway_skill(&skills, "gw-flood", &unc, &["artifact.put"], &[], &flood);
+    let many = format!(
+        r#"{SH_REQ}for i in $(seq 100); do printf '{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"artifact.put","arguments":{{"path":"m%s.txt","content_base64":"eA==","sha256":"{x}"}}}}}}' $i > body; req; done; rm -f body req reply; "#
+    );
+    gateway_skill(&skills, "gw-many", &unc, &["artifact.put"], &[], &many);
+    // The largest artifact (8 MiB) put and read back through the worker's socket.
+    let big = format!(
+        r#"{SH_REQ}head -c 8388608 /dev/urandom > blob; s=$(sha256sum blob | cut -d' ' -f1); {{ printf '{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"artifact.put","arguments":{{"path":"big.bin","sha256":"%s","content_base64":"' $s; base64 blob | tr -d '\n'; printf '"}}}}}}'; }} > body; req; echo "put: $(head -n 1 reply)" > big.txt; printf '{{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{{"name":"artifact.get","arguments":{{"sha256":"%s"}}}}}}' $s > body; req; echo "get: $(head -n 1 reply) bytes $(wc -c < reply) sha $(grep -c $s reply) error $(grep -c '"isError":true' reply)" >> big.txt; rm -f blob body req reply; "#
+    );
+    gateway_skill(
+        &skills,
+        "gw-big",
+        &unc,
+        &["artifact.put", "artifact.get"],
+        &[],
+        &big,
+    );
+
+    let worker = start_worker(0);
+    let requests = Arc::new(Mutex::new(Vec::new()));
+    let front = cynode_tests::worker::recording_front(worker.addr.clone(), requests.clone()).await;
+    let tasks = ["gw-none", "gw-narrow", "gw-flood", "gw-many", "gw-big"];
+    let mut script = vec![json!({ "type": "plan_update", "payload": {}, "state_patch":
+        tasks.iter().enumerate().map(|(i, t)| json!({ "op": "add", "path": "/plan/-",
+            "value": { "task_id": format!("t{i}"), "description": t, "status": "pending" } }))
+            .collect::<Vec<_>>() })];
+    for (i, t) in tasks.iter().enumerate() {
+        script.push(json!({ "type": "job_request", "state_patch": [],
+            "payload": { "task_id": format!("t{i}"), "skill_id": t, "inputs": {} } }));
+    }
+    script.push(json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }));
+    let (model, _m) = model_server(script);
+    let (r, id, v) = serve_session(
+        &dir,
+        "gwh",
+        &model,
+        &front,
+        &skills,
+        "be hostile",
+        // The gateway's own bound (as run's): a 12 MiB call reaches the handler, not
+        // the API's 1 MiB default.
+        &["--max-body-bytes", "12582912"],
+    )
+    .await;
+    let log = || std::fs::read_to_string(dir.path().join("gwh.log")).unwrap_or_default();
+    assert_eq!(v["status"], "completed", "{v}\n{}", log());
+    let events = crate::service::sse(&r.base, &id, None, None).await;
+    let jobs: Vec<String> = v["deliverable"]["report"]["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["jobs"][0]["job_id"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(jobs.len(), 5, "{v}");
+
+    // A job listing no tools: no token in its worker request, no socket in its sandbox.
+    let seen = requests.lock().unwrap().clone();
+    let req_of = |job: &str| {
+        seen.iter()
+            .find(|r| r["job_id"] == job)
+            .cloned()
+            .unwrap_or_else(|| panic!("no request for {job}: {seen:?}"))
+    };
+    assert!(
+        req_of(&jobs[0]).get("gateway").is_none_or(Value::is_null),
+        "{:?}",
+        req_of(&jobs[0])
+    );
+    assert!(req_of(&jobs[1])["gateway"]["token"].is_string());
+    let http = reqwest::Client::new();
+    let dump = |job: &str| {
+        let sha = v["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["path"] == "dump.txt" && a["job_id"] == job)
+            .and_then(|a| a["sha256"].as_str())
+            .unwrap_or_else(|| panic!("no dump of {job}: {v}"))
+            .to_string();
+        let (http, base, id) = (http.clone(), r.base.clone(), id.clone());
+        async move {
+            http.get(format!("{base}/v1/sessions/{id}/artifacts/{sha}"))
+                .bearer_auth(TENANT_A)
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        }
+    };
+    // `ls -a /job` (the files after it, job.json among them, name the socket's path).
+    let ls = |d: &str| -> String {
+        let at = d
+            .find("== ls /job")
+            .unwrap_or_else(|| panic!("no ls in {d}"));
+        d[at..]
+            .lines()
+            .skip(1)
+            .take_while(|l| !l.starts_with('{'))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let none = ls(&dump(&jobs[0]).await);
+    assert!(
+        none.contains("job.json") && !none.contains("gateway.sock"),
+        "a socket without tools: {none}"
+    );
+    let narrow = ls(&dump(&jobs[1]).await);
+    assert!(narrow.contains("gateway.sock"), "{narrow}");
+    assert!(calls_of(&events, &jobs[0]).is_empty(), "{events:?}");
+
+    // Listing skills.get, posting artifact.put itself: the gateway refuses it.
+    let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+    assert_eq!(
+        calls_of(&events, &jobs[1]),
+        [s("artifact.put", "refused"), s("skills.get", "ok")],
+        "{events:?}"
+    );
+    let narrow = of_kind(&events, "gateway_calls")
+        .into_iter()
+        .find(|d| d["job_id"] == jobs[1].as_str())
+        .unwrap();
+    assert!(
+        narrow["calls"][0]["detail"]
+            .as_str()
+            .unwrap()
+            .contains("context.mcp_tools"),
+        "{narrow}"
+    );
+    assert!(
+        !v["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["path"] == "narrow.txt"),
+        "{v}"
+    );
+
+    // 50 calls with a 1 MiB name or path: refused, a small audit, nothing in the log.
+    let flood = of_kind(&events, "gateway_calls")
+        .into_iter()
+        .find(|d| d["job_id"] == jobs[2].as_str())
+        .unwrap_or_else(|| panic!("no gateway_calls of the flood: {events:?}"));
+    let size = flood.to_string().len();
+    eprintln!("the flood's gateway_calls event: {size} bytes");
+    assert!(size < 100 * 1024, "{size} bytes");
+    let calls = calls_of(&events, &jobs[2]);
+    assert_eq!(calls.len(), 50, "{calls:?}");
+    assert!(
+        calls[..25].iter().all(|c| *c == s("<invalid>", "refused")),
+        "{calls:?}"
+    );
+    assert!(
+        calls[25..]
+            .iter()
+            .all(|c| *c == s("artifact.put", "refused")),
+        "{calls:?}"
+    );
+    let a1k = "a".repeat(1024);
+    assert!(!log().contains(&a1k), "the log repeats a hostile name");
+    assert!(
+        !format!("{v}{events:?}").contains(&a1k),
+        "the session repeats a hostile name"
+    );
+
+    // 100 one-byte puts: 64 stored, the 65th and later refused.
+    let calls = calls_of(&events, &jobs[3]);
+    assert_eq!(calls.len(), 100, "{calls:?}");
+    assert!(
+        calls[..64].iter().all(|c| *c == s("artifact.put", "ok")),
+        "{calls:?}"
+    );
+    assert!(
+        calls[64..]
+            .iter()
+            .all(|c| *c == s("artifact.put", "refused")),
+        "{calls:?}"
+    );
+    let kept = v["artifacts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|a| a["job_id"] == jobs[3].as_str() && a["path"] != "dump.txt")
+        .count();
+    assert_eq!(kept, 64, "{v}");
+
+    // 8 MiB put and got back whole through the worker's socket.
+    let big = dump(&jobs[4]).await;
+    // (The dump concatenates files: a line may follow the end of the previous file.)
+    let line = |p: &str| {
+        big.lines()
+            .find_map(|l| l.find(p).map(|at| l[at..].to_string()))
+            .unwrap_or_else(|| panic!("no {p} in {big}"))
+    };
+    assert!(line("put: HTTP/").contains(" 200 "), "{big}");
+    let get = line("get: HTTP/");
+    assert!(get.contains(" 200 ") && get.contains(" error 0"), "{get}");
+    // The whole artifact's base64 (11,184,812 bytes) is in the reply, once.
+    let bytes: u64 = get
+        .split(" bytes ")
+        .nth(1)
+        .unwrap()
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((11_184_812..12 << 20).contains(&bytes), "{get}");
+    assert!(get.contains(" sha 1 "), "{get}");
+    assert_eq!(
+        calls_of(&events, &jobs[4]),
+        [s("artifact.put", "ok"), s("artifact.get", "ok")],
+        "{events:?}"
+    );
+    drop(r);
+}
+
+/// A session of a `serve` replica `name` (its scripted model at `model`, its worker at
+/// `front`, the skills of `skills` too) for `objective`: the replica, the session's id
+/// and its final record.
+async fn serve_session(
+    dir: &cynode_tests::TempDir,
+    name: &str,
+    model: &str,
+    front: &str,
+    skills: &Path,
+    objective: &str,
+    more: &[&str],
+) -> (crate::service::Replica, String, Value) {
+    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
+    let skill_dir = skills.display().to_string();
+    let r = start_replica_with(
+        dir.path(),
+        name,
+        &db,
+        model,
+        &[&["--worker-endpoint", front][..], more].concat(),
+        &["--skill-dir", "skills", "--skill-dir", &skill_dir],
+    );
+    let (s, v) = call(
+        reqwest::Method::POST,
+        &format!("{}/v1/sessions", r.base),
+        TENANT_A,
+        Some(json!({ "objective": objective })),
+    )
+    .await;
+    assert_eq!(s, 201, "{v}");
+    let id = v["session_id"].as_str().unwrap().to_string();
+    let v = wait_status(
+        &r.base,
+        &id,
+        &["completed", "failed"],
+        Duration::from_secs(300),
+    )
+    .await;
+    (r, id, v)
+}
+
 /// A bwrap worker whose inference upstream is `model` (serving `smollm2`); its directory
 /// goes with the returned guard.
 fn worker_with_inference(
@@ -414,31 +728,15 @@ async fn an_agent_job_calls_its_listed_tools_and_an_unlisted_one_never_reaches_t
     let skills = dir.path().join("skills");
     agent_skill(&skills);
     let (pm_model, pm_model_handle) = agent_pm_model();
-    let db = format!("sqlite://{}", dir.path().join("pm.db").display());
-    let skill_dir = skills.display().to_string();
     let endpoint = format!("http://{worker_addr}");
-    let r = start_replica_with(
-        dir.path(),
+    let (r, id, v) = serve_session(
+        &dir,
         "gwa",
-        &db,
         &pm_model,
-        &["--worker-endpoint", &endpoint],
-        &["--skill-dir", "skills", "--skill-dir", &skill_dir],
-    );
-    let (s, v) = call(
-        reqwest::Method::POST,
-        &format!("{}/v1/sessions", r.base),
-        TENANT_A,
-        Some(json!({ "objective": "let an agent use the gateway" })),
-    )
-    .await;
-    assert_eq!(s, 201, "{v}");
-    let id = v["session_id"].as_str().unwrap().to_string();
-    let v = wait_status(
-        &r.base,
-        &id,
-        &["completed", "failed"],
-        Duration::from_secs(240),
+        &endpoint,
+        &skills,
+        "let an agent use the gateway",
+        &[],
     )
     .await;
     let log = || std::fs::read_to_string(dir.path().join("gwa.log")).unwrap_or_default();
@@ -575,6 +873,7 @@ async fn running_job(name: &str) -> RunningJob {
     let template = json!({
         "constraints": { "max_runtime_seconds": 120, "max_output_bytes": 65536,
             "allowed_commands": ["sh"], "allowed_paths": ["/workspace"] },
+        "context": { "mcp_tools": ["artifact.list"] },
         "steps": [{ "id": "wait", "type": "run_command",
             "arguments": { "command": "sh", "args": ["-c", "sleep 100"] } }]
     });
@@ -694,10 +993,17 @@ fn run_hosts_the_gateway_for_its_own_session() {
     let skills = dir.path().join("skills");
     agent_skill(&skills);
     let (pm_model, _pm_model) = agent_pm_model();
-    let endpoint = format!("http://{worker_addr}");
+    // The worker behind the recording front: the token run hands it is the test's.
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let requests = Arc::new(Mutex::new(Vec::new()));
+    let endpoint = rt.block_on(cynode_tests::worker::recording_front(
+        worker_addr.clone(),
+        requests.clone(),
+    ));
     let skill_dir = skills.display().to_string();
+    let state = dir.path().join("state");
     let out = cynode_tests::pm_with(
-        &dir.path().join("state"),
+        &state,
         &pm_model,
         &[
             "run",
@@ -710,19 +1016,37 @@ fn run_hosts_the_gateway_for_its_own_session() {
         &[("CYNODE_WORKER_TOKEN", cynode_tests::TOKEN)],
     );
     let v = cynode_tests::completed(&out);
-    let calls: Vec<(String, String)> = v["state"]["history"]
-        .as_array()
+    // The token is nowhere in run's output, its state directory (store, log) or record.
+    let tokens: Vec<String> = requests
+        .lock()
         .unwrap()
         .iter()
-        .filter(|e| e["kind"] == "gateway_calls")
-        .flat_map(|e| e["data"]["calls"].as_array().cloned().unwrap_or_default())
-        .map(|c| {
-            (
-                c["tool"].as_str().unwrap().to_string(),
-                c["outcome"].as_str().unwrap().to_string(),
-            )
-        })
+        .filter_map(|r| r["gateway"]["token"].as_str().map(str::to_string))
         .collect();
+    assert_eq!(tokens.len(), 1, "{:?}", requests.lock().unwrap());
+    let secret = tokens[0].as_bytes()[4..].to_vec();
+    let holds = |hay: &[u8]| hay.windows(secret.len()).any(|w| w == secret.as_slice());
+    assert!(
+        !holds(&out.stdout) && !holds(&out.stderr),
+        "a token in run's output"
+    );
+    let mut files = 0;
+    let mut todo = vec![state.clone()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d).unwrap().flatten() {
+            let t = e.file_type().unwrap();
+            if t.is_dir() {
+                todo.push(e.path());
+            } else if t.is_file() {
+                files += 1;
+                let bytes = std::fs::read(e.path()).unwrap_or_default();
+                assert!(!holds(&bytes), "a token in {}", e.path().display());
+            }
+        }
+    }
+    assert!(files > 0, "nothing in {}", state.display());
+    drop(rt);
+    let calls = calls_of(&history(&v), &only_job(&v));
     let s = |a: &str, b: &str| (a.to_string(), b.to_string());
     assert_eq!(
         calls,
@@ -751,6 +1075,7 @@ fn run_hands_its_gateway_to_its_local_worker() {
         &skills,
         "gw-local",
         &unc,
+        &["skills.get", "artifact.list"],
         &[
             (
                 "skill",
@@ -758,6 +1083,7 @@ fn run_hands_its_gateway_to_its_local_worker() {
             ),
             ("list", http_call("artifact.list", json!({}))),
         ],
+        "",
     );
     let (pm_model, _m) = model_server(cynode_tests::one_job_script(
         "call the gateway",
@@ -778,19 +1104,7 @@ fn run_hands_its_gateway_to_its_local_worker() {
         &[],
     );
     let v = cynode_tests::completed(&out);
-    let calls: Vec<(String, String)> = v["state"]["history"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|e| e["kind"] == "gateway_calls")
-        .flat_map(|e| e["data"]["calls"].as_array().cloned().unwrap_or_default())
-        .map(|c| {
-            (
-                c["tool"].as_str().unwrap().to_string(),
-                c["outcome"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
+    let calls = calls_of(&history(&v), &only_job(&v));
     let s = |a: &str, b: &str| (a.to_string(), b.to_string());
     assert_eq!(
         calls,
