@@ -34,6 +34,10 @@ pub struct ServeArgs {
     /// Largest request body accepted (413 above).
     #[arg(long, default_value_t = 1 << 20)]
     pub max_body_bytes: usize,
+    /// Largest request the sandbox gateway (`/v1/gateway`) accepts: an 8 MiB
+    /// `artifact.put`, base64, and its envelope.
+    #[arg(long, default_value_t = 12 << 20)]
+    pub gateway_max_body_bytes: usize,
     /// Requests (other than event streams) taking longer are answered 408.
     #[arg(long, default_value_t = 30)]
     pub request_timeout_seconds: u64,
@@ -117,6 +121,7 @@ pub async fn serve(args: &ServeArgs, g: &Global) -> anyhow::Result<i32> {
         lease: Duration::from_secs(args.lease_seconds),
         max_active_sessions: args.max_active_sessions,
         max_body_bytes: args.max_body_bytes,
+        gateway_max_body_bytes: args.gateway_max_body_bytes,
         request_timeout: Duration::from_secs(args.request_timeout_seconds),
         shutdown_grace: Duration::from_secs(args.shutdown_grace_seconds),
         replica_id: args.replica_id.clone(),

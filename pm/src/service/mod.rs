@@ -57,6 +57,9 @@ pub struct ServeConfig {
     pub max_active_sessions: usize,
     /// Largest request body accepted (413 above).
     pub max_body_bytes: usize,
+    /// Largest request body the sandbox gateway (`/v1/gateway`) accepts: its own bound,
+    /// so an 8 MiB `artifact.put` fits whatever the API's is.
+    pub gateway_max_body_bytes: usize,
     /// Requests (other than event streams) taking longer are answered 408.
     pub request_timeout: Duration,
     /// On SIGTERM, how long sessions may take to finish their current step.
@@ -127,8 +130,14 @@ pub fn openapi_json() -> String {
     ApiDoc::openapi().to_pretty_json().unwrap_or_default()
 }
 
-/// The router of the service.
-pub fn router(state: Arc<AppState>, max_body: usize, timeout: Duration) -> Router {
+/// The router of the service: the API and MCP under `max_body`, the sandbox gateway
+/// under `gateway_max_body`.
+pub fn router(
+    state: Arc<AppState>,
+    max_body: usize,
+    gateway_max_body: usize,
+    timeout: Duration,
+) -> Router {
     let limited = Router::new()
         .route(
             "/v1/sessions",
@@ -157,7 +166,7 @@ pub fn router(state: Arc<AppState>, max_body: usize, timeout: Duration) -> Route
             StatusCode::REQUEST_TIMEOUT,
             timeout,
         ));
-    Router::new()
+    let api = Router::new()
         .route("/v1/sessions/{id}/events", get(events::session_events))
         .merge(limited)
         // MCP at /v1/mcp, behind the same tokens, body limit and timeout.
@@ -166,19 +175,24 @@ pub fn router(state: Arc<AppState>, max_body: usize, timeout: Duration) -> Route
                 TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, timeout),
             ),
         )
-        // The sandbox agents' gateway at /v1/gateway, behind job tokens.
-        .merge(
-            crate::mcp::gateway::router(Arc::clone(&state), max_body).layer(
-                TimeoutLayer::with_status_code(StatusCode::REQUEST_TIMEOUT, timeout),
-            ),
-        )
         .fallback(|| async { Problem::not_found("route") })
         .layer(DefaultBodyLimit::disable())
         .layer(RequestBodyLimitLayer::new(max_body))
         .layer(axum::middleware::map_response(move |r: Response| {
             extract::problem_responses(max_body, r)
-        }))
-        .with_state(state)
+        }));
+    // The sandbox agents' gateway at /v1/gateway, behind job tokens, with its own bound.
+    let gateway = crate::mcp::gateway::router(Arc::clone(&state), gateway_max_body)
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            timeout,
+        ))
+        .layer(DefaultBodyLimit::disable())
+        .layer(RequestBodyLimitLayer::new(gateway_max_body))
+        .layer(axum::middleware::map_response(move |r: Response| {
+            extract::problem_responses(gateway_max_body, r)
+        }));
+    api.merge(gateway).with_state(state)
 }
 
 async fn readyz(State(st): State<Arc<AppState>>) -> Response {
@@ -272,6 +286,7 @@ pub async fn serve(pm: Pm, cfg: ServeConfig) -> Result<(), ServeError> {
     let app = router(
         state,
         cfg.max_body_bytes,
+        cfg.gateway_max_body_bytes,
         cfg.request_timeout.max(Duration::from_secs(1)),
     );
     // Checked before listening: a bad certificate or key fails the start, naming the file.
