@@ -15,6 +15,9 @@
 # which port, and how to stop it (bash deploy/llm/stop.sh PORT). The port is 8089, or
 # CYNODE_DEMO_MODEL_PORT.
 #
+# The run's state directory and workspace copy are kept (for `cynode-pm sessions show`) in
+# a new directory under /var/tmp, or under CYNODE_DEMO_DIR.
+#
 # SmolLM2-135M is tiny: it drives the real loop (schema-valid replies, jobs in a real
 # sandbox) but is not clever; point CYNODE_MODEL_BASE_URL / CYNODE_MODEL_NAME at a larger
 # model for real work. Exit code: cynode-pm's (0 completed, 1 failed, 3 waiting for an
@@ -89,7 +92,7 @@ if [[ -z ${CYNODE_MODEL_BASE_URL:-} ]]; then
 fi
 echo "model endpoint: $CYNODE_MODEL_BASE_URL (${CYNODE_MODEL_NAME:-smollm2})" >&2
 
-run=$(mktemp -d /var/tmp/cynode-demo.XXXXXX)
+run=$(mktemp -d "${CYNODE_DEMO_DIR:-/var/tmp}/cynode-demo.XXXXXX")
 chmod 0755 "$run"
 cp -r examples/workspace "$run/workspace"
 echo "state and workspace copy in $run" >&2

@@ -567,6 +567,8 @@ fn demo_with_stand_ins(dir: &Path, extra: &[&str], envs: &[(&str, &str)]) -> (St
         .env("CARGO_TARGET_DIR", root.join("target"))
         .env("CYNODE_LLM_CACHE", &cache)
         .env("CYNODE_DEMO_MODEL_PORT", &port)
+        // The run's kept state directory goes with the test's.
+        .env("CYNODE_DEMO_DIR", dir)
         .envs(envs.iter().copied());
     let out = cynode_testkit::output_bounded(c, std::time::Duration::from_secs(60));
     let pid: u32 = std::fs::read_to_string(cache.join("started.pid"))
@@ -574,6 +576,11 @@ fn demo_with_stand_ins(dir: &Path, extra: &[&str], envs: &[(&str, &str)]) -> (St
         .and_then(|s| s.trim().parse().ok())
         .unwrap_or(0);
     assert!(out.status.success(), "{out:?}");
+    let kept = std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .any(|e| e.file_name().to_string_lossy().starts_with("cynode-demo."));
+    assert!(kept, "the run's directory is not under CYNODE_DEMO_DIR");
     (String::from_utf8_lossy(&out.stderr).into_owned(), pid)
 }
 
