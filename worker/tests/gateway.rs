@@ -58,6 +58,15 @@ async fn pm_side(seen: Seen) -> String {
     url
 }
 
+/// Waits (at most 30 s) for the job's gateway socket to be there.
+async fn appears(sock: &Path) {
+    let until = Instant::now() + Duration::from_secs(30);
+    while !sock.exists() {
+        assert!(Instant::now() < until, "gateway.sock never appeared");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn exchange(sock: &Path, request: &[u8]) -> (u16, String) {
     let mut s = UnixStream::connect(sock).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
@@ -146,11 +155,7 @@ async fn a_job_cannot_starve_the_node_through_its_gateway_socket() {
         .join(&id)
         .join("job")
         .join("gateway.sock");
-    let until = Instant::now() + Duration::from_secs(30);
-    while !sock.exists() {
-        assert!(Instant::now() < until, "gateway.sock never appeared");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    appears(&sock).await;
     // Accepted again with the same request and another token: the same job (the token
     // is not part of the request's identity).
     let mut again = body.clone();
@@ -392,11 +397,7 @@ async fn an_https_gateway_of_a_private_ca_is_reached_only_when_the_node_trusts_i
                 .join(&id)
                 .join("job")
                 .join("gateway.sock");
-            let until = Instant::now() + Duration::from_secs(30);
-            while !sock.exists() {
-                assert!(Instant::now() < until, "gateway.sock never appeared");
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
+            appears(&sock).await;
             let call = r#"{"jsonrpc":"2.0","id":1,"method":"tools/call","params":{"name":"skills.list","arguments":{}}}"#;
             let answer = tokio::task::spawn_blocking(move || exchange(&sock, &post("/", "", call)))
                 .await

@@ -494,7 +494,8 @@ impl SandboxBackend for EngineBackend {
     }
 }
 
-fn last_line(bytes: &[u8]) -> String {
+/// The last line of a client's output, trimmed (what an error message quotes).
+pub(super) fn last_line(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes)
         .lines()
         .last()

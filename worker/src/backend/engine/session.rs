@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
-use super::EngineBackend;
+use super::{last_line, EngineBackend};
 use crate::backend::{BackendError, EndReason, SandboxOutcome, SandboxSpec, SessionSandbox};
 use crate::config::BackendKind;
 use crate::sandbox::engine_user;
@@ -457,15 +457,6 @@ fn is_zombie(pid: i32) -> bool {
     stat_fields(pid)
         .and_then(|f| f.first().cloned())
         .is_some_and(|s| s == "Z" || s == "X")
-}
-
-fn last_line(bytes: &[u8]) -> String {
-    String::from_utf8_lossy(bytes)
-        .lines()
-        .last()
-        .unwrap_or("")
-        .trim()
-        .to_string()
 }
 
 #[cfg(test)]
