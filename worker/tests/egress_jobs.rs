@@ -361,6 +361,36 @@ with zipfile.ZipFile(sys.argv[1], "w") as z:
     std::fs::read(&path).unwrap()
 }
 
+/// What a pip job's answer must show: completed, the wheel fetched once from the index
+/// and the HTTPS origin reached once, each through the proxy and audited as allowed.
+fn assert_fetched(
+    code: u16,
+    resp: &Value,
+    downloads: &std::sync::atomic::AtomicUsize,
+    secure: &Origin,
+) {
+    assert_eq!(code, 200, "{resp}");
+    assert_eq!(resp["status"], "completed", "{resp}");
+    assert_eq!(
+        resp["stdout"], "fetched through the egress proxy\nhello from origin\n",
+        "{resp}"
+    );
+    assert_eq!(downloads.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(secure.hits(), 1);
+    let pip: Vec<&Value> = records(resp, "pypi.test", "GET");
+    assert!(
+        pip.len() >= 2 && pip.iter().all(|r| r["decision"] == "allowed"),
+        "{}",
+        resp["egress"]
+    );
+    let tls = records(resp, "secure.test", "CONNECT");
+    assert!(
+        tls.len() == 1 && tls[0]["bytes_down"].as_u64() > Some(1000),
+        "{}",
+        resp["egress"]
+    );
+}
+
 /// A PEP 503 simple index on 127.0.0.1 serving one wheel; counts the wheel's downloads.
 async fn index_with(wheel: Vec<u8>) -> (u16, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use axum::routing::get;
@@ -448,19 +478,7 @@ print(urllib.request.urlopen(sys.argv[1], context=ctx, timeout=20).read().decode
         let mut req = restricted_job(&unique("pip"), &script, None, json!({ "TEST_CA": ca }));
         req["sandbox"]["image"] = image.as_str().into();
         let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
-        assert_eq!(code, 200, "{resp}");
-        assert_eq!(resp["status"], "completed", "{resp}");
-        assert_eq!(
-            resp["stdout"],
-            "fetched through the egress proxy\nhello from origin\n",
-            "{resp}"
-        );
-        assert_eq!(downloads.load(std::sync::atomic::Ordering::SeqCst), 1);
-        assert_eq!(secure.hits(), 1);
-        let pip: Vec<&Value> = records(&resp, "pypi.test", "GET");
-        assert!(pip.len() >= 2 && pip.iter().all(|r| r["decision"] == "allowed"), "{}", resp["egress"]);
-        let tls = records(&resp, "secure.test", "CONNECT");
-        assert!(tls.len() == 1 && tls[0]["bytes_down"].as_u64() > Some(1000), "{}", resp["egress"]);
+        assert_fetched(code, &resp, &downloads, &secure);
     })
     .await
     .unwrap();
@@ -516,19 +534,7 @@ async fn bwrap_pip_installs_a_wheel_and_curl_reaches_https_through_the_proxy() {
         let mut req = restricted_job(&unique("pip"), &script, None, json!({ "TEST_CA": ca }));
         req["sandbox"]["image"] = host_image.into();
         let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
-        assert_eq!(code, 200, "{resp}");
-        assert_eq!(resp["status"], "completed", "{resp}");
-        assert_eq!(
-            resp["stdout"],
-            "fetched through the egress proxy\nhello from origin\n",
-            "{resp}"
-        );
-        assert_eq!(downloads.load(std::sync::atomic::Ordering::SeqCst), 1);
-        assert_eq!(secure.hits(), 1);
-        let pip: Vec<&Value> = records(&resp, "pypi.test", "GET");
-        assert!(pip.len() >= 2 && pip.iter().all(|r| r["decision"] == "allowed"), "{}", resp["egress"]);
-        let tls = records(&resp, "secure.test", "CONNECT");
-        assert!(tls.len() == 1 && tls[0]["bytes_down"].as_u64() > Some(1000), "{}", resp["egress"]);
+        assert_fetched(code, &resp, &downloads, &secure);
     })
     .await
     .unwrap();
