@@ -9,7 +9,12 @@
 #      model server scripts), patch, debootstrap, uidmap, slirp4netns, fuse-overlayfs,
 #      hyperfine, docker.io (a real Docker engine; it brings containerd and tini, whose
 #      docker-init session containers use), runsc (gVisor), jq (step 3's merge) and
-#      e2fsprogs (mke2fs, for the kernel-enforced disk volumes) with apt
+#      e2fsprogs (mke2fs, for the kernel-enforced disk volumes), python3-pip, and the
+#      toolchains of the dependency-fetch tests (deploy/sba/build-toolchain-test-image.sh):
+#      nodejs with npm, golang-go (Go 1.19: 81 MB to download, 464 MB installed) and
+#      cargo-web (cargo and rustc 1.96 from bookworm's security updates, with gcc and its
+#      standard library: 100 MB, 459 MB; bookworm's `cargo` is 0.66, older than sparse
+#      registries and Cargo.lock v4) with apt
 #      (skipped in well under a second when dpkg-query says they are all installed
 #      already);
 #   2. configures podman for this kind of machine with the drop-in
@@ -46,7 +51,8 @@
 set -euo pipefail
 
 PACKAGES=(podman runc catatonit bubblewrap busybox-static git curl patch debootstrap uidmap
-  slirp4netns fuse-overlayfs hyperfine docker.io runsc jq e2fsprogs python3-pip)
+  slirp4netns fuse-overlayfs hyperfine docker.io runsc jq e2fsprogs python3-pip
+  nodejs golang-go cargo-web)
 DROPIN_DIR=/etc/containers/containers.conf.d
 DROPIN="$DROPIN_DIR/50-cynode.conf"
 DOCKER_CONFIG_FILE=/etc/docker/daemon.json
@@ -71,6 +77,15 @@ exec 9>"$LOCK_FILE"
 flock -w 1800 9 || die "timed out waiting for $LOCK_FILE"
 
 start=$(date +%s.%N)
+
+# npm: Debian's nodejs (18) needs the npm package; NodeSource's nodejs bundles npm and
+# Provides and Conflicts with it. Asked for only when nothing provides it.
+if ! command -v npm >/dev/null 2>&1; then
+  node_candidate=$(apt-cache policy nodejs 2>/dev/null | awk '/Candidate:/ {print $2; exit}')
+  if ! apt-cache show "nodejs=$node_candidate" 2>/dev/null | grep -Eq '^Provides:.*\bnpm\b'; then
+    PACKAGES+=(npm)
+  fi
+fi
 
 is_installed() {
   [[ $(dpkg-query -W -f='${db:Status-Abbrev}' "$1" 2>/dev/null) == "ii"* ]]
@@ -228,4 +243,8 @@ echo "hyperfine:      $(first_line hyperfine --version)"
 echo "docker:         $(first_line docker --version)"
 echo "dockerd:        $(first_line dockerd --version)"
 echo "runsc:          $(first_line runsc --version)"
+echo "node:           $(first_line node --version)"
+echo "npm:            $(first_line npm --version)"
+echo "go:             $(first_line /usr/bin/go version)"
+echo "cargo (Debian): $(first_line /usr/bin/cargo --version)"
 log "done in $(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN {printf "%.2f s", e - s}')"

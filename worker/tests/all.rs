@@ -78,6 +78,7 @@ mod disk_unlinked;
 mod disk_volumes;
 mod egress;
 mod egress_jobs;
+mod egress_toolchains;
 mod engine_check;
 mod gaps;
 mod gateway;

@@ -1,0 +1,164 @@
+#!/usr/bin/env bash
+# deploy/sba/build-toolchain-test-image.sh - the offline test image with Node.js and npm,
+# Go, and cargo with rustc: the tools node-test's `npm ci`, go-test's `go mod download`
+# and rust-test's `cargo fetch` run.
+#
+# Usage:  deploy/sba/build-toolchain-test-image.sh [BASE_IMAGE] [IMAGE_NAME]
+#   BASE_IMAGE  default localhost/cynode-sba-test:latest (deploy/sba/build-test-image.sh)
+#   IMAGE_NAME  default localhost/cynode-sba-test-toolchains:latest
+#
+# Nothing is pulled and nothing is downloaded: the image is BASE_IMAGE (busybox, the
+# runner, user 1000, its entrypoint and labels) plus one layer holding the host's own
+# Debian packages, as build-python-test-image.sh does for Python. That layer is every
+# file `dpkg -L` lists for the installed dependency closure of nodejs (and npm when it is
+# a package of its own: Debian's nodejs needs it, NodeSource's nodejs bundles npm),
+# golang-go and cargo-web, kept to the packages whose names start with nodejs, npm,
+# node-, libnode, golang-, cargo-web, rustc-web or libstd-rust-web-<version> (the C
+# libraries come from ldd), less what no fetch or test step reads: documentation, C
+# headers, Go's own test suite, testdata directories and the sources and objects of the
+# Go commands (src/cmd, pkg/linux_amd64/cmd). It adds the shared libraries `ldd` finds
+# for the programs and libraries among those files (paths kept, under /usr as the base
+# image's merged-/usr links want) and the host's CA bundle.
+#
+# What runs in it: node, npm (`npm ci`, `npm test`), go (`go mod download`, `go test`
+# with CGO_ENABLED=0: the standard library's sources and objects are in), cargo and rustc
+# (`cargo fetch`, which asks `rustc -vV`). Not cargo build or test: the Rust standard
+# library (libstd-rust-web-dev, 170 MB), gcc and binutils are left out.
+#
+# Idempotent: the image carries the base image's runner label (io.cynode.sba.sha256) and
+# a hash of this recipe, the base image's id and the packages' versions
+# (io.cynode.image.recipe); when an image of that name exists with both matching, nothing
+# is rebuilt. Concurrent runs for one image name serialise on a lock file. A replaced
+# image is removed unless a container still uses it. A last `podman run` with no network
+# checks that each tool starts in the image.
+#
+# Output: the image id on stdout (only that); progress on stderr.
+# Environment:
+#   CYNODE_IMAGE_FORCE=1  rebuild even when the image is up to date
+# Needs: root, podman, the base image, nodejs (with npm), golang-go and cargo-web
+# installed on the host (deploy/install-deps.sh installs them).
+set -euo pipefail
+
+# shellcheck source=deploy/lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../lib.sh"
+
+[[ ${1:-} == -h || ${1:-} == --help ]] && usage 0
+(($# <= 2)) || usage 2
+base=${1:-localhost/cynode-sba-test:latest}
+image=${2:-localhost/cynode-sba-test-toolchains:latest}
+
+[[ $(id -u) -eq 0 ]] || die "must run as root (root's podman store)"
+command -v podman >/dev/null || die "podman not found: run deploy/install-deps.sh"
+podman image exists "$base" || die "base image $base not found: run deploy/sba/build-test-image.sh"
+
+installed() { # PACKAGE: true when dpkg has it installed
+  [[ $(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null) == installed ]]
+}
+roots=()
+for pkg in nodejs golang-go cargo-web; do
+  installed "$pkg" || die "$pkg is not installed on the host: run deploy/install-deps.sh"
+  roots+=("$pkg")
+done
+installed npm && roots+=(npm)
+[[ -x /usr/bin/npm ]] || die "no /usr/bin/npm on the host: run deploy/install-deps.sh"
+
+# The installed dependency closure of the roots (Depends and Pre-Depends, the first
+# installed alternative of each), kept to the toolchains' own packages.
+keep='^(nodejs|npm|node-|libnode[0-9]|golang-|cargo-web|rustc-web|libstd-rust-web-)'
+declare -A seen=()
+queue=("${roots[@]}")
+packages=()
+while ((${#queue[@]})); do
+  pkg=${queue[0]}
+  queue=("${queue[@]:1}")
+  [[ -n ${seen[$pkg]:-} ]] && continue
+  seen[$pkg]=1
+  [[ $pkg =~ $keep ]] || continue
+  # The Rust standard library's rlibs: followed (to librustc_driver's package), not kept.
+  [[ $pkg == libstd-rust-web-dev ]] || packages+=("$pkg")
+  deps=$(dpkg-query -W -f='${Pre-Depends}, ${Depends}' "$pkg")
+  IFS=',' read -ra alternatives <<<"$deps"
+  for alt in "${alternatives[@]}"; do
+    IFS='|' read -ra choices <<<"$alt"
+    for choice in "${choices[@]}"; do
+      name=$(sed -e 's/([^)]*)//g' -e 's/:.*//' -e 's/[[:space:]]//g' <<<"$choice")
+      [[ -n $name ]] || continue
+      if installed "$name"; then
+        queue+=("$name")
+        break
+      fi
+    done
+  done
+done
+mapfile -t packages < <(printf '%s\n' "${packages[@]}" | sort)
+versions=$(dpkg-query -W -f='${Package}=${Version}\n' "${packages[@]}")
+# npm as it is on disk: `npm install -g npm` replaces NodeSource's bundled copy in place,
+# outside dpkg's lists (this machine's is such a copy). Its version joins the recipe.
+npm_dir=/usr/lib/node_modules/npm
+npm_version=$(node "$npm_dir/bin/npm-cli.js" --version 2>/dev/null) || die "npm does not run on the host"
+versions+=$'\n'"npm-on-disk=$npm_version"
+
+base_id=$(podman image inspect --format '{{.Id}}' "$base")
+sba_sha=$(image_label "$base" io.cynode.sba.sha256)
+recipe_sha=$(printf '%s\n%s\n' "$base_id" "$versions" | cat "$0" - | sha256sum | cut -d' ' -f1)
+
+lock_name=$(printf '%s' "$image" | tr -c 'A-Za-z0-9._-' '_')
+mkdir -p /run/lock
+exec 9>"/run/lock/cynode-image-$lock_name.lock"
+flock -w 900 9 || die "timed out waiting for the build lock of $image"
+
+exit_if_image_current "$image" "$sba_sha" "$recipe_sha" "${CYNODE_IMAGE_FORCE:-0}"
+
+work=$(mktemp -d /var/tmp/cynode-toolchain-image.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+log "building $image from $base with ${#packages[@]} packages: ${packages[*]}"
+
+# The packages' files (directories are made by tar as needed), less what no step reads.
+skip='^/usr/(share/(doc|man|lintian|bug|info)/|include/)|/testdata/'
+skip+='|^/usr/share/go-[0-9.]+/(test|misc|api)/|^/usr/share/go-[0-9.]+/src/cmd/'
+skip+='|^/usr/lib/go-[0-9.]+/pkg/linux_amd64/cmd/'
+dpkg -L "${packages[@]}" | sort -u | grep -Ev "$skip" | while read -r f; do
+  if [[ -f $f || -L $f ]]; then printf '%s\n' "$f"; fi
+done >"$work/files"
+find "$npm_dir" \( -type f -o -type l \) >>"$work/files"
+# The shared libraries of the programs and libraries among them, and the CA bundle.
+grep -E '/bin/[^/]+$|\.so(\.|$)' "$work/files" | while read -r f; do
+  readlink -f "$f"
+done | sort -u | xargs -r sh -c 'ldd "$@" 2>/dev/null || true' ldd | grep -o '/[^ ]* (0x' | sed 's/ (0x$//' |
+  sort -u | while read -r lib; do
+  printf '%s\n' "$lib"
+  # Through the merged-/usr links the base image has (/lib -> usr/lib): a library
+  # named under /lib is stored under /usr/lib, where the link leads.
+  real=$(readlink -f "$lib")
+  if [[ $real != "$lib" ]]; then printf '%s\n' "$real"; fi
+done >>"$work/files"
+[[ -f /etc/ssl/certs/ca-certificates.crt ]] && echo /etc/ssl/certs/ca-certificates.crt >>"$work/files"
+# Under /usr only (paths under /lib, /bin go to /usr: the base image links them there).
+mkdir -p "$work/ctx/root"
+sort -u "$work/files" | while read -r f; do
+  case $f in
+    /lib/* | /lib64/* | /bin/* | /sbin/*) dest=/usr$f ;;
+    *) dest=$f ;;
+  esac
+  mkdir -p "$work/ctx/root$(dirname "$dest")"
+  cp -a "$f" "$work/ctx/root$dest"
+done
+tar --numeric-owner -C "$work/ctx/root" -cf "$work/ctx/toolchains.tar" .
+rm -rf "$work/ctx/root"
+log "layer: $(du -m "$work/ctx/toolchains.tar" | cut -f1) MiB"
+
+cat >"$work/ctx/Containerfile" <<EOF
+FROM $base
+ADD toolchains.tar /
+LABEL io.cynode.image.recipe=$recipe_sha
+LABEL org.opencontainers.image.title=cynode-sba-test-toolchains
+LABEL org.opencontainers.image.description="busybox-based CyNode SBA test image with the host's Debian node, npm, go, cargo and rustc"
+EOF
+podman build --pull=never --quiet --network none -t "$image" "$work/ctx" >/dev/null
+
+# Each tool starts (cargo needs rustc -vV; npm is a node script).
+out=$(podman run --rm --pull=never --network none --entrypoint /bin/sh "$image" -c \
+  'set -e; node --version; npm --version; go version; cargo --version; rustc -vV | head -n 1' \
+  2>&1) || die "a tool does not start in $image: $out"
+log "$(printf '%s' "$out" | tr '\n' ' ')"
+finish_image "$image"
