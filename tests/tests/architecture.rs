@@ -7,7 +7,16 @@ use std::fs;
 use cynode_tests::workspace_root;
 
 /// The crates whose sources the map covers.
-const CRATES: [&str; 7] = ["protocol", "sba", "worker", "pm", "tls", "testkit", "tests"];
+const CRATES: [&str; 8] = [
+    "protocol",
+    "sba",
+    "worker",
+    "pm",
+    "tls",
+    "testkit",
+    "tests",
+    "egress-rules",
+];
 
 /// Every `.rs` file under `dir`.
 fn sources(dir: &std::path::Path, out: &mut Vec<std::path::PathBuf>) {
@@ -76,6 +85,39 @@ fn every_module_of_every_crate_is_in_the_code_map() {
         missing.is_empty(),
         "modules missing from ARCHITECTURE.md's code map (name them as `name.rs` or `name/`): {missing:?}"
     );
+}
+
+/// The egress rules are shared by the worker and the PM, so they depend on neither (nor on
+/// any other workspace crate but `cynode-tls`), and on no server framework or database.
+#[test]
+fn the_egress_rules_depend_on_no_sibling_but_tls() {
+    let manifest = fs::read_to_string(workspace_root().join("egress-rules/Cargo.toml")).unwrap();
+    let deps: Vec<&str> = manifest
+        .lines()
+        .skip_while(|l| l.trim() != "[dependencies]")
+        .skip(1)
+        .take_while(|l| !l.starts_with('['))
+        .filter_map(|l| l.split(['=', '.', ' ']).next())
+        .filter(|n| !n.is_empty() && !n.starts_with('#'))
+        .collect();
+    assert!(deps.contains(&"hickory-resolver"), "parser: {deps:?}");
+    for d in &deps {
+        assert!(
+            !d.starts_with("cynode-") || *d == "cynode-tls",
+            "cynode-egress depends on {d}"
+        );
+        assert!(
+            !["axum", "sqlx", "hyper"].contains(d),
+            "cynode-egress depends on {d}"
+        );
+    }
+    for user in ["worker", "pm"] {
+        let m = fs::read_to_string(workspace_root().join(user).join("Cargo.toml")).unwrap();
+        assert!(
+            m.contains("cynode-egress"),
+            "{user} does not use cynode-egress"
+        );
+    }
 }
 
 #[test]

@@ -2,6 +2,10 @@
 //! network. One proxy per job, served on a listener the node binds inside the sandbox's
 //! own network namespace; the sandbox reaches it through `HTTP_PROXY`/`HTTPS_PROXY`.
 //!
+//! The rules themselves (allowlists, addresses, the resolver, routes, [`Policy`]) are the
+//! `cynode-egress` crate, shared with the PM's gateway, and re-exported here under their
+//! old paths:
+//!
 //! - [`allowlist`]: destination patterns (`host`, `*.suffix`, IP, optional `:port`), the
 //!   node's ceiling and a job's narrower list ([`allowlist::Allowlist::narrow`]).
 //! - [`addr`]: the addresses never connected to unless listed (loopback, private,
@@ -13,52 +17,22 @@
 //!   pipe), within the job's byte budget and the idle timeout.
 //! - [`netns`]: binding the listener inside a sandbox's network namespace.
 //! - [`audit`]: one record per attempt, logged, and kept up to a bound for the job.
-//! - [`routes`]: credentialed routes; the node adds the secret headers and speaks TLS.
+//! - [`routes`]: credentialed routes; the node adds the secret headers and speaks TLS
+//!   (the proxy serves them under [`routes::ROUTES_PREFIX`]).
 //! - [`job`]: one job's egress: the request checked against the node, the sandbox's
 //!   variables, the proxy started inside the sandbox before its command, the audit.
 
-pub mod addr;
-pub mod allowlist;
 pub mod audit;
 pub mod http1;
 pub mod netns;
 pub mod proxy;
 mod relay;
-pub mod resolve;
-pub mod routes;
 
-use std::collections::BTreeSet;
-use std::net::IpAddr;
 use std::time::Duration;
 
-pub use allowlist::{Allowlist, NarrowError, Pattern};
+pub use cynode_egress::{addr, allowlist, resolve, routes};
+pub use cynode_egress::{Allowlist, NarrowError, Pattern, Policy, Resolver, RouteConfig, Routes};
 pub use proxy::EgressProxy;
-pub use resolve::Resolver;
-pub use routes::{RouteConfig, Routes};
-
-/// What one job's proxy lets through.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Policy {
-    /// The destinations the job may ask for (the job's list, or the node's ceiling).
-    pub allow: Allowlist,
-    /// The special addresses (private, loopback, …) a name may resolve to: those the
-    /// operator listed as IP literals in the node's ceiling.
-    pub listed_ips: BTreeSet<IpAddr>,
-}
-
-impl Policy {
-    /// The policy for a job under the node's `ceiling`: `job` (the request's
-    /// `sandbox.egress_allow`) narrows it; `None` takes the whole ceiling.
-    pub fn for_job<S: AsRef<str>>(
-        ceiling: &Allowlist,
-        job: Option<&[S]>,
-    ) -> Result<Policy, NarrowError> {
-        Ok(Policy {
-            allow: ceiling.narrow(job)?,
-            listed_ips: ceiling.listed_ips(),
-        })
-    }
-}
 
 /// Bounds on one job's proxy.
 #[derive(Debug, Clone, PartialEq, Eq)]

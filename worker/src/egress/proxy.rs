@@ -676,7 +676,7 @@ async fn route(
         headers.insert(h.clone(), v.clone());
     }
     let upstream_call = route
-        .client
+        .client()
         .request(method, route.url(rest))
         .headers(headers)
         .body(body)

@@ -1,9 +1,10 @@
-//! Credentialed routes (API egress): `egress.routes.<name>` in worker.yaml names an
-//! `https://` upstream and headers whose values come from the node's environment. The
-//! sandbox sends plain HTTP to `$CYNODE_EGRESS_ROUTES_URL/<name>/…` (the proxy's own
-//! listener, path `/routes/<name>/…`); the node adds the headers and speaks TLS upstream.
-//! The values live only in this process: marked sensitive, never in a Debug output, a log
-//! line, an audit record or anything sent back to the sandbox.
+//! Credentialed routes (API egress): `egress.routes.<name>` (in worker.yaml, or the PM's
+//! settings) names an `https://` upstream and headers whose values come from the
+//! process's environment. On the worker the sandbox sends plain HTTP to
+//! `$CYNODE_EGRESS_ROUTES_URL/<name>/…` (the proxy's own listener, path `/routes/<name>/…`);
+//! on the PM a gateway `api.call` names the route. Either way the holder adds the headers
+//! and speaks TLS upstream. The values live only in this process: marked sensitive, never
+//! in a Debug output, a log line, an audit record or anything sent back to the sandbox.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -12,7 +13,7 @@ use std::time::Duration;
 use reqwest::header::{HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 
-use super::allowlist::split_authority;
+use crate::allowlist::split_authority;
 
 /// The path prefix routes are served under.
 pub const ROUTES_PREFIX: &str = "/routes/";
@@ -66,7 +67,7 @@ pub struct Route {
     /// The port the upstream listens on (for the audit).
     pub port: u16,
     headers: Vec<(HeaderName, HeaderValue)>,
-    pub(crate) client: reqwest::Client,
+    client: reqwest::Client,
 }
 
 impl std::fmt::Debug for Route {
@@ -172,6 +173,11 @@ impl Routes {
     pub fn get(&self, name: &str) -> Option<&Route> {
         self.map.get(name)
     }
+
+    /// The configured route names.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.map.keys().map(String::as_str)
+    }
 }
 
 /// Why a route path is refused.
@@ -220,6 +226,16 @@ impl Route {
     /// The headers this route sets (their names replace any the sandbox sent).
     pub fn headers(&self) -> &[(HeaderName, HeaderValue)] {
         &self.headers
+    }
+
+    /// The client for this route's upstream: no proxy, no redirects, its CA.
+    pub fn client(&self) -> &reqwest::Client {
+        &self.client
+    }
+
+    /// `https://authority` of the upstream (no secret in it).
+    pub fn origin(&self) -> &str {
+        &self.origin
     }
 }
 

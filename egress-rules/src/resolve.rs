@@ -1,6 +1,6 @@
 //! Where a permitted destination may be reached: the proxy resolves the name itself
 //! (hickory, never the sandbox's or the host's NSS), refuses the whole answer if any
-//! address is special ([`super::addr`]) and not listed by the operator, and hands back the
+//! address is special ([`crate::addr`]) and not listed by the operator, and hands back the
 //! addresses the connection is then made to. Each connection resolves once and connects to
 //! a returned `SocketAddr`, so a second answer (DNS rebinding) can never change where an
 //! already-checked connection goes.
@@ -17,8 +17,8 @@ use hickory_resolver::name_server::TokioConnectionProvider;
 use hickory_resolver::proto::xfer::Protocol;
 use hickory_resolver::TokioResolver;
 
-use super::addr;
-use super::allowlist::{canonical, Host};
+use crate::addr;
+use crate::allowlist::{canonical, Host};
 
 /// Why a destination has no usable address.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
