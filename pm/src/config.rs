@@ -117,10 +117,22 @@ pub struct LocalWorkerConfig {
     pub egress_allow: Vec<String>,
     /// Where it exports traces.
     pub otlp_endpoint: Option<String>,
+    /// Its inference upstream, for agent jobs: this run's model, when that model needs no
+    /// key (the key would be a secret of the PM, and none reaches the worker). `None`:
+    /// agent jobs on it are refused for want of inference.
+    pub inference: Option<LocalInference>,
     /// The program that keeps the worker (`cynode-pm` itself, run as
     /// `local_worker::keeper::KEEPER_ARG`).
     pub keeper: PathBuf,
     /// How long the worker outlives a PM that vanished (kill -9, Ctrl-C) with nobody
     /// attached: its running job finishes and its result is kept for a resume.
     pub grace: std::time::Duration,
+}
+
+/// The local worker's inference upstream (its worker.yaml `inference`): an
+/// OpenAI-compatible base URL and the extra CA its TLS trusts. No key, ever.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LocalInference {
+    pub base_url: String,
+    pub ca_file: Option<PathBuf>,
 }

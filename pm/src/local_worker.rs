@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::config::LocalWorkerConfig;
+use crate::config::{LocalInference, LocalWorkerConfig};
 use keeper::{Hello, KeeperArgs, KeeperEvent};
 
 /// Why the local worker did not start.
@@ -130,19 +130,22 @@ impl LocalWorker {
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut delay = Duration::from_millis(20);
         loop {
-            if let Some((mut w, seed, egress_allow)) = attach(&dir) {
+            if let Some((mut w, hello)) = attach(&dir) {
                 // Its egress ceiling must be this run's exactly: a wider one would let
                 // this run's jobs go where it does not allow, a narrower one would stop
-                // them.
-                if (cfg.seed.is_none() || cfg.seed == seed) && egress_allow == cfg.egress_allow {
+                // them. Its model must be this run's too.
+                if (cfg.seed.is_none() || cfg.seed == hello.seed)
+                    && hello.egress_allow == cfg.egress_allow
+                    && hello.inference == inference_url(cfg)
+                {
                     notice(Notice::Attached {
                         keeper_pid: w.keeper_pid,
                         dir: dir.clone(),
                     });
                     return Ok(w);
                 }
-                // Its worker may not seed from our workspace, or its egress differs: wait
-                // for it to end.
+                // Its worker may not seed from our workspace, or its egress or model
+                // differs: wait for it to end.
                 // Leave without `release`: this must not stop the worker.
                 let keeper_pid = w.keeper_pid;
                 drop(w.conn.take());
@@ -160,7 +163,7 @@ impl LocalWorker {
                     // Ours: attach to it (it listens before it says ready).
                     let t = Instant::now();
                     loop {
-                        if let Some((mut w, _, _)) = attach(&dir) {
+                        if let Some((mut w, _)) = attach(&dir) {
                             w.keeper = Some(keeper);
                             tracing::info!(endpoint = %w.endpoint, keeper_pid = w.keeper_pid, "local worker started");
                             return Ok(w);
@@ -186,23 +189,23 @@ impl LocalWorker {
     }
 }
 
-/// The keeper on `dir`, if one answers: the worker (with the open connection), its seed
-/// root and its egress ceiling.
-fn attach(dir: &Path) -> Option<(LocalWorker, Option<PathBuf>, Vec<String>)> {
+/// The keeper on `dir`, if one answers: the worker (with the open connection) and what
+/// the keeper says of it (seed root, egress ceiling, inference upstream).
+fn attach(dir: &Path) -> Option<(LocalWorker, Hello)> {
     let conn = UnixStream::connect(keeper::socket_path(dir)).ok()?;
     conn.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
     let mut line = String::new();
     BufReader::new(&conn).read_line(&mut line).ok()?;
-    let hello: Hello = serde_json::from_str(&line).ok()?;
+    let mut hello: Hello = serde_json::from_str(&line).ok()?;
     conn.set_read_timeout(None).ok()?;
     let w = LocalWorker {
-        endpoint: hello.endpoint,
-        token: hello.token,
+        endpoint: std::mem::take(&mut hello.endpoint),
+        token: std::mem::take(&mut hello.token),
         keeper_pid: hello.keeper_pid,
         conn: Some(conn),
         keeper: None,
     };
-    Some((w, hello.seed, hello.egress_allow))
+    Some((w, hello))
 }
 
 enum Spawned {
@@ -231,6 +234,7 @@ fn spawn_keeper(
         grace: cfg.grace,
         seed: cfg.seed.clone(),
         egress_allow: cfg.egress_allow.clone(),
+        inference: inference_url(cfg),
     };
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -355,9 +359,33 @@ fn prepare(cfg: &LocalWorkerConfig, dir: &Path) -> std::io::Result<(PathBuf, Pat
         ));
     }
     yaml.push_str(&egress_yaml(&cfg.egress_allow));
+    yaml.push_str(&inference_yaml(cfg.inference.as_ref()));
     let cfg_path = dir.join(format!("worker-{tag}.yaml"));
     std::fs::write(&cfg_path, yaml)?;
     Ok((cfg_path, token_file))
+}
+
+/// The base URL of the local worker's inference upstream, if it has one.
+fn inference_url(cfg: &LocalWorkerConfig) -> Option<String> {
+    cfg.inference.as_ref().map(|i| i.base_url.clone())
+}
+
+/// The worker.yaml `inference` section: the model's base URL and its extra CA, each a
+/// JSON string (a YAML double-quoted scalar, so no value can add a key); no key and no
+/// model list (the node offers whatever model a job allows; the upstream is the run's).
+fn inference_yaml(inference: Option<&LocalInference>) -> String {
+    let Some(i) = inference else {
+        return String::new();
+    };
+    let quote = |s: &str| serde_json::Value::String(s.to_string()).to_string();
+    let mut yaml = format!("inference:\n  base_url: {}\n", quote(&i.base_url));
+    if let Some(ca) = &i.ca_file {
+        yaml.push_str(&format!(
+            "  tls:\n    ca_file: {}\n",
+            quote(&ca.to_string_lossy())
+        ));
+    }
+    yaml
 }
 
 /// The worker.yaml `egress` section of the ceiling `allow`: each pattern a JSON string (a
@@ -391,5 +419,23 @@ mod tests {
         assert_eq!(v["listen"], "127.0.0.1:0");
         let back: Vec<String> = serde_yaml::from_value(v["egress"]["allow"].clone()).unwrap();
         assert_eq!(back, allow);
+    }
+
+    #[test]
+    fn the_inference_upstream_is_written_quoted_and_only_when_given() {
+        assert_eq!(inference_yaml(None), "");
+        let i = LocalInference {
+            base_url: "http://127.0.0.1:8089/v1\"\nlisten: 0.0.0.0:1".into(),
+            ca_file: Some("/etc/ca\n  api_key_env: HOME.pem".into()),
+        };
+        let yaml = format!("listen: 127.0.0.1:0\n{}", inference_yaml(Some(&i)));
+        let v: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
+        assert_eq!(v["listen"], "127.0.0.1:0");
+        assert_eq!(v["inference"]["base_url"], i.base_url.as_str());
+        assert_eq!(
+            v["inference"]["tls"]["ca_file"],
+            "/etc/ca\n  api_key_env: HOME.pem"
+        );
+        assert_eq!(v["inference"].as_mapping().unwrap().len(), 2, "{yaml}");
     }
 }

@@ -88,7 +88,8 @@ pub fn serve_worker(config: &Path) -> (OwnedChild, String) {
 
 /// A pass-through to the worker at `upstream` (`host:port`) that keeps the JSON body of
 /// every job request (`POST /v1/worker/jobs`, or `jobs:run`): the Worker API requests a PM
-/// dispatched, gateway grant included. Returns its own `http://` URL.
+/// dispatched, gateway grant included. Returns its own `http://` URL. A worker that is
+/// gone answers 502.
 pub async fn recording_front(
     upstream: String,
     seen: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
@@ -117,13 +118,26 @@ pub async fn recording_front(
                 r = r.header(h, v.to_str().unwrap());
             }
         }
-        let resp = r.send().await.unwrap();
+        // A worker a test killed on purpose answers 502 here, as a proxy would, instead
+        // of a panic in the front's task.
+        let bad_gateway = |e: reqwest::Error| {
+            axum::response::Response::builder()
+                .status(502)
+                .body(axum::body::Body::from(e.to_string()))
+                .unwrap()
+        };
+        let resp = match r.send().await {
+            Ok(r) => r,
+            Err(e) => return bad_gateway(e),
+        };
         let mut b = axum::response::Response::builder().status(resp.status().as_u16());
         if let Some(c) = resp.headers().get("content-type") {
             b = b.header("content-type", c.to_str().unwrap());
         }
-        b.body(axum::body::Body::from(resp.bytes().await.unwrap()))
-            .unwrap()
+        match resp.bytes().await {
+            Ok(body) => b.body(axum::body::Body::from(body)).unwrap(),
+            Err(e) => bad_gateway(e),
+        }
     }
     let app = axum::Router::new()
         .fallback(forward)

@@ -12,8 +12,9 @@
 //! inference proxy) calls the tools its `context.mcp_tools` lists as actions; a tool it
 //! does not list is refused by the SBA and never reaches the gateway (the gateway's own
 //! audit of the job shows only the listed calls). `cynode-pm run` hosts the gateway for
-//! its own session: the same agent job under `run` gets its tools, and a job on `run`'s
-//! own local worker reaches the gateway too. A running job's token
+//! its own session: the same agent job under `run` gets its tools, a job on `run`'s
+//! own local worker reaches the gateway too, and an agent job on that local worker gets
+//! `run`'s (keyless) model as its inference upstream. A running job's token
 //! is refused once its session is canceled, and once its worker dies and the job fails.
 
 use std::path::Path;
@@ -1111,4 +1112,60 @@ fn run_hands_its_gateway_to_its_local_worker() {
         [s("skills.get", "ok"), s("artifact.list", "ok")],
         "{v}"
     );
+}
+
+/// `cynode-pm run` gives its own local worker its model (keyless here) as the inference
+/// upstream, so an agent job of a `run` on that worker gets a model and calls the gateway.
+/// One scripted model serves both: the PM's turns, then the agent's, then the PM's final.
+#[test]
+fn run_gives_its_local_worker_its_model_so_an_agent_job_runs() {
+    let dir = cynode_tests::tempdir().unwrap();
+    let skills = dir.path().join("skills");
+    agent_skill(&skills);
+    let act = |ty: &str, arguments: Value| json!({ "thought": ty, "action": { "type": ty, "arguments": arguments } });
+    let plan = json!({ "type": "plan_update", "payload": {}, "state_patch": [
+        { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "note", "status": "pending" } }] });
+    let (model, m) = model_server(vec![
+        plan,
+        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "gw-agent", "inputs": {} } }),
+        act(
+            "tool_call",
+            json!({ "name": "artifact.put",
+            "arguments": { "path": "agent/note.txt", "content": NOTE } }),
+        ),
+        act(
+            "finish",
+            json!({ "status": "success", "final_answer": "note stored" }),
+        ),
+        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
+    ]);
+    let skill_dir = skills.display().to_string();
+    let out = cynode_tests::pm_with(
+        &dir.path().join("state"),
+        &model,
+        &[
+            "run",
+            "let an agent use the gateway on the local worker",
+            "--skill-dir",
+            &skill_dir,
+        ],
+        &[],
+    );
+    let v = cynode_tests::completed(&out);
+    let calls = calls_of(&history(&v), &only_job(&v));
+    assert_eq!(
+        calls,
+        [("artifact.put".to_string(), "ok".to_string())],
+        "{v}"
+    );
+    assert!(
+        v["state"]["artifacts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["sha256"] == sha(NOTE.as_bytes())),
+        "{v}"
+    );
+    // The agent's two turns reached the model through the worker: 5 requests in all.
+    assert_eq!(m.requests().len(), 5, "{:?}", m.requests());
 }

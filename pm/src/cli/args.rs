@@ -8,7 +8,8 @@ use std::time::Duration;
 
 use clap::Args;
 use cynode_pm::config::{
-    LocalWorkerConfig, PmConfig, PolicySource, RemoteWorker, SkillSources, WorkersConfig,
+    LocalInference, LocalWorkerConfig, PmConfig, PolicySource, RemoteWorker, SkillSources,
+    WorkersConfig,
 };
 use cynode_pm::llm::ModelConfig;
 use cynode_pm::session::Budgets;
@@ -212,6 +213,21 @@ impl RunArgs {
         Ok(all.into_iter().collect())
     }
 
+    /// The local worker's inference upstream: this run's model, unless that model takes a
+    /// key (`CYNODE_MODEL_API_KEY`), which stays the PM's alone.
+    pub fn local_inference(&self) -> Option<LocalInference> {
+        if ModelConfig::api_key_from_env().is_some() {
+            tracing::info!(
+                "the local worker gets no inference upstream: the model takes a key, which does not leave the PM; agent jobs on it are refused"
+            );
+            return None;
+        }
+        Some(LocalInference {
+            base_url: self.pm.model.model_base_url.clone(),
+            ca_file: self.pm.model.ca_file.clone(),
+        })
+    }
+
     /// The local worker of this run, its workspaces seeded from `seed`, its egress
     /// ceiling [`Self::egress_ceiling`].
     pub fn local_worker(
@@ -230,6 +246,7 @@ impl RunArgs {
             seed,
             egress_allow: self.egress_ceiling(global)?,
             otlp_endpoint: global.otlp_endpoint.clone(),
+            inference: self.local_inference(),
             keeper: exe.clone(),
             grace: Duration::from_secs(self.local.local_worker_grace_seconds),
         })

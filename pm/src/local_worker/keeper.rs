@@ -68,6 +68,9 @@ pub struct Hello {
     /// The worker's `egress.allow` ceiling.
     #[serde(default)]
     pub egress_allow: Vec<String>,
+    /// The worker's inference upstream (its base URL), if it has one.
+    #[serde(default)]
+    pub inference: Option<String>,
 }
 
 /// The keeper's settings, from its command line.
@@ -82,6 +85,8 @@ pub struct KeeperArgs {
     pub seed: Option<PathBuf>,
     /// The worker's `egress.allow` ceiling (as its config says), told to attaching PMs.
     pub egress_allow: Vec<String>,
+    /// The worker's inference upstream (as its config says), told to attaching PMs.
+    pub inference: Option<String>,
 }
 
 impl KeeperArgs {
@@ -110,6 +115,11 @@ impl KeeperArgs {
                 .iter()
                 .flat_map(|p| ["--egress-allow".into(), p.into()]),
         )
+        .chain(
+            self.inference
+                .iter()
+                .flat_map(|u| ["--inference".into(), u.into()]),
+        )
         .collect()
     }
 
@@ -118,6 +128,7 @@ impl KeeperArgs {
         let (mut dir, mut program, mut config, mut token_file, mut grace, mut seed) =
             (None, None, None, None, None, None);
         let mut egress_allow = Vec::new();
+        let mut inference = None;
         while let Some(k) = it.next() {
             let v = it.next()?;
             match k.to_str()? {
@@ -128,6 +139,7 @@ impl KeeperArgs {
                 "--grace-seconds" => grace = v.to_str()?.parse::<u64>().ok(),
                 "--seed" => seed = Some(PathBuf::from(v)),
                 "--egress-allow" => egress_allow.push(v.to_str()?.to_string()),
+                "--inference" => inference = Some(v.to_str()?.to_string()),
                 _ => return None,
             }
         }
@@ -139,6 +151,7 @@ impl KeeperArgs {
             grace: Duration::from_secs(grace?),
             seed,
             egress_allow,
+            inference,
         })
     }
 }
@@ -283,6 +296,7 @@ fn serve(k: &KeeperArgs) -> i32 {
         keeper_pid: std::process::id(),
         seed: k.seed.clone(),
         egress_allow: k.egress_allow.clone(),
+        inference: k.inference.clone(),
     })
     .unwrap_or_default();
     accept_in_background(listener, hello, tx);
@@ -489,12 +503,14 @@ mod tests {
             grace: Duration::from_secs(600),
             seed: Some("/src/tree".into()),
             egress_allow: vec!["127.0.0.1:8080".into(), "*.pythonhosted.org".into()],
+            inference: Some("http://127.0.0.1:8089/v1".into()),
         };
         let back = KeeperArgs::parse(&k.to_args()).unwrap();
         assert_eq!(back.grace, k.grace);
         assert_eq!(back.token_file, k.token_file);
         assert_eq!(back.seed, k.seed);
         assert_eq!(back.egress_allow, k.egress_allow);
+        assert_eq!(back.inference, k.inference);
         assert!(KeeperArgs::parse(&["--dir".into()]).is_none());
     }
 }
