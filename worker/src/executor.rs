@@ -34,6 +34,27 @@ use cynode_protocol::time::now_rfc3339;
 
 pub mod response;
 
+/// A stopwatch for the debug-level phase timings of a job (`CYNODE_LOG_LEVEL=debug`; read
+/// by `worker/benches/bwrap_phases.sh`): [`Lap::us`] is the time since the last call, in
+/// microseconds. Two clock reads per phase; nothing else.
+#[derive(Debug, Clone, Copy)]
+pub struct Lap(std::time::Instant);
+
+impl Lap {
+    /// Starts now.
+    pub fn start() -> Self {
+        Lap(std::time::Instant::now())
+    }
+
+    /// Microseconds since the start or the last call, and restarts.
+    pub fn us(&mut self) -> u64 {
+        let now = std::time::Instant::now();
+        let us = now.duration_since(self.0).as_micros();
+        self.0 = now;
+        u64::try_from(us).unwrap_or(u64::MAX)
+    }
+}
+
 /// Validates a request completely before anything is created or started.
 pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, ValidationError> {
     req.validate()?;
@@ -214,6 +235,7 @@ impl JobPaths {
 /// Every step goes through a directory fd without following links ([`crate::job_dir`]).
 /// What the sandbox writes is owned by `host_uid`, the workspace's ([`crate::uid_pool`]).
 fn make_dirs(paths: &JobPaths, req: &RunJobRequest, host_uid: u32) -> std::io::Result<()> {
+    let mut lap = Lap::start();
     let (jobs, name) = job_dir::split(&paths.root)?;
     let root = job_dir::create_new_dir(job_dir::open_node_dir(jobs)?.as_fd(), name)?;
     job_dir::write_new_file(
@@ -225,9 +247,11 @@ fn make_dirs(paths: &JobPaths, req: &RunJobRequest, host_uid: u32) -> std::io::R
     )?;
     job_dir::own(&root, None, 0o755)?;
     let mount = job_dir::create_new_dir(root.as_fd(), OsStr::new("job"))?;
+    let dir_us = lap.us();
     // The kernel's disk limit: a volume of its own on `job/`, before anything is in it.
     let label = format!("job-{}", req.job_id);
     let mount = crate::loopfs::cover(root.as_fd(), OsStr::new("job"), &label).unwrap_or(mount);
+    let volume_us = lap.us();
     let artifacts = job_dir::create_new_dir(mount.as_fd(), OsStr::new(ARTIFACTS_DIR))?;
     job_dir::own(&artifacts, Some(host_uid), 0o755)?;
     if let Some(spec) = &req.sandbox.job_spec_json {
@@ -243,9 +267,11 @@ fn make_dirs(paths: &JobPaths, req: &RunJobRequest, host_uid: u32) -> std::io::R
     let (spaces, ws) = job_dir::split(&paths.workspace)?;
     let spaces = job_dir::open_node_dir(spaces)?;
     let label = format!("ws-{}", ws.to_string_lossy());
+    let files_us = lap.us();
     if !crate::loopfs::new_volume_dir(spaces.as_fd(), ws, &label, host_uid)? {
         job_dir::open_or_create_owned_dir(spaces.as_fd(), ws, host_uid)?;
     }
+    tracing::debug!(job_id = %req.job_id, dir_us, volume_us, files_us, workspace_us = lap.us(), "phases: job directory");
     Ok(())
 }
 
@@ -396,6 +422,7 @@ impl PreparedJob {
             mut egress,
             ..
         } = self;
+        let mut lap = Lap::start();
         let started_at = now_rfc3339();
         // The disk guard stops the sandbox through a child token: a breach is not a cancel.
         let trip = cancel.child_token();
@@ -404,13 +431,17 @@ impl PreparedJob {
             paths.bounds.disk,
             trip.clone(),
         );
+        let guard_start_us = lap.us();
         let hook = egress.as_mut().map(JobEgress::hook);
         let out = backend.run_with_hook(&spec, &trip, hook).await;
+        let backend_us = lap.us();
         let audit = match egress {
             Some(e) => e.finish().await,
             None => None,
         };
+        let egress_us = lap.us();
         let breach = guard.finish().await;
+        let guard_finish_us = lap.us();
         let end = response::RunEnd {
             out,
             started_at,
@@ -419,7 +450,9 @@ impl PreparedJob {
             audit,
             breach,
         };
-        response::after_run(&req, &paths, end).await
+        let resp = response::after_run(&req, &paths, end).await;
+        tracing::debug!(job_id = %req.job_id, guard_start_us, backend_us, egress_us, guard_finish_us, response_us = lap.us(), "phases: run");
+        resp
     }
 }
 

@@ -150,6 +150,7 @@ impl Confinement {
         host_uid: u32,
     ) -> Result<Confinement, BackendError> {
         use std::os::fd::AsRawFd;
+        let mut lap = crate::executor::Lap::start();
         let memfds = seccomp_programs()?
             .iter()
             .map(|p| {
@@ -159,9 +160,16 @@ impl Confinement {
             })
             .collect::<Result<Vec<_>, BackendError>>()?;
         let fds = memfds.iter().map(AsRawFd::as_raw_fd).collect();
+        let seccomp_us = lap.us();
         let cgroup = Cgroup::create(node, name, limits).map_err(|e| {
             BackendError::Unavailable(format!("cannot create cgroup for limits: {e}"))
         })?;
+        tracing::debug!(
+            sandbox = name,
+            seccomp_us,
+            cgroup_create_us = lap.us(),
+            "phases: confinement"
+        );
         Ok(Confinement {
             memfds,
             fds,
@@ -293,6 +301,7 @@ impl BwrapBackend {
         hook: Option<NetnsHook>,
     ) -> SandboxOutcome {
         let started = Instant::now();
+        let mut lap = crate::executor::Lap::start();
         let fail = |msg: String| SandboxOutcome::start_failed(msg, started);
         let Some(rootfs) = self.rootfs_for(&spec.image) else {
             return fail(format!(
@@ -310,6 +319,7 @@ impl BwrapBackend {
             Ok(c) => c,
             Err(e) => return fail(e.to_string()),
         };
+        let confine_us = lap.us();
         let mut gate = match hook.as_ref().map(|_| Gate::new()).transpose() {
             Ok(g) => g,
             Err(e) => return fail(format!("cannot make bwrap's info and block pipes: {e}")),
@@ -338,6 +348,7 @@ impl BwrapBackend {
             Err(e) => return fail(format!("cannot start {}: {e}", self.binary())),
         };
         let pgid = child.id().map(|p| p as i32);
+        let spawn_us = lap.us();
         if let (Some(gate), Some(hook)) = (gate, hook) {
             let ready = match gate.child_pid().await {
                 Ok(pid) => hook(pid).await,
@@ -366,9 +377,11 @@ impl BwrapBackend {
                 return fail(e);
             }
         }
+        let hook_us = lap.us();
         let out = capture::spawn(child.stdout.take(), spec.output_cap);
         let err = capture::spawn(child.stderr.take(), spec.output_cap);
         let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;
+        let wait_us = lap.us();
         let status = match status {
             Some(s) => Some(s),
             None => {
@@ -383,10 +396,13 @@ impl BwrapBackend {
             }
         };
         confinement.kill_all();
+        let kill_us = lap.us();
         use std::os::unix::process::ExitStatusExt;
         let exit_code = status.and_then(|s| s.code().or_else(|| s.signal().map(|sig| 128 + sig)));
         let outcome = SandboxOutcome::collected(exit_code, out, err, end, started).await;
+        let collect_us = lap.us();
         drop(confinement);
+        tracing::debug!(sandbox = %spec.name, confine_us, spawn_us, hook_us, wait_us, kill_us, collect_us, cgroup_remove_us = lap.us(), "phases: bwrap");
         outcome
     }
 }

@@ -58,15 +58,20 @@ impl Node {
         self: &Arc<Self>,
         mut req: RunJobRequest,
     ) -> Result<RunJobResponse, NodeError> {
+        let mut lap = executor::Lap::start();
         default_image(self, &mut req);
         executor::validate(&self.cfg, &req)?;
         // The gateway token is held in memory only: never digested, stored or logged.
         let gateway = req.gateway.take();
         let digest = request_digest(&req)?;
+        let validate_us = lap.us();
         // The workspace's host uid, before the job is accepted: none free is a 503.
         self.uids.for_workspace(workspace_of(&req)).await?;
+        let uid_us = lap.us();
         self.take_slot()?;
-        if !self.insert_holding_slot(&req, Mode::Sync).await? {
+        let inserted = self.insert_holding_slot(&req, Mode::Sync).await?;
+        tracing::debug!(job_id = %req.job_id, validate_us, uid_us, insert_us = lap.us(), "phases: accept");
+        if !inserted {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             return match self.store.get(&req.job_id).await? {
                 Some(rec) if rec.request_digest != digest => Err(different_request(&req.job_id)),
@@ -179,6 +184,7 @@ impl Node {
             self.execute_inner(&req, &cancel).await
         };
         drop(permit);
+        let mut lap = executor::Lap::start();
         gateway_forward::grants().remove(&req.job_id);
         let state = if cancel.is_cancelled() && resp.status != WorkerJobStatus::Completed {
             AsyncJobState::Canceled
@@ -186,6 +192,7 @@ impl Node {
             state_of(&resp)
         };
         self.record_result(&req.job_id, state, &resp).await;
+        let record_us = lap.us();
         if let Ok(mut g) = self.running.lock() {
             g.remove(&req.job_id);
         }
@@ -193,6 +200,7 @@ impl Node {
         // between the sandbox's end and the recorded result (the job would come back as
         // `worker_restarted`).
         self.waiting.fetch_sub(1, Ordering::SeqCst);
+        tracing::debug!(job_id = %req.job_id, record_us, "phases: finish");
         tracing::info!(job_id = %req.job_id, task_id = %req.task_id, state = ?state, exit_code = resp.exit_code, "job finished");
         resp
     }
@@ -202,14 +210,17 @@ impl Node {
         req: &RunJobRequest,
         cancel: &CancellationToken,
     ) -> RunJobResponse {
+        let mut lap = executor::Lap::start();
         let host_uid = match self.uids.for_workspace(workspace_of(req)).await {
             Ok(uid) => uid,
             Err(e) => return response::not_run(req, e.to_string()),
         };
+        let uid_again_us = lap.us();
         let job = match PreparedJob::prepare(&self.cfg, req, host_uid) {
             Ok(job) => job,
             Err(e) => return response::not_run(req, format!("cannot prepare job directory: {e}")),
         };
+        let prepare_us = lap.us();
         let mount = &job.paths().mount;
         let _callbacks = if req.sandbox.job_spec_json.is_some() {
             let store = self.store.clone();
@@ -282,6 +293,7 @@ impl Node {
                 );
             }
         };
+        tracing::debug!(job_id = %req.job_id, uid_again_us, prepare_us, servers_us = lap.us(), "phases: start");
         tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, egress = egress.is_some(), "job started");
         let job = match egress {
             Some(e) => job.with_egress(e),
