@@ -684,9 +684,13 @@ impl Cgroup {
             .collect()
     }
 
-    /// SIGKILLs every process still in the cgroup.
+    /// SIGKILLs every process still in the cgroup, until none is left (at most about
+    /// half a second): checked again after 0.1 ms, then at doubling pauses up to 10 ms (a
+    /// killed process leaves the list within a millisecond or so).
     fn kill_all(&self) {
-        for _ in 0..50 {
+        let until = Instant::now() + Duration::from_millis(500);
+        let mut pause = Duration::from_micros(100);
+        loop {
             let mut any = false;
             for d in &self.dirs {
                 let Ok(text) = std::fs::read_to_string(d.join("cgroup.procs")) else {
@@ -700,10 +704,11 @@ impl Cgroup {
                     }
                 }
             }
-            if !any {
+            if !any || Instant::now() >= until {
                 return;
             }
-            std::thread::sleep(Duration::from_millis(10));
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(10));
         }
     }
 
