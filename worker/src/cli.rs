@@ -276,6 +276,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
+    cynode_worker::backend::bwrap::starter::drain();
     tracing::info!("cynode-worker stopped");
     Ok(())
 }

@@ -72,6 +72,7 @@ macro_rules! on_every_backend {
 }
 
 mod backends;
+mod bwrap_starters;
 mod cases;
 mod disk_attacks;
 mod disk_unlinked;

@@ -46,6 +46,7 @@ use crate::config::{BackendKind, BwrapConfig};
 use crate::sandbox::SANDBOX_UID_TEXT;
 
 mod isolated;
+pub mod starter;
 pub use isolated::IsolatedBwrap;
 
 /// What runs when an SBA job's image has no explicit command.
@@ -63,6 +64,8 @@ pub struct BwrapBackend {
     node: String,
     /// This bwrap knows `--disable-userns` (0.8 and later).
     disable_userns: bool,
+    /// Pre-spawned starters ([`starter`]), shared by the backend's clones.
+    starters: Arc<std::sync::OnceLock<Option<Arc<starter::Starters>>>>,
 }
 
 /// The compiled seccomp programs, built once.
@@ -247,6 +250,7 @@ impl BwrapBackend {
             cfg,
             node,
             disable_userns,
+            starters: Arc::default(),
         }
     }
 
@@ -292,38 +296,40 @@ impl BwrapBackend {
         a
     }
 
-    /// Runs the sandbox to the end; with a `hook`, bwrap reports the sandbox's pid and
-    /// waits ([`Gate`]) until the hook has run (a failed hook ends it unstarted).
-    pub async fn run_with(
+    /// The backend's starter pool, started at its first job; `None` where it cannot run.
+    fn starters(&self, spec: &SandboxSpec) -> Option<&starter::Starters> {
+        self.starters
+            .get_or_init(|| {
+                starter::Starters::start(
+                    self.binary(),
+                    &self.node,
+                    spec.limits,
+                    self.disable_userns,
+                )
+            })
+            .as_deref()
+    }
+
+    /// Starts bwrap for `spec` the cold way: a cgroup made now, joined between fork and
+    /// exec; with `gated`, bwrap's info and block pipes ([`Gate`]).
+    fn spawn_cold(
         &self,
         spec: &SandboxSpec,
-        cancel: &CancellationToken,
-        hook: Option<NetnsHook>,
-    ) -> SandboxOutcome {
-        let started = Instant::now();
-        let mut lap = crate::executor::Lap::start();
-        let fail = |msg: String| SandboxOutcome::start_failed(msg, started);
-        let Some(rootfs) = self.rootfs_for(&spec.image) else {
-            return fail(format!(
-                "no root filesystem configured for image `{}`",
-                spec.image
-            ));
-        };
-        let mut confinement = match Confinement::new(
+        rootfs: &Path,
+        gated: bool,
+    ) -> Result<(tokio::process::Child, Confinement, Option<Gate>), String> {
+        let mut confinement = Confinement::new(
             &self.node,
             &spec.name,
             &spec.limits,
             self.disable_userns,
             spec.host_uid,
-        ) {
-            Ok(c) => c,
-            Err(e) => return fail(e.to_string()),
-        };
-        let confine_us = lap.us();
-        let mut gate = match hook.as_ref().map(|_| Gate::new()).transpose() {
-            Ok(g) => g,
-            Err(e) => return fail(format!("cannot make bwrap's info and block pipes: {e}")),
-        };
+        )
+        .map_err(|e| e.to_string())?;
+        let mut gate = gated
+            .then(Gate::new)
+            .transpose()
+            .map_err(|e| format!("cannot make bwrap's info and block pipes: {e}"))?;
         let mut args = confinement.args();
         args.extend(gate.iter().flat_map(Gate::args));
         let mut cmd = Command::new(self.binary());
@@ -343,12 +349,57 @@ impl BwrapBackend {
         if let Some(g) = &mut gate {
             g.spawned();
         }
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => return fail(format!("cannot start {}: {e}", self.binary())),
+        match spawned {
+            Ok(c) => Ok((c, confinement, gate)),
+            Err(e) => Err(format!("cannot start {}: {e}", self.binary())),
+        }
+    }
+
+    /// Runs the sandbox to the end; with a `hook`, bwrap reports the sandbox's pid and
+    /// waits ([`Gate`]) until the hook has run (a failed hook ends it unstarted).
+    pub async fn run_with(
+        &self,
+        spec: &SandboxSpec,
+        cancel: &CancellationToken,
+        hook: Option<NetnsHook>,
+    ) -> SandboxOutcome {
+        let started = Instant::now();
+        let mut lap = crate::executor::Lap::start();
+        let fail = |msg: String| SandboxOutcome::start_failed(msg, started);
+        let Some(rootfs) = self.rootfs_for(&spec.image) else {
+            return fail(format!(
+                "no root filesystem configured for image `{}`",
+                spec.image
+            ));
         };
+        // A pre-spawned starter (already in its cgroup) when the job needs no gate.
+        let warm = match hook {
+            None => self.starters(spec).and_then(|p| p.take(&spec.limits)),
+            Some(_) => None,
+        };
+        let started_warm = match warm {
+            Some(t) => {
+                let args = self.args(spec, rootfs, &t.confinement_args());
+                match t.start(&spec.name, &args, spec.host_uid) {
+                    Ok(c) => Some(c),
+                    Err(e) => {
+                        tracing::warn!(sandbox = %spec.name, error = %e, "bwrap starter not used; starting cold");
+                        None
+                    }
+                }
+            }
+            None => None,
+        };
+        let (mut child, mut confinement, gate) = match started_warm {
+            Some(c) => (c.child, c.confinement, None),
+            None => match self.spawn_cold(spec, rootfs, hook.is_some()) {
+                Ok(x) => x,
+                Err(e) => return fail(e),
+            },
+        };
+        confinement.started();
         let pgid = child.id().map(|p| p as i32);
-        let spawn_us = lap.us();
+        let start_us = lap.us();
         if let (Some(gate), Some(hook)) = (gate, hook) {
             let ready = match gate.child_pid().await {
                 Ok(pid) => hook(pid).await,
@@ -402,7 +453,7 @@ impl BwrapBackend {
         let outcome = SandboxOutcome::collected(exit_code, out, err, end, started).await;
         let collect_us = lap.us();
         drop(confinement);
-        tracing::debug!(sandbox = %spec.name, confine_us, spawn_us, hook_us, wait_us, kill_us, collect_us, cgroup_remove_us = lap.us(), "phases: bwrap");
+        tracing::debug!(sandbox = %spec.name, start_us, hook_us, wait_us, kill_us, collect_us, cgroup_remove_us = lap.us(), "phases: bwrap");
         outcome
     }
 }
@@ -682,6 +733,20 @@ impl Cgroup {
                 CString::new(d.join("cgroup.procs").as_os_str().as_bytes()).ok()
             })
             .collect()
+    }
+
+    /// Renames the cgroup to `name` (same parent; its processes stay in it); on failure it
+    /// keeps its name.
+    fn rename(&mut self, name: &str) {
+        for d in &mut self.dirs {
+            let to = d.with_file_name(name);
+            match std::fs::rename(&*d, &to) {
+                Ok(()) => *d = to,
+                Err(e) => {
+                    tracing::warn!(cgroup = %d.display(), to = %to.display(), error = %e, "cannot rename a sandbox cgroup");
+                }
+            }
+        }
     }
 
     /// SIGKILLs every process still in the cgroup, until none is left (at most about

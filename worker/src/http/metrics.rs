@@ -56,5 +56,6 @@ fn render(node: &Node) -> String {
         );
     }
     out.push_str(&crate::loopfs::metrics_text());
+    out.push_str(&crate::backend::bwrap::starter::metrics_text());
     out
 }
