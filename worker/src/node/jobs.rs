@@ -222,6 +222,7 @@ impl Node {
         };
         let prepare_us = lap.us();
         let mount = &job.paths().mount;
+        let mut in_progress = false;
         let _callbacks = if req.sandbox.job_spec_json.is_some() {
             let store = self.store.clone();
             let job_id = req.job_id.clone();
@@ -242,10 +243,8 @@ impl Node {
                 }
             }
         } else {
-            let _ = self
-                .store
-                .set_state(&req.job_id, AsyncJobState::InProgress)
-                .await;
+            // Written while the sandbox starts, below.
+            in_progress = true;
             None
         };
         let _proxy = match (job.inference_models(), &self.inference) {
@@ -299,7 +298,20 @@ impl Node {
             Some(e) => job.with_egress(e),
             None => job,
         };
-        job.run(self.backend.as_ref(), cancel).await
+        // `in_progress` is written while the sandbox starts (no early return after this
+        // point) and awaited before the job's answer, so the final state comes after it.
+        let in_progress = in_progress.then(|| {
+            let store = self.store.clone();
+            let job_id = req.job_id.clone();
+            tokio::spawn(async move {
+                let _ = store.set_state(&job_id, AsyncJobState::InProgress).await;
+            })
+        });
+        let resp = job.run(self.backend.as_ref(), cancel).await;
+        if let Some(w) = in_progress {
+            let _ = w.await;
+        }
+        resp
     }
 
     /// `GET /jobs/{id}`.
