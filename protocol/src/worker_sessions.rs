@@ -2,13 +2,16 @@
 //! several commands of one task. `POST /v1/worker/sessions` takes a
 //! [`CreateSessionRequest`]; create, show and end answer a [`SessionInfo`];
 //! `POST …/{session_id}/exec` takes an [`ExecRequest`] and answers an [`ExecResponse`].
+//! A session may have the node's egress proxy (`network_policy: restricted`, as a job):
+//! each exec's response lists that exec's attempts, the session's info their total.
 
 use std::collections::BTreeMap;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::worker_api::{Truncated, WorkerJobStatus};
+use crate::egress::EgressRecord;
+use crate::worker_api::{NetworkPolicy, Truncated, WorkerJobStatus};
 
 /// `POST /v1/worker/sessions` request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -32,6 +35,15 @@ pub struct CreateSessionRequest {
     pub max_lifetime_seconds: Option<u64>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Network, with a job's `sandbox.network_policy` values and rules: `none` (the
+    /// default) is no network at all; `restricted` is the node's egress proxy for the
+    /// session's whole life; `allow` is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub network_policy: Option<NetworkPolicy>,
+    /// With `restricted`: a narrowing of the node's `egress.allow`, as a job's
+    /// `sandbox.egress_allow` (never a widening). Absent: the node's whole list.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress_allow: Option<Vec<String>>,
 }
 
 /// `POST /v1/worker/sessions/{session_id}/exec` request.
@@ -101,6 +113,24 @@ pub struct SessionInfo {
     pub ended_at: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub end_reason: Option<SessionEndReason>,
+    /// The session's egress so far; absent when it has no proxy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<SessionEgress>,
+}
+
+/// A session's egress over its life: its attempts through the node's proxy, up to the
+/// node's bound (`egress.max_audit_records`), and the bytes counted against its budget.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SessionEgress {
+    pub records: Vec<EgressRecord>,
+    /// Attempts beyond the bound, counted but not listed.
+    #[serde(default)]
+    pub dropped: u64,
+    /// Bytes carried both ways, all connections (the session's `egress.max_total_bytes`
+    /// budget counts these).
+    #[serde(default)]
+    pub bytes: u64,
 }
 
 /// `POST /v1/worker/sessions/{session_id}/exec` response.
@@ -119,6 +149,17 @@ pub struct ExecResponse {
     pub ended_at: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_reason: Option<String>,
+    /// The attempts made through the session's egress proxy during this exec (as a job
+    /// response's `egress`), up to the node's bound; absent when the session has no proxy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub egress: Option<Vec<EgressRecord>>,
+    /// This exec's attempts beyond that bound, counted but not listed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub egress_dropped: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 #[cfg(test)]

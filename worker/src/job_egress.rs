@@ -57,6 +57,12 @@ impl NodeEgress {
             limits: cfg.limits(),
         })))
     }
+
+    /// The bounds every proxy of the node gets (a session's bubblewrap commands share
+    /// its byte budget: [`JobEgress::with_byte_budget`]).
+    pub fn limits(&self) -> &EgressLimits {
+        &self.limits
+    }
 }
 
 /// The field every refusal names.
@@ -133,6 +139,7 @@ pub struct JobEgress {
     slot: Arc<Mutex<Option<EgressProxy>>>,
     policy: Option<Policy>,
     node: Arc<NodeEgress>,
+    limits: EgressLimits,
 }
 
 impl JobEgress {
@@ -141,8 +148,16 @@ impl JobEgress {
             job_id: job_id.into(),
             slot: Arc::new(Mutex::new(None)),
             policy: Some(policy),
+            limits: node.limits.clone(),
             node,
         }
+    }
+
+    /// This proxy may carry at most `bytes` both ways (what is left of a session's
+    /// budget), instead of the node's `max_total_bytes`.
+    pub fn with_byte_budget(mut self, bytes: u64) -> Self {
+        self.limits.max_total_bytes = self.limits.max_total_bytes.min(bytes);
+        self
     }
 
     /// The backend's hook: binds [`PROXY_ADDR`] in the network namespace of the pid it is
@@ -153,6 +168,7 @@ impl JobEgress {
         let policy = self.policy.take();
         let node = Arc::clone(&self.node);
         let job_id = self.job_id.clone();
+        let limits = self.limits.clone();
         Box::new(move |pid: u32| {
             Box::pin(async move {
                 let policy = policy.ok_or("the egress hook ran twice")?;
@@ -170,7 +186,7 @@ impl JobEgress {
                     policy,
                     node.resolver.clone(),
                     Arc::clone(&node.routes),
-                    node.limits.clone(),
+                    limits,
                 )
                 .map_err(|e| format!("egress proxy: cannot start: {e}"))?;
                 match slot.lock() {
@@ -182,13 +198,28 @@ impl JobEgress {
         })
     }
 
+    /// The running proxy's audit and bytes carried so far; `None` before it started.
+    pub fn snapshot(&self) -> Option<(EgressAudit, u64)> {
+        let g = match self.slot.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        g.as_ref().map(|p| (p.audit(), p.bytes_used()))
+    }
+
     /// Ends the proxy (its open connections are cut) and returns its audit; `None` when
     /// it never started (the sandbox did not).
     pub async fn finish(self) -> Option<EgressAudit> {
+        self.finish_counted().await.map(|(audit, _)| audit)
+    }
+
+    /// [`JobEgress::finish`], with the bytes the proxy carried both ways.
+    pub async fn finish_counted(self) -> Option<(EgressAudit, u64)> {
         let proxy = match self.slot.lock() {
             Ok(mut g) => g.take(),
             Err(p) => p.into_inner().take(),
         }?;
+        let bytes = proxy.bytes_used();
         let audit = proxy.finish().await;
         let denied = audit
             .records
@@ -203,6 +234,6 @@ impl JobEgress {
             dropped = audit.dropped,
             "egress proxy closed"
         );
-        Some(audit)
+        Some((audit, bytes))
     }
 }

@@ -91,6 +91,7 @@ mod inference;
 mod listeners;
 mod microvm;
 mod sandbox_escapes;
+mod session_egress;
 mod sessions;
 mod syscall_probe;
 mod tenant_uids;

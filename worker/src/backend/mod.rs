@@ -261,6 +261,29 @@ pub trait SessionSandbox: Send + Sync + std::fmt::Debug {
     /// `cancel` (the session ending) stops it.
     async fn exec(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome;
 
+    /// The pid of a process in the network namespace the session's commands share for
+    /// its whole life (the keep-alive container's init), where the session's egress proxy
+    /// binds once; `None` when there is none the node can bind in (each command a sandbox
+    /// of its own, or gVisor's network stack).
+    fn netns_pid(&self) -> Option<u32> {
+        None
+    }
+
+    /// [`SessionSandbox::exec`] in a fresh sandbox of its own, `hook` called once its
+    /// network namespace exists and before the command runs (a session whose commands
+    /// are each a sandbox: the egress proxy binds per command). The default refuses.
+    async fn exec_gated(
+        &self,
+        _spec: &SandboxSpec,
+        _cancel: &CancellationToken,
+        _hook: NetnsHook,
+    ) -> SandboxOutcome {
+        SandboxOutcome::start_failed(
+            "this session's sandbox cannot bind an egress proxy per command".into(),
+            std::time::Instant::now(),
+        )
+    }
+
     /// Whether the sandbox still lives and can run commands.
     fn is_alive(&self) -> bool;
 
@@ -278,6 +301,15 @@ pub struct PerCommand<B>(pub B);
 impl<B: SandboxBackend> SessionSandbox for PerCommand<B> {
     async fn exec(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
         self.0.run(spec, cancel).await
+    }
+
+    async fn exec_gated(
+        &self,
+        spec: &SandboxSpec,
+        cancel: &CancellationToken,
+        hook: NetnsHook,
+    ) -> SandboxOutcome {
+        self.0.run_gated(spec, cancel, hook).await
     }
 
     fn is_alive(&self) -> bool {

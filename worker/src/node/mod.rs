@@ -153,9 +153,9 @@ impl Node {
             crate::gateway_forward::client(&cfg.gateway.tls).map_err(StartError::Gateway)?;
         let node = Arc::new(Node {
             inference,
-            egress,
+            egress: egress.clone(),
             gateway,
-            sessions: Sessions::new(&cfg, backend.clone(), Arc::clone(&uids)),
+            sessions: Sessions::new(&cfg, backend.clone(), Arc::clone(&uids), egress),
             uids,
             permits: Arc::new(Semaphore::new(cfg.queue.max_running.max(1))),
             cfg: Arc::new(cfg),

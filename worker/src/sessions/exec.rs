@@ -9,6 +9,7 @@ use cynode_protocol::time::now_rfc3339;
 use cynode_protocol::worker_api::{check_id, WorkerJobStatus, API_VERSION};
 use cynode_protocol::worker_sessions::{ExecRequest, ExecResponse, SessionEndReason};
 
+use super::egress::ExecNet;
 use super::spec::{container_name, sandbox_env, sandbox_spec};
 use super::state::Phase;
 use super::validate::validate_exec;
@@ -29,7 +30,7 @@ impl Sessions {
         validate_exec(&req)?;
         let cfg = &self.inner.cfg;
         let timeout = Duration::from_secs(cfg.limits.effective_timeout(req.timeout_seconds));
-        let (sandbox, spec, cancel, workspace) = self.with_entry(session_id, |e| {
+        let (sandbox, spec, cancel, workspace, net) = self.with_entry(session_id, |e| {
             let sandbox = match &e.phase {
                 Phase::Running(sb) => sb.clone(),
                 Phase::Starting => {
@@ -58,10 +59,17 @@ impl Sessions {
                 &e.info,
                 (e.workspace.clone(), e.host_uid),
                 req.command.clone(),
-                sandbox_env(&e.info, &e.env, &req.env),
+                sandbox_env(&e.info, &e.env, &req.env, e.net.is_some()),
                 timeout,
+                e.net.is_some(),
             );
-            Ok((sandbox, spec, e.cancel.clone(), e.workspace.clone()))
+            Ok((
+                sandbox,
+                spec,
+                e.cancel.clone(),
+                e.workspace.clone(),
+                e.net.clone(),
+            ))
         })?;
         let limit = DiskLimit::from_limits(&cfg.limits);
         let this = self.clone();
@@ -72,7 +80,16 @@ impl Sessions {
             // child token: not a cancel of the session).
             let trip = cancel.child_token();
             let guard = DiskGuard::start(vec![workspace], limit, trip.clone());
-            let out = sandbox.exec(&spec, &trip).await;
+            // The session's proxy, or one of the command's own bound in its sandbox.
+            let mut share = net.as_ref().map(|n| n.exec_start());
+            let out = match share.as_mut().and_then(ExecNet::hook) {
+                Some(hook) => sandbox.exec_gated(&spec, &trip, hook).await,
+                None => sandbox.exec(&spec, &trip).await,
+            };
+            let egress = match (&net, share) {
+                (Some(n), Some(share)) => Some(n.exec_end(share).await),
+                _ => None,
+            };
             let breach = guard.finish().await;
             let ended_at = now_rfc3339();
             let mut gone = None;
@@ -93,7 +110,12 @@ impl Sessions {
             if let Some(sb) = gone {
                 sb.stop().await;
             }
-            exec_response(&id, &spec, out, breach, started_at, ended_at)
+            let mut resp = exec_response(&id, &spec, out, breach, started_at, ended_at);
+            if let Some((records, dropped)) = egress {
+                resp.egress = Some(records);
+                resp.egress_dropped = dropped;
+            }
+            resp
         });
         task.await
             .map_err(|e| SessionError::Internal(format!("exec task failed: {e}")))
@@ -155,5 +177,7 @@ fn exec_response(
         started_at,
         ended_at,
         failure_reason,
+        egress: None,
+        egress_dropped: 0,
     }
 }

@@ -20,12 +20,21 @@
 //!   then ends as failed. Ended sessions are remembered (409, idempotent end) for the
 //!   node's `retention_seconds`.
 //! - Sandbox env: the session's env, then the exec's, then `CYNODE_TASK_ID`,
-//!   `CYNODE_JOB_ID` (= the session id), `CYNODE_SESSION_ID` and `CYNODE_WORKSPACE_DIR`,
-//!   which requests cannot override. Sessions have no `/job` directory, so no artifacts.
+//!   `CYNODE_JOB_ID` (= the session id), `CYNODE_SESSION_ID` and `CYNODE_WORKSPACE_DIR`
+//!   (and the proxy variables for a session with egress), which requests cannot override.
+//!   Sessions have no `/job` directory, so no artifacts.
+//! - Network: none by default. `network_policy: restricted` (and `egress_allow`) is
+//!   checked exactly as a job's ([`crate::job_egress::policy`]); the session then has the
+//!   node's egress proxy at 127.0.0.1:3128 in its own network namespace: bound once for a
+//!   keep-alive container, per command under bubblewrap ([`egress`]). Budgets are the
+//!   session's; each exec's response lists that exec's attempts, `GET` the session's
+//!   totals; the proxy closes when the session ends, however it ends.
 //! - Session state is in memory only: sessions do not survive a node restart. Their
 //!   containers carry the node label, so the restarted node's startup reconciliation
 //!   (`remove_all_managed`) removes them, and they stop by themselves a minute after their
+//!   max lifetime.
 
+mod egress;
 mod error;
 mod exec;
 mod reaper;
@@ -53,6 +62,8 @@ use validate::validate_create;
 
 use crate::backend::{BackendError, SandboxBackend, SessionSandbox};
 use crate::config::Config;
+use crate::job_egress::NodeEgress;
+use egress::SessionNet;
 
 /// Idle timeout when the request gives none.
 pub const DEFAULT_IDLE_TIMEOUT_SECONDS: u64 = 600;
@@ -78,12 +89,16 @@ enum StartError {
     Workspace(String),
     #[error(transparent)]
     Backend(#[from] BackendError),
+    #[error("{0}")]
+    Egress(String),
 }
 
 struct Inner {
     cfg: Config,
     uids: Arc<crate::uid_pool::UidPool>,
     backend: Arc<dyn SandboxBackend>,
+    /// The node's egress (`None`: egress off).
+    egress: Option<Arc<NodeEgress>>,
     map: Mutex<HashMap<String, Entry>>,
 }
 
@@ -100,16 +115,19 @@ impl std::fmt::Debug for Sessions {
 }
 
 impl Sessions {
-    /// No sessions yet, on `backend`; workspaces get their host uids from `uids`.
+    /// No sessions yet, on `backend`; workspaces get their host uids from `uids`, and
+    /// sessions with `restricted` network a proxy of `egress`.
     pub fn new(
         cfg: &Config,
         backend: Arc<dyn SandboxBackend>,
         uids: Arc<crate::uid_pool::UidPool>,
+        egress: Option<Arc<NodeEgress>>,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 uids,
                 backend,
+                egress,
                 cfg: cfg.clone(),
                 map: Mutex::new(HashMap::new()),
             }),
@@ -141,6 +159,19 @@ impl Sessions {
     ) -> Result<(bool, SessionInfo), SessionError> {
         let cfg = &self.inner.cfg;
         let v = validate_create(cfg, &req)?;
+        let net = match (&v.egress, &self.inner.egress) {
+            (None, _) => None,
+            (Some(policy), Some(node)) => Some(SessionNet::new(
+                Arc::clone(node),
+                policy.clone(),
+                &req.session_id,
+            )),
+            (Some(_), None) => {
+                return Err(SessionError::Internal(
+                    "the node's egress proxy is not running".into(),
+                ))
+            }
+        };
         if let Some(existing) = self.repeat(&req)? {
             return Ok((false, existing));
         }
@@ -168,6 +199,7 @@ impl Sessions {
             max_lifetime_seconds: v.lifetime,
             ended_at: None,
             end_reason: None,
+            egress: net.as_ref().map(|_| Default::default()),
         };
         {
             let mut map = self
@@ -204,6 +236,8 @@ impl Sessions {
                     busy: false,
                     cancel: CancellationToken::new(),
                     seq: 0,
+                    net: net.clone(),
+                    network: (req.network_policy, req.egress_allow.clone()),
                 },
             );
         }
@@ -211,7 +245,7 @@ impl Sessions {
         let this = self.clone();
         let task = tokio::spawn(async move {
             let started = this
-                .start_sandbox(&info, &req.env, workspace, host_uid)
+                .start_sandbox(&info, &req.env, workspace, host_uid, net.as_deref())
                 .await;
             let Ok(mut map) = this.inner.map.lock() else {
                 if let Ok(sb) = started {
@@ -225,7 +259,7 @@ impl Sessions {
                         e.phase = Phase::Running(sandbox);
                         e.last_activity = Instant::now();
                     }
-                    tracing::info!(session_id = %info.session_id, task_id = %info.task_id, image = %info.image, idle_timeout_seconds = v.idle, max_lifetime_seconds = v.lifetime, "session started");
+                    tracing::info!(session_id = %info.session_id, task_id = %info.task_id, image = %info.image, idle_timeout_seconds = v.idle, max_lifetime_seconds = v.lifetime, egress = net.is_some(), "session started");
                     Ok((true, info))
                 }
                 Err(e) => {
@@ -247,6 +281,7 @@ impl Sessions {
         env: &BTreeMap<String, String>,
         workspace: PathBuf,
         host_uid: u32,
+        net: Option<&SessionNet>,
     ) -> Result<Arc<dyn SessionSandbox>, StartError> {
         // Owned by the workspace's uid, as jobs make it; an existing workspace is kept.
         if !workspace.exists() {
@@ -263,10 +298,20 @@ impl Sessions {
             info,
             (workspace, host_uid),
             Vec::new(),
-            sandbox_env(info, env, &BTreeMap::new()),
+            sandbox_env(info, env, &BTreeMap::new(), net.is_some()),
             Duration::from_secs(info.max_lifetime_seconds),
+            net.is_some(),
         );
-        Ok(self.inner.backend.start_session(&spec).await?)
+        let sandbox = self.inner.backend.start_session(&spec).await?;
+        // A sandbox that keeps one network namespace for the session's life gets the
+        // proxy there now, before any command runs; otherwise each command binds its own.
+        if let (Some(net), Some(pid)) = (net, sandbox.netns_pid()) {
+            if let Err(e) = net.bind_whole(pid).await {
+                sandbox.stop().await;
+                return Err(StartError::Egress(e));
+            }
+        }
+        Ok(sandbox)
     }
 
     /// The answer to a repeated create, if the session exists.
@@ -285,31 +330,35 @@ impl Sessions {
                 "session {id} is being created; retry"
             ))),
             Phase::Ended { .. } => Err(SessionError::Conflict(format!("session {id} has ended"))),
-            Phase::Running(_) if e.info.task_id != req.task_id || e.info.image != req.image => {
+            Phase::Running(_)
+                if e.info.task_id != req.task_id
+                    || e.info.image != req.image
+                    || e.network != (req.network_policy, req.egress_allow.clone()) =>
+            {
                 Err(SessionError::Conflict(format!(
-                    "session {id} exists with another task_id or image"
+                    "session {id} exists with another task_id, image or network"
                 )))
             }
-            Phase::Running(_) => Ok(Some(e.info.clone())),
+            Phase::Running(_) => Ok(Some(e.current())),
         }
     }
 
     /// The session as it stands.
     pub fn show(&self, session_id: &str) -> Result<SessionInfo, SessionError> {
         check_id("session_id", session_id)?;
-        self.with_entry(session_id, |e| Ok(e.info.clone()))
+        self.with_entry(session_id, |e| Ok(e.current()))
     }
 
     /// Ends the session and removes its sandbox; ending an ended session answers it again.
     pub async fn end(&self, session_id: &str) -> Result<SessionInfo, SessionError> {
         check_id("session_id", session_id)?;
-        let (info, sandbox) = self.with_entry(session_id, |e| match e.phase {
+        let (mut info, sandbox, net) = self.with_entry(session_id, |e| match e.phase {
             Phase::Starting => Err(SessionError::Conflict(format!(
                 "session {session_id} is being created; retry"
             ))),
             _ => {
                 let sb = e.end(SessionEndReason::Requested);
-                Ok((e.info.clone(), sb))
+                Ok((e.info.clone(), sb, e.net.clone()))
             }
         })?;
         if let Some(sb) = sandbox {
@@ -318,6 +367,8 @@ impl Sessions {
                 .await
                 .map_err(|e| SessionError::Internal(format!("session removal failed: {e}")))?;
         }
+        // With the egress totals as they stand once the proxy closed.
+        info.egress = net.map(|n| n.info());
         Ok(info)
     }
 }

@@ -1,6 +1,8 @@
 //! A session's sandbox: its env (the session's, then the command's, then the node's own
-//! variables, which requests cannot override) and its spec, built by the one
-//! [`crate::sandbox::spec`] builder: the workspace at `/workspace`, no `/job`, no network.
+//! variables, which requests cannot override: a session with the egress proxy gets the
+//! proxy variables of [`crate::job_egress::env`], as a job) and its spec, built by the one
+//! [`crate::sandbox::spec`] builder: the workspace at `/workspace`, no `/job`, no network
+//! but the proxy.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -12,12 +14,13 @@ use cynode_protocol::worker_sessions::SessionInfo;
 use crate::config::Config;
 use crate::sandbox::{self, SandboxRequest, SandboxSpec};
 
-/// The sandbox env: `session` then `exec` (without reserved names), then the node's own;
-/// sorted by name.
+/// The sandbox env: `session` then `exec` (without reserved names), then the node's own
+/// (with the proxy variables when `egress`); sorted by name.
 pub(super) fn sandbox_env(
     info: &SessionInfo,
     session: &BTreeMap<String, String>,
     exec: &BTreeMap<String, String>,
+    egress: bool,
 ) -> Vec<(String, String)> {
     let mut merged = session.clone();
     merged.extend(exec.iter().map(|(k, v)| (k.clone(), v.clone())));
@@ -29,14 +32,18 @@ pub(super) fn sandbox_env(
             (sandbox::ENV_JOB_ID, info.session_id.clone()),
             (sandbox::ENV_SESSION_ID, info.session_id.clone()),
             (sandbox::ENV_WORKSPACE_DIR, sandbox::WORKSPACE_MOUNT.into()),
-        ],
+        ]
+        .into_iter()
+        .chain(crate::job_egress::env(egress)),
     );
     env.sort();
     env
 }
 
 /// The sandbox spec of a session (`command` empty) or of one of its commands, over
-/// `workspace`: its directory and its host uid ([`crate::uid_pool`]).
+/// `workspace`: its directory and its host uid ([`crate::uid_pool`]); `egress`: whether it
+/// has the node's proxy.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn sandbox_spec(
     cfg: &Config,
     name: String,
@@ -45,6 +52,7 @@ pub(super) fn sandbox_spec(
     command: Vec<String>,
     env: Vec<(String, String)>,
     timeout: Duration,
+    egress: bool,
 ) -> SandboxSpec {
     let (workspace, host_uid) = workspace;
     sandbox::spec(
@@ -57,7 +65,11 @@ pub(super) fn sandbox_spec(
             env,
             workspace,
             job_dir: None,
-            network: NetworkPolicy::None,
+            network: if egress {
+                NetworkPolicy::Restricted
+            } else {
+                NetworkPolicy::None
+            },
             labels: vec![
                 ("cynodeai.task_id".into(), info.task_id.clone()),
                 ("cynodeai.session_id".into(), info.session_id.clone()),
@@ -94,6 +106,7 @@ mod tests {
             max_lifetime_seconds: 1,
             ended_at: None,
             end_reason: None,
+            egress: None,
         };
         let session: BTreeMap<String, String> = [
             ("A", "session"),
@@ -107,7 +120,7 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let env = sandbox_env(&info, &session, &exec);
+        let env = sandbox_env(&info, &session, &exec, false);
         let expected: Vec<(String, String)> = [
             ("A", "session"),
             ("B", "exec"),
@@ -121,5 +134,53 @@ mod tests {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
         assert_eq!(env, expected);
+    }
+
+    #[test]
+    fn proxy_variables_are_the_nodes_and_only_with_egress() {
+        let info = SessionInfo {
+            version: 1,
+            session_id: "s".into(),
+            task_id: "t".into(),
+            workspace_id: "t".into(),
+            image: "i".into(),
+            status: SessionStatus::Running,
+            created_at: String::new(),
+            expires_at: String::new(),
+            idle_timeout_seconds: 1,
+            max_lifetime_seconds: 1,
+            ended_at: None,
+            end_reason: None,
+            egress: None,
+        };
+        let forged: BTreeMap<String, String> = [
+            ("HTTP_PROXY", "http://evil:1"),
+            ("no_proxy", "*"),
+            ("CYNODE_EGRESS_ROUTES_URL", "http://evil:2"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+        let with = sandbox_env(&info, &forged, &forged, true);
+        let get = |k: &str| -> Vec<&str> {
+            with.iter()
+                .filter(|(n, _)| n == k)
+                .map(|(_, v)| v.as_str())
+                .collect()
+        };
+        assert_eq!(get("HTTP_PROXY"), [crate::job_egress::PROXY_URL]);
+        assert_eq!(get("https_proxy"), [crate::job_egress::PROXY_URL]);
+        assert_eq!(get("no_proxy"), [crate::job_egress::NO_PROXY]);
+        assert_eq!(
+            get("CYNODE_EGRESS_ROUTES_URL"),
+            [crate::job_egress::ROUTES_URL]
+        );
+        let without = sandbox_env(&info, &forged, &forged, false);
+        assert!(
+            !without
+                .iter()
+                .any(|(k, _)| k.contains("PROXY") || k.contains("proxy") || k.contains("EGRESS")),
+            "{without:?}"
+        );
     }
 }

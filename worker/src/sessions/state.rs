@@ -12,6 +12,7 @@ use cynode_protocol::time::now_rfc3339;
 use cynode_protocol::worker_sessions::{SessionEndReason, SessionInfo, SessionStatus};
 use tokio_util::sync::CancellationToken;
 
+use super::egress::SessionNet;
 use crate::backend::SessionSandbox;
 
 /// Where a session is in its life.
@@ -41,11 +42,42 @@ pub(super) struct Entry {
     pub(super) cancel: CancellationToken,
     /// Commands run so far (names bubblewrap's per-command sandboxes).
     pub(super) seq: u64,
+    /// The session's egress (`restricted` on a node with egress on); kept after the end
+    /// for its totals.
+    pub(super) net: Option<Arc<SessionNet>>,
+    /// The request's `network_policy` and `egress_allow` (a repeat must ask the same).
+    pub(super) network: (
+        Option<cynode_protocol::worker_api::NetworkPolicy>,
+        Option<Vec<String>>,
+    ),
+}
+
+/// What an ended session leaves to remove: its sandbox and its egress proxy.
+pub(super) struct Teardown {
+    sandbox: Arc<dyn SessionSandbox>,
+    net: Option<Arc<SessionNet>>,
+}
+
+impl Teardown {
+    /// Closes the egress proxy (its listener and connections), then removes the sandbox.
+    pub(super) async fn stop(self) {
+        if let Some(net) = &self.net {
+            net.finish().await;
+        }
+        self.sandbox.stop().await;
+    }
 }
 
 impl Entry {
-    /// Marks the session ended; returns the sandbox to remove, if it was running.
-    pub(super) fn end(&mut self, reason: SessionEndReason) -> Option<Arc<dyn SessionSandbox>> {
+    /// The info as it stands, with the session's egress totals.
+    pub(super) fn current(&self) -> SessionInfo {
+        let mut info = self.info.clone();
+        info.egress = self.net.as_ref().map(|n| n.info());
+        info
+    }
+
+    /// Marks the session ended; returns what to remove, if it was running.
+    pub(super) fn end(&mut self, reason: SessionEndReason) -> Option<Teardown> {
         let Phase::Running(_) = self.phase else {
             return None;
         };
@@ -62,6 +94,9 @@ impl Entry {
         self.info.end_reason = Some(reason);
         self.cancel.cancel();
         tracing::info!(session_id = %self.info.session_id, task_id = %self.info.task_id, reason = reason.as_str(), "session ended");
-        Some(sandbox)
+        Some(Teardown {
+            sandbox,
+            net: self.net.clone(),
+        })
     }
 }

@@ -1,15 +1,16 @@
 //! Session requests checked before anything is created: the version, ids, image
-//! allowlist and grammar, positive timeouts and env names; then the defaults and caps
-//! (idle timeout, max lifetime) applied.
+//! allowlist and grammar, positive timeouts and env names, the network (a job's rules:
+//! [`network`]); then the defaults and caps (idle timeout, max lifetime) applied.
 
 use std::collections::BTreeMap;
 
-use cynode_protocol::worker_api::{check_id, API_VERSION};
+use cynode_protocol::worker_api::{check_id, RunJobRequest, SandboxSpec, API_VERSION};
 use cynode_protocol::worker_sessions::{CreateSessionRequest, ExecRequest};
 use cynode_protocol::ValidationError;
 
 use super::{DEFAULT_IDLE_TIMEOUT_SECONDS, DEFAULT_MAX_LIFETIME_SECONDS};
 use crate::config::Config;
+use crate::egress::Policy;
 
 /// A create request after validation, defaults and caps.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -17,6 +18,40 @@ pub(super) struct Validated {
     pub workspace_id: String,
     pub idle: u64,
     pub lifetime: u64,
+    /// The session's egress proxy policy; `None`: no network at all.
+    pub egress: Option<Policy>,
+}
+
+/// The session's network, by exactly a job's rules and messages: a job request carrying
+/// only the session's `network_policy` and `egress_allow` goes through
+/// [`RunJobRequest::validate`] (`allow` refused, `egress_allow` needs `restricted` and is
+/// bounded) and [`crate::job_egress::policy`] (the node's backend and ceiling). An error
+/// names the session's own field (`egress_allow`, not `sandbox.egress_allow`).
+fn network(cfg: &Config, req: &CreateSessionRequest) -> Result<Option<Policy>, ValidationError> {
+    let job = RunJobRequest {
+        version: API_VERSION,
+        task_id: req.task_id.clone(),
+        job_id: req.session_id.clone(),
+        sandbox: SandboxSpec {
+            image: req.image.clone(),
+            command: vec!["true".into()],
+            network_policy: req.network_policy,
+            egress_allow: req.egress_allow.clone(),
+            ..SandboxSpec::default()
+        },
+        workspace_id: None,
+        gateway: None,
+    };
+    job.validate()
+        .and_then(|()| crate::job_egress::policy(cfg, &job))
+        .map_err(|e| {
+            let path = e
+                .path
+                .strip_prefix("sandbox.")
+                .unwrap_or(&e.path)
+                .to_string();
+            ValidationError::new(path, e.message)
+        })
 }
 
 fn check_env(field: &str, env: &BTreeMap<String, String>) -> Result<(), ValidationError> {
@@ -66,6 +101,7 @@ pub(super) fn validate_create(
     positive("idle_timeout_seconds", req.idle_timeout_seconds)?;
     positive("max_lifetime_seconds", req.max_lifetime_seconds)?;
     check_env("env", &req.env)?;
+    let egress = network(cfg, req)?;
     let lifetime = req
         .max_lifetime_seconds
         .unwrap_or(DEFAULT_MAX_LIFETIME_SECONDS)
@@ -82,6 +118,7 @@ pub(super) fn validate_create(
             .unwrap_or_else(|| req.task_id.clone()),
         idle,
         lifetime,
+        egress,
     })
 }
 
@@ -121,7 +158,8 @@ mod tests {
             Validated {
                 workspace_id: "t".into(),
                 idle: 100,
-                lifetime: 100
+                lifetime: 100,
+                egress: None,
             }
         );
         cfg.limits.max_timeout_seconds = 10800;
@@ -130,7 +168,8 @@ mod tests {
             Validated {
                 workspace_id: "t".into(),
                 idle: 600,
-                lifetime: 3600
+                lifetime: 3600,
+                egress: None,
             }
         );
         let req = create_req(serde_json::json!({
@@ -143,9 +182,68 @@ mod tests {
             Validated {
                 workspace_id: "w".into(),
                 idle: 5,
-                lifetime: 10800
+                lifetime: 10800,
+                egress: None,
             }
         );
+    }
+
+    #[test]
+    fn network_follows_the_jobs_rules_and_names_the_sessions_field() {
+        let mut cfg = Config {
+            images: vec!["ok".into()],
+            backend: crate::config::BackendKind::Bwrap,
+            ..Config::default()
+        };
+        let body = |extra: serde_json::Value| {
+            let mut b = serde_json::json!({
+                "version": 1, "session_id": "s", "task_id": "t", "image": "ok"
+            });
+            for (k, v) in extra.as_object().unwrap() {
+                b[k] = v.clone();
+            }
+            create_req(b).unwrap()
+        };
+        // Egress off: `restricted` is deny-all, no proxy; naming destinations is refused.
+        let v = validate_create(
+            &cfg,
+            &body(serde_json::json!({"network_policy": "restricted"})),
+        );
+        assert_eq!(v.unwrap().egress, None);
+        cfg.egress.allow = crate::egress::Allowlist::parse(&["origin.test".to_string()]).unwrap();
+        let v = validate_create(&cfg, &body(serde_json::json!({}))).unwrap();
+        assert_eq!(v.egress, None, "`none` is the default");
+        let v = validate_create(
+            &cfg,
+            &body(serde_json::json!({"network_policy": "restricted", "egress_allow": ["origin.test:80"]})),
+        )
+        .unwrap();
+        assert!(v.egress.is_some());
+        let cases = [
+            (
+                serde_json::json!({"network_policy": "allow"}),
+                "network_policy",
+            ),
+            (
+                serde_json::json!({"egress_allow": ["origin.test"]}),
+                "egress_allow",
+            ),
+            (
+                serde_json::json!({"network_policy": "restricted", "egress_allow": ["pypi.org"]}),
+                "egress_allow",
+            ),
+        ];
+        for (extra, path) in cases {
+            let err = validate_create(&cfg, &body(extra.clone())).unwrap_err();
+            assert_eq!(err.path, path, "{extra}: {err}");
+        }
+        cfg.backend = crate::config::BackendKind::Docker;
+        let err = validate_create(
+            &cfg,
+            &body(serde_json::json!({"network_policy": "restricted"})),
+        )
+        .unwrap_err();
+        assert_eq!(err.path, "network_policy", "{err}");
     }
 
     #[test]

@@ -104,6 +104,16 @@ impl SessionSandbox for KeepAliveSession {
         .await
     }
 
+    /// The init's host pid: the container's network namespace (runc/crun). Under gVisor
+    /// the host sees only its sandbox process, whose namespace gVisor's own network stack
+    /// does not serve: none.
+    fn netns_pid(&self) -> Option<u32> {
+        if self.k.gvisor.is_some() {
+            return None;
+        }
+        self.k.keep.first().and_then(|p| u32::try_from(*p).ok())
+    }
+
     /// A keep-alive container whose init is gone (a command killed its `sleep`, the
     /// engine stopped it) cannot run commands any more.
     fn is_alive(&self) -> bool {
