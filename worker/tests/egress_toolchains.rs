@@ -17,7 +17,10 @@
 //! refuse one. Each test asserts that the dependency is in the workspace or the tool's
 //! cache afterwards (a second step of the same tool, offline, reads it there), that the
 //! audit shows the allowed requests, and that the same job without the registry in its
-//! `egress_allow` fails with a denied record and never reaches the registry.
+//! `egress_allow` fails with a denied record and never reaches the registry. For
+//! node-test and go-test the skill's own test step then runs too (`npm test`, `go test
+//! ./...`, offline) and uses the dependency; rust-test's cannot (the image has no Rust
+//! standard library or linker).
 
 use std::collections::HashMap;
 use std::net::Ipv4Addr;
@@ -62,9 +65,10 @@ fn toolchain_image() -> &'static (String, PathBuf) {
 }
 
 /// The job the PM builds for `skill` with `fetch_deps: true` (its own registry and job
-/// builder over skills/), reduced to its dependency step: the step's command, arguments
-/// and environment are the skill's, unchanged. Returns (job, the `deps` step).
-fn rendered_fetch_job(skill: &str) -> (Value, Value) {
+/// builder over skills/), its steps taken out: the steps' commands, arguments and
+/// environments are the skill's, unchanged. Returns (job, the `deps` step, the `test`
+/// step).
+fn rendered_fetch_job(skill: &str) -> (Value, Value, Value) {
     use cynode_pm::skills::{build_job, JobRef, Registry};
     let registry = Registry::load(&[repo_root().join("skills")])
         .unwrap_or_else(|e| panic!("skills/ does not load: {e:?}"));
@@ -84,13 +88,16 @@ fn rendered_fetch_job(skill: &str) -> (Value, Value) {
         job["constraints"]["ext_net_allowed"], true,
         "{skill} asks for network"
     );
-    let deps = job["steps"]
-        .as_array()
-        .and_then(|s| s.iter().find(|s| s["id"] == "deps"))
-        .unwrap_or_else(|| panic!("{skill} has no deps step: {job}"))
-        .clone();
+    let step = |id: &str| {
+        job["steps"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["id"] == id))
+            .unwrap_or_else(|| panic!("{skill} has no {id} step: {job}"))
+            .clone()
+    };
+    let (deps, test) = (step("deps"), step("test"));
     job["steps"] = json!([]);
-    (job, deps)
+    (job, deps, test)
 }
 
 /// The same tool as `deps`, offline, in the same environment (plus `extra_env`): it
@@ -300,11 +307,12 @@ fn records<'a>(resp: &'a Value, host: &str) -> Vec<&'a Value> {
 }
 
 /// Runs `case` on `backend`: with the registry allowed, the fetch succeeds, the check
-/// step finds the dependency and the audit shows the allowed requests; returns the check
-/// step's stdout and the workspace's directory on the host. Then the same job in a fresh
+/// step finds the dependency and the audit shows the allowed requests; returns the
+/// stdout of each step after the fetch, the workspace's directory on the host and the
+/// node (which keeps the workspace). Then the same job in a fresh
 /// workspace with only [`OTHER`] allowed fails with a denied record, and the registry
 /// sees nothing of it.
-async fn run_case(backend: &'static str, case: Case) -> (String, PathBuf, Server) {
+async fn run_case(backend: &'static str, case: Case) -> (Vec<String>, PathBuf, Server) {
     let (image, rootfs) = toolchain_image();
     let dns = Dns::start(&[(case.host, &[Ipv4Addr::LOCALHOST])]).await;
     let registry_pattern = format!("{}:{}", case.host, case.registry.port);
@@ -320,7 +328,7 @@ async fn run_case(backend: &'static str, case: Case) -> (String, PathBuf, Server
     let (code, v) = server.put_tar(&ws, tar_of(&case.workspace)).await;
     assert_eq!(code, 201, "{v}");
     let started = Instant::now();
-    let (_, req) = request(&case, image, &ws, &[registry_pattern.clone()]);
+    let (_, req) = request(&case, image, &ws, std::slice::from_ref(&registry_pattern));
     let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
     eprintln!(
         "{backend} {}: the allowed fetch job took {:?}",
@@ -356,10 +364,18 @@ async fn run_case(backend: &'static str, case: Case) -> (String, PathBuf, Server
         "{}",
         resp["egress"]
     );
-    let check = sba["steps"][1]["result"]["stdout"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+    let outputs: Vec<String> = sba["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .skip(1)
+        .map(|s| {
+            s["result"]["stdout"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
     let workspace = server.state_dir().join("workspaces").join(&ws);
 
     // The same job, the registry not in its list: denied and audited, nothing reached.
@@ -408,7 +424,7 @@ async fn run_case(backend: &'static str, case: Case) -> (String, PathBuf, Server
         served,
         "the denied job reached the registry"
     );
-    (check, workspace, server)
+    (outputs, workspace, server)
 }
 
 // --- npm ---------------------------------------------------------------------------------
@@ -462,11 +478,14 @@ async fn npm_ci_fetches_through_the_proxy(backend: &'static str) {
         let package = json!({
             "name": "app", "version": "1.0.0", "private": true,
             "dependencies": { "cynode-dep": "1.0.0" },
-            "scripts": { "test": "node -e \"require('cynode-dep')\"" }
+            "scripts": {
+                "test": "node -e \"if (require('cynode-dep') !== 'fetched through the egress proxy') process.exit(1); console.log('dependency used')\""
+            }
         });
-        let (mut job, deps) = rendered_fetch_job("node-test");
+        let (mut job, deps, test) = rendered_fetch_job("node-test");
         let check = check_step(&deps, &["ls", "--all", "--offline"], &[]);
-        job["steps"] = json!([deps, check]);
+        // Then the skill's own test step (`npm test`, offline) uses the dependency.
+        job["steps"] = json!([deps, check, test]);
         let case = Case {
             host,
             registry,
@@ -479,8 +498,9 @@ async fn npm_ci_fetches_through_the_proxy(backend: &'static str) {
             job,
             fetched: vec![tarball_path],
         };
-        let (listed, workspace, _server) = run_case(backend, case).await;
-        assert!(listed.contains("cynode-dep@1.0.0"), "{listed}");
+        let (out, workspace, _server) = run_case(backend, case).await;
+        assert!(out[0].contains("cynode-dep@1.0.0"), "{out:?}");
+        assert_eq!(out[1].trim(), "dependency used", "{out:?}");
         let fetched =
             std::fs::read_to_string(workspace.join("node_modules/cynode-dep/index.js")).unwrap();
         assert_eq!(fetched, index_js);
@@ -540,7 +560,8 @@ async fn cargo_fetch_fetches_through_the_proxy(backend: &'static str) {
              [source.test-registry]\nregistry = \"sparse+{base}/index/\"\n\n\
              [http]\ncainfo = \"/workspace/.cargo/test-ca.pem\"\n"
         );
-        let (mut job, deps) = rendered_fetch_job("rust-test");
+        // Not the skill's test step: the image has no Rust standard library or linker.
+        let (mut job, deps, _) = rendered_fetch_job("rust-test");
         let check = check_step(
             &deps,
             &["metadata", "--offline", "--format-version", "1", "--color", "never"],
@@ -567,7 +588,8 @@ async fn cargo_fetch_fetches_through_the_proxy(backend: &'static str) {
                 crate_path,
             ],
         };
-        let (metadata, workspace, _server) = run_case(backend, case).await;
+        let (out, workspace, _server) = run_case(backend, case).await;
+        let metadata = &out[0];
         assert!(
             metadata.contains("/tmp/cargo-home/registry/src/")
                 && metadata.contains("cynodedep-0.1.0/Cargo.toml"),
@@ -660,7 +682,7 @@ async fn go_mod_download_fetches_through_the_proxy(backend: &'static str) {
             (format!("{at}/v0.1.0.zip"), zip),
         ]);
         let (registry, _) = Registry::serve(listener, files, None);
-        let (mut job, mut deps) = rendered_fetch_job("go-test");
+        let (mut job, mut deps, test) = rendered_fetch_job("go-test");
         // The one change to the rendered step: where the module proxy is.
         assert!(deps["arguments"]["env"]["GOPROXY"].is_string(), "{deps}");
         deps["arguments"]["env"]["GOPROXY"] = json!(format!("http://{host}:{port}"));
@@ -675,7 +697,8 @@ async fn go_mod_download_fetches_through_the_proxy(backend: &'static str) {
             ],
             &[("GOPROXY", "off")],
         );
-        job["steps"] = json!([deps, check]);
+        // Then the skill's own test step (`go test ./...`, GOPROXY=off) builds with it.
+        job["steps"] = json!([deps, check, test]);
         let case = Case {
             host,
             registry,
@@ -692,16 +715,21 @@ async fn go_mod_download_fetches_through_the_proxy(backend: &'static str) {
                     format!("package app\n\nimport \"{module}\"\n\nvar V = dep.Value\n")
                         .into_bytes(),
                 ),
+                (
+                    "app_test.go",
+                    b"package app\n\nimport \"testing\"\n\nfunc TestValue(t *testing.T) {\n\tif V != \"fetched through the egress proxy\" {\n\t\tt.Fatal(V)\n\t}\n}\n".to_vec(),
+                ),
             ],
             job,
             fetched: vec![format!("{at}/v0.1.0.mod"), format!("{at}/v0.1.0.zip")],
         };
-        let (listed, _workspace, _server) = run_case(backend, case).await;
+        let (out, _workspace, _server) = run_case(backend, case).await;
         assert_eq!(
-            listed.trim(),
+            out[0].trim(),
             format!("{module} v0.1.0 /tmp/go/pkg/mod/{module}@v0.1.0"),
-            "{listed}"
+            "{out:?}"
         );
+        assert!(out[1].starts_with("ok "), "{out:?}");
     })
     .await
     .unwrap();
