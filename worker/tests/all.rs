@@ -97,5 +97,6 @@ mod syscall_probe;
 mod tenant_uids;
 mod tls;
 mod upstream;
+mod warm_pool;
 mod workspace_attacks;
 mod workspaces;

@@ -45,8 +45,8 @@ pub fn env() -> &'static Env {
 /// Podman), `docker` for docker, `None` for bwrap.
 pub fn engine_cli(backend: &str) -> Option<&'static str> {
     match backend {
-        "podman" | "runsc" => Some("podman"),
-        "docker" => Some("docker"),
+        "podman" | "runsc" | "podman_warm" => Some("podman"),
+        "docker" | "docker_warm" => Some("docker"),
         _ => None,
     }
 }
@@ -54,10 +54,10 @@ pub fn engine_cli(backend: &str) -> Option<&'static str> {
 /// The backend the node itself reports (readyz, capacity) for a test backend name: runsc
 /// is Podman with gVisor's runtime.
 pub fn node_backend(backend: &str) -> &str {
-    if backend == "runsc" {
-        "podman"
-    } else {
-        backend
+    match backend {
+        "runsc" | "podman_warm" => "podman",
+        "docker_warm" => "docker",
+        other => other,
     }
 }
 
@@ -82,6 +82,8 @@ fn backend_config(backend: &str, extra: &str) -> String {
             docker_ready();
             "backend: docker\n".to_string()
         }
+        // The engines with their warm pool on (`warm_pool.rs`).
+        "podman_warm" | "docker_warm" => crate::warm_pool::backend_config(backend, extra),
         // Every other name is a `backend:` of its own (a name the worker does not know
         // fails its config).
         other => format!("backend: {other}\n"),

@@ -25,7 +25,7 @@ use super::bwrap::IsolatedBwrap;
 use super::netns_gate::NetnsHook;
 use super::{
     capture, seccomp, BackendError, EndReason, IsolatedError, IsolatedOutput, IsolatedRun,
-    SandboxBackend, SandboxOutcome, SandboxSpec, SessionSandbox, MANAGED_LABEL,
+    ResourceLimits, SandboxBackend, SandboxOutcome, SandboxSpec, SessionSandbox, MANAGED_LABEL,
 };
 use crate::config::{BackendKind, EngineConfig, OciRuntime};
 use crate::sandbox::engine_user;
@@ -61,6 +61,10 @@ pub struct EngineBackend {
     workdir: PathBuf,
     /// Isolated runs (the changeset's git) go to the node's bubblewrap.
     tools: IsolatedBwrap,
+    /// The warm pool ([`pool`]); size 0 when off.
+    pool: pool::Pool,
+    /// The node's limits, for the containers the pool starts ahead of their jobs.
+    limits: ResourceLimits,
 }
 
 /// Whether `kind` with `runtime` can start a container gated
@@ -88,6 +92,12 @@ impl EngineBackend {
         let profile = state_dir
             .join("seccomp")
             .join(format!("profile-{}.json", &digest[..16]));
+        let pool = pool::Pool::new(
+            cfg.pool_size,
+            state_dir,
+            cfg.pool_waiter.clone(),
+            cfg.pool_images.clone(),
+        );
         Self {
             kind,
             cfg,
@@ -95,7 +105,21 @@ impl EngineBackend {
             profile,
             workdir: client_workdir(state_dir),
             tools,
+            pool,
+            limits: ResourceLimits::from_limits(&crate::config::Limits::default()),
         }
+    }
+
+    /// The node's limits, which the pool's containers are started with ahead of their
+    /// jobs (the default limits until set).
+    pub fn with_limits(mut self, limits: ResourceLimits) -> Self {
+        self.limits = limits;
+        self
+    }
+
+    /// The warm pool.
+    pub fn pool(&self) -> &pool::Pool {
+        &self.pool
     }
 
     /// Writes the seccomp profile file if it is not there yet (its name carries its hash).
@@ -407,7 +431,29 @@ impl SandboxBackend for EngineBackend {
             OciRuntime::Default => String::new(),
             r => format!(" (runtime {})", r.as_str()),
         };
-        Ok(format!("{} {version}{runtime}", self.kind.as_str()))
+        let pool = if self.pool.size() == 0 {
+            format!("; warm pool off ({}.pool_size 0)", self.kind.as_str())
+        } else if !self.pool.waiter().is_file() {
+            return Err(BackendError::Unavailable(format!(
+                "{}.pool_size is {}, but the pool waiter {} is missing: build it with deploy/worker/build-waiter.sh or set {}.pool_waiter",
+                self.kind.as_str(),
+                self.pool.size(),
+                self.pool.waiter().display(),
+                self.kind.as_str()
+            )));
+        } else {
+            format!(
+                "; warm pool {} per image (waiter {}, filled at start: {})",
+                self.pool.size(),
+                self.pool.waiter().display(),
+                if self.pool.images().is_empty() {
+                    "none".to_string()
+                } else {
+                    self.pool.images().join(", ")
+                }
+            )
+        };
+        Ok(format!("{} {version}{runtime}{pool}", self.kind.as_str()))
     }
 
     /// Whether the image exists locally (nothing is ever pulled).
@@ -428,11 +474,27 @@ impl SandboxBackend for EngineBackend {
             .unwrap_or(false)
     }
 
-    /// Runs the container to the end.
+    /// Runs the container to the end: in a pooled container when the pool has one
+    /// ([`pool`]), else cold.
     async fn run(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome {
         let started = Instant::now();
         if let Err(e) = self.ensure_profile() {
             return SandboxOutcome::start_failed(e.to_string(), started);
+        }
+        if self.pool.size() > 0 {
+            if let Some(slot) = self.pool.claim(self, spec) {
+                let slot_name = slot.name.clone();
+                match slot.start_job(spec).await {
+                    pool::Claimed::Running(r) => {
+                        return self.run_warm(spec, cancel, *r, started).await
+                    }
+                    pool::Claimed::Failed(why) => {
+                        self.pool.failed();
+                        tracing::warn!(sandbox = %spec.name, slot = %slot_name, reason = %why, "pooled container could not take the job; it runs cold");
+                        self.force_remove(&slot_name).await;
+                    }
+                }
+            }
         }
         let mut cmd = self.command();
         cmd.args(self.run_args(spec));
@@ -450,6 +512,11 @@ impl SandboxBackend for EngineBackend {
         engine_refused(outcome, &self.cfg.binary, "start the container")
     }
 
+    /// The pool's figures for `/metrics`.
+    fn pool_stats(&self) -> Option<pool::PoolStats> {
+        (self.pool.size() > 0).then(|| self.pool.stats())
+    }
+
     /// Podman with runc or crun ([`can_gate`]) starts the container in two halves
     /// (`gated.rs`); the others refuse.
     async fn run_gated(
@@ -465,11 +532,19 @@ impl SandboxBackend for EngineBackend {
         }
     }
 
-    /// Removes every container of this node.
+    /// Removes every container of this node (the pool's too), then fills the warm pool
+    /// for its configured images.
     async fn remove_all_managed(&self) -> usize {
         let names = self.list_managed().await;
         for n in &names {
             self.force_remove(n).await;
+        }
+        if self.pool.size() > 0 {
+            self.pool.reset_dir();
+            if self.ensure_profile().is_ok() {
+                let template = pool::template(self.limits);
+                self.pool.prewarm(self, &template).await;
+            }
         }
         names.len()
     }
@@ -491,6 +566,66 @@ impl SandboxBackend for EngineBackend {
     /// In the node's bubblewrap, as on every backend.
     async fn run_isolated(&self, run: IsolatedRun) -> Result<IsolatedOutput, IsolatedError> {
         self.tools.run(run).await
+    }
+}
+
+impl EngineBackend {
+    /// Runs the job `r` started in a pooled container to its end: its exit code from the
+    /// waiter, or the timeout or cancel (the container is then killed and removed as a
+    /// cold one), or the container's end without a report (its client's exit code).
+    async fn run_warm(
+        &self,
+        spec: &SandboxSpec,
+        cancel: &CancellationToken,
+        r: pool::Running,
+        started: Instant,
+    ) -> SandboxOutcome {
+        let pool::Running {
+            name,
+            mut child,
+            mut sock,
+            stdout,
+            stderr,
+            dir,
+            to_start,
+            exec_failed,
+        } = r;
+        tracing::info!(
+            sandbox = %spec.name,
+            slot = %name,
+            claim_to_start_us = to_start.as_micros() as u64,
+            exec_failed,
+            "warm job started"
+        );
+        let out = capture::spawn(Some(stdout), spec.output_cap);
+        let err = capture::spawn(Some(stderr), spec.output_cap);
+        let (code, end) = tokio::select! {
+            c = pool::Running::exit_code(&mut sock) => match c {
+                Some(c) => (Some(Some(c)), EndReason::Exited),
+                // No report: the container ended (killed, OOM of the waiter); its client's
+                // code, as a cold job's.
+                None => {
+                    let s = tokio::time::timeout(STOP_BOUND, child.wait()).await;
+                    (Some(s.ok().and_then(|s| s.ok()).and_then(|s| s.code())), EndReason::Exited)
+                }
+            },
+            _ = tokio::time::sleep(spec.timeout) => (None, EndReason::TimedOut),
+            _ = cancel.cancelled() => (None, EndReason::Canceled),
+        };
+        let exit_code = match code {
+            Some(c) => {
+                drop(sock);
+                pool::Pool::finish(self, name, child, dir);
+                c
+            }
+            None => {
+                drop(sock);
+                let s = self.stop_and_remove(&name, &mut child).await;
+                let _ = std::fs::remove_dir_all(&dir);
+                s.and_then(|s| s.code())
+            }
+        };
+        SandboxOutcome::collected(exit_code, out, err, end, started).await
     }
 }
 
@@ -542,6 +677,7 @@ pub(super) fn engine_refused(mut o: SandboxOutcome, binary: &str, what: &str) ->
 }
 
 mod gated;
+pub mod pool;
 pub mod session;
 
 #[cfg(test)]

@@ -241,6 +241,12 @@ pub trait SandboxBackend: Send + Sync + std::fmt::Debug {
 
     /// Runs a host tool over sandbox-written content in isolation ([`isolated`]).
     async fn run_isolated(&self, run: IsolatedRun) -> Result<IsolatedOutput, IsolatedError>;
+
+    /// The warm pool's figures for `/metrics`, when the backend has one turned on
+    /// (Podman/Docker `pool_size`, [`engine::pool`]).
+    fn pool_stats(&self) -> Option<engine::pool::PoolStats> {
+        None
+    }
 }
 
 /// The outcome of a gated run on a backend that cannot gate.
@@ -325,20 +331,26 @@ pub fn from_config(cfg: &Config) -> Arc<dyn SandboxBackend> {
     let node = node_id(cfg);
     let tools = bwrap::IsolatedBwrap::for_config(cfg);
     match cfg.backend {
-        BackendKind::Podman => Arc::new(engine::EngineBackend::new(
-            BackendKind::Podman,
-            cfg.podman.clone(),
-            node,
-            &cfg.state_dir,
-            tools,
-        )),
-        BackendKind::Docker => Arc::new(engine::EngineBackend::new(
-            BackendKind::Docker,
-            cfg.docker.clone(),
-            node,
-            &cfg.state_dir,
-            tools,
-        )),
+        BackendKind::Podman => Arc::new(
+            engine::EngineBackend::new(
+                BackendKind::Podman,
+                cfg.podman.clone(),
+                node,
+                &cfg.state_dir,
+                tools,
+            )
+            .with_limits(ResourceLimits::from_limits(&cfg.limits)),
+        ),
+        BackendKind::Docker => Arc::new(
+            engine::EngineBackend::new(
+                BackendKind::Docker,
+                cfg.docker.clone(),
+                node,
+                &cfg.state_dir,
+                tools,
+            )
+            .with_limits(ResourceLimits::from_limits(&cfg.limits)),
+        ),
         BackendKind::Bwrap => Arc::new(bwrap::BwrapBackend::new(cfg.bwrap.clone(), node)),
         BackendKind::Microvm => Arc::new(microvm::MicrovmBackend::new(
             cfg.microvm.clone(),

@@ -288,10 +288,44 @@ pub struct EngineConfig {
     /// with `--init-path`.
     #[serde(default)]
     pub init_path: Option<PathBuf>,
+    /// Warm pool (`backend/engine/pool.rs`): pre-started sandboxes kept per image (and the
+    /// node's limits), each serving one job and destroyed after it. 0 (the default) turns
+    /// the pool off: every job is a cold `run`. At most [`MAX_POOL_SIZE`]; not with
+    /// `runtime: runsc` (docs/PERFORMANCE.md says why).
+    #[serde(default, deserialize_with = "pool_size")]
+    pub pool_size: usize,
+    /// Images whose pool is filled when the node starts (before it listens); any other
+    /// image's pool is filled after its first job.
+    #[serde(default)]
+    pub pool_images: Vec<String>,
+    /// The static `cynode-pool-waiter` (deploy/worker/build-waiter.sh), PID 1 of pooled
+    /// sandboxes.
+    #[serde(default = "default_pool_waiter")]
+    pub pool_waiter: PathBuf,
 }
+
+/// The largest `pool_size`.
+pub const MAX_POOL_SIZE: usize = 16;
+/// Where deploy/worker/build-waiter.sh puts the waiter.
+pub const DEFAULT_POOL_WAITER: &str = "/var/cache/cynode/worker/cynode-pool-waiter";
 
 fn default_runsc_path() -> PathBuf {
     PathBuf::from(DEFAULT_RUNSC_PATH)
+}
+
+fn default_pool_waiter() -> PathBuf {
+    PathBuf::from(DEFAULT_POOL_WAITER)
+}
+
+fn pool_size<'de, D: serde::Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
+    use serde::de::Error;
+    let n = usize::deserialize(d)?;
+    if n > MAX_POOL_SIZE {
+        return Err(D::Error::custom(format!(
+            "pool_size {n} is over the maximum {MAX_POOL_SIZE}"
+        )));
+    }
+    Ok(n)
 }
 
 /// bubblewrap settings.
@@ -422,7 +456,17 @@ fn engine_over<'de, D: serde::Deserializer<'de>>(
         (_, serde_yaml::Value::Null) => {}
         (_, other) => merged = other,
     }
-    EngineConfig::deserialize(merged).map_err(D::Error::custom)
+    let cfg = EngineConfig::deserialize(merged).map_err(D::Error::custom)?;
+    if cfg.pool_size > 0 && cfg.runtime == OciRuntime::Runsc {
+        return Err(D::Error::custom(
+            "pool_size needs runtime runc, crun or the default: a warm pool's mounts and control socket do not reach into gVisor (docs/PERFORMANCE.md, Engine start-up)",
+        ));
+    }
+    for image in &cfg.pool_images {
+        crate::image_ref::check(image)
+            .map_err(|e| D::Error::custom(format!("pool_images: image {image}: {e}")))?;
+    }
+    Ok(cfg)
 }
 
 impl Default for EngineConfig {
@@ -432,6 +476,9 @@ impl Default for EngineConfig {
             runtime: OciRuntime::Default,
             runsc_path: default_runsc_path(),
             init_path: None,
+            pool_size: 0,
+            pool_images: Vec::new(),
+            pool_waiter: default_pool_waiter(),
         }
     }
 }

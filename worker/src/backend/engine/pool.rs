@@ -1,0 +1,1139 @@
+//! The warm pool of the OCI engines (Podman, Docker): `pool_size` pre-started containers per
+//! (image, limits), each serving exactly one job and destroyed after it.
+//!
+//! **Why.** A cold job pays `podman run` (the CLI, the image's layers mounted, runc, conmon):
+//! about 115 ms on a quiet machine, 500+ ms under load. A pooled container has paid all of
+//! it before the job comes; a claim needs no engine CLI call at all.
+//!
+//! **A pooled container** is created with the same flags as a cold job
+//! ([`super::EngineBackend::run_args`]: `--rm`, the node's managed label, so startup
+//! reconciliation removes it, the runtime, `--pull=never`, the node's seccomp profile,
+//! `--network=none`, `--read-only`, no-new-privileges, the ulimits, memory/CPU limits, the
+//! tmpfs /tmp) with these differences, each needed for the claim:
+//! - `--user=0:0` with `--cap-drop=ALL --cap-add=SETUID,SETGID,SETPCAP`: its PID 1 is
+//!   `cynode-pool-waiter` (the `poolwaiter` crate, static), which drops to the job's uid
+//!   itself. So one pool serves every workspace (each has its own host uid,
+//!   [`crate::uid_pool`]); keying the pool by uid as well would leave it cold for every
+//!   workspace's first job and keep idle containers per workspace. The waiter removes every
+//!   capability from the bounding set (SETPCAP), sets no groups, gid and uid (which clears
+//!   the permitted, effective and ambient sets; it checks with capget and refuses to start
+//!   the job otherwise), sets no_new_privs and execs the job under the same seccomp profile
+//!   (the container's, inherited). The job then has exactly a cold job's credentials:
+//!   uid = gid = the workspace's, no capabilities, an empty bounding set.
+//! - `--pids-limit` is one higher: the waiter stays as PID 1, so the job keeps `pids`.
+//!   Memory: the waiter's resident size (about 100 KiB) is charged to the job's limit.
+//! - `/job` and `/workspace` are empty root-owned placeholders (the job's are unknown
+//!   until the claim), and the slot's directory `<state>/pool/<name>/` (the waiter binary
+//!   and the control socket) is mounted read-only at `/.cynode`.
+//! - No task/job labels (unknown at creation): the container is `cynode-pool-<n>`, labelled
+//!   `io.cynode.pool=1`; the worker logs which job a slot served.
+//!
+//! **The control channel.** The worker binds `<slot>/ctl.sock` (root, 0600) before the
+//! container starts. The waiter connects and says it is ready; the worker accepts once,
+//! unlinks the socket's name and closes the listener, so nothing else can ever connect. It
+//! takes the waiter's host pid from `SO_PEERCRED` and keeps a pidfd of it.
+//!
+//! **A claim** (no CLI call, a few milliseconds):
+//! 1. `open_tree(OPEN_TREE_CLONE | AT_RECURSIVE)` of the job directory and the workspace on
+//!    the host (their disk volumes included), `nosuid,nodev` (and read-only where the
+//!    spec says so) set on the detached copies.
+//! 2. On a fresh thread (`unshare(CLONE_FS)`, then `setns` into the container's mount
+//!    namespace through the pidfd): its placeholder is unmounted and the copy `move_mount`ed onto the directory beneath
+//!    (opened `O_PATH|O_NOFOLLOW`, so an image's symlink is not followed), and `/.cynode`
+//!    is unmounted (detached). No host mount is made: nothing under the state directory
+//!    stays mounted, and the mounts go with the container's namespace. The rslave
+//!    propagation alternative would keep a shared mount per idle slot on the host and
+//!    depends on the engine daemon's mount namespace (dockerd's); this does neither.
+//! 3. The job (uid, gid, cwd, argv, env) goes to the waiter with the write ends of two
+//!    fresh pipes as its stdout and stderr (`SCM_RIGHTS`); the worker drains the read ends
+//!    exactly as a cold job's client output ([`crate::backend::capture`]).
+//! 4. The waiter reports `S` when the job runs (or `F`: exec failed, exit 127/126 as the
+//!    engines give) and `X` with its exit code (128 + signal when killed), then exits;
+//!    as PID 1 its exit ends the container (the kernel kills what the job left), and
+//!    `--rm` removes it. The worker reaps the client in the background.
+//!
+//! The argv is the engines' rule: a job that replaces the entrypoint runs its command;
+//! otherwise the image's `Entrypoint` plus the command (or the image's `Cmd` when there is
+//! none), read once per image with `image inspect` (off the hot path). The environment is
+//! the waiter's own (the image's and the engine's, as a cold container gets it) with
+//! `HOME` of the job's uid (from the image's /etc/passwd, else `/`), then the job's.
+//!
+//! **What the job can reach.** Nothing of the channel: the socket's name is gone, its
+//! directory unmounted, and the waiter (root, non-dumpable, the namespace's init) can be
+//! neither signalled nor ptraced nor have its `/proc/1/fd` opened by the job's uid. The
+//! waiter's descriptors are close-on-exec; the job gets stdin `/dev/null` and its two pipes.
+//!
+//! **Timeouts, cancel, the disk guard**: as cold jobs. The run waits for the waiter's
+//! report, the timeout or the cancel token; on the last two the container is killed and
+//! removed (`stop_and_remove`, the same as a cold job's, CLI off the hot path). A
+//! container that dies before it reports ends the job with its client's exit code, as a
+//! cold one. The disk guard watches the same host directories.
+//!
+//! **Not pooled**: jobs with an egress proxy (`run_gated` starts the container in two
+//! halves around the proxy's network namespace; they stay cold), sessions, mounts other
+//! than `/job` and `/workspace`, and gVisor (`runtime: runsc`, refused by the config: the
+//! sentry has a VFS of its own, so a mount moved into the runsc sandbox's host mount
+//! namespace never appears inside, and fds of host pipes are not passed in).
+//!
+//! **Bounds and refill.** At most `pool_size` idle or starting containers per key, and at
+//! most [`MAX_KEYS`] keys (the least recently claimed key's idle containers go first). A
+//! claim takes an idle container (checking its client still runs) and starts a refill in
+//! the background; a miss starts one too and the job runs cold. A failed creation backs
+//! off before the next. Idle containers end with the node: their waiter reads end of file
+//! on its socket when the worker's process is gone (even after SIGKILL), exits, and the
+//! container is removed (`--rm`); reconciliation at the next start removes any left.
+
+use std::collections::HashMap;
+use std::ffi::CString;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+use super::EngineBackend;
+use crate::backend::{SandboxSpec, MANAGED_LABEL};
+use crate::sandbox::{JOB_MOUNT, WORKSPACE_MOUNT};
+
+/// The label every pooled container carries (besides the node's).
+pub const POOL_LABEL: &str = "io.cynode.pool";
+/// Where the slot's directory appears in the container.
+const CTL_MOUNT: &str = "/.cynode";
+/// The waiter's name in the slot directory.
+const WAITER_NAME: &str = "cynode-pool-waiter";
+/// The control socket's name in the slot directory.
+const SOCKET_NAME: &str = "ctl.sock";
+/// How long a container may take to start and connect.
+const READY_BOUND: Duration = Duration::from_secs(90);
+/// At most this many keys (image and limits) have a pool at once.
+pub const MAX_KEYS: usize = 4;
+/// After a failed creation, the key's refill waits this long.
+const BACKOFF: Duration = Duration::from_secs(5);
+
+/// What fixes a container at creation: the image and the limits (engine, runtime, seccomp
+/// profile and node are the backend's own).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Key {
+    pub image: String,
+    memory_mb: u64,
+    pids: u64,
+    cpus_bits: u64,
+    tmpfs_mb: u64,
+}
+
+impl Key {
+    /// The key of `spec`.
+    pub fn of(spec: &SandboxSpec) -> Key {
+        let l = &spec.limits;
+        Key {
+            image: spec.image.clone(),
+            memory_mb: l.memory_mb,
+            pids: l.pids,
+            cpus_bits: l.cpus.to_bits(),
+            tmpfs_mb: l.tmpfs_mb,
+        }
+    }
+}
+
+/// Counters and gauges for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    /// `pool_size`: idle containers kept per key.
+    pub size: u64,
+    pub idle: u64,
+    pub starting: u64,
+    /// Jobs that got a pooled container.
+    pub claims: u64,
+    /// Jobs that found none and ran cold.
+    pub misses: u64,
+    /// Containers that failed to start or to take their job.
+    pub failures: u64,
+}
+
+/// The pool.
+#[derive(Debug, Clone)]
+pub struct Pool {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    size: usize,
+    dir: PathBuf,
+    waiter: PathBuf,
+    images: Vec<String>,
+    seq: AtomicU64,
+    state: Mutex<State>,
+    claims: AtomicU64,
+    misses: AtomicU64,
+    failures: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    idle: HashMap<Key, Vec<Slot>>,
+    starting: HashMap<Key, usize>,
+    /// When each key was last claimed or missed (which key goes when [`MAX_KEYS`] is hit).
+    used: HashMap<Key, Instant>,
+    backoff: HashMap<Key, Instant>,
+    /// Each image's entrypoint and cmd.
+    images: HashMap<String, ImageArgs>,
+}
+
+/// An image's `Entrypoint`, `Cmd` and `HOME`, and the engine's `HOME` for a uid without
+/// one (Podman: the working directory of the passwd entry it adds; Docker: `/`).
+#[derive(Debug, Clone, Default)]
+struct ImageArgs {
+    entrypoint: Vec<String>,
+    cmd: Vec<String>,
+    home: Option<String>,
+    podman: bool,
+}
+
+/// A started container waiting for its job.
+#[derive(Debug)]
+pub struct Slot {
+    pub name: String,
+    dir: PathBuf,
+    child: tokio::process::Child,
+    sock: UnixStream,
+    pidfd: OwnedFd,
+    args: ImageArgs,
+}
+
+/// How a warm run went.
+#[derive(Debug)]
+pub enum Claimed {
+    /// The job runs in the slot's container: its stdout/stderr pipes and what to wait on.
+    Running(Box<Running>),
+    /// The slot could not take the job (the container died, a mount failed); nothing of
+    /// the job ran. The caller runs it cold.
+    Failed(String),
+}
+
+/// A job started in a pooled container.
+#[derive(Debug)]
+pub struct Running {
+    pub name: String,
+    pub child: tokio::process::Child,
+    pub sock: UnixStream,
+    pub stdout: tokio::net::unix::pipe::Receiver,
+    pub stderr: tokio::net::unix::pipe::Receiver,
+    pub dir: PathBuf,
+    /// Claim to the job's exec (the waiter's `S`).
+    pub to_start: Duration,
+    /// Whether exec failed (`F`); the exit code follows.
+    pub exec_failed: bool,
+}
+
+impl Pool {
+    /// A pool of `size` containers per key under `<state>/pool`, started with `waiter`;
+    /// `images` are filled at startup.
+    pub fn new(size: usize, state_dir: &Path, waiter: PathBuf, images: Vec<String>) -> Pool {
+        Pool {
+            inner: Arc::new(Inner {
+                size,
+                dir: state_dir.join("pool"),
+                waiter,
+                images,
+                seq: AtomicU64::new(0),
+                state: Mutex::new(State::default()),
+                claims: AtomicU64::new(0),
+                misses: AtomicU64::new(0),
+                failures: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The configured size per key (0: off).
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// The waiter binary.
+    pub fn waiter(&self) -> &Path {
+        &self.inner.waiter
+    }
+
+    /// The images filled at startup.
+    pub fn images(&self) -> &[String] {
+        &self.inner.images
+    }
+
+    /// Counters and gauges.
+    pub fn stats(&self) -> PoolStats {
+        let (idle, starting) = self
+            .inner
+            .state
+            .lock()
+            .map(|s| {
+                (
+                    s.idle.values().map(Vec::len).sum::<usize>(),
+                    s.starting.values().sum::<usize>(),
+                )
+            })
+            .unwrap_or((0, 0));
+        PoolStats {
+            size: self.inner.size as u64,
+            idle: idle as u64,
+            starting: starting as u64,
+            claims: self.inner.claims.load(Ordering::Relaxed),
+            misses: self.inner.misses.load(Ordering::Relaxed),
+            failures: self.inner.failures.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts a pooled container that could not take its job.
+    pub fn failed(&self) {
+        self.inner.failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Removes the slot directories of a previous run (their containers are gone:
+    /// reconciliation removed every managed container first) and makes the pool's
+    /// directory, root's only.
+    pub fn reset_dir(&self) {
+        let _ = std::fs::remove_dir_all(&self.inner.dir);
+        if std::fs::create_dir_all(self.inner.dir.join("empty")).is_ok() {
+            use std::os::unix::fs::PermissionsExt;
+            let _ =
+                std::fs::set_permissions(&self.inner.dir, std::fs::Permissions::from_mode(0o711));
+            let _ = std::fs::set_permissions(
+                self.inner.dir.join("empty"),
+                std::fs::Permissions::from_mode(0o555),
+            );
+        }
+    }
+
+    /// An idle container for `spec`, or `None` (a miss, counted). Starts a refill either
+    /// way. `None` too when the spec does not fit a pooled container (mounts other than
+    /// `/job` and `/workspace`, or no argv), uncounted.
+    pub fn claim(&self, engine: &EngineBackend, spec: &SandboxSpec) -> Option<Slot> {
+        if !poolable(spec) {
+            return None;
+        }
+        let key = Key::of(spec);
+        let found = {
+            let Ok(mut st) = self.inner.state.lock() else {
+                return None;
+            };
+            st.used.insert(key.clone(), Instant::now());
+            let mut found = None;
+            if let Some(list) = st.idle.get_mut(&key) {
+                while let Some(mut slot) = list.pop() {
+                    if matches!(slot.child.try_wait(), Ok(None)) {
+                        found = Some(slot);
+                        break;
+                    }
+                    self.discard(engine, slot);
+                }
+            }
+            found
+        };
+        match &found {
+            Some(_) => self.inner.claims.fetch_add(1, Ordering::Relaxed),
+            None => self.inner.misses.fetch_add(1, Ordering::Relaxed),
+        };
+        self.refill(engine, &key, spec);
+        found
+    }
+
+    /// Starts containers in the background until `key` has `size` idle or starting.
+    pub fn refill(&self, engine: &EngineBackend, key: &Key, spec: &SandboxSpec) {
+        let want = {
+            let Ok(mut st) = self.inner.state.lock() else {
+                return;
+            };
+            if st.backoff.get(key).is_some_and(|t| t.elapsed() < BACKOFF) {
+                return;
+            }
+            self.evict_keys(engine, &mut st, key);
+            let idle = st.idle.get(key).map_or(0, Vec::len);
+            let starting = st.starting.entry(key.clone()).or_insert(0);
+            let want = self.inner.size.saturating_sub(idle + *starting);
+            *starting += want;
+            want
+        };
+        for _ in 0..want {
+            let (pool, engine, key, spec) =
+                (self.clone(), engine.clone(), key.clone(), spec.clone());
+            tokio::spawn(async move {
+                let made = pool.create(&engine, &key, &spec).await;
+                let Ok(mut st) = pool.inner.state.lock() else {
+                    return;
+                };
+                if let Some(n) = st.starting.get_mut(&key) {
+                    *n = n.saturating_sub(1);
+                }
+                match made {
+                    Ok(slot) => {
+                        tracing::debug!(image = %key.image, slot = %slot.name, "pooled container ready");
+                        st.idle.entry(key).or_default().push(slot);
+                    }
+                    Err(e) => {
+                        pool.inner.failures.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(image = %key.image, error = %e, "pooled container failed to start");
+                        st.backoff.insert(key, Instant::now());
+                    }
+                }
+            });
+        }
+    }
+
+    /// Fills the pool for the configured images and waits (bounded) until they are full.
+    pub async fn prewarm(&self, engine: &EngineBackend, template: &SandboxSpec) {
+        if self.inner.size == 0 || self.inner.images.is_empty() {
+            return;
+        }
+        for image in &self.inner.images {
+            let mut spec = template.clone();
+            spec.image = image.clone();
+            let key = Key::of(&spec);
+            self.refill(engine, &key, &spec);
+        }
+        let until = Instant::now() + READY_BOUND;
+        while Instant::now() < until {
+            let s = self.stats();
+            if s.starting == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let s = self.stats();
+        tracing::info!(idle = s.idle, failures = s.failures, "warm pool filled");
+    }
+
+    /// With [`MAX_KEYS`] keys pooled and `key` new, the least recently used other key's
+    /// idle containers go.
+    fn evict_keys(&self, engine: &EngineBackend, st: &mut State, key: &Key) {
+        let pooled: Vec<Key> = st
+            .idle
+            .iter()
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(k, _)| k.clone())
+            .collect();
+        if pooled.contains(key) || pooled.len() < MAX_KEYS {
+            return;
+        }
+        let oldest = pooled
+            .into_iter()
+            .min_by_key(|k| st.used.get(k).copied().unwrap_or_else(Instant::now));
+        if let Some(old) = oldest {
+            for slot in st.idle.remove(&old).unwrap_or_default() {
+                self.discard(engine, slot);
+            }
+        }
+    }
+
+    /// Removes a slot's container and directory in the background.
+    fn discard(&self, engine: &EngineBackend, slot: Slot) {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            let Slot {
+                name,
+                dir,
+                mut child,
+                sock,
+                ..
+            } = slot;
+            drop(sock);
+            engine.force_remove(&name).await;
+            let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
+            let _ = std::fs::remove_dir_all(&dir);
+        });
+    }
+
+    /// Ends a slot after its job: the container ends when its waiter exits (it does after
+    /// reporting); the client is reaped in the background, and the container removed if it
+    /// is still there after a while.
+    pub fn finish(
+        engine: &EngineBackend,
+        name: String,
+        mut child: tokio::process::Child,
+        dir: PathBuf,
+    ) {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            if tokio::time::timeout(Duration::from_secs(30), child.wait())
+                .await
+                .is_err()
+            {
+                engine.force_remove(&name).await;
+                let _ = child.start_kill();
+                let _ = child.wait().await;
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        });
+    }
+
+    fn next_name(&self) -> String {
+        let n = self.inner.seq.fetch_add(1, Ordering::SeqCst);
+        format!("cynode-pool-{}-{n}", std::process::id())
+    }
+
+    /// Starts one container for `key` and waits for its waiter to connect.
+    async fn create(
+        &self,
+        engine: &EngineBackend,
+        key: &Key,
+        spec: &SandboxSpec,
+    ) -> Result<Slot, String> {
+        let args = self.image_args(engine, &key.image).await?;
+        let name = self.next_name();
+        let dir = self.inner.dir.join(&name);
+        let result = self.start(engine, spec, &name, &dir, args).await;
+        if result.is_err() {
+            engine.force_remove(&name).await;
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        result
+    }
+
+    async fn start(
+        &self,
+        engine: &EngineBackend,
+        spec: &SandboxSpec,
+        name: &str,
+        dir: &Path,
+        args: ImageArgs,
+    ) -> Result<Slot, String> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let waiter = dir.join(WAITER_NAME);
+        if std::fs::hard_link(&self.inner.waiter, &waiter).is_err() {
+            std::fs::copy(&self.inner.waiter, &waiter).map_err(|e| {
+                format!(
+                    "cannot place the pool waiter {} (build it with deploy/worker/build-waiter.sh): {e}",
+                    self.inner.waiter.display()
+                )
+            })?;
+            let _ = std::fs::set_permissions(&waiter, std::fs::Permissions::from_mode(0o555));
+        }
+        let listener =
+            bind_socket(dir).map_err(|e| format!("cannot bind the control socket: {e}"))?;
+        let mut cmd = engine.command();
+        cmd.args(engine.pool_args(spec, name, dir, &self.inner.dir.join("empty")));
+        cmd.stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped());
+        // SAFETY: the closure only calls prctl between fork and exec.
+        unsafe {
+            cmd.pre_exec(crate::backend::die_with_node);
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", engine.binary()))?;
+        let stderr = crate::backend::capture::spawn(child.stderr.take(), 4096);
+        let accepted = tokio::select! {
+            a = tokio::time::timeout(READY_BOUND, listener.accept()) => a,
+            s = child.wait() => {
+                let said = crate::backend::capture::collect(stderr, Duration::from_secs(2)).await;
+                return Err(format!("the container exited before it was ready ({}): {}",
+                    s.map(|s| s.to_string()).unwrap_or_default(), said.text.trim()));
+            }
+        };
+        let _ = std::fs::remove_file(dir.join(SOCKET_NAME));
+        drop(listener);
+        let (mut sock, _) = match accepted {
+            Ok(Ok(a)) => a,
+            Ok(Err(e)) => return Err(format!("accept: {e}")),
+            Err(_) => return Err(format!("not ready within {} s", READY_BOUND.as_secs())),
+        };
+        let cred = sock
+            .peer_cred()
+            .map_err(|e| format!("peer credentials: {e}"))?;
+        let pid = cred.pid().ok_or("no peer pid")?;
+        if cred.uid() != 0 {
+            return Err(format!("the waiter runs as uid {}, not 0", cred.uid()));
+        }
+        let mut r = [0u8; 1];
+        match tokio::time::timeout(READY_BOUND, sock.read_exact(&mut r)).await {
+            Ok(Ok(_)) if r[0] == b'R' => {}
+            _ => return Err("the waiter did not say it is ready".into()),
+        }
+        // SAFETY: pidfd_open with a pid and no flags.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+        if fd < 0 {
+            return Err(format!("pidfd_open: {}", std::io::Error::last_os_error()));
+        }
+        // SAFETY: a new descriptor we own.
+        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        // The client's stderr is drained in the background (it holds nothing of a job).
+        drop(stderr);
+        Ok(Slot {
+            name: name.to_string(),
+            dir: dir.to_path_buf(),
+            child,
+            sock,
+            pidfd,
+            args,
+        })
+    }
+
+    /// The image's entrypoint and cmd (cached; `image inspect`).
+    async fn image_args(&self, engine: &EngineBackend, image: &str) -> Result<ImageArgs, String> {
+        if let Some(a) = self
+            .inner
+            .state
+            .lock()
+            .ok()
+            .and_then(|s| s.images.get(image).cloned())
+        {
+            return Ok(a);
+        }
+        let out = engine
+            .command()
+            .args([
+                "image",
+                "inspect",
+                "--format",
+                "{{json .Config}}",
+                "--",
+                image,
+            ])
+            .output()
+            .await
+            .map_err(|e| format!("image inspect: {e}"))?;
+        if !out.status.success() {
+            return Err(format!(
+                "image inspect {image}: {}",
+                super::last_line(&out.stderr)
+            ));
+        }
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+            .map_err(|e| format!("image inspect {image}: {e}"))?;
+        let list = |k: &str| -> Vec<String> {
+            match &v[k] {
+                serde_json::Value::Array(a) => a
+                    .iter()
+                    .filter_map(|x| x.as_str().map(str::to_string))
+                    .collect(),
+                serde_json::Value::String(s) if !s.is_empty() => vec![s.clone()],
+                _ => Vec::new(),
+            }
+        };
+        let home = list("Env")
+            .iter()
+            .find_map(|e| e.strip_prefix("HOME=").map(str::to_string));
+        let args = ImageArgs {
+            entrypoint: list("Entrypoint"),
+            cmd: list("Cmd"),
+            home,
+            podman: engine.kind == crate::config::BackendKind::Podman,
+        };
+        if let Ok(mut s) = self.inner.state.lock() {
+            s.images.insert(image.to_string(), args.clone());
+        }
+        Ok(args)
+    }
+}
+
+/// The spec the pool is filled with at startup: the node's `limits`, the job directory
+/// and workspace mounts (placeholders: only the key and the mount targets matter).
+pub fn template(limits: crate::backend::ResourceLimits) -> SandboxSpec {
+    SandboxSpec {
+        name: String::new(),
+        image: String::new(),
+        command: Vec::new(),
+        override_entrypoint: true,
+        env: Vec::new(),
+        mounts: Vec::new(),
+        workdir: WORKSPACE_MOUNT.into(),
+        network: cynode_protocol::worker_api::NetworkPolicy::None,
+        limits,
+        labels: Vec::new(),
+        timeout: Duration::from_secs(1),
+        output_cap: 0,
+        host_uid: 1,
+    }
+}
+
+/// Whether a job of `spec` can run in a pooled container: its mounts are the job
+/// directory and the workspace only.
+fn poolable(spec: &SandboxSpec) -> bool {
+    spec.mounts
+        .iter()
+        .all(|m| m.target == JOB_MOUNT || m.target == WORKSPACE_MOUNT)
+        && spec.host_uid != 0
+}
+
+/// The argv the engine would run for `spec` in an image with `args`.
+fn job_argv(spec: &SandboxSpec, args: &ImageArgs) -> Vec<String> {
+    if spec.override_entrypoint && !spec.command.is_empty() {
+        return spec.command.clone();
+    }
+    let tail = if spec.command.is_empty() {
+        &args.cmd
+    } else {
+        &spec.command
+    };
+    args.entrypoint.iter().chain(tail).cloned().collect()
+}
+
+/// Binds `<dir>/ctl.sock` (root only) through the directory's fd, so a long state path
+/// still fits a socket address.
+fn bind_socket(dir: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    let d = std::fs::File::open(dir)?;
+    let short = format!("/proc/self/fd/{}/{SOCKET_NAME}", d.as_raw_fd());
+    let l = std::os::unix::net::UnixListener::bind(&short)?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(
+        dir.join(SOCKET_NAME),
+        std::fs::Permissions::from_mode(0o600),
+    )?;
+    l.set_nonblocking(true)?;
+    tokio::net::UnixListener::from_std(l)
+}
+
+impl Slot {
+    /// Gives the slot `spec`'s job: mounts its directories into the container, sends the
+    /// job with two fresh pipes, and waits for the waiter's word that it runs.
+    pub async fn start_job(self, spec: &SandboxSpec) -> Claimed {
+        let t = Instant::now();
+        let Slot {
+            name,
+            dir,
+            mut child,
+            mut sock,
+            pidfd,
+            args,
+        } = self;
+        let fail = |why: String| Claimed::Failed(why);
+        let argv = job_argv(spec, &args);
+        if argv.is_empty() {
+            return fail("no command and no image entrypoint".into());
+        }
+        let mounts: Vec<(PathBuf, String, bool)> = spec
+            .mounts
+            .iter()
+            .map(|m| (m.host.clone(), m.target.clone(), m.writable))
+            .collect();
+        let injected = tokio::task::spawn_blocking(move || inject(&pidfd, &mounts)).await;
+        match injected {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return fail(format!("cannot mount the job's directories: {e}")),
+            Err(e) => return fail(format!("mount task: {e}")),
+        }
+        let (out_w, out_r) = match tokio::net::unix::pipe::pipe() {
+            Ok(p) => p,
+            Err(e) => return fail(format!("pipe: {e}")),
+        };
+        let (err_w, err_r) = match tokio::net::unix::pipe::pipe() {
+            Ok(p) => p,
+            Err(e) => return fail(format!("pipe: {e}")),
+        };
+        let (Ok(out_w), Ok(err_w)) = (out_w.into_blocking_fd(), err_w.into_blocking_fd()) else {
+            return fail("pipe descriptors".into());
+        };
+        let msg = encode(spec, &argv, &args);
+        if let Err(e) = send_job(&mut sock, &msg, [out_w.as_raw_fd(), err_w.as_raw_fd()]).await {
+            return fail(format!("cannot send the job to the waiter: {e}"));
+        }
+        drop((out_w, err_w));
+        let mut tag = [0u8; 1];
+        let word = tokio::time::timeout(READY_BOUND, sock.read_exact(&mut tag)).await;
+        let exec_failed = match word {
+            Ok(Ok(_)) if tag[0] == b'S' => false,
+            Ok(Ok(_)) if tag[0] == b'F' => {
+                let mut e = [0u8; 4];
+                let _ = sock.read_exact(&mut e).await;
+                true
+            }
+            _ => {
+                // The job may have been sent: the container must not live on.
+                let _ = child.start_kill();
+                return fail("the waiter did not start the job".into());
+            }
+        };
+        Claimed::Running(Box::new(Running {
+            name,
+            child,
+            sock,
+            stdout: out_r,
+            stderr: err_r,
+            dir,
+            to_start: t.elapsed(),
+            exec_failed,
+        }))
+    }
+}
+
+impl Running {
+    /// The job's exit code from the waiter (`X`), or `None` when the connection ended
+    /// without one (the container died).
+    pub async fn exit_code(sock: &mut UnixStream) -> Option<i32> {
+        let mut m = [0u8; 5];
+        sock.read_exact(&mut m).await.ok()?;
+        (m[0] == b'X').then(|| i32::from_le_bytes([m[1], m[2], m[3], m[4]]))
+    }
+}
+
+/// The job message ([`poolwaiter`'s format](../../../../poolwaiter/src/main.rs)): a
+/// length, then NUL-terminated fields.
+fn encode(spec: &SandboxSpec, argv: &[String], image: &ImageArgs) -> Vec<u8> {
+    let mut body = Vec::new();
+    let mut field = |b: &[u8]| {
+        body.extend_from_slice(b);
+        body.push(0);
+    };
+    field(b"1");
+    field(spec.host_uid.to_string().as_bytes());
+    field(spec.host_uid.to_string().as_bytes());
+    field(spec.workdir.as_bytes());
+    field(if image.podman {
+        spec.workdir.as_bytes()
+    } else {
+        b"/"
+    });
+    field(argv.len().to_string().as_bytes());
+    for a in argv {
+        field(a.as_bytes());
+    }
+    // The image's HOME is the job's unless the job sets one (as the engines do).
+    let image_home = image
+        .home
+        .as_ref()
+        .filter(|_| !spec.env.iter().any(|(k, _)| k == "HOME"));
+    field(
+        (spec.env.len() + usize::from(image_home.is_some()))
+            .to_string()
+            .as_bytes(),
+    );
+    if let Some(h) = image_home {
+        field(format!("HOME={h}").as_bytes());
+    }
+    for (k, v) in &spec.env {
+        field(format!("{k}={v}").as_bytes());
+    }
+    let mut msg = (body.len() as u32).to_le_bytes().to_vec();
+    msg.extend_from_slice(&body);
+    msg
+}
+
+/// Sends `msg` with `fds` on its first bytes.
+async fn send_job(sock: &mut UnixStream, msg: &[u8], fds: [RawFd; 2]) -> std::io::Result<()> {
+    let sent = loop {
+        sock.writable().await?;
+        match sock.try_io(tokio::io::Interest::WRITABLE, || {
+            sendmsg_fds(sock_fd(sock), msg, &fds)
+        }) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    sock.write_all(&msg[sent..]).await
+}
+
+fn sock_fd(s: &UnixStream) -> RawFd {
+    s.as_raw_fd()
+}
+
+fn sendmsg_fds(fd: RawFd, msg: &[u8], fds: &[RawFd; 2]) -> std::io::Result<usize> {
+    let mut cmsg = [0u64; 8];
+    let mut iov = libc::iovec {
+        iov_base: msg.as_ptr() as *mut libc::c_void,
+        iov_len: msg.len(),
+    };
+    // SAFETY: a zeroed msghdr filled with pointers to live buffers; the control message
+    // is laid out with the CMSG macros within `cmsg`.
+    unsafe {
+        let mut m: libc::msghdr = std::mem::zeroed();
+        m.msg_iov = &mut iov;
+        m.msg_iovlen = 1;
+        m.msg_control = cmsg.as_mut_ptr().cast();
+        let space = libc::CMSG_SPACE(std::mem::size_of_val(fds) as u32) as usize;
+        m.msg_controllen = space;
+        let c = libc::CMSG_FIRSTHDR(&m);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as usize;
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<RawFd>(), 2);
+        let n = libc::sendmsg(fd, &m, libc::MSG_NOSIGNAL);
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(n as usize)
+    }
+}
+
+/// `struct mount_attr` of mount_setattr(2).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
+
+const OPEN_TREE_CLONE: libc::c_uint = 1;
+const AT_RECURSIVE: libc::c_uint = 0x8000;
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
+const MOUNT_ATTR_RDONLY: u64 = 0x1;
+const MOUNT_ATTR_NOSUID: u64 = 0x2;
+const MOUNT_ATTR_NODEV: u64 = 0x4;
+
+fn check(r: libc::c_long, what: &str) -> std::io::Result<libc::c_long> {
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        return Err(std::io::Error::new(e.kind(), format!("{what}: {e}")));
+    }
+    Ok(r)
+}
+
+/// Clones each host directory's mount tree, then, on a thread of its own in the
+/// container's mount namespace (entered through `pidfd`), moves each clone onto its
+/// placeholder and detaches `/.cynode`. Blocking.
+fn inject(pidfd: &OwnedFd, mounts: &[(PathBuf, String, bool)]) -> std::io::Result<()> {
+    let mut trees = Vec::with_capacity(mounts.len());
+    for (host, target, writable) in mounts {
+        let c = CString::new(host.as_os_str().as_bytes())?;
+        // SAFETY: open_tree with a valid path; the result is a new descriptor.
+        let fd = check(
+            unsafe {
+                libc::syscall(
+                    libc::SYS_open_tree,
+                    libc::AT_FDCWD,
+                    c.as_ptr(),
+                    OPEN_TREE_CLONE
+                        | libc::O_CLOEXEC as libc::c_uint
+                        | AT_RECURSIVE
+                        | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint,
+                )
+            },
+            "open_tree",
+        )?;
+        // SAFETY: a new descriptor we own.
+        let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        let mut set = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
+        if !writable {
+            set |= MOUNT_ATTR_RDONLY;
+        }
+        let attr = MountAttr {
+            attr_set: set,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: 0,
+        };
+        // SAFETY: mount_setattr on our detached tree with a valid attr struct.
+        check(
+            unsafe {
+                libc::syscall(
+                    libc::SYS_mount_setattr,
+                    tree.as_raw_fd(),
+                    c"".as_ptr(),
+                    libc::AT_EMPTY_PATH as libc::c_uint | AT_RECURSIVE,
+                    &attr as *const MountAttr,
+                    std::mem::size_of::<MountAttr>(),
+                )
+            },
+            "mount_setattr",
+        )?;
+        trees.push((tree, CString::new(target.as_bytes())?));
+    }
+    let ns = pidfd.as_raw_fd();
+    std::thread::scope(|s| {
+        s.spawn(|| -> std::io::Result<()> {
+            // SAFETY: this thread only: its own fs struct, then the container's mount
+            // namespace; it ends right after.
+            unsafe {
+                check(libc::unshare(libc::CLONE_FS) as libc::c_long, "unshare")?;
+                check(libc::setns(ns, libc::CLONE_NEWNS) as libc::c_long, "setns")?;
+                for (tree, target) in &trees {
+                    // The placeholder goes, so the job's mount table is a cold job's.
+                    check(
+                        libc::umount2(target.as_ptr(), libc::MNT_DETACH) as libc::c_long,
+                        "umount the placeholder",
+                    )?;
+                    let t = check(
+                        libc::open(
+                            target.as_ptr(),
+                            libc::O_PATH | libc::O_NOFOLLOW | libc::O_DIRECTORY | libc::O_CLOEXEC,
+                        ) as libc::c_long,
+                        "open the placeholder",
+                    )?;
+                    let t = OwnedFd::from_raw_fd(t as RawFd);
+                    check(
+                        libc::syscall(
+                            libc::SYS_move_mount,
+                            tree.as_raw_fd(),
+                            c"".as_ptr(),
+                            t.as_raw_fd(),
+                            c"".as_ptr(),
+                            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+                        ),
+                        "move_mount",
+                    )?;
+                }
+                let ctl = CString::new(CTL_MOUNT)?;
+                check(
+                    libc::umount2(ctl.as_ptr(), libc::MNT_DETACH) as libc::c_long,
+                    "umount /.cynode",
+                )?;
+            }
+            Ok(())
+        })
+        .join()
+        .unwrap_or_else(|_| Err(std::io::Error::other("mount thread panicked")))
+    })
+}
+
+impl EngineBackend {
+    /// The `run` argv of a pooled container for `spec`'s key (see the module doc for how
+    /// it differs from [`EngineBackend::run_args`]).
+    pub fn pool_args(
+        &self,
+        spec: &SandboxSpec,
+        name: &str,
+        dir: &Path,
+        empty: &Path,
+    ) -> Vec<String> {
+        let l = &spec.limits;
+        let mut a: Vec<String> = vec![
+            "run".into(),
+            "--rm".into(),
+            "--name".into(),
+            name.to_string(),
+            "--label".into(),
+            format!("{MANAGED_LABEL}={}", self.node),
+            "--label".into(),
+            format!("{POOL_LABEL}=1"),
+        ];
+        a.extend(self.runtime_args());
+        a.push("--pull=never".into());
+        a.push(format!("--security-opt=seccomp={}", self.profile.display()));
+        a.extend([
+            "--network=none".into(),
+            "--read-only".into(),
+            "--user=0:0".into(),
+            "--cap-drop=ALL".into(),
+            "--cap-add=SETUID".into(),
+            "--cap-add=SETGID".into(),
+            "--cap-add=SETPCAP".into(),
+            "--security-opt=no-new-privileges".into(),
+            "--ulimit=nofile=1024:1024".into(),
+            "--ulimit=nproc=4096:4096".into(),
+        ]);
+        a.push(format!("--memory={}m", l.memory_mb));
+        a.push(format!("--memory-swap={}m", l.memory_mb));
+        a.push(format!("--pids-limit={}", l.pids + 1));
+        a.push(format!("--cpus={}", l.cpus));
+        a.push(format!("--tmpfs=/tmp:rw,size={}m,mode=1777", l.tmpfs_mb));
+        a.push(format!("--volume={}:{CTL_MOUNT}:ro", dir.display()));
+        for target in [JOB_MOUNT, WORKSPACE_MOUNT] {
+            a.push(format!("--volume={}:{target}:ro", empty.display()));
+        }
+        a.push("--workdir=/".into());
+        a.push(format!("--entrypoint={CTL_MOUNT}/{WAITER_NAME}"));
+        a.push("--".into());
+        a.push(spec.image.clone());
+        a.push(format!("{CTL_MOUNT}/{SOCKET_NAME}"));
+        a
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(cmd: &[&str], over: bool) -> SandboxSpec {
+        let mut s = crate::sandbox::example_spec("img:1", cmd);
+        s.override_entrypoint = over;
+        s
+    }
+
+    /// The engines' rule: a replaced entrypoint runs the command; otherwise the image's
+    /// entrypoint takes the command, or the image's cmd when there is none.
+    #[test]
+    fn argv_follows_the_engines_rule() {
+        let img = ImageArgs {
+            entrypoint: vec!["/sba".into()],
+            cmd: vec!["--default".into()],
+        };
+        assert_eq!(
+            job_argv(&spec(&["sh", "-c", "x"], true), &img),
+            ["sh", "-c", "x"]
+        );
+        assert_eq!(job_argv(&spec(&["--x"], false), &img), ["/sba", "--x"]);
+        assert_eq!(job_argv(&spec(&[], false), &img), ["/sba", "--default"]);
+        assert_eq!(job_argv(&spec(&[], true), &img), ["/sba", "--default"]);
+    }
+
+    /// The message is the waiter's format: length, then NUL-terminated fields.
+    #[test]
+    fn the_job_message_is_length_prefixed_fields() {
+        let mut s = spec(&["echo", "hi"], true);
+        s.env = vec![("A".into(), "1".into())];
+        s.host_uid = 2001;
+        let m = encode(&s, &s.command.clone(), &ImageArgs::default());
+        let len = u32::from_le_bytes([m[0], m[1], m[2], m[3]]) as usize;
+        assert_eq!(len, m.len() - 4);
+        let fields: Vec<&[u8]> = m[4..].split(|b| *b == 0).collect();
+        assert_eq!(
+            &fields[..fields.len() - 1],
+            [
+                &b"1"[..],
+                b"2001",
+                b"2001",
+                s.workdir.as_bytes(),
+                b"/",
+                b"2",
+                b"echo",
+                b"hi",
+                b"1",
+                b"A=1"
+            ]
+        );
+    }
+
+    /// A pooled container keeps a cold one's walls: no network, read-only root, the
+    /// node's seccomp profile, no-new-privileges, all capabilities dropped but the three
+    /// the waiter needs to drop to the job's uid, the limits (one more pid for the waiter),
+    /// the node's label; the image after `--`.
+    #[test]
+    fn pool_args_keep_the_cold_walls() {
+        let e = EngineBackend::new(
+            crate::config::BackendKind::Podman,
+            crate::config::EngineConfig::default(),
+            "n".into(),
+            Path::new("/s"),
+            crate::backend::bwrap::IsolatedBwrap::new("bwrap".into(), "n".into(), Some(false)),
+        );
+        let s = spec(&["true"], true);
+        let a = e.pool_args(
+            &s,
+            "cynode-pool-1",
+            Path::new("/s/pool/x"),
+            Path::new("/s/pool/empty"),
+        );
+        let end = a.iter().position(|x| x == "--").unwrap_or(0);
+        for want in [
+            "--rm",
+            "--network=none",
+            "--read-only",
+            "--cap-drop=ALL",
+            "--security-opt=no-new-privileges",
+            "--pull=never",
+            "--label",
+            "io.cynode.node=n",
+        ] {
+            assert!(a[..end].iter().any(|x| x == want), "{want} missing: {a:?}");
+        }
+        assert!(a[..end]
+            .iter()
+            .any(|x| x.starts_with("--security-opt=seccomp=/s/seccomp/")));
+        assert!(a[..end].contains(&format!("--pids-limit={}", s.limits.pids + 1)));
+        let added: Vec<&String> = a.iter().filter(|x| x.starts_with("--cap-add")).collect();
+        assert_eq!(
+            added,
+            ["--cap-add=SETUID", "--cap-add=SETGID", "--cap-add=SETPCAP"]
+        );
+        assert_eq!(&a[end + 1..], ["img:1", "/.cynode/ctl.sock"]);
+    }
+}
