@@ -346,6 +346,14 @@ async fn run_case(backend: &'static str, case: Case) -> (Vec<String>, PathBuf, S
             case.registry.requests()
         );
     }
+    // No other host was asked for (no default registry, no checksum database).
+    assert!(
+        resp["egress"]
+            .as_array()
+            .is_some_and(|a| a.iter().all(|r| r["host"] == case.host)),
+        "{}",
+        resp["egress"]
+    );
     let audit = records(&resp, case.host);
     assert!(
         !audit.is_empty()
