@@ -12,6 +12,11 @@
 #   2. the worker's round trip of the same trivial job (sync POST /v1/worker/jobs:run,
 #      command ["true"]), $RUNS requests one after the other (2 warm-up ones first),
 #      each timed by curl.
+#   3. podman-warm and docker-warm: the same round trip with the engine's warm pool on
+#      (pool_size 2, filled for the test image at start; each request waits until a pooled
+#      container is idle, so every measured job is a claim), and the claim-to-start time
+#      (the worker's "warm job started" log line: mounts moved in, job sent, the waiter's
+#      word that it execs). Their bare columns are the cold engine's bare start.
 # Prints one table (p50/p95 in ms, and worker p50 / bare p50) and writes it as JSON to
 # $OUT/engines-<UTC stamp>.json. The host's load average is printed with it: the numbers
 # are only comparable within one run. Starts dockerd through deploy/docker/start.sh when
@@ -22,6 +27,8 @@
 #   CARGO_TARGET_DIR  [/var/cache/cynode/target]
 #   OUT               [/var/cache/cynode/bench/worker]
 #   RUNS              [20]   measured runs per engine and mode
+#   WORKER_BIN        [unset] a worker binary to measure instead of building the release one
+#   ENGINES           [bwrap podman docker podman-runsc docker-runsc podman-warm docker-warm]
 # Needs: root, Debian 12; hyperfine, jq, curl (deploy/install-deps.sh installs them).
 set -euo pipefail
 
@@ -41,17 +48,23 @@ cd "$(dirname "$0")/../.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/cynode/target}
 OUT=${OUT:-/var/cache/cynode/bench/worker}
 RUNS=${RUNS:-20}
+ENGINES=${ENGINES:-bwrap podman docker podman-runsc docker-runsc podman-warm docker-warm}
 image=localhost/cynode-sba-test:latest
 [[ $(id -u) -eq 0 ]] || die "must run as root"
 
-log "building the release worker"
-cargo build --release -q -p cynode-worker >&2
-worker_bin=$CARGO_TARGET_DIR/release/cynode-worker
+if [[ -n ${WORKER_BIN:-} ]]; then
+  worker_bin=$WORKER_BIN
+else
+  log "building the release worker"
+  cargo build --release -q -p cynode-worker >&2
+  worker_bin=$CARGO_TARGET_DIR/release/cynode-worker
+fi
 CYNODE_SKIP_SMOKE=1 bash deploy/install-deps.sh >/dev/null 2>&1
 bin=$(bash deploy/sba/build-static.sh 2>/dev/null)
 bash deploy/sba/build-test-image.sh "$bin" >/dev/null 2>&1
 rootfs=$(bash deploy/sba/export-rootfs.sh "$image" 2>/dev/null)
 bash deploy/docker/start.sh "$image"
+waiter=$(bash deploy/worker/build-waiter.sh 2>/dev/null)
 
 work=$(mktemp -d /var/tmp/cynode-engines.XXXXXX)
 chmod 0755 "$work"
@@ -64,6 +77,10 @@ cleanup() {
     kill -KILL "$p" 2>/dev/null || true
     wait "$p" 2>/dev/null || true
   done
+  # The workers' disk volumes (loop-mounted ext4 on job directories and workspaces)
+  # outlive a stopped worker: unmount them before the state goes.
+  grep -F " $work/" /proc/self/mountinfo | awk '{print $5}' | sort -r |
+    while read -r m; do umount -l "$m" 2>/dev/null || true; done
   rm -rf "$work"
   exit "$rc"
 }
@@ -82,8 +99,8 @@ engine_flags=(--rm --pull=never --network=none --read-only --user=1000:1000 --ca
 bare_cmd() {
   case $1 in
     bwrap) echo "bwrap --ro-bind $rootfs / --dev /dev --proc /proc --unshare-all --die-with-parent --uid 1000 --gid 1000 /bin/true" ;;
-    podman) echo "podman run --runtime=runc ${engine_flags[*]} $image" ;;
-    docker) echo "docker run ${engine_flags[*]} $image" ;;
+    podman | podman-warm) echo "podman run --runtime=runc ${engine_flags[*]} $image" ;;
+    docker | docker-warm) echo "docker run ${engine_flags[*]} $image" ;;
     podman-runsc) echo "podman run --runtime=/usr/bin/runsc --runtime-flag=network=none ${engine_flags[*]} $image" ;;
     docker-runsc) echo "docker run --runtime=runsc ${engine_flags[*]} $image" ;;
   esac
@@ -95,7 +112,17 @@ worker_config() {
     bwrap | podman | docker) echo "backend: $1" ;;
     podman-runsc) printf 'backend: podman\npodman:\n  runtime: runsc\n' ;;
     docker-runsc) printf 'backend: docker\ndocker:\n  runtime: runsc\n' ;;
+    podman-warm | docker-warm)
+      printf 'backend: %s\n%s:\n  pool_size: 2\n  pool_images: ["%s"]\n  pool_waiter: %s\n' \
+        "${1%-warm}" "${1%-warm}" "$image" "$waiter"
+      ;;
   esac
+}
+
+# pool_idle: the worker's idle pooled containers (/metrics).
+pool_idle() {
+  curl -sS -H "Authorization: Bearer $token" "http://$ADDR/metrics" |
+    awk '/^cynode_worker_pool_idle/ {print $2}'
 }
 
 # start_worker ENGINE: starts a worker; sets ADDR.
@@ -129,7 +156,7 @@ pct() { sort -n "$1" | awk -v p="$2" '{a[NR] = $1} END {i = int(NR * p / 100 + 0
 
 load_before=$(cut -d' ' -f1-3 /proc/loadavg)
 rows=()
-for engine in bwrap podman docker podman-runsc docker-runsc; do
+for engine in $ENGINES; do
   log "$engine: bare"
   hyperfine -N --warmup 2 --runs "$RUNS" --export-json "$work/$engine.bare.json" \
     "$(bare_cmd "$engine")" >/dev/null 2>&1 || die "bare $engine failed: $(bare_cmd "$engine")"
@@ -138,6 +165,9 @@ for engine in bwrap podman docker podman-runsc docker-runsc; do
   start_worker "$engine"
   : >"$work/$engine.worker.txt"
   for i in $(seq -2 "$RUNS"); do
+    if [[ $engine == *-warm ]]; then
+      for _ in $(seq 600); do (($(pool_idle) >= 1)) && break; sleep 0.05; done
+    fi
     body=$(jq -nc --arg id "bench-$engine-$i" --arg image "$image" \
       '{version: 1, task_id: "bench", job_id: $id, sandbox: {image: $image, command: ["true"]}}')
     out=$(curl -sS -o "$work/resp.json" -w '%{http_code} %{time_total}' \
@@ -147,11 +177,18 @@ for engine in bwrap podman docker podman-runsc docker-runsc; do
       die "$engine job $i: $out $(head -c 300 "$work/resp.json")"
     ((i > 0)) && echo "${out#* }" >>"$work/$engine.worker.txt"
   done
-  rows+=("$(jq -nc --arg e "$engine" \
+  # The measured jobs' claim-to-start times (warm engines only), in seconds.
+  grep '"warm job started"' "$work/$engine/worker.log" | grep -v 'bench-'"$engine"'-\(-[0-9]*\|0\)"' |
+    jq -r '.fields.claim_to_start_us / 1000000' >"$work/$engine.start.txt" || true
+  s50=null s95=null
+  if [[ -s $work/$engine.start.txt ]]; then
+    s50=$(pct "$work/$engine.start.txt" 50) s95=$(pct "$work/$engine.start.txt" 95)
+  fi
+  rows+=("$(jq -nc --arg e "$engine" --argjson s50 "$s50" --argjson s95 "$s95" \
     --argjson b50 "$(pct "$work/$engine.bare.txt" 50)" --argjson b95 "$(pct "$work/$engine.bare.txt" 95)" \
     --argjson w50 "$(pct "$work/$engine.worker.txt" 50)" --argjson w95 "$(pct "$work/$engine.worker.txt" 95)" \
     '{engine: $e, bare_p50_ms: $b50, bare_p95_ms: $b95, worker_p50_ms: $w50, worker_p95_ms: $w95,
-      ratio_p50: (($w50 / $b50) * 100 | round / 100)}')")
+      ratio_p50: (($w50 / $b50) * 100 | round / 100), claim_to_start_p50_ms: $s50, claim_to_start_p95_ms: $s95}')")
 done
 
 mkdir -p "$OUT"
@@ -159,9 +196,10 @@ result=$OUT/engines-$(date -u +%Y%m%dT%H%M%SZ).json
 printf '%s\n' "${rows[@]}" | jq -s --arg lb "$load_before" --arg la "$(cut -d' ' -f1-3 /proc/loadavg)" \
   --argjson runs "$RUNS" --arg kernel "$(uname -r)" --arg runsc "$(runsc --version 2>&1 | head -n 1)" \
   '{runs: $runs, load_before: $lb, load_after: $la, kernel: $kernel, runsc: $runsc, engines: .}' >"$result"
-printf '%-14s %10s %10s %12s %12s %7s\n' engine bare_p50 bare_p95 worker_p50 worker_p95 ratio
-jq -r '.engines[] | [.engine, .bare_p50_ms, .bare_p95_ms, .worker_p50_ms, .worker_p95_ms, .ratio_p50] | @tsv' "$result" |
-  while IFS=$'\t' read -r e b50 b95 w50 w95 r; do
-    printf '%-14s %8s ms %8s ms %10s ms %10s ms %6sx\n' "$e" "$b50" "$b95" "$w50" "$w95" "$r"
+printf '%-14s %10s %10s %12s %12s %7s %12s %12s\n' engine bare_p50 bare_p95 worker_p50 worker_p95 ratio start_p50 start_p95
+jq -r '.engines[] | [.engine, .bare_p50_ms, .bare_p95_ms, .worker_p50_ms, .worker_p95_ms, .ratio_p50,
+    (.claim_to_start_p50_ms // "-"), (.claim_to_start_p95_ms // "-")] | @tsv' "$result" |
+  while IFS=$'\t' read -r e b50 b95 w50 w95 r s50 s95; do
+    printf '%-14s %8s ms %8s ms %10s ms %10s ms %6sx %9s ms %9s ms\n' "$e" "$b50" "$b95" "$w50" "$w95" "$r" "$s50" "$s95"
   done
 echo "load average before: $load_before; after: $(cut -d' ' -f1-3 /proc/loadavg) ($RUNS runs each; $result)"
