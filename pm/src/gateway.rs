@@ -11,7 +11,8 @@
 //! - [`decide`] is the allowlist: `artifact.put|get|list`, `skills.list|get`,
 //!   `web.fetch`, `api.call`, `help.*`; never `db.*`, `node.*`, `sandbox.*` or a skill
 //!   write, whatever the job's context asks for.
-//! - Calls are audited per job ([`AuditEntry`]: tool, outcome, bytes) and handed to the
+//! - Calls are audited per job ([`AuditEntry`]: tool, outcome, bytes; for `web.fetch`
+//!   and `api.call` also host, port and decision) and handed to the
 //!   driver with the revocation, which records them in the session's history (the driver
 //!   owns the session record while its job runs; a second writer would break its
 //!   optimistic versions).
@@ -30,6 +31,8 @@ pub struct Grant {
     pub session_id: String,
     pub task_id: String,
     pub job_id: String,
+    /// The job's skill: its declared `egress` narrows where `web.fetch` may go.
+    pub skill_id: String,
     /// The tools the job's `context.mcp_tools` lists: the only ones its token may call
     /// (on top of [`decide`]'s allowlist).
     pub tools: Vec<String>,
@@ -71,14 +74,23 @@ pub enum TokenError {
 }
 
 /// One gateway call, as the session's history records it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct AuditEntry {
     pub tool: String,
     /// `ok`, `refused` or `error`.
     pub outcome: String,
     /// Bytes the call moved (artifact bytes in or out, reply size).
     pub bytes: u64,
+    /// The reason of a refusal (cut to [`MAX_DETAIL_BYTES`]).
     pub detail: Option<String>,
+    /// `web.fetch` and `api.call`: the destination (host, or `route:<name>` before the
+    /// route is known), its port, and `allowed` or `denied`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub decision: Option<String>,
 }
 
 /// An artifact a job put through the gateway, verified, waiting to join the session
@@ -316,6 +328,7 @@ mod tests {
             session_id: "s-1".into(),
             task_id: "t1".into(),
             job_id: job.into(),
+            skill_id: "gw".into(),
             tools: vec!["skills.get".into()],
         }
     }
@@ -335,7 +348,7 @@ mod tests {
                 tool: "skills.list".into(),
                 outcome: "ok".into(),
                 bytes: 10,
-                detail: None,
+                ..Default::default()
             },
         );
         let r = t.revoke_job("j1");

@@ -3,6 +3,7 @@
 
 mod cli;
 mod egress;
+mod gateway_egress;
 mod llm;
 mod policy;
 mod skills;

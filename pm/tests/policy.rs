@@ -292,6 +292,7 @@ fn denies_egress_beyond_the_tenants_allowlist() {
         tenant_id: "acme".into(),
         egress: cynode_pm::policy::TenantEgress {
             allow: vec!["*.golang.org".into(), "pypi.org".into()],
+            ..Default::default()
         },
         ..TenantPolicy::default()
     };

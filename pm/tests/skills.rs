@@ -852,6 +852,7 @@ fn python_test_fetches_dependencies_only_when_asked_and_allowed() {
     let narrow = TenantPolicy {
         egress: TenantEgress {
             allow: vec!["pypi.org".into()],
+            ..Default::default()
         },
         ..TenantPolicy::default()
     };
@@ -866,6 +867,7 @@ fn python_test_fetches_dependencies_only_when_asked_and_allowed() {
     let pypi = TenantPolicy {
         egress: TenantEgress {
             allow: vec!["pypi.org".into(), "*.pythonhosted.org".into()],
+            ..Default::default()
         },
         ..TenantPolicy::default()
     };

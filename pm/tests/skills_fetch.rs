@@ -30,6 +30,7 @@ fn tenant(allow: &[&str]) -> TenantPolicy {
     TenantPolicy {
         egress: TenantEgress {
             allow: allow.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
         },
         ..TenantPolicy::default()
     }

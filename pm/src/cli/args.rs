@@ -164,8 +164,9 @@ pub struct RunArgs {
     pub egress_allow: Vec<String>,
     /// Where this run hosts the sandbox gateway for its session's jobs that list tools
     /// (MCP, job tokens; as `serve`'s `/v1/gateway`). The default, a free loopback port,
-    /// serves a local worker or one on this machine. The gateway speaks plain HTTP: a
-    /// non-loopback address is refused without --gateway-allow-plain-http.
+    /// serves a local worker or one on this machine. Without --gateway-tls-cert the
+    /// gateway speaks plain HTTP: a non-loopback address is then refused without
+    /// --gateway-allow-plain-http.
     #[arg(
         long,
         env = "CYNODE_RUN_GATEWAY_LISTEN",
@@ -183,6 +184,19 @@ pub struct RunArgs {
     /// tokens then cross the network in clear: a trusted network only).
     #[arg(long, help_heading = "Session")]
     pub gateway_allow_plain_http: bool,
+    /// PEM certificate (chain): the hosted gateway speaks HTTPS (reloaded when the file
+    /// changes; `serve`'s TLS) and may listen beyond loopback. Its URL then defaults to
+    /// `https://<listen>/v1/gateway`. A worker must trust its issuer: this run's local
+    /// worker trusts the system's roots and SSL_CERT_FILE, which it inherits.
+    #[arg(long, requires = "gateway_tls_key", help_heading = "Session")]
+    pub gateway_tls_cert: Option<PathBuf>,
+    /// PEM private key of --gateway-tls-cert.
+    #[arg(long, requires = "gateway_tls_cert", help_heading = "Session")]
+    pub gateway_tls_key: Option<PathBuf>,
+    /// The gateway's egress settings (as `serve`'s --gateway-egress-file): `api.call`'s
+    /// credentialed routes, `web.fetch`'s name servers, extra CA and bounds.
+    #[arg(long, env = "CYNODE_RUN_GATEWAY_EGRESS_FILE", help_heading = "Session")]
+    pub gateway_egress_file: Option<PathBuf>,
     /// Host no sandbox gateway: no job of this run gets a token, whatever it lists.
     #[arg(long, help_heading = "Session")]
     pub no_gateway: bool,

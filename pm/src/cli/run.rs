@@ -123,6 +123,7 @@ async fn drive_session(
         }
     };
     let config = args.pm.config(global);
+    super::serve::install_gateway_egress(args.gateway_egress_file.as_deref())?;
     let mut pm = bootstrap::build_pm(&config, workers).await?;
     pm.tenant
         .egress
@@ -134,11 +135,20 @@ async fn drive_session(
         let listener = std::net::TcpListener::bind(args.gateway_listen)
             .with_context(|| format!("--gateway-listen {}", args.gateway_listen))?;
         let addr = listener.local_addr()?;
+        if let Some(tls) = gateway_tls(args) {
+            // A bad certificate or key is an error now, not a gateway that never answers.
+            cynode_tls::server_config(&tls).context("--gateway-tls-cert/--gateway-tls-key")?;
+        }
         // gateway_hosted: without --gateway-url the listen address is a loopback one.
+        let scheme = if gateway_tls(args).is_some() {
+            "https"
+        } else {
+            "http"
+        };
         pm.gateway_url = Some(
             args.gateway_url
                 .clone()
-                .unwrap_or_else(|| format!("http://{addr}/v1/gateway")),
+                .unwrap_or_else(|| format!("{scheme}://{addr}/v1/gateway")),
         );
         Some(listener)
     } else {
@@ -146,7 +156,12 @@ async fn drive_session(
     };
     let pm = std::sync::Arc::new(pm);
     let _gateway = listener.map(|l| {
-        cynode_pm::mcp::gateway::host(std::sync::Arc::clone(&pm), l, args.gateway_max_body_bytes)
+        cynode_pm::mcp::gateway::host(
+            std::sync::Arc::clone(&pm),
+            l,
+            args.gateway_max_body_bytes,
+            gateway_tls(args),
+        )
     });
     match start {
         Start::Resume { id, answer } => {
@@ -193,8 +208,10 @@ async fn drive_session(
 /// - `--no-gateway`: no;
 /// - `--gateway-url` must be `http://` or `https://`;
 /// - a non-loopback `--gateway-listen` without `--gateway-url`: no (warned), the workers
-///   could not be told where it is; with one, refused unless `--gateway-allow-plain-http`
-///   (the gateway speaks plain HTTP: tokens would cross the network in clear);
+///   could not be told where it is; with one, refused unless the gateway speaks HTTPS
+///   (`--gateway-tls-cert`) or `--gateway-allow-plain-http` is given (tokens would
+///   cross the network in clear);
+/// - with `--gateway-tls-cert`, an `http://` `--gateway-url` is refused;
 /// - a remote worker (`--worker-endpoint` not on loopback, or `--workers-file`) and no
 ///   `--gateway-url`: no (warned), a loopback URL would not reach it.
 pub(crate) fn gateway_hosted(args: &RunArgs) -> anyhow::Result<bool> {
@@ -208,6 +225,9 @@ pub(crate) fn gateway_hosted(args: &RunArgs) -> anyhow::Result<bool> {
         if !ok {
             anyhow::bail!("--gateway-url {url}: must be an http:// or https:// URL");
         }
+        if gateway_tls(args).is_some() && !url.starts_with("https://") {
+            anyhow::bail!("--gateway-url {url}: the gateway speaks HTTPS (--gateway-tls-cert)");
+        }
     }
     let listen = args.gateway_listen;
     if !listen.ip().is_loopback() {
@@ -215,7 +235,7 @@ pub(crate) fn gateway_hosted(args: &RunArgs) -> anyhow::Result<bool> {
             tracing::warn!(%listen, "the gateway would listen on a non-loopback address without --gateway-url: no gateway, jobs get no token");
             return Ok(false);
         }
-        if !args.gateway_allow_plain_http {
+        if !args.gateway_allow_plain_http && gateway_tls(args).is_none() {
             anyhow::bail!(
                 "--gateway-listen {listen} is not a loopback address and the gateway speaks plain HTTP (job tokens in clear); listen on loopback (behind a TLS proxy named by --gateway-url), or give --gateway-allow-plain-http on a trusted network"
             );
@@ -226,6 +246,19 @@ pub(crate) fn gateway_hosted(args: &RunArgs) -> anyhow::Result<bool> {
         return Ok(false);
     }
     Ok(true)
+}
+
+/// The hosted gateway's HTTPS settings, when `--gateway-tls-cert` and `--gateway-tls-key`
+/// are given (no client certificates: the workers present job tokens).
+fn gateway_tls(args: &RunArgs) -> Option<cynode_tls::ServerTls> {
+    match (&args.gateway_tls_cert, &args.gateway_tls_key) {
+        (Some(cert), Some(key)) => Some(cynode_tls::ServerTls {
+            cert_file: cert.clone(),
+            key_file: key.clone(),
+            client_ca_file: None,
+        }),
+        _ => None,
+    }
 }
 
 /// Whether the session's worker may be on another machine: `--workers-file`, or a
@@ -314,6 +347,30 @@ mod tests {
             crate::cli::Command::Run(cmd) => cmd.args,
             _ => unreachable!(),
         }
+    }
+
+    #[test]
+    fn a_tls_gateway_may_listen_beyond_loopback() {
+        let hosted = |extra: &[&str]| super::gateway_hosted(&run_args(extra));
+        let tls = ["--gateway-tls-cert", "c.pem", "--gateway-tls-key", "k.pem"];
+        let url = ["--gateway-url", "https://pm.example:8443/v1/gateway"];
+        let listen = ["--gateway-listen", "0.0.0.0:0"];
+        assert!(hosted(&[&listen[..], &url[..], &tls[..]].concat()).unwrap());
+        // Without TLS the same flags are refused (plain HTTP beyond loopback).
+        assert!(hosted(&[&listen[..], &url[..]].concat()).is_err());
+        // An http:// URL for an HTTPS gateway is refused.
+        let plain = ["--gateway-url", "http://pm.example/v1/gateway"];
+        let e = hosted(&[&listen[..], &plain[..], &tls[..]].concat())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("HTTPS"), "{e}");
+        // The certificate needs its key.
+        let mut argv = vec!["cynode-pm", "run", "o", "--gateway-tls-cert", "c.pem"];
+        assert!(crate::cli::Cli::try_parse_from(argv.drain(..)).is_err());
+        assert_eq!(
+            super::gateway_tls(&run_args(&tls)).map(|t| t.cert_file),
+            Some(std::path::PathBuf::from("c.pem"))
+        );
     }
 
     #[test]

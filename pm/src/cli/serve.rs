@@ -79,6 +79,12 @@ pub struct ServeArgs {
     /// loopback one; otherwise jobs get no gateway unless this is set.
     #[arg(long, env = "CYNODE_PM_GATEWAY_URL")]
     pub gateway_url: Option<String>,
+    /// The sandbox gateway's egress settings (YAML or JSON, `egress:` at the top): the
+    /// credentialed routes of `api.call` (`routes.<name>: {upstream, headers: {H: {env:
+    /// VAR}}, ca_file?}`, values read from this process's environment at start), and
+    /// for `web.fetch` `nameservers`, `ca_file`, `max_body_bytes`, `timeout_seconds`.
+    #[arg(long, env = "CYNODE_PM_GATEWAY_EGRESS_FILE")]
+    pub gateway_egress_file: Option<PathBuf>,
     #[command(flatten)]
     pub pm: PmArgs,
 }
@@ -105,6 +111,7 @@ pub async fn serve(args: &ServeArgs, g: &Global) -> anyhow::Result<i32> {
     )?;
     let workers = bootstrap::workers(&workers)?;
     let config = args.pm.config(g);
+    install_gateway_egress(args.gateway_egress_file.as_deref())?;
     let mut pm = bootstrap::build_pm(&config, workers).await?;
     pm.gateway_url = args.gateway_url.clone().or_else(|| {
         let scheme = if args.tls_cert_file.is_some() {
@@ -136,6 +143,19 @@ pub async fn serve(args: &ServeArgs, g: &Global) -> anyhow::Result<i32> {
     };
     cynode_pm::service::serve(pm, cfg).await?;
     Ok(0)
+}
+
+/// Sets up the gateway's `web.fetch` and `api.call` from `file` (or the defaults: the
+/// system's resolver and roots, no routes); a route whose secret is missing from the
+/// environment is an error now rather than a call sent without its credential.
+pub(crate) fn install_gateway_egress(file: Option<&std::path::Path>) -> anyhow::Result<()> {
+    use cynode_pm::mcp::egress;
+    let settings = match file {
+        Some(f) => egress::load(f)?,
+        None => egress::Settings::default(),
+    };
+    egress::install(&settings).context("the gateway's egress settings")?;
+    Ok(())
 }
 
 #[cfg(test)]

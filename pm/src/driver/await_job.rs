@@ -228,6 +228,7 @@ impl Pm {
                 session_id: rec.state.session_id.clone(),
                 task_id: d.task_id.clone(),
                 job_id: d.job_id.clone(),
+                skill_id: d.skill_id.clone(),
                 tools,
             },
             ttl,

@@ -10,8 +10,12 @@
 //! - `artifact.list` and `artifact.get` see only the artifacts of the token's task
 //!   (jobs of that task, and this job's puts); `get` re-verifies the stored bytes;
 //! - `skills.list` and `skills.get` read the catalog;
-//! - `web.fetch` and `api.call` are refused with the reason: the PM has no route into a
-//!   task's egress proxy yet (a job reaches the network through its own egress policy);
+//! - `web.fetch` goes out from the PM ([`super::egress`]) only to a destination the job's
+//!   egress allows: the tenant's `egress.allow` narrowed by the skill's declared `egress`
+//!   (the lists the worker's proxy gets for the job), resolved and pinned, special
+//!   addresses only when listed, no redirect followed, the reply bounded;
+//! - `api.call` goes to one of the PM's credentialed routes that the tenant's
+//!   `egress.routes_allowed` names; the PM adds the route's secret headers;
 //! - `help.tools` lists the tools, `help.<tool>` describes one.
 //!
 //! Anything else (`db.*`, `node.*`, `sandbox.*`, skill writes, unknown names) is refused
@@ -42,6 +46,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
+use super::egress;
 use crate::gateway::{self, AuditEntry, Decision, Grant, PutArtifact};
 use crate::service::auth::Tenant;
 use crate::service::ops;
@@ -61,8 +66,8 @@ fn describe(tool: &str) -> &'static str {
         "artifact.list" => "The artifacts of this task: path, sha256, size_bytes, job_id.",
         "skills.list" => "The skill catalog (read-only).",
         "skills.get" => "One skill's manifest: {skill_id} (read-only).",
-        "web.fetch" => "Fetch a URL through the task's egress rules (refused: not wired to egress yet).",
-        "api.call" => "Call a named API route through the task's egress rules (refused: not wired to egress yet).",
+        "web.fetch" => "Fetch a URL the task's egress allows: {url, method?: GET|HEAD, headers?} -> {status, headers, body, encoding: text|base64, truncated}; no redirect is followed.",
+        "api.call" => "Call a credentialed route the tenant allows: {route, method, path, body?, headers?} -> {status, headers, body, encoding, truncated}; the PM adds the route's credentials.",
         "help.tools" => "The gateway's tools and what they do.",
         _ => "",
     }
@@ -149,19 +154,36 @@ fn invalid_name() -> Refusal {
 }
 
 /// The audit entry of a call to `tool` (already [`gateway::INVALID_TOOL`] for a name
-/// that is not one) with the clipped outcome `out`.
-fn audit_entry(tool: &str, out: &Result<(Value, u64), Refusal>) -> AuditEntry {
+/// that is not one) with the clipped outcome `out`, and where an egress tool went.
+fn audit_entry(
+    tool: &str,
+    out: &Result<(Value, u64), Refusal>,
+    dest: Option<egress::Dest>,
+) -> AuditEntry {
     let (outcome, bytes, detail) = match out {
         Ok((_, n)) => ("ok", *n, None),
         Err(Refusal::Forbidden(d) | Refusal::BadArguments(d)) => ("refused", 0, Some(d.clone())),
         Err(Refusal::Problem(p)) => ("refused", 0, p.0.detail.clone()),
     };
+    let decision = dest
+        .as_ref()
+        .map(|_| if out.is_ok() { "allowed" } else { "denied" }.to_string());
     AuditEntry {
         tool: tool.to_string(),
         outcome: outcome.into(),
         bytes,
         detail: detail.map(|d| gateway::clip(&d, gateway::MAX_DETAIL_BYTES)),
+        host: dest
+            .as_ref()
+            .map(|d| gateway::clip(&d.host, gateway::MAX_DETAIL_BYTES)),
+        port: dest.as_ref().map(|d| d.port).filter(|p| *p != 0),
+        decision,
     }
+}
+
+/// An egress refusal as the tool's problem (its status and reason).
+fn egress_refusal(tool: &str, d: egress::Denied) -> Refusal {
+    Refusal::Problem(Problem::status(d.status, format!("{tool}: {}", d.reason)))
 }
 
 /// A relative artifact path: no `..`, no leading `/`, no NUL, bounded.
@@ -217,11 +239,30 @@ impl Gateway {
         Ok(out)
     }
 
+    /// Where the job of `g` may go: the tenant's `egress.allow` as the ceiling, narrowed
+    /// by the skill's declared `egress` when it declares one (as the driver's request to
+    /// the worker's proxy is); an empty ceiling allows nothing.
+    fn job_policy(&self, g: &Grant) -> Result<cynode_egress::Policy, Refusal> {
+        let pm = &self.st.pm;
+        let ceiling = cynode_egress::Allowlist::parse(&pm.tenant.egress.allow).map_err(|e| {
+            Problem::forbidden(format!("web.fetch: the tenant's egress.allow: {e}"))
+        })?;
+        let declared = pm
+            .registry
+            .get(&g.skill_id)
+            .map(|s| s.manifest.egress.clone())
+            .unwrap_or_default();
+        let job = (!declared.is_empty()).then_some(&declared[..]);
+        cynode_egress::Policy::for_job(&ceiling, job)
+            .map_err(|e| Problem::forbidden(format!("web.fetch: the skill's {e}")).into())
+    }
+
     async fn run(
         &self,
         g: &Grant,
         tool: &str,
         args: &Map<String, Value>,
+        dest: &mut Option<egress::Dest>,
     ) -> Result<(Value, u64), Refusal> {
         if let Decision::Forbidden(why) = gateway::decide(tool) {
             return Err(Refusal::Forbidden(why));
@@ -239,23 +280,37 @@ impl Gateway {
                 check_path(&a.path)?;
                 let bytes = base64::engine::general_purpose::STANDARD
                     .decode(a.content_base64.as_bytes())
-                    .map_err(|e| Refusal::BadArguments(format!("artifact.put: content_base64: {e}")))?;
+                    .map_err(|e| {
+                        Refusal::BadArguments(format!("artifact.put: content_base64: {e}"))
+                    })?;
                 if bytes.len() > MAX_ARTIFACT_BYTES {
-                    return Err(Problem::status(axum::http::StatusCode::PAYLOAD_TOO_LARGE,
-                        format!("artifact {} is {} bytes, over {MAX_ARTIFACT_BYTES}", a.path, bytes.len())).into());
+                    return Err(Problem::status(
+                        axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                        format!(
+                            "artifact {} is {} bytes, over {MAX_ARTIFACT_BYTES}",
+                            a.path,
+                            bytes.len()
+                        ),
+                    )
+                    .into());
                 }
                 // Checked before the job's put cap counts it: a put whose bytes do not
                 // match uses up nothing.
                 if hex::encode(Sha256::digest(&bytes)) != a.sha256 {
                     return Err(Problem::status(
                         axum::http::StatusCode::UNPROCESSABLE_ENTITY,
-                        format!("artifact {}: the bytes do not match the stated sha256", a.path),
+                        format!(
+                            "artifact {}: the bytes do not match the stated sha256",
+                            a.path
+                        ),
                     )
                     .into());
                 }
                 gateway::tokens()
                     .admit_put(&g.job_id, bytes.len() as u64)
-                    .map_err(|why| Problem::status(axum::http::StatusCode::TOO_MANY_REQUESTS, why))?;
+                    .map_err(|why| {
+                        Problem::status(axum::http::StatusCode::TOO_MANY_REQUESTS, why)
+                    })?;
                 let loc = crate::artifacts::verify_and_store(
                     &self.st.pm.artifacts_dir,
                     &a.path,
@@ -263,14 +318,29 @@ impl Gateway {
                     bytes.len() as u64,
                     &bytes,
                 )
-                .map_err(|e| Problem::status(axum::http::StatusCode::UNPROCESSABLE_ENTITY, e.to_string()))?;
+                .map_err(|e| {
+                    Problem::status(axum::http::StatusCode::UNPROCESSABLE_ENTITY, e.to_string())
+                })?;
                 let location = loc.display().to_string();
-                self.st.pm.store.put_artifact(&a.sha256, bytes.len() as u64, &location).await.map_err(Problem::from)?;
+                self.st
+                    .pm
+                    .store
+                    .put_artifact(&a.sha256, bytes.len() as u64, &location)
+                    .await
+                    .map_err(Problem::from)?;
                 gateway::tokens().put_artifact(
                     &g.job_id,
-                    PutArtifact { path: a.path.clone(), sha256: a.sha256.clone(), size_bytes: bytes.len() as u64, location },
+                    PutArtifact {
+                        path: a.path.clone(),
+                        sha256: a.sha256.clone(),
+                        size_bytes: bytes.len() as u64,
+                        location,
+                    },
                 );
-                Ok((json!({ "path": a.path, "sha256": a.sha256, "size_bytes": bytes.len() }), bytes.len() as u64))
+                Ok((
+                    json!({ "path": a.path, "sha256": a.sha256, "size_bytes": bytes.len() }),
+                    bytes.len() as u64,
+                ))
             }
             "artifact.list" => {
                 let _: Map<String, Value> = parse(tool, args)?;
@@ -286,9 +356,12 @@ impl Gateway {
                 let a: GetArgs = parse(tool, args)?;
                 let all = self.task_artifacts(g).await?;
                 let found = all.iter().rev().find(|x| {
-                    a.sha256.as_deref().is_none_or(|s| s == x.1) && a.path.as_deref().is_none_or(|p| p == x.0)
+                    a.sha256.as_deref().is_none_or(|s| s == x.1)
+                        && a.path.as_deref().is_none_or(|p| p == x.0)
                 });
-                let Some((path, sha, _, _, location)) = found.filter(|_| a.sha256.is_some() || a.path.is_some()) else {
+                let Some((path, sha, _, _, location)) =
+                    found.filter(|_| a.sha256.is_some() || a.path.is_some())
+                else {
                     return Err(Problem::not_found("artifact of this task").into());
                 };
                 let bytes = tokio::fs::read(location)
@@ -296,24 +369,46 @@ impl Gateway {
                     .map_err(|e| Problem::internal(format!("artifact {sha} unreadable: {e}")))?;
                 if hex::encode(Sha256::digest(&bytes)) != *sha {
                     crate::metrics::metrics().artifact_integrity_failures.inc();
-                    return Err(Problem::internal(format!("artifact_integrity_failure: the stored bytes of {sha} no longer match")).into());
+                    return Err(Problem::internal(format!(
+                        "artifact_integrity_failure: the stored bytes of {sha} no longer match"
+                    ))
+                    .into());
                 }
                 if bytes.len() > MAX_ARTIFACT_BYTES {
-                    return Err(Problem::status(axum::http::StatusCode::PAYLOAD_TOO_LARGE, format!("artifact {path} is over {MAX_ARTIFACT_BYTES} bytes")).into());
+                    return Err(Problem::status(
+                        axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+                        format!("artifact {path} is over {MAX_ARTIFACT_BYTES} bytes"),
+                    )
+                    .into());
                 }
                 let n = bytes.len() as u64;
-                Ok((json!({ "path": path, "sha256": sha, "size_bytes": n,
-                    "content_base64": base64::engine::general_purpose::STANDARD.encode(&bytes) }), n))
+                Ok((
+                    json!({ "path": path, "sha256": sha, "size_bytes": n,
+                    "content_base64": base64::engine::general_purpose::STANDARD.encode(&bytes) }),
+                    n,
+                ))
             }
             "skills.list" => Ok((ops::skills(&self.st), 0)),
             "skills.get" => {
                 let a: SkillArgs = parse(tool, args)?;
                 Ok((ops::skill(&self.st, &a.skill_id)?, 0))
             }
-            "web.fetch" | "api.call" => Err(Problem::forbidden(
-                format!("{tool}: the gateway has no route into the task's egress proxy yet; nothing was fetched"),
-            )
-            .into()),
+            "web.fetch" => {
+                let a: egress::FetchArgs = parse(tool, args)?;
+                // Known before the policy is: a refusal is audited with its destination.
+                *dest = Some(egress::Dest::default());
+                let policy = self.job_policy(g)?;
+                egress::web_fetch(&policy, a, dest)
+                    .await
+                    .map_err(|d| egress_refusal(tool, d))
+            }
+            "api.call" => {
+                let a: egress::CallArgs = parse(tool, args)?;
+                *dest = Some(egress::Dest::default());
+                egress::api_call(&self.st.pm.tenant.egress.routes_allowed, a, dest)
+                    .await
+                    .map_err(|d| egress_refusal(tool, d))
+            }
             "help.tools" => {
                 let tools: Vec<Value> = gateway::TOOLS
                     .iter()
@@ -321,7 +416,10 @@ impl Gateway {
                     .collect();
                 Ok((json!({ "tools": tools }), 0))
             }
-            other => match other.strip_prefix("help.").filter(|t| gateway::TOOLS.contains(t)) {
+            other => match other
+                .strip_prefix("help.")
+                .filter(|t| gateway::TOOLS.contains(t))
+            {
                 Some(t) => Ok((json!({ "name": t, "description": describe(t) }), 0)),
                 None => Err(Problem::not_found(format!("help for `{other}`")).into()),
             },
@@ -369,15 +467,18 @@ impl ServerHandler for Gateway {
         let args = request.arguments.unwrap_or_default();
         // A name that is not a tool name (a 12 MiB one…) goes no further than here: the
         // audit, the log and the reply name it `<invalid>`.
+        let mut dest = None;
         let (tool, out) = if cynode_protocol::job::is_tool_name(&request.name) {
             let tool: &str = &request.name;
-            (tool, self.run(&g, tool, &args).await)
+            (tool, self.run(&g, tool, &args, &mut dest).await)
         } else {
             (gateway::INVALID_TOOL, Err(invalid_name()))
         };
         let out = clipped(out);
-        let entry = audit_entry(tool, &out);
-        tracing::info!(session_id = %g.session_id, task_id = %g.task_id, job_id = %g.job_id, tool = %entry.tool, outcome = %entry.outcome, bytes = entry.bytes, "gateway call");
+        let entry = audit_entry(tool, &out, dest);
+        tracing::info!(session_id = %g.session_id, task_id = %g.task_id, job_id = %g.job_id, tool = %entry.tool, outcome = %entry.outcome, bytes = entry.bytes,
+            host = entry.host.as_deref().unwrap_or(""), port = entry.port.unwrap_or(0), decision = entry.decision.as_deref().unwrap_or(""),
+            reason = entry.detail.as_deref().unwrap_or(""), "gateway call");
         gateway::tokens().audit(&g.job_id, entry);
         match out {
             Ok((v, _)) => Ok(reply(v).into()),
@@ -479,12 +580,14 @@ impl Drop for Hosted {
 /// Serves the gateway alone on `listener` for the sessions `pm` drives in this process
 /// (`cynode-pm run`): the same handler, tokens and audit as `serve`'s `/v1/gateway`,
 /// through the same bounded accept loop (`cynode_tls::serve_with`, default listener
-/// limits), requests bounded by `max_body` and [`HOSTED_REQUEST_TIMEOUT`]. `pm` must
-/// already carry the gateway's URL (`Pm::gateway_url`) for its jobs to get tokens.
+/// limits; HTTPS with `tls`, as `serve`'s), requests bounded by `max_body` and
+/// [`HOSTED_REQUEST_TIMEOUT`]. `pm` must already carry the gateway's URL
+/// (`Pm::gateway_url`) for its jobs to get tokens.
 pub fn host(
     pm: Arc<crate::driver::Pm>,
     listener: std::net::TcpListener,
     max_body: usize,
+    tls: Option<cynode_tls::ServerTls>,
 ) -> Hosted {
     let stop = tokio_util::sync::CancellationToken::new();
     let st = Arc::new(AppState {
@@ -505,7 +608,7 @@ pub fn host(
         if let Err(e) = cynode_tls::serve_with(
             listener,
             app,
-            None,
+            tls,
             cynode_tls::ListenerLimits::default(),
             shutdown,
         )
@@ -531,7 +634,7 @@ mod tests {
         // The name: refused before any work, as call_tool does.
         assert!(!cynode_protocol::job::is_tool_name(&huge));
         let out = clipped(Err(invalid_name()));
-        let e = audit_entry(gateway::INVALID_TOOL, &out);
+        let e = audit_entry(gateway::INVALID_TOOL, &out, None);
         assert!(e.tool.len() <= 64, "{}", e.tool.len());
         assert_eq!(e.outcome, "refused");
         let d = e.detail.unwrap();
@@ -542,7 +645,11 @@ mod tests {
             panic!("a 1 MiB path was accepted");
         };
         assert!(m.len() < 300, "{}", m.len());
-        let e = audit_entry("artifact.put", &clipped(Err(Refusal::BadArguments(m))));
+        let e = audit_entry(
+            "artifact.put",
+            &clipped(Err(Refusal::BadArguments(m))),
+            None,
+        );
         assert!(e.detail.unwrap().len() <= 300);
 
         // A big result goes once.
@@ -559,10 +666,16 @@ mod tests {
             unreachable!()
         };
         assert!(m.len() <= 300, "the reply repeats {} bytes", m.len());
-        assert!(audit_entry("skills.get", &out).detail.unwrap().len() <= 300);
+        assert!(audit_entry("skills.get", &out, None).detail.unwrap().len() <= 300);
         let p = Problem::not_found(huge.clone());
         let out = clipped(Err(Refusal::Problem(p)));
-        assert!(audit_entry("artifact.get", &out).detail.unwrap().len() <= 300);
+        assert!(
+            audit_entry("artifact.get", &out, None)
+                .detail
+                .unwrap()
+                .len()
+                <= 300
+        );
         // Multi-byte text is cut on a character boundary.
         assert!(gateway::clip(&"é".repeat(400), 300).len() <= 300);
     }

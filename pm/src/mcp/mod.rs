@@ -9,8 +9,10 @@
 //!   API tokens.
 //!
 //! For sandbox agents, [`gateway`]: the tool gateway at `/v1/gateway` behind job tokens
-//! ([`crate::gateway`]: minting, allowlist, audit).
+//! ([`crate::gateway`]: minting, allowlist, audit), and [`egress`]: its `web.fetch` and
+//! `api.call`, under the egress rules shared with the worker (`cynode-egress`).
 
+pub mod egress;
 pub mod gateway;
 pub mod http;
 pub mod server;

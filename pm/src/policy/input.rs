@@ -40,8 +40,12 @@ pub struct TenantPolicy {
 #[serde(default, deny_unknown_fields)]
 pub struct TenantEgress {
     /// Destinations (`host`, `*.suffix`, each with an optional `:port`) a skill's
-    /// declared `egress` must stay within.
+    /// declared `egress` must stay within; also where the gateway's `web.fetch` may go
+    /// (narrowed by the skill's `egress`).
     pub allow: Vec<String>,
+    /// The PM's credentialed routes (its `egress.routes`) this tenant's jobs may call
+    /// with the gateway's `api.call` (a job must also list `api.call`).
+    pub routes_allowed: Vec<String>,
 }
 
 impl Default for TenantPolicy {

@@ -1,0 +1,635 @@
+//! The gateway's way out: `web.fetch` and `api.call`, under the egress rules the worker's
+//! proxy applies (the `cynode-egress` crate, one copy for both).
+//!
+//! - `web.fetch {url, method?: GET|HEAD, headers?}` reaches only a destination the job's
+//!   [`Policy`] allows (the tenant's `egress.allow`, narrowed by the skill's declared
+//!   `egress`). The name is resolved here (the shared resolver, not the system's NSS),
+//!   every answer checked (a loopback, private, link-local or metadata address only when
+//!   the ceiling lists that IP), and the connection goes only to those addresses: the
+//!   request's client has a resolver that knows nothing else, so a second answer cannot
+//!   move it. No redirect is followed (a 3xx comes back with its `location`).
+//! - `api.call {route, method, path, body?, headers?}` goes to a credentialed route of
+//!   the PM's own settings (`egress.routes`, as worker.yaml's), only when the tenant's
+//!   `egress.routes_allowed` names it; the route's headers (values from the PM's
+//!   environment, read once at start) are added here and never leave in a reply, the
+//!   audit or a log line: a reply that echoes one has it replaced by `<redacted>`.
+//! - Both: hop-by-hop and credential headers of the caller are dropped, at most
+//!   [`MAX_REQUEST_HEADERS`] kept; the reply is bounded in time ([`Settings`]'s
+//!   `timeout_seconds`) and size (`max_body_bytes`: the rest is dropped, `truncated`), and
+//!   carries only a safe subset of the origin's headers, each cut.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use base64::Engine;
+use cynode_egress::allowlist::{Host, Verdict};
+use cynode_egress::routes::{split_route_path, RouteConfig, RoutePathError, Routes};
+use cynode_egress::{Policy, Resolver};
+use reqwest::header::{HeaderMap, HeaderName, HeaderValue};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+/// Most headers a caller may send.
+pub const MAX_REQUEST_HEADERS: usize = 32;
+/// Longest header value a caller may send, and longest one given back.
+pub const MAX_HEADER_VALUE: usize = 1024;
+
+/// The PM's egress settings for the gateway: `egress:` in the file `--gateway-egress-file`
+/// names (YAML or JSON).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Settings {
+    /// Credentialed routes, the worker's shape: `<name>: {upstream: "https://…",
+    /// headers: {"Header": {env: PM_VAR}}, ca_file?}`.
+    pub routes: BTreeMap<String, RouteConfig>,
+    /// Name servers `web.fetch` asks (UDP, TCP on truncation); empty: the host's
+    /// `/etc/resolv.conf` and `/etc/hosts`.
+    pub nameservers: Vec<SocketAddr>,
+    /// An extra CA `web.fetch` trusts beside the system's roots.
+    pub ca_file: Option<PathBuf>,
+    /// Largest reply body kept; the rest is dropped and the reply says `truncated`.
+    pub max_body_bytes: usize,
+    /// Bound on one call, connect to last byte.
+    pub timeout_seconds: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            routes: BTreeMap::new(),
+            nameservers: Vec::new(),
+            ca_file: None,
+            max_body_bytes: 4 << 20,
+            timeout_seconds: 30,
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SettingsFile {
+    #[serde(default)]
+    egress: Settings,
+}
+
+/// Why the gateway's egress cannot be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum SetupError {
+    #[error("{0}")]
+    File(String),
+    #[error("{0}")]
+    Routes(#[from] cynode_egress::routes::RouteError),
+    #[error("{0}")]
+    Resolver(#[from] cynode_egress::resolve::ResolveError),
+    #[error("the gateway's egress is already set up")]
+    Twice,
+}
+
+/// Reads the settings file (`egress:` at its top).
+pub fn load(path: &std::path::Path) -> Result<Settings, SetupError> {
+    crate::settings_file::load("gateway egress file", path, |t| {
+        serde_yaml::from_str::<SettingsFile>(t)
+    })
+    .map(|f| f.egress)
+    .map_err(|e| SetupError::File(e.to_string()))
+}
+
+/// The gateway's egress, built once per process.
+pub struct Egress {
+    resolver: Resolver,
+    routes: Routes,
+    tls: cynode_tls::ClientTls,
+    max_body: usize,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for Egress {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Egress")
+            .field("routes", &self.routes)
+            .field("max_body", &self.max_body)
+            .field("timeout", &self.timeout)
+            .finish()
+    }
+}
+
+static EGRESS: OnceLock<Egress> = OnceLock::new();
+
+impl Egress {
+    /// Builds it, reading each route's header values from `env`.
+    pub fn build(s: &Settings, env: impl Fn(&str) -> Option<String>) -> Result<Egress, SetupError> {
+        let timeout = Duration::from_secs(s.timeout_seconds.max(1));
+        let routes = Routes::build(&s.routes, env, timeout)?;
+        let resolver = if s.nameservers.is_empty() {
+            Resolver::system()?
+        } else {
+            Resolver::with_nameservers(&s.nameservers)
+        };
+        Ok(Egress {
+            resolver,
+            routes,
+            tls: cynode_tls::ClientTls {
+                ca_file: s.ca_file.clone(),
+                ..Default::default()
+            },
+            max_body: s.max_body_bytes.max(1),
+            timeout,
+        })
+    }
+}
+
+/// Sets up this process's gateway egress from `s`, the route secrets read from the
+/// environment now (`serve` and `run` call it once at start).
+pub fn install(s: &Settings) -> Result<(), SetupError> {
+    install_with(s, |v| std::env::var(v).ok())
+}
+
+/// [`install`] with the route secrets read through `env` (tests).
+pub fn install_with(s: &Settings, env: impl Fn(&str) -> Option<String>) -> Result<(), SetupError> {
+    let e = Egress::build(s, env)?;
+    EGRESS.set(e).map_err(|_| SetupError::Twice)
+}
+
+/// This process's gateway egress: the installed one, or the defaults (the system's
+/// resolver, no routes) on first use.
+fn egress() -> Result<&'static Egress, String> {
+    if let Some(e) = EGRESS.get() {
+        return Ok(e);
+    }
+    let e = Egress::build(&Settings::default(), |_| None).map_err(|e| e.to_string())?;
+    Ok(EGRESS.get_or_init(|| e))
+}
+
+/// Where a call went, or tried to, for the audit.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Dest {
+    pub host: String,
+    pub port: u16,
+}
+
+/// A refused or failed call: the reason (no secret, no body), and the status it maps to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Denied {
+    pub status: axum::http::StatusCode,
+    pub reason: String,
+}
+
+fn denied(status: axum::http::StatusCode, reason: impl Into<String>) -> Denied {
+    Denied {
+        status,
+        reason: reason.into(),
+    }
+}
+
+fn forbidden(reason: impl Into<String>) -> Denied {
+    denied(axum::http::StatusCode::FORBIDDEN, reason)
+}
+
+fn bad(reason: impl Into<String>) -> Denied {
+    denied(axum::http::StatusCode::UNPROCESSABLE_ENTITY, reason)
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct FetchArgs {
+    pub url: String,
+    #[serde(default)]
+    pub method: Option<String>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CallArgs {
+    pub route: String,
+    pub method: String,
+    pub path: String,
+    #[serde(default)]
+    pub body: Option<String>,
+    #[serde(default)]
+    pub headers: BTreeMap<String, String>,
+}
+
+/// Headers a caller never sets: hop-by-hop ones, the framing and host (the client's),
+/// and credentials (a job's credentials come from a route, never from the job).
+fn never_forwarded(name: &str) -> bool {
+    matches!(
+        name,
+        "connection"
+            | "keep-alive"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "host"
+            | "content-length"
+            | "expect"
+            | "authorization"
+            | "cookie"
+            | "cookie2"
+            | "x-api-key"
+            | "forwarded"
+            | "x-forwarded-for"
+    ) || name.starts_with("proxy-")
+}
+
+/// The caller's headers that may go: bounded, valid, none of [`never_forwarded`] or
+/// `also_dropped`.
+fn request_headers(
+    given: &BTreeMap<String, String>,
+    also_dropped: &[&str],
+) -> Result<HeaderMap, Denied> {
+    if given.len() > MAX_REQUEST_HEADERS {
+        return Err(bad(format!(
+            "headers: at most {MAX_REQUEST_HEADERS} headers"
+        )));
+    }
+    let mut out = HeaderMap::new();
+    for (k, v) in given {
+        let name = HeaderName::from_bytes(k.as_bytes())
+            .map_err(|_| bad("headers: a header name is not valid"))?;
+        if never_forwarded(name.as_str()) || also_dropped.contains(&name.as_str()) {
+            continue;
+        }
+        if v.len() > MAX_HEADER_VALUE {
+            return Err(bad(format!(
+                "headers: `{name}` is longer than {MAX_HEADER_VALUE} bytes"
+            )));
+        }
+        let value = HeaderValue::from_str(v)
+            .map_err(|_| bad(format!("headers: `{name}` has a value that is not valid")))?;
+        out.append(name, value);
+    }
+    Ok(out)
+}
+
+/// The origin's headers given back: a safe subset, each value cut.
+const REPLY_HEADERS: [&str; 11] = [
+    "content-type",
+    "content-length",
+    "content-encoding",
+    "content-language",
+    "cache-control",
+    "etag",
+    "last-modified",
+    "location",
+    "retry-after",
+    "date",
+    "age",
+];
+
+fn reply_headers(h: &HeaderMap, secrets: &[&[u8]]) -> Map {
+    let mut out = Map::new();
+    for name in REPLY_HEADERS {
+        if let Some(v) = h.get(name) {
+            let bytes = redact(v.as_bytes(), secrets);
+            let text = String::from_utf8_lossy(&bytes);
+            out.insert(
+                name.to_string(),
+                Value::String(crate::gateway::clip(&text, MAX_HEADER_VALUE)),
+            );
+        }
+    }
+    out
+}
+
+type Map = serde_json::Map<String, Value>;
+
+/// `bytes` with every occurrence of each secret replaced by `<redacted>`.
+fn redact(bytes: &[u8], secrets: &[&[u8]]) -> Vec<u8> {
+    let mut out = bytes.to_vec();
+    for s in secrets.iter().filter(|s| !s.is_empty()) {
+        let mut i = 0;
+        let mut next = Vec::with_capacity(out.len());
+        while i < out.len() {
+            if out[i..].starts_with(s) {
+                next.extend_from_slice(b"<redacted>");
+                i += s.len();
+            } else {
+                next.push(out[i]);
+                i += 1;
+            }
+        }
+        out = next;
+    }
+    out
+}
+
+/// A resolver that knows only the addresses checked for this one request: whatever
+/// name the client asks for, these are the answer (the pin).
+struct Pinned(Vec<SocketAddr>);
+
+impl reqwest::dns::Resolve for Pinned {
+    fn resolve(&self, _name: reqwest::dns::Name) -> reqwest::dns::Resolving {
+        let addrs = self.0.clone();
+        Box::pin(async move {
+            let it: reqwest::dns::Addrs = Box::new(addrs.into_iter());
+            Ok(it)
+        })
+    }
+}
+
+/// Reads the reply: status, safe headers, the body up to `max` (then `truncated`), as
+/// text when it is UTF-8 and base64 otherwise.
+async fn read_reply(
+    mut resp: reqwest::Response,
+    max: usize,
+    secrets: &[&[u8]],
+) -> Result<(Value, u64), Denied> {
+    let status = resp.status().as_u16();
+    let headers = reply_headers(resp.headers(), secrets);
+    let mut body: Vec<u8> = Vec::new();
+    let mut truncated = false;
+    loop {
+        let chunk = resp.chunk().await.map_err(|e| {
+            denied(
+                axum::http::StatusCode::BAD_GATEWAY,
+                format!("the reply broke off: {}", without_url(&e)),
+            )
+        })?;
+        let Some(chunk) = chunk else { break };
+        let room = max - body.len();
+        if chunk.len() > room {
+            body.extend_from_slice(&chunk[..room]);
+            truncated = true;
+            break;
+        }
+        body.extend_from_slice(&chunk);
+    }
+    drop(resp);
+    let body = redact(&body, secrets);
+    let n = body.len() as u64;
+    let (encoding, text) = match String::from_utf8(body) {
+        Ok(t) => ("text", t),
+        Err(e) => (
+            "base64",
+            base64::engine::general_purpose::STANDARD.encode(e.as_bytes()),
+        ),
+    };
+    Ok((
+        json!({ "status": status, "headers": headers, "body": text, "encoding": encoding,
+                "truncated": truncated, "body_bytes": n }),
+        n,
+    ))
+}
+
+/// A reqwest error's text without its URL (a path or query may carry what the job put
+/// there; the audit names host and port only).
+fn without_url(e: &reqwest::Error) -> String {
+    let mut s = String::new();
+    let mut cur: Option<&dyn std::error::Error> = Some(e);
+    if e.is_timeout() {
+        return "timed out".into();
+    }
+    if e.is_connect() {
+        s.push_str("cannot connect");
+    }
+    while let Some(c) = cur {
+        cur = c.source();
+        if let Some(src) = cur {
+            if !s.is_empty() {
+                s.push_str(": ");
+            }
+            s.push_str(&src.to_string());
+        }
+    }
+    if s.is_empty() {
+        s = "request failed".into();
+    }
+    crate::gateway::clip(&s, 200)
+}
+
+/// `web.fetch` for a job whose destinations are `policy`; `dest` is filled as soon as
+/// the destination is known (for the audit, refused or not).
+pub async fn web_fetch(
+    policy: &Policy,
+    a: FetchArgs,
+    dest: &mut Option<Dest>,
+) -> Result<(Value, u64), Denied> {
+    let e = egress().map_err(|r| denied(axum::http::StatusCode::SERVICE_UNAVAILABLE, r))?;
+    let method = match a.method.as_deref().unwrap_or("GET") {
+        "GET" => reqwest::Method::GET,
+        "HEAD" => reqwest::Method::HEAD,
+        _ => return Err(bad("method: GET or HEAD")),
+    };
+    if a.url.len() > 8192 {
+        return Err(bad("url: longer than 8192 bytes"));
+    }
+    let mut url = url::Url::parse(&a.url).map_err(|_| bad("url: not a valid URL"))?;
+    let default_port = match url.scheme() {
+        "http" => 80,
+        "https" => 443,
+        _ => return Err(bad("url: only http:// and https:// URLs")),
+    };
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err(bad("url: user information is not accepted"));
+    }
+    url.set_fragment(None);
+    let raw_host = url.host_str().unwrap_or_default().to_string();
+    let host = Host::parse(&raw_host).map_err(|e| bad(format!("url: {e}")))?;
+    let port = url.port().unwrap_or(default_port);
+    *dest = Some(Dest {
+        host: host.to_string(),
+        port,
+    });
+    match policy.allow.check(&host, port) {
+        Verdict::Allowed => {}
+        Verdict::PortNotAllowed => {
+            return Err(forbidden(format!(
+                "port {port} of {host} is not in the task's egress allowlist"
+            )))
+        }
+        Verdict::NotListed => {
+            return Err(forbidden(format!(
+                "{host} is not in the task's egress allowlist"
+            )))
+        }
+    }
+    if let Host::Name(n) = &host {
+        // The normalised name (lower case, no trailing dot) is what the client sends.
+        url.set_host(Some(n)).map_err(|_| bad("url: bad host"))?;
+    }
+    let addrs = tokio::time::timeout(
+        e.timeout,
+        e.resolver.addresses(&host, port, &policy.listed_ips),
+    )
+    .await
+    .map_err(|_| {
+        denied(
+            axum::http::StatusCode::GATEWAY_TIMEOUT,
+            "name lookup timed out",
+        )
+    })?
+    .map_err(|err| match err {
+        cynode_egress::resolve::ResolveError::Special { .. } => forbidden(err.to_string()),
+        other => denied(axum::http::StatusCode::BAD_GATEWAY, other.to_string()),
+    })?;
+    let headers = request_headers(&a.headers, &[])?;
+    let builder = reqwest::Client::builder()
+        .no_proxy()
+        .redirect(reqwest::redirect::Policy::none())
+        .connect_timeout(e.timeout)
+        .pool_max_idle_per_host(0)
+        .dns_resolver(Arc::new(Pinned(addrs)));
+    let client = e
+        .tls
+        .apply(builder)
+        .and_then(|b| {
+            b.build()
+                .map_err(|x| cynode_tls::TlsError::Config(x.to_string()))
+        })
+        .map_err(|x| denied(axum::http::StatusCode::INTERNAL_SERVER_ERROR, x.to_string()))?;
+    let call = async {
+        let resp = client
+            .request(method, url)
+            .headers(headers)
+            .send()
+            .await
+            .map_err(|x| denied(axum::http::StatusCode::BAD_GATEWAY, without_url(&x)))?;
+        read_reply(resp, e.max_body, &[]).await
+    };
+    tokio::time::timeout(e.timeout, call)
+        .await
+        .unwrap_or_else(|_| {
+            Err(denied(
+                axum::http::StatusCode::GATEWAY_TIMEOUT,
+                format!("no whole reply within {} s", e.timeout.as_secs()),
+            ))
+        })
+}
+
+/// `api.call` through route `a.route`, which `allowed` (the tenant's
+/// `egress.routes_allowed`) must name.
+pub async fn api_call(
+    allowed: &[String],
+    a: CallArgs,
+    dest: &mut Option<Dest>,
+) -> Result<(Value, u64), Denied> {
+    let e = egress().map_err(|r| denied(axum::http::StatusCode::SERVICE_UNAVAILABLE, r))?;
+    if a.route.len() > 64 {
+        return Err(bad("route: not a route name"));
+    }
+    *dest = Some(Dest {
+        host: format!("route:{}", a.route),
+        port: 0,
+    });
+    if !allowed.contains(&a.route) {
+        return Err(forbidden(format!(
+            "route `{}` is not in the tenant's egress.routes_allowed",
+            a.route
+        )));
+    }
+    let Some(route) = e.routes.get(&a.route) else {
+        return Err(forbidden(format!(
+            "route `{}` is not configured on this PM",
+            a.route
+        )));
+    };
+    let origin = route.origin().trim_start_matches("https://").to_string();
+    *dest = Some(Dest {
+        host: origin
+            .rsplit_once(':')
+            .map(|(h, _)| h.to_string())
+            .unwrap_or(origin.clone()),
+        port: route.port,
+    });
+    let method = match a.method.as_str() {
+        "GET" => reqwest::Method::GET,
+        "HEAD" => reqwest::Method::HEAD,
+        "POST" => reqwest::Method::POST,
+        "PUT" => reqwest::Method::PUT,
+        "PATCH" => reqwest::Method::PATCH,
+        "DELETE" => reqwest::Method::DELETE,
+        _ => return Err(bad("method: GET, HEAD, POST, PUT, PATCH or DELETE")),
+    };
+    if !a.path.starts_with('/') || a.path.len() > 4096 {
+        return Err(bad("path: must start with `/`, at most 4096 bytes"));
+    }
+    let target = format!(
+        "{}{}{}",
+        cynode_egress::routes::ROUTES_PREFIX,
+        a.route,
+        a.path
+    );
+    let rest = match split_route_path(&target) {
+        Ok((_, rest)) => rest,
+        Err(RoutePathError::Traversal) => {
+            return Err(bad(RoutePathError::Traversal.to_string()));
+        }
+        Err(RoutePathError::Unknown) => return Err(bad("path: not a route path")),
+    };
+    let route_names: Vec<&str> = route.headers().iter().map(|(h, _)| h.as_str()).collect();
+    let mut headers = request_headers(&a.headers, &route_names)?;
+    for (h, v) in route.headers() {
+        headers.insert(h.clone(), v.clone());
+    }
+    let secrets: Vec<&[u8]> = route.headers().iter().map(|(_, v)| v.as_bytes()).collect();
+    let body = a.body.unwrap_or_default();
+    if body.len() > e.max_body {
+        return Err(denied(
+            axum::http::StatusCode::PAYLOAD_TOO_LARGE,
+            format!("body: over {} bytes", e.max_body),
+        ));
+    }
+    let call = async {
+        let resp = route
+            .client()
+            .request(method, route.url(rest))
+            .headers(headers)
+            .body(body)
+            .send()
+            .await
+            .map_err(|x| denied(axum::http::StatusCode::BAD_GATEWAY, without_url(&x)))?;
+        read_reply(resp, e.max_body, &secrets).await
+    };
+    tokio::time::timeout(e.timeout, call)
+        .await
+        .unwrap_or_else(|_| {
+            Err(denied(
+                axum::http::StatusCode::GATEWAY_TIMEOUT,
+                format!("no whole reply within {} s", e.timeout.as_secs()),
+            ))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_and_hop_by_hop_headers_never_go() {
+        let given: BTreeMap<String, String> = [
+            ("Authorization", "Bearer x"),
+            ("Cookie", "a=b"),
+            ("Proxy-Authorization", "x"),
+            ("Connection", "close"),
+            ("Host", "evil"),
+            ("Accept", "text/plain"),
+            ("X-Route-Key", "mine"),
+        ]
+        .iter()
+        .map(|(a, b)| (a.to_string(), b.to_string()))
+        .collect();
+        let h = request_headers(&given, &["x-route-key"]).unwrap();
+        let names: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names, ["accept"]);
+        let many: BTreeMap<String, String> =
+            (0..40).map(|i| (format!("x-{i}"), "v".into())).collect();
+        assert!(request_headers(&many, &[]).is_err());
+        let crlf: BTreeMap<String, String> = [("x-a".into(), "a\r\nb: c".into())].into();
+        assert!(request_headers(&crlf, &[]).is_err());
+    }
+
+    #[test]
+    fn secrets_are_redacted_from_replies() {
+        assert_eq!(
+            redact(b"a-SECRET-b-SECRET", &[b"SECRET"]),
+            b"a-<redacted>-b-<redacted>".to_vec()
+        );
+        assert_eq!(redact(b"abc", &[b""]), b"abc".to_vec());
+    }
+}
