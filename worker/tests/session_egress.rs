@@ -112,9 +112,9 @@ async fn create(sv: &Server, body: &Value) -> Option<(String, RemoveOnDrop)> {
     Some((id, guard))
 }
 
-/// The host pid of a process whose command line holds `needle` inside a network
-/// namespace other than the test's (not the engine or bwrap client that started it),
-/// waited for (bounded).
+/// The host pid of an `sh` whose command line holds `needle` inside a network namespace
+/// other than the test's (not the engine or bwrap client that started it), waited for
+/// (bounded).
 async fn pid_with_arg(needle: &str) -> u32 {
     let until = Instant::now() + Duration::from_secs(30);
     let own = std::fs::read_link("/proc/self/ns/net").unwrap();
@@ -126,7 +126,12 @@ async fn pid_with_arg(needle: &str) -> u32 {
                 };
                 let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
                 let ns = std::fs::read_link(e.path().join("ns/net")).ok();
-                if String::from_utf8_lossy(&cmd).contains(needle) && ns.is_some_and(|n| n != own) {
+                // The command itself (`sh -c …`), not bwrap's own processes, which carry
+                // the same argv and enter the namespace before the proxy is bound.
+                if cmd.starts_with(b"sh\0")
+                    && String::from_utf8_lossy(&cmd).contains(needle)
+                    && ns.is_some_and(|n| n != own)
+                {
                     return pid;
                 }
             }
