@@ -255,7 +255,8 @@ pub async fn session_egress_reaches_its_allowlist_across_execs_and_nothing_else(
 /// The proxy's listener lives exactly as long as the sandbox it serves: the test holds
 /// the network namespace of a running command and connects to 127.0.0.1:3128 there.
 /// Under bubblewrap the command's own proxy closes when the command ends; in a keep-alive
-/// container the session's stays until the session ends (end, idle timeout), then closes.
+/// container the session's stays until the session ends (end, idle timeout, the
+/// container killed), then closes.
 /// The worker holds no socket more than before the session.
 pub async fn session_egress_proxy_is_gone_after_its_sandbox(backend: &'static str) {
     tokio::time::timeout(TEST_TIME, async {
@@ -264,7 +265,14 @@ pub async fn session_egress_proxy_is_gone_after_its_sandbox(backend: &'static st
         let (code, _) = sv.get("/healthz").await;
         assert_eq!(code, 200);
         let before = sockets_of(sv.pid());
-        for ending in ["end", "idle"] {
+        // A keep-alive container can also die (killed by the engine): the reaper ends
+        // the session then.
+        let endings: &[&str] = if crate::harness::is_engine(backend) {
+            &["end", "idle", "death"]
+        } else {
+            &["end", "idle"]
+        };
+        for &ending in endings {
             let mut body = restricted(&unique("sg"), None);
             if ending == "idle" {
                 body["idle_timeout_seconds"] = json!(2);
@@ -308,11 +316,24 @@ pub async fn session_egress_proxy_is_gone_after_its_sandbox(backend: &'static st
                     .await;
                 assert_eq!(code, 200, "{v}");
             } else {
+                if ending == "death" {
+                    let cli = crate::harness::engine_cli(backend).unwrap();
+                    let out = std::process::Command::new(cli)
+                        .args(["kill", &format!("cynode-session-{id}")])
+                        .output()
+                        .unwrap();
+                    assert!(out.status.success(), "{cli} kill: {out:?}");
+                }
+                let reason = if ending == "death" {
+                    "sandbox_exited"
+                } else {
+                    "idle_timeout"
+                };
                 let until = Instant::now() + Duration::from_secs(30);
                 loop {
                     let (_, v) = sv.get(&format!("/v1/worker/sessions/{id}")).await;
                     if v["status"] == "ended" {
-                        assert_eq!(v["end_reason"], "idle_timeout", "{v}");
+                        assert_eq!(v["end_reason"], reason, "{v}");
                         break;
                     }
                     assert!(Instant::now() < until, "never ended: {v}");
@@ -323,7 +344,7 @@ pub async fn session_egress_proxy_is_gone_after_its_sandbox(backend: &'static st
                 while proxy_listens_in(&ns) {
                     assert!(
                         Instant::now() < until,
-                        "the proxy outlived the idle session"
+                        "the proxy outlived the session ({ending})"
                     );
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
