@@ -13,6 +13,7 @@ mod e2e;
 mod egress_e2e;
 mod evidence;
 mod gateway;
+mod gateway_egress_e2e;
 mod listeners;
 mod mcp;
 mod otel;

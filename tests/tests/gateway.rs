@@ -54,7 +54,7 @@ __asm__(".globl _start\n_start:\n mov %rsp, %rdi\n and $-16, %rsp\n call _start_
 "#;
 
 /// The client, built with the host's gcc, as base64.
-fn unc_base64(dir: &Path) -> String {
+pub(crate) fn unc_base64(dir: &Path) -> String {
     std::fs::write(dir.join("unc.c"), UNC_C).unwrap();
     let out = std::process::Command::new("gcc")
         .args([
@@ -78,7 +78,7 @@ fn unc_base64(dir: &Path) -> String {
 }
 
 /// One raw HTTP request calling `tool` with `args` on the gateway socket.
-fn http_call(tool: &str, args: Value) -> String {
+pub(crate) fn http_call(tool: &str, args: Value) -> String {
     let body = json!({ "jsonrpc": "2.0", "id": 1, "method": "tools/call",
         "params": { "name": tool, "arguments": args } })
     .to_string();
@@ -101,7 +101,7 @@ const SH_REQ: &str = r#"req() { n=$(wc -c < body); printf 'POST / HTTP/1.1\r\nHo
 /// the client and the requests `calls`, sends each over /job/gateway.sock, runs the
 /// shell `extra` (where `UNC` is the client), and collects its environment, `ls /job`
 /// and every file of /job and /workspace as the artifact `dump.txt`.
-fn gateway_skill(
+pub(crate) fn gateway_skill(
     dir: &Path,
     id: &str,
     unc: &str,
@@ -142,7 +142,7 @@ fn gateway_skill(
 }
 
 /// The data of the session's events of `kind` (its event stream, read to its end).
-fn of_kind(events: &[(u64, String, Value)], kind: &str) -> Vec<Value> {
+pub(crate) fn of_kind(events: &[(u64, String, Value)], kind: &str) -> Vec<Value> {
     events
         .iter()
         .filter(|e| e.1 == kind)
@@ -152,7 +152,7 @@ fn of_kind(events: &[(u64, String, Value)], kind: &str) -> Vec<Value> {
 
 /// A `run`'s session history (its `--output json` record) as [`calls_of`] and
 /// [`of_kind`] read events.
-fn history(v: &Value) -> Vec<(u64, String, Value)> {
+pub(crate) fn history(v: &Value) -> Vec<(u64, String, Value)> {
     v["state"]["history"]
         .as_array()
         .unwrap()
@@ -162,7 +162,7 @@ fn history(v: &Value) -> Vec<(u64, String, Value)> {
 }
 
 /// The job of a one-task session's record.
-fn only_job(v: &Value) -> String {
+pub(crate) fn only_job(v: &Value) -> String {
     let jobs: Vec<String> = of_kind(&history(v), "job_dispatched")
         .iter()
         .filter_map(|d| d["job_id"].as_str().map(str::to_string))
@@ -172,7 +172,7 @@ fn only_job(v: &Value) -> String {
 }
 
 /// The `gateway_calls` of a job: (tool, outcome) in order.
-fn calls_of(events: &[(u64, String, Value)], job_id: &str) -> Vec<(String, String)> {
+pub(crate) fn calls_of(events: &[(u64, String, Value)], job_id: &str) -> Vec<(String, String)> {
     of_kind(events, "gateway_calls")
         .iter()
         .filter(|d| d["job_id"] == job_id)
