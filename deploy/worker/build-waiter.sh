@@ -16,10 +16,13 @@ if ldd "$bin" 2>&1 | grep -q '=>'; then
   exit 1
 fi
 mkdir -p "$CACHE"
+# Several test processes may run this at once: each copies through a temporary name of
+# its own, and the rename is atomic.
 if ! cmp -s "$bin" "$CACHE/cynode-pool-waiter"; then
-  cp "$bin" "$CACHE/.cynode-pool-waiter.tmp"
-  chmod 0755 "$CACHE/.cynode-pool-waiter.tmp"
-  mv -f "$CACHE/.cynode-pool-waiter.tmp" "$CACHE/cynode-pool-waiter"
+  tmp=$(mktemp "$CACHE/.cynode-pool-waiter.XXXXXX")
+  cp "$bin" "$tmp"
+  chmod 0755 "$tmp"
+  mv -f "$tmp" "$CACHE/cynode-pool-waiter"
 fi
 echo "build-waiter: $CACHE/cynode-pool-waiter: static, $(stat -c %s "$bin") bytes" >&2
 echo "$CACHE/cynode-pool-waiter"

@@ -11,8 +11,9 @@
 //!    (pipes of the worker) passed as two descriptors (`SCM_RIGHTS`) on the same message.
 //!    End of file instead of a job (the worker went away): exits 0, so the container ends.
 //! 3. Forks the job. The child: stdin `/dev/null`, stdout/stderr the passed pipes, a
-//!    session of its own, every capability dropped from the bounding set, no supplementary
-//!    groups, gid and uid set to the job's (which clears the permitted, effective and
+//!    session of its own, every capability dropped from the bounding set, the job's gid as
+//!    its only supplementary group (as runc sets it), gid and uid set to the job's (which
+//!    clears the permitted, effective and
 //!    ambient sets; checked with `capget`, and the job is not started when any is left),
 //!    no_new_privs, the job's working directory, every other descriptor close-on-exec, then
 //!    `execve` of argv[0] (looked up in the job's `PATH` when it has no slash) with the
@@ -456,7 +457,7 @@ fn child(
                 return errno();
             }
         }
-        if libc::setgroups(0, std::ptr::null()) != 0
+        if libc::setgroups(1, &job.gid) != 0
             || libc::setresgid(job.gid, job.gid, job.gid) != 0
             || libc::setresuid(job.uid, job.uid, job.uid) != 0
         {

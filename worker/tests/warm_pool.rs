@@ -154,17 +154,16 @@ exit 7
     );
 }
 
-/// The same probe sees the same sandbox cold and warm: uid, groups, working directory,
+/// The same probe sees the same sandbox cold and warm: uid, groups and their names (Podman adds a passwd/group entry for the uid; the claim adds the same), working directory,
 /// environment (but the host name), capabilities, limits, the job's mounts' options.
 pub async fn warm_and_cold_jobs_see_the_same_sandbox(engine: &'static str) {
-    // `id -u -g -G`, not `id`: Podman adds a passwd and group entry for a cold job's
-    // uid, a warm job has none (its names are numbers; docs/PERFORMANCE.md).
     let probe = r#"
-id -u; id -g; id -G; pwd; env | grep -v '^HOSTNAME=' | sort
+id; pwd; env | grep -v '^HOSTNAME=' | sort
 ulimit -n; ulimit -u
 grep -E '^(Cap|NoNewPrivs|Seccomp)' /proc/self/status
 grep -E ' /(job|workspace|tmp) ' /proc/self/mounts | cut -d' ' -f2,3,4 | sort
 touch /x 2>&1 | sed 's/.*: //'; ls -ld /job /workspace | cut -c1-10
+tail -n 2 /etc/passwd /etc/group; grep -E ' /etc/(passwd|group) ' /proc/self/mounts | cut -d' ' -f2,4 | sort
 "#;
     let cold = Server::start(engine, "");
     let (_, c) = cold

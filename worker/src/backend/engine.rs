@@ -489,7 +489,7 @@ impl SandboxBackend for EngineBackend {
                         return self.run_warm(spec, cancel, *r, started).await
                     }
                     pool::Claimed::Failed(why) => {
-                        self.pool.failed();
+                        self.pool.failed(&slot_name);
                         tracing::warn!(sandbox = %spec.name, slot = %slot_name, reason = %why, "pooled container could not take the job; it runs cold");
                         self.force_remove(&slot_name).await;
                     }

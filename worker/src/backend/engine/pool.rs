@@ -15,7 +15,7 @@
 //!   itself. So one pool serves every workspace (each has its own host uid,
 //!   [`crate::uid_pool`]); keying the pool by uid as well would leave it cold for every
 //!   workspace's first job and keep idle containers per workspace. The waiter removes every
-//!   capability from the bounding set (SETPCAP), sets no groups, gid and uid (which clears
+//!   capability from the bounding set (SETPCAP), sets the job's gid as its only group, its gid and uid (which clears
 //!   the permitted, effective and ambient sets; it checks with capget and refuses to start
 //!   the job otherwise), sets no_new_privs and execs the job under the same seccomp profile
 //!   (the container's, inherited). The job then has exactly a cold job's credentials:
@@ -287,9 +287,11 @@ impl Pool {
         }
     }
 
-    /// Counts a pooled container that could not take its job.
-    pub fn failed(&self) {
+    /// Counts a pooled container that could not take its job and removes its slot
+    /// directory (the caller removes the container).
+    pub fn failed(&self, name: &str) {
         self.inner.failures.fetch_add(1, Ordering::Relaxed);
+        let _ = std::fs::remove_dir_all(self.inner.dir.join(name));
     }
 
     /// Removes the slot directories of a previous run (their containers are gone:
@@ -713,7 +715,14 @@ impl Slot {
             .iter()
             .map(|m| (m.host.clone(), m.target.clone(), m.writable))
             .collect();
-        let injected = tokio::task::spawn_blocking(move || inject(&pidfd, &mounts)).await;
+        // Podman gives a cold job's uid an entry in passwd and group when the image has
+        // none; a pooled container was started as root, so the claim adds them.
+        let identity = args.podman.then(|| Identity {
+            uid: spec.host_uid,
+            workdir: spec.workdir.clone(),
+            dir: dir.clone(),
+        });
+        let injected = tokio::task::spawn_blocking(move || inject(&pidfd, &mounts, identity)).await;
         match injected {
             Ok(Ok(())) => {}
             Ok(Err(e)) => return fail(format!("cannot mount the job's directories: {e}")),
@@ -862,6 +871,148 @@ fn sendmsg_fds(fd: RawFd, msg: &[u8], fds: &[RawFd; 2]) -> std::io::Result<usize
     }
 }
 
+/// The uid whose passwd and group entries a Podman job gets when the image has none, and
+/// the slot directory the files are made in.
+#[derive(Debug)]
+struct Identity {
+    uid: u32,
+    workdir: String,
+    dir: PathBuf,
+}
+
+/// `passwd` and `group` in the slot directory (new, root's, 0644), each open for writing
+/// and cloned as a read-only mount, made on the host before the thread enters the
+/// container (a mount can only be cloned in its own namespace).
+fn identity_files(id: &Identity) -> std::io::Result<Vec<(&'static str, std::fs::File, OwnedFd)>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut out = Vec::new();
+    for name in ["passwd", "group"] {
+        let host = id.dir.join(name);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o644)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&host)?;
+        let c = CString::new(host.as_os_str().as_bytes())?;
+        // SAFETY: open_tree with a valid path; the result is a new descriptor.
+        let fd = check(
+            unsafe {
+                libc::syscall(
+                    libc::SYS_open_tree,
+                    libc::AT_FDCWD,
+                    c.as_ptr(),
+                    OPEN_TREE_CLONE
+                        | libc::O_CLOEXEC as libc::c_uint
+                        | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint,
+                )
+            },
+            "open_tree",
+        )?;
+        // SAFETY: a new descriptor we own.
+        let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        set_attrs(
+            &tree,
+            MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
+        )?;
+        out.push((name, f, tree));
+    }
+    Ok(out)
+}
+
+/// In the container's mount namespace: for each of /etc/passwd and /etc/group that exists
+/// and has no entry for the uid, writes the image's file plus Podman's line into the host
+/// file and mounts it over the image's. Blocking; the calling thread is in the container.
+fn add_identity(
+    id: &Identity,
+    files: &[(&'static str, std::fs::File, OwnedFd)],
+) -> std::io::Result<()> {
+    use std::io::{Read, Write};
+    use std::os::unix::fs::OpenOptionsExt;
+    for (name, file, tree) in files {
+        let target = format!("/etc/{name}");
+        let Ok(image) = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&target)
+        else {
+            continue;
+        };
+        let mut text = Vec::new();
+        image.take(1024 * 1024).read_to_end(&mut text)?;
+        let uid = id.uid.to_string();
+        let has = text
+            .split(|b| *b == b'\n')
+            .any(|l| l.split(|b| *b == b':').nth(2) == Some(uid.as_bytes()));
+        if has {
+            continue;
+        }
+        if !text.is_empty() && !text.ends_with(b"\n") {
+            text.push(b'\n');
+        }
+        let line = if *name == "passwd" {
+            format!(
+                "{uid}:*:{uid}:{uid}:container user:{}:/bin/sh\n",
+                id.workdir
+            )
+        } else {
+            format!("{uid}:x:{uid}:{uid}\n")
+        };
+        text.extend_from_slice(line.as_bytes());
+        let mut f = file;
+        f.write_all(&text)?;
+        let c = CString::new(target)?;
+        // SAFETY: open and move_mount with valid paths and descriptors we own.
+        unsafe {
+            let t = check(
+                libc::open(
+                    c.as_ptr(),
+                    libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
+                ) as libc::c_long,
+                "open /etc file",
+            )?;
+            let t = OwnedFd::from_raw_fd(t as RawFd);
+            check(
+                libc::syscall(
+                    libc::SYS_move_mount,
+                    tree.as_raw_fd(),
+                    c"".as_ptr(),
+                    t.as_raw_fd(),
+                    c"".as_ptr(),
+                    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
+                ),
+                "move_mount /etc file",
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Sets mount attributes on a detached tree (recursively).
+fn set_attrs(tree: &OwnedFd, set: u64) -> std::io::Result<()> {
+    let attr = MountAttr {
+        attr_set: set,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: 0,
+    };
+    // SAFETY: mount_setattr on our detached tree with a valid attr struct.
+    check(
+        unsafe {
+            libc::syscall(
+                libc::SYS_mount_setattr,
+                tree.as_raw_fd(),
+                c"".as_ptr(),
+                libc::AT_EMPTY_PATH as libc::c_uint | AT_RECURSIVE,
+                &attr as *const MountAttr,
+                std::mem::size_of::<MountAttr>(),
+            )
+        },
+        "mount_setattr",
+    )?;
+    Ok(())
+}
+
 /// `struct mount_attr` of mount_setattr(2).
 #[repr(C)]
 struct MountAttr {
@@ -878,6 +1029,7 @@ const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
 const MOUNT_ATTR_RDONLY: u64 = 0x1;
 const MOUNT_ATTR_NOSUID: u64 = 0x2;
 const MOUNT_ATTR_NODEV: u64 = 0x4;
+const MOUNT_ATTR_NOEXEC: u64 = 0x8;
 
 fn check(r: libc::c_long, what: &str) -> std::io::Result<libc::c_long> {
     if r < 0 {
@@ -890,7 +1042,15 @@ fn check(r: libc::c_long, what: &str) -> std::io::Result<libc::c_long> {
 /// Clones each host directory's mount tree, then, on a thread of its own in the
 /// container's mount namespace (entered through `pidfd`), moves each clone onto its
 /// placeholder and detaches `/.cynode`. Blocking.
-fn inject(pidfd: &OwnedFd, mounts: &[(PathBuf, String, bool)]) -> std::io::Result<()> {
+fn inject(
+    pidfd: &OwnedFd,
+    mounts: &[(PathBuf, String, bool)],
+    identity: Option<Identity>,
+) -> std::io::Result<()> {
+    let files = match &identity {
+        Some(id) => identity_files(id)?,
+        None => Vec::new(),
+    };
     let mut trees = Vec::with_capacity(mounts.len());
     for (host, target, writable) in mounts {
         let c = CString::new(host.as_os_str().as_bytes())?;
@@ -970,6 +1130,9 @@ fn inject(pidfd: &OwnedFd, mounts: &[(PathBuf, String, bool)]) -> std::io::Resul
                         ),
                         "move_mount",
                     )?;
+                }
+                if let Some(id) = &identity {
+                    add_identity(id, &files)?;
                 }
                 let ctl = CString::new(CTL_MOUNT)?;
                 check(
