@@ -625,6 +625,26 @@ mod tests {
     }
 
     #[test]
+    fn settings_load_and_a_route_without_its_secret_is_refused_at_start() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("gateway-egress.yaml");
+        std::fs::write(
+            &p,
+            "egress:\n  routes:\n    git:\n      upstream: https://git.example/api\n      headers: {Authorization: {env: H5_UNSET_VAR}}\n  timeout_seconds: 5\n",
+        )
+        .unwrap();
+        let s = load(&p).unwrap();
+        assert_eq!((s.timeout_seconds, s.max_body_bytes), (5, 4 << 20));
+        assert_eq!(s.routes["git"].upstream, "https://git.example/api");
+        cynode_tls::install_provider();
+        let e = Egress::build(&s, |_| None).unwrap_err().to_string();
+        assert!(e.contains("H5_UNSET_VAR"), "{e}");
+        std::fs::write(&p, "egress:\n  rutes: {}\n").unwrap();
+        let e = load(&p).unwrap_err().to_string();
+        assert!(e.contains("gateway-egress.yaml"), "{e}");
+    }
+
+    #[test]
     fn secrets_are_redacted_from_replies() {
         assert_eq!(
             redact(b"a-SECRET-b-SECRET", &[b"SECRET"]),
