@@ -34,27 +34,6 @@ use cynode_protocol::time::now_rfc3339;
 
 pub mod response;
 
-/// A stopwatch for the debug-level phase timings of a job (`CYNODE_LOG_LEVEL=debug`; read
-/// by `worker/benches/bwrap_phases.sh`): [`Lap::us`] is the time since the last call, in
-/// microseconds. Two clock reads per phase; nothing else.
-#[derive(Debug, Clone, Copy)]
-pub struct Lap(std::time::Instant);
-
-impl Lap {
-    /// Starts now.
-    pub fn start() -> Self {
-        Lap(std::time::Instant::now())
-    }
-
-    /// Microseconds since the start or the last call, and restarts.
-    pub fn us(&mut self) -> u64 {
-        let now = std::time::Instant::now();
-        let us = now.duration_since(self.0).as_micros();
-        self.0 = now;
-        u64::try_from(us).unwrap_or(u64::MAX)
-    }
-}
-
 /// Validates a request completely before anything is created or started.
 pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, ValidationError> {
     req.validate()?;
@@ -235,7 +214,7 @@ impl JobPaths {
 /// Every step goes through a directory fd without following links ([`crate::job_dir`]).
 /// What the sandbox writes is owned by `host_uid`, the workspace's ([`crate::uid_pool`]).
 fn make_dirs(paths: &JobPaths, req: &RunJobRequest, host_uid: u32) -> std::io::Result<()> {
-    let mut lap = Lap::start();
+    let mut lap = crate::trace::Lap::start();
     let (jobs, name) = job_dir::split(&paths.root)?;
     let root = job_dir::create_new_dir(job_dir::open_node_dir(jobs)?.as_fd(), name)?;
     job_dir::write_new_file(
@@ -422,7 +401,7 @@ impl PreparedJob {
             mut egress,
             ..
         } = self;
-        let mut lap = Lap::start();
+        let mut lap = crate::trace::Lap::start();
         let started_at = now_rfc3339();
         // The disk guard stops the sandbox through a child token: a breach is not a cancel.
         let trip = cancel.child_token();

@@ -1,5 +1,6 @@
 //! Logging and W3C trace context.
 //!
+//! - [`Lap`]: the stopwatch of the debug-level phase timings of a job.
 //! - Log lines: JSON on stderr at `CYNODE_LOG_LEVEL` (default `info`).
 //! - Incoming Worker API calls with a valid `traceparent` header run (with the job they
 //!   start) in a `request` span carrying the caller's `trace_id` and `parent_span_id`, so
@@ -162,6 +163,27 @@ pub async fn traced(req: Request, next: Next) -> Response {
             next.run(req).instrument(span).await
         }
         None => next.run(req).await,
+    }
+}
+
+/// A stopwatch for the debug-level phase timings of a job (`CYNODE_LOG_LEVEL=debug`; read
+/// by `worker/benches/bwrap_phases.sh`): [`Lap::us`] is the time since the last call, in
+/// microseconds. Two clock reads per phase; nothing else.
+#[derive(Debug, Clone, Copy)]
+pub struct Lap(std::time::Instant);
+
+impl Lap {
+    /// Starts now.
+    pub fn start() -> Self {
+        Lap(std::time::Instant::now())
+    }
+
+    /// Microseconds since the start or the last call, and restarts.
+    pub fn us(&mut self) -> u64 {
+        let now = std::time::Instant::now();
+        let us = now.duration_since(self.0).as_micros();
+        self.0 = now;
+        u64::try_from(us).unwrap_or(u64::MAX)
     }
 }
 

@@ -153,7 +153,7 @@ impl Confinement {
         host_uid: u32,
     ) -> Result<Confinement, BackendError> {
         use std::os::fd::AsRawFd;
-        let mut lap = crate::executor::Lap::start();
+        let mut lap = crate::trace::Lap::start();
         let memfds = seccomp_programs()?
             .iter()
             .map(|p| {
@@ -364,7 +364,7 @@ impl BwrapBackend {
         hook: Option<NetnsHook>,
     ) -> SandboxOutcome {
         let started = Instant::now();
-        let mut lap = crate::executor::Lap::start();
+        let mut lap = crate::trace::Lap::start();
         let fail = |msg: String| SandboxOutcome::start_failed(msg, started);
         let Some(rootfs) = self.rootfs_for(&spec.image) else {
             return fail(format!(

@@ -58,7 +58,7 @@ impl Node {
         self: &Arc<Self>,
         mut req: RunJobRequest,
     ) -> Result<RunJobResponse, NodeError> {
-        let mut lap = executor::Lap::start();
+        let mut lap = crate::trace::Lap::start();
         default_image(self, &mut req);
         executor::validate(&self.cfg, &req)?;
         // The gateway token is held in memory only: never digested, stored or logged.
@@ -184,7 +184,7 @@ impl Node {
             self.execute_inner(&req, &cancel).await
         };
         drop(permit);
-        let mut lap = executor::Lap::start();
+        let mut lap = crate::trace::Lap::start();
         gateway_forward::grants().remove(&req.job_id);
         let state = if cancel.is_cancelled() && resp.status != WorkerJobStatus::Completed {
             AsyncJobState::Canceled
@@ -210,7 +210,7 @@ impl Node {
         req: &RunJobRequest,
         cancel: &CancellationToken,
     ) -> RunJobResponse {
-        let mut lap = executor::Lap::start();
+        let mut lap = crate::trace::Lap::start();
         let host_uid = match self.uids.for_workspace(workspace_of(req)).await {
             Ok(uid) => uid,
             Err(e) => return response::not_run(req, e.to_string()),
