@@ -1218,6 +1218,7 @@ mod tests {
         let img = ImageArgs {
             entrypoint: vec!["/sba".into()],
             cmd: vec!["--default".into()],
+            ..ImageArgs::default()
         };
         assert_eq!(
             job_argv(&spec(&["sh", "-c", "x"], true), &img),
