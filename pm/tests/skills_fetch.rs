@@ -3,8 +3,9 @@
 //! download`) before its tests, from the skill's declared egress hosts; without
 //! `fetch_deps` it stays offline with the test step alone. The policy gate refuses the
 //! fetching job for a tenant whose egress does not cover those hosts, and lets it
-//! through for one that does. (Rendered and gated only: the test image has no node,
-//! cargo or go, so the real fetch is tested for pip alone, in the worker's egress tests.)
+//! through for one that does. (Rendered and gated here; the real fetches, with the
+//! rendered steps run through the node's proxy against local registries, are the worker's
+//! `egress_jobs` (pip) and `egress_toolchains` (npm, cargo, go) tests.)
 
 use cynode_pm::policy::{LocalGate, Mode, PolicyInput, TenantEgress, TenantPolicy};
 use cynode_pm::skills::{build_job, JobRef, Registry};

@@ -85,7 +85,7 @@ enum Refusal {
     Forbidden(String),
     /// Arguments off the tool's shape.
     BadArguments(String),
-    /// The tool ran and refused (not found, integrity, egress not wired…).
+    /// The tool ran and refused (not found, integrity, egress denied…).
     Problem(Problem),
 }
 
