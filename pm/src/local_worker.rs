@@ -133,19 +133,26 @@ impl LocalWorker {
             if let Some((mut w, hello)) = attach(&dir) {
                 // Its egress ceiling must be this run's exactly: a wider one would let
                 // this run's jobs go where it does not allow, a narrower one would stop
-                // them. Its model must be this run's too.
+                // them. Its model need not be: a resume after kill -9 must reach the job
+                // its worker still runs, whatever the model's address is now; the
+                // running worker's agent jobs keep its upstream, and the log says so.
                 if (cfg.seed.is_none() || cfg.seed == hello.seed)
                     && hello.egress_allow == cfg.egress_allow
-                    && hello.inference == inference_url(cfg)
                 {
+                    if hello.inference != inference_url(cfg) {
+                        tracing::warn!(
+                            worker_inference = hello.inference.as_deref().unwrap_or("none"),
+                            "the local worker already running keeps its own inference upstream; this run's agent jobs use it"
+                        );
+                    }
                     notice(Notice::Attached {
                         keeper_pid: w.keeper_pid,
                         dir: dir.clone(),
                     });
                     return Ok(w);
                 }
-                // Its worker may not seed from our workspace, or its egress or model
-                // differs: wait for it to end.
+                // Its worker may not seed from our workspace, or its egress differs:
+                // wait for it to end.
                 // Leave without `release`: this must not stop the worker.
                 let keeper_pid = w.keeper_pid;
                 drop(w.conn.take());

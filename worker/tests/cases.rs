@@ -181,7 +181,8 @@ pub async fn cynode_env_is_present_and_not_overridable(backend: &'static str) {
         v["stdout"].as_str().unwrap(),
         format!(
             "CYNODE_ARTIFACTS_DIR=/job/artifacts\nCYNODE_JOB_ID={id}\nCYNODE_TASK_ID=task-env\nCYNODE_WORKSPACE_DIR=/workspace\nMINE=yes\n"
-        )
+        ),
+        "{v}"
     );
 }
 
