@@ -50,6 +50,20 @@ fn starters(sv: &Server) -> Vec<(PathBuf, Vec<i32>)> {
         .collect()
 }
 
+/// Whether process `pid` exists and has not exited. An exited one may stay a zombie for
+/// a while: its new parent (under CI, `cynode-reap`, the run's subreaper) reaps it only
+/// at the end, and a zombie runs nothing.
+fn runs(pid: i32) -> bool {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rsplit(')')
+        .next()
+        .and_then(|r| r.split_whitespace().next());
+    !matches!(state, Some("Z" | "X"))
+}
+
 /// Waits (bounded) until `f` holds.
 async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
     let until = Instant::now() + Duration::from_secs(30);
@@ -157,8 +171,7 @@ pub async fn a_killed_node_leaves_no_bwrap_starter(backend: &'static str) {
     assert!(!pids.is_empty(), "{before:?}");
     sv.kill9_and_restart();
     eventually("the old starters' processes are gone", || {
-        pids.iter()
-            .all(|p| !Path::new(&format!("/proc/{p}")).exists())
+        pids.iter().all(|p| !runs(*p))
     })
     .await;
     for (dir, _) in &before {
