@@ -523,10 +523,13 @@ impl Pool {
         cmd.args(engine.pool_args(spec, name, dir, &self.inner.dir.join("empty")));
         cmd.stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped());
-        // SAFETY: the closure only calls prctl between fork and exec.
-        unsafe {
-            cmd.pre_exec(crate::backend::die_with_node);
-        }
+        // Unlike a job's client, this one neither dies with the node nor shares its
+        // process group: killed between the runtime's create and start, it would leave the
+        // container created, its `runc init` waiting for a start forever (CI run 10 found
+        // two, after their test killed its node's group). Left alone, it starts the
+        // container, whose waiter finds no listener (or EOF) and exits, `--rm` removes it,
+        // and the client exits too.
+        cmd.process_group(0);
         let mut child = cmd
             .spawn()
             .map_err(|e| format!("cannot start {}: {e}", engine.binary()))?;
