@@ -73,6 +73,16 @@ impl Write for LogBuf {
     }
 }
 
+/// The fixture's temp directory: a static is never dropped, so it is removed at the
+/// process's exit (after the test, whether it passed or panicked).
+static FIXTURE_DIR: OnceLock<std::path::PathBuf> = OnceLock::new();
+
+extern "C" fn remove_fixture_dir() {
+    if let Some(d) = FIXTURE_DIR.get() {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}
+
 /// One fixture per process (nextest runs each test in its own), served by a runtime of
 /// its own on a background thread so it outlives any one test's runtime.
 fn fixture() -> &'static Fixture {
@@ -140,6 +150,12 @@ fn dribble() -> Body {
 async fn start() -> Fixture {
     cynode_tls::install_provider();
     let dir = tempfile::tempdir().unwrap();
+    if FIXTURE_DIR.set(dir.path().to_path_buf()).is_ok() {
+        // SAFETY: registers a plain function with no arguments to run at exit.
+        unsafe {
+            libc::atexit(remove_fixture_dir);
+        }
+    }
     let log = Arc::new(Mutex::new(Vec::new()));
     let writer = LogBuf(log.clone());
     let _ = tracing_subscriber::fmt()
