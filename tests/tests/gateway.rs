@@ -669,7 +669,6 @@ const NOTE: &str = "written by the agent through the gateway\n";
 /// The SBA's scripted model: put a note, read a skill, try a tool the job does not list
 /// (`artifact.list`, which the gateway would allow), finish.
 fn agent_model() -> (String, cynode_tests::Model) {
-    let act = |ty: &str, arguments: Value| json!({ "thought": ty, "action": { "type": ty, "arguments": arguments } });
     model_server(vec![
         act(
             "tool_call",
@@ -709,15 +708,37 @@ fn agent_skill(skills: &Path) {
     );
 }
 
-/// The PM's scripted model: one task, the `gw-agent` job, final.
-fn agent_pm_model() -> (String, cynode_tests::Model) {
-    let plan = json!({ "type": "plan_update", "payload": {}, "state_patch": [
-        { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "note", "status": "pending" } }] });
-    model_server(vec![
-        plan,
+/// One action of the SBA's scripted model.
+fn act(ty: &str, arguments: Value) -> Value {
+    json!({ "thought": ty, "action": { "type": ty, "arguments": arguments } })
+}
+
+/// The PM's turns: one task (plan), the `gw-agent` job, final.
+fn agent_pm_script() -> [Value; 3] {
+    [
+        json!({ "type": "plan_update", "payload": {}, "state_patch": [
+            { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "note", "status": "pending" } }] }),
         json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "gw-agent", "inputs": {} } }),
         json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
-    ])
+    ]
+}
+
+/// The PM's scripted model: [`agent_pm_script`].
+fn agent_pm_model() -> (String, cynode_tests::Model) {
+    model_server(agent_pm_script().to_vec())
+}
+
+/// `cynode-pm run OBJECTIVE` on its own local worker with the skills in `skills`: the
+/// completed session.
+fn run_on_local_worker(dir: &Path, model: &str, objective: &str, skills: &Path) -> Value {
+    let skill_dir = skills.display().to_string();
+    let out = cynode_tests::pm_with(
+        &dir.join("state"),
+        model,
+        &["run", objective, "--skill-dir", &skill_dir],
+        &[],
+    );
+    cynode_tests::completed(&out)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1092,19 +1113,12 @@ fn run_hands_its_gateway_to_its_local_worker() {
         json!({}),
         "done",
     ));
-    let skill_dir = skills.display().to_string();
-    let out = cynode_tests::pm_with(
-        &dir.path().join("state"),
+    let v = run_on_local_worker(
+        dir.path(),
         &pm_model,
-        &[
-            "run",
-            "call the gateway from a local job",
-            "--skill-dir",
-            &skill_dir,
-        ],
-        &[],
+        "call the gateway from a local job",
+        &skills,
     );
-    let v = cynode_tests::completed(&out);
     let calls = calls_of(&history(&v), &only_job(&v));
     let s = |a: &str, b: &str| (a.to_string(), b.to_string());
     assert_eq!(
@@ -1122,12 +1136,10 @@ fn run_gives_its_local_worker_its_model_so_an_agent_job_runs() {
     let dir = cynode_tests::tempdir().unwrap();
     let skills = dir.path().join("skills");
     agent_skill(&skills);
-    let act = |ty: &str, arguments: Value| json!({ "thought": ty, "action": { "type": ty, "arguments": arguments } });
-    let plan = json!({ "type": "plan_update", "payload": {}, "state_patch": [
-        { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "note", "status": "pending" } }] });
+    let [plan, job, fin] = agent_pm_script();
     let (model, m) = model_server(vec![
         plan,
-        json!({ "type": "job_request", "state_patch": [], "payload": { "task_id": "t1", "skill_id": "gw-agent", "inputs": {} } }),
+        job,
         act(
             "tool_call",
             json!({ "name": "artifact.put",
@@ -1137,21 +1149,14 @@ fn run_gives_its_local_worker_its_model_so_an_agent_job_runs() {
             "finish",
             json!({ "status": "success", "final_answer": "note stored" }),
         ),
-        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
+        fin,
     ]);
-    let skill_dir = skills.display().to_string();
-    let out = cynode_tests::pm_with(
-        &dir.path().join("state"),
+    let v = run_on_local_worker(
+        dir.path(),
         &model,
-        &[
-            "run",
-            "let an agent use the gateway on the local worker",
-            "--skill-dir",
-            &skill_dir,
-        ],
-        &[],
+        "let an agent use the gateway on the local worker",
+        &skills,
     );
-    let v = cynode_tests::completed(&out);
     let calls = calls_of(&history(&v), &only_job(&v));
     assert_eq!(
         calls,
