@@ -91,9 +91,9 @@ mod tests {
     use crate::sandbox::DEFAULT_PATH;
     use cynode_protocol::worker_sessions::SessionStatus;
 
-    #[test]
-    fn reserved_env_cannot_be_overridden_and_exec_env_wins() {
-        let info = SessionInfo {
+    /// A running session `s` of task `t`.
+    fn info() -> SessionInfo {
+        SessionInfo {
             version: 1,
             session_id: "s".into(),
             task_id: "t".into(),
@@ -107,7 +107,12 @@ mod tests {
             ended_at: None,
             end_reason: None,
             egress: None,
-        };
+        }
+    }
+
+    #[test]
+    fn reserved_env_cannot_be_overridden_and_exec_env_wins() {
+        let info = info();
         let session: BTreeMap<String, String> = [
             ("A", "session"),
             ("B", "session"),
@@ -138,21 +143,7 @@ mod tests {
 
     #[test]
     fn proxy_variables_are_the_nodes_and_only_with_egress() {
-        let info = SessionInfo {
-            version: 1,
-            session_id: "s".into(),
-            task_id: "t".into(),
-            workspace_id: "t".into(),
-            image: "i".into(),
-            status: SessionStatus::Running,
-            created_at: String::new(),
-            expires_at: String::new(),
-            idle_timeout_seconds: 1,
-            max_lifetime_seconds: 1,
-            ended_at: None,
-            end_reason: None,
-            egress: None,
-        };
+        let info = info();
         let forged: BTreeMap<String, String> = [
             ("HTTP_PROXY", "http://evil:1"),
             ("no_proxy", "*"),
