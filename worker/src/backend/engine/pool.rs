@@ -1078,26 +1078,7 @@ fn inject(
         if !writable {
             set |= MOUNT_ATTR_RDONLY;
         }
-        let attr = MountAttr {
-            attr_set: set,
-            attr_clr: 0,
-            propagation: 0,
-            userns_fd: 0,
-        };
-        // SAFETY: mount_setattr on our detached tree with a valid attr struct.
-        check(
-            unsafe {
-                libc::syscall(
-                    libc::SYS_mount_setattr,
-                    tree.as_raw_fd(),
-                    c"".as_ptr(),
-                    libc::AT_EMPTY_PATH as libc::c_uint | AT_RECURSIVE,
-                    &attr as *const MountAttr,
-                    std::mem::size_of::<MountAttr>(),
-                )
-            },
-            "mount_setattr",
-        )?;
+        set_attrs(&tree, set)?;
         trees.push((tree, CString::new(target.as_bytes())?));
     }
     let ns = pidfd.as_raw_fd();
