@@ -100,9 +100,9 @@ pub fn policy(cfg: &Config, req: &RunJobRequest) -> Result<Option<Policy>, Valid
             FIELD,
             format!(
                 "`restricted` is not offered on this node's backend ({}{}): its sandboxes \
-                 cannot reach the egress proxy; use bwrap or podman with runc/crun",
+                 cannot reach the egress proxy; use bwrap, or podman or docker with runc/crun",
                 cfg.backend.as_str(),
-                if cfg.backend == BackendKind::Podman {
+                if matches!(cfg.backend, BackendKind::Podman | BackendKind::Docker) {
                     " with gVisor"
                 } else {
                     ""

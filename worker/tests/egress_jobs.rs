@@ -1,10 +1,12 @@
 //! Jobs with `network_policy: restricted` on the real node (issue 25), on every backend:
-//! bwrap and Podman bind the egress proxy inside the sandbox's own network namespace at
-//! 127.0.0.1:3128 and the job reaches allowlisted origins through it; every attack is
-//! denied with an audit record in the job's response; a direct connection fails; a flood
-//! of denied attempts leaves the node answering with a bounded audit; a route's secret is
-//! found nowhere in the sandbox, the response or the node's log. Docker and gVisor cannot
-//! bind the proxy inside their sandboxes: `restricted` is refused there with a 400. Only
+//! bwrap, Podman and Docker bind the egress proxy inside the sandbox's own network
+//! namespace at 127.0.0.1:3128 and the job reaches allowlisted origins through it; every
+//! attack is denied with an audit record in the job's response; a direct connection fails;
+//! a flood of denied attempts leaves the node answering with a bounded audit; a route's
+//! secret is found nowhere in the sandbox, the response or the node's log. The attack case
+//! runs once more on Podman and Docker with their warm pools on (the job takes a pooled
+//! container, whose waiter holds it until the proxy is bound). gVisor cannot bind the
+//! proxy inside its sandboxes: `restricted` is refused there with a 400. Only
 //! 127.0.0.1 (and 127.0.0.3, never listened on) is reached; names come from a DNS server of
 //! the test's own.
 
@@ -14,17 +16,12 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::egress::{Dns, Origin, ROUTE_SECRET};
-use crate::harness::{env, unique, Server};
+use crate::harness::{env, gates_egress, unique, Server};
 
 /// Every test's bound.
 const TEST_TIME: Duration = Duration::from_secs(240);
 /// A loopback address nothing listens on and no allowlist lists.
 const UNLISTED: Ipv4Addr = Ipv4Addr::new(127, 0, 0, 3);
-
-/// Whether `backend` can bind the proxy inside its sandboxes (Docker and gVisor cannot).
-fn gates(backend: &str) -> bool {
-    matches!(backend, "bwrap" | "podman")
-}
 
 /// A command job with `network_policy: restricted`, its `egress_allow` and `env`.
 fn restricted_job(id: &str, script: &str, allow: Option<Value>, env_vars: Value) -> Value {
@@ -114,7 +111,7 @@ pub async fn egress_restricted_job_reaches_only_its_allowlist(backend: &'static 
         let vars = json!({"HTTP_PROXY": "http://evil.example:1", "no_proxy": "*"});
         let req = restricted_job(&unique("eg"), &script, Some(allow), vars);
         let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
-        if !gates(backend) {
+        if !gates_egress(backend) {
             assert_eq!(code, 400, "{resp}");
             assert!(resp["detail"].as_str().unwrap_or("").contains("sandbox.network_policy"), "{resp}");
             return;
@@ -152,6 +149,10 @@ pub async fn egress_restricted_job_reaches_only_its_allowlist(backend: &'static 
         assert_denied(&resp, "rebind.test", "GET", "127.0.0.3");
         assert_denied(&resp, "secure.test", "CONNECT", "port");
         assert_eq!(dns.a_queries("rebind.test"), 2);
+        if backend.ends_with("_warm") {
+            assert_eq!(crate::warm_pool::pool_metric(&server, "claims_total").await, 1,
+                "the job did not take a pooled container");
+        }
         // A request's list may narrow the node's, never widen it.
         let wide = restricted_job(&unique("eg"), "true", Some(json!(["pypi.org"])), json!({}));
         let (code, resp) = server.post("/v1/worker/jobs:run", &wide).await;
@@ -192,7 +193,7 @@ pub async fn egress_flood_keeps_the_node_answering_and_the_audit_bounded(backend
         let id = unique("egf");
         let req = restricted_job(&id, script, None, json!({}));
         let (code, v) = server.post("/v1/worker/jobs", &req).await;
-        if !gates(backend) {
+        if !gates_egress(backend) {
             assert_eq!(code, 400, "{v}");
             return;
         }
@@ -259,7 +260,7 @@ pub async fn egress_route_secret_never_enters_the_sandbox(backend: &'static str)
         let id = unique("egr");
         let req = restricted_job(&id, script, None, json!({}));
         let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
-        if !gates(backend) {
+        if !gates_egress(backend) {
             assert_eq!(code, 400, "{resp}");
             return;
         }
@@ -284,6 +285,21 @@ on_both_backends!(egress_jobs:
     egress_flood_keeps_the_node_answering_and_the_audit_bounded,
     egress_route_secret_never_enters_the_sandbox,
 );
+
+/// The attack case on Podman and Docker with their warm pools on (`warm_pool.rs`).
+mod warm {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn podman_restricted_job_takes_a_pooled_container() {
+        crate::cases::setup();
+        super::egress_restricted_job_reaches_only_its_allowlist("podman_warm").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn docker_restricted_job_takes_a_pooled_container() {
+        crate::cases::setup();
+        super::egress_restricted_job_reaches_only_its_allowlist("docker_warm").await;
+    }
+}
 
 /// The host's root filesystem with the `/job` and `/workspace` mount points a sandbox
 /// root needs: an overlay (lower `/`, upper a temp directory holding the two), unmounted

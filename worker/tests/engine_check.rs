@@ -1,6 +1,7 @@
 //! `cynode-worker check` names what Docker and gVisor lack: no daemon answering, runsc not
 //! registered with the daemon (or without the flags the node needs), the runsc binary
-//! missing; and passes on a host deploy/install-deps.sh and deploy/docker/start.sh set up.
+//! missing, the pool waiter Docker's `restricted` jobs need; and passes on a host
+//! deploy/install-deps.sh and deploy/docker/start.sh set up.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -73,6 +74,58 @@ async fn check_names_what_docker_and_runsc_lack() {
         );
         assert_eq!(out.status.code(), Some(0), "{config}: {stdout}");
     }
+}
+
+/// Docker without the pool waiter: `check` passes (jobs without egress run cold) but says
+/// that `restricted` jobs will fail, and such a job fails at start naming the waiter and
+/// how to build it, with nothing left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn docker_without_the_waiter_names_it_for_restricted_jobs() {
+    crate::cases::setup();
+    crate::harness::docker_ready();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let missing = d.join("no-waiter");
+    let lines = format!(
+        "backend: docker\ndocker:\n  pool_waiter: {}\n",
+        missing.display()
+    );
+    let out = check(d, &lines);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(
+        stdout
+            .lines()
+            .any(|l| l.starts_with("ok   backend docker: ")
+                && l.contains("`restricted` (egress) jobs will fail")
+                && l.contains(&missing.display().to_string())
+                && l.contains("deploy/worker/build-waiter.sh")),
+        "{stdout}"
+    );
+    let sv = crate::harness::Server::start(
+        "docker",
+        &format!(
+            "docker:\n  pool_waiter: {}\negress:\n  allow: [\"origin.test\"]\n",
+            missing.display()
+        ),
+    );
+    let job = serde_json::json!({ "version": 1, "task_id": "t-nowaiter",
+        "job_id": crate::harness::unique("nw"),
+        "sandbox": { "image": crate::harness::env().image, "command": ["true"],
+            "network_policy": "restricted", "timeout_seconds": 60 } });
+    let (code, resp) = sv.post("/v1/worker/jobs:run", &job).await;
+    assert_eq!(code, 200, "{resp}");
+    assert_eq!(resp["status"], "failed", "{resp}");
+    let text = resp.to_string();
+    assert!(
+        text.contains("pool waiter") && text.contains("build-waiter.sh"),
+        "{resp}"
+    );
+    assert!(
+        crate::harness::engine_names("docker", &format!("name=^cynode-pool-{}-", sv.pid()))
+            .is_empty(),
+        "a container was left"
+    );
 }
 
 /// Writes an executable shell script `name` in `dir`; returns its path.

@@ -61,6 +61,12 @@ pub fn node_backend(backend: &str) -> &str {
     }
 }
 
+/// Whether `backend` can bind the egress proxy inside its sandboxes (gVisor and the
+/// microVM cannot: `restricted` is refused there with a 400).
+pub fn gates_egress(backend: &str) -> bool {
+    !matches!(backend, "runsc" | "microvm")
+}
+
 /// Whether the backend runs containers through an engine (not bwrap).
 pub fn is_engine(backend: &str) -> bool {
     engine_cli(backend).is_some()
@@ -95,6 +101,9 @@ pub fn docker_ready() {
     static READY: OnceLock<()> = OnceLock::new();
     READY.get_or_init(|| {
         script(&["deploy/docker/start.sh", &env().image]);
+        // Docker's gated (egress) jobs start in a pooled container, whose PID 1 is the
+        // waiter: built to the worker's default path.
+        crate::warm_pool::waiter();
     });
 }
 

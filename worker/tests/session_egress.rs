@@ -6,8 +6,8 @@
 //! wider than the node's is refused at create with a job's message; once the proxy's
 //! sandbox is done its listener is gone (a connection made from inside the namespace,
 //! kept open by the test, is refused) and the node holds no socket more than before; a
-//! session without network has none. Docker and gVisor cannot bind the proxy inside their
-//! sandboxes: `restricted` is refused there with a job's 400. Only 127.0.0.1 is reached;
+//! session without network has none. gVisor cannot bind the proxy inside its sandboxes:
+//! `restricted` is refused there with a job's 400. Only 127.0.0.1 is reached;
 //! names come from a DNS server of the test's own.
 
 use std::net::Ipv4Addr;
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::egress::{Dns, Origin};
-use crate::harness::{env, session_guard, unique, RemoveOnDrop, Server};
+use crate::harness::{env, gates_egress, session_guard, unique, RemoveOnDrop, Server};
 
 on_both_backends!(session_egress:
     session_egress_reaches_its_allowlist_across_execs_and_nothing_else,
@@ -28,11 +28,6 @@ on_both_backends!(session_egress:
 
 /// Every test's bound.
 const TEST_TIME: Duration = Duration::from_secs(240);
-
-/// Whether `backend` can bind the proxy inside its sandboxes (Docker and gVisor cannot).
-fn gates(backend: &str) -> bool {
-    matches!(backend, "bwrap" | "podman")
-}
 
 /// A create body with `network_policy: restricted` and `egress_allow` when given.
 fn restricted(session_id: &str, allow: Option<Value>) -> Value {
@@ -92,7 +87,7 @@ async fn create(sv: &Server, body: &Value) -> Option<(String, RemoveOnDrop)> {
     let id = body["session_id"].as_str().unwrap().to_string();
     let guard = session_guard(sv.backend, &id);
     let (code, info) = sv.post("/v1/worker/sessions", body).await;
-    if !gates(sv.backend) {
+    if !gates_egress(sv.backend) {
         assert_eq!(code, 400, "{info}");
         assert!(
             info["detail"]
@@ -456,7 +451,7 @@ pub async fn session_egress_refusals_are_a_jobs_and_none_has_no_network(backend:
             let (code, v) = sv.post("/v1/worker/sessions", &body).await;
             assert_eq!(code, 400, "{network}: {v}");
             let expected = job_refusal(&sv, network.clone()).await;
-            if !gates(backend) && network["network_policy"] == "restricted" {
+            if !gates_egress(backend) && network["network_policy"] == "restricted" {
                 assert!(
                     expected.starts_with("network_policy: `restricted` is not offered"),
                     "{expected}"

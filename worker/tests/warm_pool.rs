@@ -67,7 +67,7 @@ fn warm_server(engine: &'static str, size: usize, prefill: bool) -> Server {
 }
 
 /// The node's `cynode_worker_pool_<name>` value.
-async fn pool_metric(sv: &Server, name: &str) -> u64 {
+pub async fn pool_metric(sv: &Server, name: &str) -> u64 {
     let text = sv.get_raw("/metrics").await.text().await.unwrap();
     let prefix = format!("cynode_worker_pool_{name}{{");
     text.lines()

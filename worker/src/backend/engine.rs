@@ -67,11 +67,12 @@ pub struct EngineBackend {
     limits: ResourceLimits,
 }
 
-/// Whether `kind` with `runtime` can start a container gated
-/// ([`SandboxBackend::run_gated`]): Podman with runc or crun. Docker has no `init`, and
-/// gVisor serves a network of its own inside its sandbox.
-pub fn can_gate(kind: BackendKind, runtime: OciRuntime) -> bool {
-    kind == BackendKind::Podman && runtime != OciRuntime::Runsc
+/// Whether an engine with `runtime` can start a container gated
+/// ([`SandboxBackend::run_gated`]): runc or crun, on Podman and Docker. gVisor serves a
+/// network of its own inside its sandbox (a listener in the container's host-side
+/// namespace is not seen there).
+pub fn can_gate(runtime: OciRuntime) -> bool {
+    runtime != OciRuntime::Runsc
 }
 
 impl EngineBackend {
@@ -432,7 +433,22 @@ impl SandboxBackend for EngineBackend {
             r => format!(" (runtime {})", r.as_str()),
         };
         let pool = if self.pool.size() == 0 {
-            format!("; warm pool off ({}.pool_size 0)", self.kind.as_str())
+            // Docker's `restricted` jobs start in a waiter's container with the pool off.
+            let gated = if self.kind == BackendKind::Docker
+                && can_gate(self.cfg.runtime)
+                && !self.pool.waiter().is_file()
+            {
+                format!(
+                    "; `restricted` (egress) jobs will fail: they need the pool waiter {}, which is missing (build it with deploy/worker/build-waiter.sh or set docker.pool_waiter)",
+                    self.pool.waiter().display()
+                )
+            } else {
+                String::new()
+            };
+            format!(
+                "; warm pool off ({}.pool_size 0){gated}",
+                self.kind.as_str()
+            )
         } else if !self.pool.waiter().is_file() {
             return Err(BackendError::Unavailable(format!(
                 "{}.pool_size is {}, but the pool waiter {} is missing: build it with deploy/worker/build-waiter.sh or set {}.pool_waiter",
@@ -517,19 +533,73 @@ impl SandboxBackend for EngineBackend {
         (self.pool.size() > 0).then(|| self.pool.stats())
     }
 
-    /// Podman with runc or crun ([`can_gate`]) starts the container in two halves
-    /// (`gated.rs`); the others refuse.
+    /// A gated job runs in a pooled container when one is idle (warm), else in one made
+    /// for it on Docker ([`pool::Pool::fresh`]: Docker has no `init`), else in a cold
+    /// Podman container started in two halves (`gated.rs`). gVisor refuses ([`can_gate`]).
     async fn run_gated(
         &self,
         spec: &SandboxSpec,
         cancel: &CancellationToken,
         hook: NetnsHook,
     ) -> SandboxOutcome {
-        if can_gate(self.kind, self.cfg.runtime) {
-            self.run_in_halves(spec, cancel, hook).await
-        } else {
-            super::cannot_gate(self.kind)
+        if !can_gate(self.cfg.runtime) {
+            return super::cannot_gate(self.kind);
         }
+        let started = Instant::now();
+        if let Err(e) = self.ensure_profile() {
+            return SandboxOutcome::start_failed(e.to_string(), started);
+        }
+        let warm = if self.pool.size() > 0 {
+            self.pool.claim(self, spec)
+        } else {
+            None
+        };
+        let slot = match warm {
+            Some(slot) => slot,
+            None if self.kind == BackendKind::Docker => {
+                let made = tokio::select! {
+                    r = self.pool.fresh(self, spec) => r,
+                    _ = cancel.cancelled() => Err("canceled".into()),
+                    _ = tokio::time::sleep(spec.timeout) => Err("timed out before it started".into()),
+                };
+                match made {
+                    Ok(slot) => slot,
+                    Err(e) => return SandboxOutcome::start_failed(e, started),
+                }
+            }
+            None => return self.run_in_halves(spec, cancel, hook).await,
+        };
+        let name = slot.name.clone();
+        let hooked = tokio::select! {
+            r = hook(slot.pid()) => r,
+            _ = cancel.cancelled() => Err("canceled".into()),
+            _ = tokio::time::sleep(spec.timeout) => Err("timed out before it started".into()),
+        };
+        let hooked = hooked.and_then(|()| {
+            slot.alive()
+                .then_some(())
+                .ok_or_else(|| "the container ended before its job was sent".to_string())
+        });
+        let why = match hooked {
+            Ok(()) => match slot.start_job(spec).await {
+                pool::Claimed::Running(r) => {
+                    // The container's making and the hook count against the timeout.
+                    let mut rest = spec.clone();
+                    rest.timeout = spec.timeout.saturating_sub(started.elapsed());
+                    return self.run_warm(&rest, cancel, *r, started).await;
+                }
+                pool::Claimed::Failed(why) => why,
+            },
+            Err(why) => {
+                drop(slot);
+                why
+            }
+        };
+        // The proxy may already listen in this container's namespace: the job does not
+        // run anywhere else.
+        self.pool.failed(&name);
+        self.force_remove(&name).await;
+        SandboxOutcome::start_failed(why, started)
     }
 
     /// Removes every container of this node (the pool's too), then fills the warm pool
@@ -539,12 +609,12 @@ impl SandboxBackend for EngineBackend {
         for n in &names {
             self.force_remove(n).await;
         }
-        if self.pool.size() > 0 {
-            self.pool.reset_dir();
-            if self.ensure_profile().is_ok() {
-                let template = pool::template(self.limits);
-                self.pool.prewarm(self, &template).await;
-            }
+        // Slot directories of a previous run go, also with the pool off (Docker's gated
+        // jobs use slots: `run_gated`).
+        self.pool.reset_dir();
+        if self.pool.size() > 0 && self.ensure_profile().is_ok() {
+            let template = pool::template(self.limits);
+            self.pool.prewarm(self, &template).await;
         }
         names.len()
     }

@@ -368,8 +368,8 @@ pub fn from_config(cfg: &Config) -> Arc<dyn SandboxBackend> {
 pub fn can_gate(cfg: &Config) -> bool {
     match cfg.backend {
         BackendKind::Bwrap => true,
-        BackendKind::Podman => engine::can_gate(BackendKind::Podman, cfg.podman.runtime),
-        BackendKind::Docker => engine::can_gate(BackendKind::Docker, cfg.docker.runtime),
+        BackendKind::Podman => engine::can_gate(cfg.podman.runtime),
+        BackendKind::Docker => engine::can_gate(cfg.docker.runtime),
         BackendKind::Microvm => false,
     }
 }

@@ -5,8 +5,10 @@
 //! `start --attach`, whose output and exit code are the job's. Whatever fails on the way,
 //! the container is removed; it never runs its command without the hook having run.
 //!
-//! Docker has no `init`, and gVisor serves a network of its own inside its sandbox (a
-//! listener in the container's host-side namespace is not seen there): neither can gate.
+//! Used for a gated job on Podman when no pooled container is idle. Docker has no `init`:
+//! its gated jobs run in a pooled container ([`super::pool`]), whose waiter holds the job
+//! until the hook has run. gVisor serves a network of its own inside its sandbox (a
+//! listener in the container's host-side namespace is not seen there): it cannot gate.
 
 use std::time::Instant;
 
@@ -18,7 +20,7 @@ use crate::backend::{SandboxOutcome, SandboxSpec};
 
 impl EngineBackend {
     /// Runs the container to the end, `hook` called between its creation and its start
-    /// (Podman with runc or crun only: [`super::can_gate`]).
+    /// (Podman with runc or crun: [`super::can_gate`]).
     pub(super) async fn run_in_halves(
         &self,
         spec: &SandboxSpec,

@@ -69,9 +69,15 @@
 //! container that dies before it reports ends the job with its client's exit code, as a
 //! cold one. The disk guard watches the same host directories.
 //!
-//! **Not pooled**: jobs with an egress proxy (`run_gated` starts the container in two
-//! halves around the proxy's network namespace; they stay cold), sessions, mounts other
-//! than `/job` and `/workspace`, and gVisor (`runtime: runsc`, refused by the config: the
+//! **Jobs with an egress proxy** (`run_gated`) take a slot too: its waiter's namespaces
+//! exist and nothing of the job runs until the claim, so the hook binds the proxy in the
+//! slot's network namespace (the pid from `SO_PEERCRED`, checked alive through the pidfd
+//! after the hook) before the job is sent. Docker, which has no `init` to hold a cold
+//! container between its creation and its command, gets a slot made for the job
+//! ([`Pool::fresh`]) when none is idle, with the pool off too; Podman then starts a cold
+//! one in two halves (`gated.rs`).
+//!
+//! **Not pooled**: sessions, mounts other than `/job` and `/workspace`, and gVisor (`runtime: runsc`, refused by the config: the
 //! sentry has a VFS of its own, so a mount moved into the runsc sandbox's host mount
 //! namespace never appears inside, and fds of host pipes are not passed in).
 //!
@@ -201,6 +207,8 @@ pub struct Slot {
     dir: PathBuf,
     child: tokio::process::Child,
     sock: UnixStream,
+    /// The waiter's host pid (from `SO_PEERCRED`) and a pidfd of it.
+    pid: u32,
     pidfd: OwnedFd,
     args: ImageArgs,
 }
@@ -299,15 +307,19 @@ impl Pool {
     /// directory, root's only.
     pub fn reset_dir(&self) {
         let _ = std::fs::remove_dir_all(&self.inner.dir);
-        if std::fs::create_dir_all(self.inner.dir.join("empty")).is_ok() {
-            use std::os::unix::fs::PermissionsExt;
-            let _ =
-                std::fs::set_permissions(&self.inner.dir, std::fs::Permissions::from_mode(0o711));
-            let _ = std::fs::set_permissions(
-                self.inner.dir.join("empty"),
-                std::fs::Permissions::from_mode(0o555),
-            );
+        let _ = self.ensure_dir();
+    }
+
+    /// The pool's directory (root's only) and its empty placeholder, if missing.
+    fn ensure_dir(&self) -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt;
+        let empty = self.inner.dir.join("empty");
+        if empty.is_dir() {
+            return Ok(());
         }
+        std::fs::create_dir_all(&empty)?;
+        std::fs::set_permissions(&self.inner.dir, std::fs::Permissions::from_mode(0o711))?;
+        std::fs::set_permissions(&empty, std::fs::Permissions::from_mode(0o555))
     }
 
     /// An idle container for `spec`, or `None` (a miss, counted). Starts a refill either
@@ -341,6 +353,18 @@ impl Pool {
         };
         self.refill(engine, &key, spec);
         found
+    }
+
+    /// A container started now for `spec`, outside the pool's counts: for a gated job on
+    /// Docker, which has no `init` to stop a cold container between its creation and its
+    /// command ([`super::EngineBackend::run_gated`]). Works with `pool_size` 0.
+    pub async fn fresh(&self, engine: &EngineBackend, spec: &SandboxSpec) -> Result<Slot, String> {
+        if !poolable(spec) {
+            return Err("the sandbox has mounts a pooled container cannot take".into());
+        }
+        self.ensure_dir()
+            .map_err(|e| format!("cannot make {}: {e}", self.inner.dir.display()))?;
+        self.create(engine, &Key::of(spec), spec).await
     }
 
     /// Starts containers in the background until `key` has `size` idle or starting.
@@ -575,6 +599,7 @@ impl Pool {
             dir: dir.to_path_buf(),
             child,
             sock,
+            pid: u32::try_from(pid).map_err(|_| format!("peer pid {pid}"))?,
             pidfd,
             args,
         })
@@ -696,6 +721,27 @@ fn bind_socket(dir: &Path) -> std::io::Result<tokio::net::UnixListener> {
 }
 
 impl Slot {
+    /// The host pid of the container's init (the waiter): its namespaces are the job's.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Whether the waiter still lives (checked through its pidfd, so a pid reused after
+    /// its death is never mistaken for it): true after a hook that opened
+    /// `/proc/<pid>/ns/…` means the namespace it opened was this container's.
+    pub fn alive(&self) -> bool {
+        // SAFETY: pidfd_send_signal with signal 0 (existence check) on our own pidfd.
+        unsafe {
+            libc::syscall(
+                libc::SYS_pidfd_send_signal,
+                self.pidfd.as_raw_fd(),
+                0,
+                std::ptr::null::<libc::siginfo_t>(),
+                0,
+            ) == 0
+        }
+    }
+
     /// Gives the slot `spec`'s job: mounts its directories into the container, sends the
     /// job with two fresh pipes, and waits for the waiter's word that it runs.
     pub async fn start_job(self, spec: &SandboxSpec) -> Claimed {
@@ -707,6 +753,7 @@ impl Slot {
             mut sock,
             pidfd,
             args,
+            ..
         } = self;
         let fail = |why: String| Claimed::Failed(why);
         let argv = job_argv(spec, &args);
