@@ -6,7 +6,8 @@
 //! wider than the node's is refused at create with a job's message; once the proxy's
 //! sandbox is done its listener is gone (a connection made from inside the namespace,
 //! kept open by the test, is refused) and the node holds no socket more than before; a
-//! session without network has none. gVisor cannot bind the proxy inside its sandboxes:
+//! session without network has none; a route's secret is added by the node and found
+//! nowhere in the session, its responses or the node's log. gVisor cannot bind the proxy inside its sandboxes:
 //! `restricted` is refused there with a job's 400. Only 127.0.0.1 is reached;
 //! names come from a DNS server of the test's own.
 
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::egress::{Dns, Origin};
+use crate::egress::{Dns, Origin, ROUTE_SECRET};
 use crate::harness::{env, gates_egress, session_guard, unique, RemoveOnDrop, Server};
 
 on_both_backends!(session_egress:
@@ -24,6 +25,7 @@ on_both_backends!(session_egress:
     session_egress_proxy_is_gone_after_its_sandbox,
     session_egress_budget_is_the_sessions,
     session_egress_refusals_are_a_jobs_and_none_has_no_network,
+    session_egress_route_secret_never_enters_the_session,
 );
 
 /// Every test's bound.
@@ -488,6 +490,65 @@ pub async fn session_egress_refusals_are_a_jobs_and_none_has_no_network(backend:
             .post(&format!("/v1/worker/sessions/{id}/end"), &json!({}))
             .await;
         assert_eq!(code, 200);
+    })
+    .await
+    .unwrap();
+}
+
+/// A credentialed route in a session: the node adds the header (the origin says
+/// `authorized`); the secret is in no exec's environment, process or file (searched from a
+/// later exec, while a process the first exec left may still run), nor in any exec's
+/// response, the session's info or end, or the node's log.
+pub async fn session_egress_route_secret_never_enters_the_session(backend: &'static str) {
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (origin, ca) = Origin::https(dir.path(), "localhost").await;
+        let ca_file = dir.path().join("route-ca.pem");
+        std::fs::write(&ca_file, ca).unwrap();
+        let config = format!(
+            "egress:\n  routes:\n    api:\n      upstream: \"https://localhost:{}/api\"\n      headers:\n        Authorization: {{env: ROUTE_TOKEN}}\n      ca_file: {}\n",
+            origin.port,
+            ca_file.display()
+        );
+        let sv = Server::start_with_env(
+            backend,
+            &config,
+            &[("ROUTE_TOKEN", "Bearer s3cret-route-token-7f3a9c")],
+        );
+        let Some((id, _guard)) = create(&sv, &restricted(&unique("sr"), None)).await else {
+            return;
+        };
+        let exec = format!("/v1/worker/sessions/{id}/exec");
+        let call = "printf 'GET /routes/api/whoami HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' | nc -w 10 127.0.0.1 3128; echo; \
+                    (sleep 30 &) ; echo left";
+        let (code, r1) = sv.post(&exec, &exec_body(call)).await;
+        assert_eq!(code, 200, "{r1}");
+        let out = r1["stdout"].as_str().unwrap();
+        assert!(out.contains("authorized"), "the route added its header: {out}");
+        assert_eq!(origin.hits(), 1);
+        // The pattern is split so the script itself does not hold it.
+        let search = "s1=s3cret-route; s2=token-7f3a9c; pat=\"$s1-$s2\"; \
+             env | grep -c \"$pat\"; \
+             for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do grep -l -F \"$pat\" \"$f\" 2>/dev/null; done \
+               | grep -v \"^/proc/$$/\" | grep -v '/proc/self/' ; \
+             grep -r -l -F \"$pat\" /job /workspace /tmp /etc 2>/dev/null; echo searched";
+        let (code, r2) = sv.post(&exec, &exec_body(search)).await;
+        assert_eq!(code, 200, "{r2}");
+        assert_eq!(r2["stdout"], "0\nsearched\n", "the secret was found in the session: {r2}");
+        let (_, info) = sv.get(&format!("/v1/worker/sessions/{id}")).await;
+        let (_, ended) = sv
+            .post(&format!("/v1/worker/sessions/{id}/end"), &json!({}))
+            .await;
+        assert_eq!(
+            records(&info["egress"]["records"], "route:api").len(),
+            1,
+            "the route call is not in the session's audit: {info}"
+        );
+        for (what, v) in [("exec", &r1), ("search", &r2), ("info", &info), ("end", &ended)] {
+            assert!(!v.to_string().contains(ROUTE_SECRET), "{what}: {v}");
+        }
+        let log = sv.log.lock().unwrap().join("\n");
+        assert!(!log.contains(ROUTE_SECRET), "the node's log holds the secret");
     })
     .await
     .unwrap();
