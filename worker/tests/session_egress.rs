@@ -7,9 +7,9 @@
 //! sandbox is done its listener is gone (a connection made from inside the namespace,
 //! kept open by the test, is refused) and the node holds no socket more than before; a
 //! session without network has none; a route's secret is added by the node and found
-//! nowhere in the session, its responses or the node's log. gVisor cannot bind the proxy inside its sandboxes:
-//! `restricted` is refused there with a job's 400. Only 127.0.0.1 is reached;
-//! names come from a DNS server of the test's own.
+//! nowhere in the session, its responses or the node's log. gVisor cannot bind the proxy
+//! inside its sandboxes: `restricted` is refused there with a job's 400. Only 127.0.0.1
+//! is reached; names come from a DNS server of the test's own.
 
 use std::net::Ipv4Addr;
 use std::os::fd::AsRawFd;

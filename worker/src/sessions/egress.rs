@@ -3,8 +3,8 @@
 //! inside the session's network namespace, its budgets (connections, bytes, idle) the
 //! session's, its audit split per exec and totalled for the session.
 //!
-//! - A keep-alive container (Podman or Docker with runc/crun) keeps one network namespace for the
-//!   session's life: the proxy binds there once, when the session starts and before any
+//! - A keep-alive container (Podman or Docker with runc/crun) keeps one network namespace
+//!   for the session's life: the proxy binds there once, when the session starts and before any
 //!   command runs, and ends when the session ends. An exec's records are those the
 //!   session's audit gained while it ran (a connection is recorded when it closes, so one
 //!   a background process keeps open is listed by the exec during which it closed).
