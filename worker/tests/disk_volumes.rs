@@ -3,6 +3,7 @@
 //! fallocate, a file unlinked while held open, a flood of small files) stop at the
 //! volume's size on the host, fail `resource_limit_exceeded`, and the node stays up; the
 //! sandbox's mountinfo does not show the state directory; `:ack` gives the volume back.
+//! A session's workspace is a volume too: a command writing at full speed stops there.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -17,6 +18,7 @@ on_both_backends!(
     disk_volume_stops_full_speed_writers_at_the_limit,
     disk_volume_bounds_the_file_count,
     disk_volume_hides_the_state_dir_from_mountinfo_and_goes_with_ack,
+    disk_volume_holds_a_sessions_workspace,
 );
 
 const MIB: u64 = 1024 * 1024;
@@ -244,4 +246,41 @@ pub async fn disk_volume_hides_the_state_dir_from_mountinfo_and_goes_with_ack(
     );
     assert!(!image.exists(), "{backend}: the image stayed");
     assert!(!state.join("jobs").join(&job).exists());
+}
+
+/// A workspace a session creates is a volume: with `disk_mb: 64`, a command writing
+/// 512 MiB at full speed leaves at most 1.05 × 64 MiB on the host and its exec fails
+/// `resource_limit_exceeded`; the node keeps answering.
+pub async fn disk_volume_holds_a_sessions_workspace(backend: &'static str) {
+    let sv = Server::start(backend, "limits:\n  disk_mb: 64\n");
+    let (id, task) = (unique("s"), unique("t"));
+    let _cleanup = crate::harness::session_guard(backend, &id);
+    let body = serde_json::json!({ "version": 1, "session_id": id, "task_id": task,
+        "image": crate::harness::env().image });
+    let (code, info) = sv.post("/v1/worker/sessions", &body).await;
+    assert_eq!(code, 201, "{info}");
+    let state = sv.state_dir();
+    let ws = state.join("workspaces").join(&task);
+    assert!(
+        is_loop_mount(&ws),
+        "{backend}: the session's workspace is no volume"
+    );
+    let image = state.join("volumes").join(format!("ws-{task}.img"));
+    let sampler = PeakSampler::start(state.clone(), vec![ws, image]);
+    let exec = serde_json::json!({ "version": 1, "timeout_seconds": 120, "command": ["sh", "-c",
+        "dd if=/dev/zero of=/workspace/fill bs=1048576 count=512 2>&1; echo done"] });
+    let (code, v) = sv
+        .post(&format!("/v1/worker/sessions/{id}/exec"), &exec)
+        .await;
+    let peak = sampler.peak();
+    assert_eq!(code, 200, "{v}");
+    eprintln!("{backend}: session dd: peak {} MiB on the host", peak / MIB);
+    assert_limit_failure(backend, "session dd", &v);
+    assert!(
+        peak <= 64 * MIB * 105 / 100,
+        "{backend}: {} MiB on the host, over 1.05 × 64 MiB: {v}",
+        peak / MIB
+    );
+    let (code, _) = sv.get("/healthz").await;
+    assert_eq!(code, 200, "{backend}: the node is down");
 }

@@ -15,7 +15,7 @@ use super::state::Phase;
 use super::validate::validate_exec;
 use super::{SessionError, Sessions};
 use crate::backend::{EndReason, SandboxOutcome};
-use crate::disk_guard::{Breach, DiskGuard, DiskLimit};
+use crate::disk_guard::{Breach, DiskLimit};
 use crate::sandbox::SandboxSpec;
 
 impl Sessions {
@@ -76,10 +76,11 @@ impl Sessions {
         let id = session_id.to_string();
         let task = tokio::spawn(async move {
             let started_at = now_rfc3339();
-            // The job's disk guard, over the workspace: a breach stops the command (a
-            // child token: not a cancel of the session).
+            // The job's disk guard, over the workspace (`statfs` of its volume, else the
+            // poller): a breach stops the command (a child token: not a cancel of the
+            // session).
             let trip = cancel.child_token();
-            let guard = DiskGuard::start(vec![workspace], limit, trip.clone());
+            let guard = crate::disk_limit::start(vec![workspace], limit, trip.clone());
             // The session's proxy, or one of the command's own bound in its sandbox.
             let mut share = net.as_ref().map(|n| n.exec_start());
             let out = match share.as_mut().and_then(ExecNet::hook) {

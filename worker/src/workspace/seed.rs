@@ -46,9 +46,9 @@ pub enum SeedError {
     /// The workspace received content while it was being seeded.
     #[error("workspace already has content")]
     HasContent,
-    /// The workspace is a disk volume (a job made it), which a staged tree cannot be
-    /// renamed onto: seed a workspace before its first job.
-    #[error("workspace is a disk volume made by a job; seed it before its first job")]
+    /// The workspace is a disk volume (a job or session made it), which a staged tree
+    /// cannot be renamed onto: seed a workspace before its first job or session.
+    #[error("workspace is a disk volume made by a job or session; seed it before its first job or session")]
     Volume,
     #[error("{0}")]
     Io(#[from] std::io::Error),
