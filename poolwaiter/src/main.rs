@@ -27,6 +27,14 @@
 //!    signal when it was killed, as the engines report), and exits: as PID 1 its exit ends
 //!    the container, and the kernel kills whatever the job left behind.
 //!
+//! **`--seccomp-exec DIR -- COMMAND…`**, a second use: installs the node's seccomp filters
+//! (`DIR/filter-0.bpf`, `filter-1.bpf`, …: raw `struct sock_filter` arrays, the programs
+//! bubblewrap gets) with no_new_privs, then executes COMMAND (looked up in `PATH`). The
+//! worker runs a gVisor session's commands through it: `runsc exec` does not apply the
+//! container's OCI seccomp profile to them, gVisor's kernel applies a filter a process
+//! installs. Any failure before the exec exits 126 (127: the command is not found)
+//! without running the command.
+//!
 //! The job (another uid, no capabilities) can neither signal nor ptrace this process (it
 //! is root's, non-dumpable, and PID 1 of the namespace), nor open its descriptors through
 //! `/proc/1/fd`; the socket's name is gone and its directory unmounted before the job is
@@ -43,6 +51,10 @@ const MAX_MESSAGE: usize = 8 * 1024 * 1024;
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 fn main() {
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if args.get(1).is_some_and(|a| a == "--seccomp-exec") {
+        seccomp_exec(&args[2..]);
+    }
     // SAFETY: prctl with an integer argument.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
     let Some(path) = std::env::args_os().nth(1) else {
@@ -519,4 +531,69 @@ fn no_capabilities_left() -> bool {
     r == 0
         && d.iter()
             .all(|x| x.effective == 0 && x.permitted == 0 && x.inheritable == 0)
+}
+
+/// `--seccomp-exec DIR -- COMMAND…` (see the module docs); never returns.
+fn seccomp_exec(args: &[std::ffi::OsString]) -> ! {
+    use std::os::unix::process::CommandExt;
+    let fail = |why: String| -> ! {
+        eprintln!("cynode-pool-waiter --seccomp-exec: {why}");
+        std::process::exit(126);
+    };
+    let (Some(dir), Some(sep)) = (args.first(), args.get(1)) else {
+        fail("usage: --seccomp-exec DIR -- COMMAND...".into());
+    };
+    if sep != "--" || args.len() < 3 {
+        fail("usage: --seccomp-exec DIR -- COMMAND...".into());
+    }
+    let mut programs = Vec::new();
+    for i in 0.. {
+        let path = std::path::Path::new(dir).join(format!("filter-{i}.bpf"));
+        match std::fs::read(&path) {
+            Ok(p) if !p.is_empty() && p.len() % 8 == 0 && p.len() / 8 <= 4096 => programs.push(p),
+            Ok(_) => fail(format!("{} is not a BPF program", path.display())),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => break,
+            Err(e) => fail(format!("cannot read {}: {e}", path.display())),
+        }
+    }
+    if programs.is_empty() {
+        fail(format!(
+            "no filter in {}",
+            std::path::Path::new(dir).display()
+        ));
+    }
+    // SAFETY: prctl with integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        fail(format!("no_new_privs: {}", std::io::Error::last_os_error()));
+    }
+    for p in &programs {
+        let prog = libc::sock_fprog {
+            len: (p.len() / 8) as u16,
+            filter: p.as_ptr() as *mut libc::sock_filter,
+        };
+        // SAFETY: `prog` points at `len` instructions that live until the call returns
+        // (the kernel copies them).
+        let rc = unsafe {
+            libc::prctl(
+                libc::PR_SET_SECCOMP,
+                libc::SECCOMP_MODE_FILTER,
+                &prog as *const libc::sock_fprog,
+                0,
+                0,
+            )
+        };
+        if rc != 0 {
+            fail(format!(
+                "cannot install a filter: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+    }
+    let e = std::process::Command::new(&args[2]).args(&args[3..]).exec();
+    eprintln!("cynode-pool-waiter --seccomp-exec: {:?}: {e}", args[2]);
+    std::process::exit(if e.kind() == std::io::ErrorKind::NotFound {
+        127
+    } else {
+        126
+    });
 }

@@ -18,12 +18,6 @@ const GAPS: &[(&str, &str, &str, &str)] = &[
     ),
     (
         "runsc",
-        "sandbox_escapes",
-        "escape_nested_namespaces_and_mounts_are_denied",
-        "a session command, started by `runsc exec`, does not get the OCI seccomp profile: `unshare -U` succeeds there (a user namespace of gVisor's own kernel; jobs are denied)",
-    ),
-    (
-        "runsc",
         "host_reads",
         "fifo_result_does_not_hang_the_node",
         "gVisor does not create a FIFO on the host's /job (host-fifo=none): the job ends without result.json",

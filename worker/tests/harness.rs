@@ -82,6 +82,9 @@ fn backend_config(backend: &str, extra: &str) -> String {
                 !extra.lines().any(|l| l.starts_with("podman:")),
                 "runsc sets the podman section itself"
             );
+            // gVisor sessions' commands run through the pool waiter's seccomp filter:
+            // built to the worker's default path.
+            crate::warm_pool::waiter();
             "backend: podman\npodman:\n  runtime: runsc\n".to_string()
         }
         "docker" => {

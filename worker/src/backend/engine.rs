@@ -142,6 +142,15 @@ impl EngineBackend {
         Ok(())
     }
 
+    /// The directory of the node's seccomp files (the OCI profile, gVisor sessions'
+    /// filters).
+    fn profile_dir(&self) -> PathBuf {
+        self.profile
+            .parent()
+            .unwrap_or(Path::new("."))
+            .to_path_buf()
+    }
+
     /// The init binary session containers need, and whether it is there.
     pub fn init_binary(&self) -> (String, bool) {
         if let Some(p) = &self.cfg.init_path {
@@ -746,6 +755,7 @@ pub(super) fn engine_refused(mut o: SandboxOutcome, binary: &str, what: &str) ->
     o
 }
 
+mod exec_filter;
 mod gated;
 pub mod pool;
 pub mod session;

@@ -20,7 +20,8 @@
 //! namespace: the node never kills "every process of the namespace" there (that would be
 //! the host's), but lists and kills the command's processes with `runsc ps` and
 //! `runsc kill --pid`. A container in the node's own PID namespace under any other
-//! runtime is refused.
+//! runtime is refused. `runsc exec` does not apply the OCI seccomp profile, so under gVisor
+//! each command runs through the node's filter ([`super::exec_filter`]).
 
 use std::path::Path;
 use std::process::Stdio;
@@ -31,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::{last_line, EngineBackend};
 use crate::backend::{BackendError, EndReason, SandboxOutcome, SandboxSpec, SessionSandbox};
-use crate::config::BackendKind;
+use crate::config::{BackendKind, OciRuntime};
 use crate::sandbox::engine_user;
 
 /// How long a keep-alive container outlives its session's max lifetime by itself; the
@@ -145,6 +146,10 @@ impl Ops<'_> {
         keepalive.command = vec!["sleep".into(), keep_for.as_secs().to_string()];
         keepalive.override_entrypoint = true;
         engine.ensure_profile()?;
+        if engine.runtime() == OciRuntime::Runsc {
+            // Its commands run under the node's filter ([`super::exec_filter`]).
+            keepalive.mounts.push(engine.exec_filter_mount()?);
+        }
         let mut args = engine.run_args(&keepalive);
         // `run --rm …` becomes `run --detach --init [--init-path=…] --rm …`.
         let mut extra = vec!["--detach".to_string(), "--init".to_string()];
@@ -304,7 +309,13 @@ impl Ops<'_> {
     ) -> SandboxOutcome {
         let started = Instant::now();
         let mut cmd = self.cmd();
-        cmd.args(exec_args(&k.name, spec));
+        if k.gvisor.is_some() {
+            let mut filtered = spec.clone();
+            filtered.command = super::exec_filter::wrap(&spec.command);
+            cmd.args(exec_args(&k.name, &filtered));
+        } else {
+            cmd.args(exec_args(&k.name, spec));
+        }
         let (mut child, out, err) =
             match super::spawn_client(cmd, self.engine.binary(), spec.output_cap) {
                 Ok(spawned) => spawned,
