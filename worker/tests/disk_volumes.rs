@@ -3,7 +3,9 @@
 //! fallocate, a file unlinked while held open, a flood of small files) stop at the
 //! volume's size on the host, fail `resource_limit_exceeded`, and the node stays up; the
 //! sandbox's mountinfo does not show the state directory; `:ack` gives the volume back.
-//! A session's workspace is a volume too: a command writing at full speed stops there.
+//! A session's workspace is a volume too: a command writing at full speed stops there; and
+//! so is a workspace seeded through the API (staged on its own volume, which is moved onto
+//! the workspace): a seed larger than the limit is refused and leaves nothing.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -283,4 +285,109 @@ pub async fn disk_volume_holds_a_sessions_workspace(backend: &'static str) {
     );
     let (code, _) = sv.get("/healthz").await;
     assert_eq!(code, 200, "{backend}: the node is down");
+}
+
+/// A tar of `(name, bytes)` regular files.
+fn tar_of(entries: &[(&str, Vec<u8>)]) -> Vec<u8> {
+    let mut b = tar::Builder::new(Vec::new());
+    for (path, data) in entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_path(path).unwrap();
+        h.set_cksum();
+        b.append(&h, &data[..]).unwrap();
+    }
+    b.into_inner().unwrap()
+}
+
+/// The images in the node's volume directory whose names start with `prefix`.
+fn images(sv: &Server, prefix: &str) -> Vec<String> {
+    std::fs::read_dir(sv.state_dir().join("volumes"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with(prefix))
+        .collect()
+}
+
+/// A workspace seeded through the API (tar, and `seed_from` a host directory) is a
+/// volume named after it: its content is there, a job writing at full speed in it stops
+/// at ≤ 1.05 × `disk_mb`; a tar larger than the limit is refused with a 400 that says so,
+/// and leaves no workspace, image or staging tree. The workspace logic is the backend's
+/// (bwrap here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn seeded_workspaces_are_volumes() {
+    crate::cases::setup();
+    let seeds = tempfile::tempdir().unwrap();
+    std::fs::write(seeds.path().join("from-host.txt"), "host\n").unwrap();
+    let config = format!(
+        "limits:\n  disk_mb: 64\n  max_request_bytes: 134217728\n{}",
+        crate::harness::seed_config(seeds.path())
+    );
+    let sv = Server::start("bwrap", &config);
+    let state = sv.state_dir();
+    let ws = unique("ws");
+    let (code, v) = sv
+        .put_tar(&ws, tar_of(&[("app/hello.txt", b"hello\n".to_vec())]))
+        .await;
+    assert!((200..300).contains(&code), "{code} {v}");
+    assert!(
+        is_loop_mount(&state.join("workspaces").join(&ws)),
+        "the seeded workspace is no volume"
+    );
+    assert_eq!(images(&sv, &format!("ws-{ws}.img")).len(), 1);
+    let host = unique("wh");
+    let (code, v) = sv.seed_workspace(&host, seeds.path()).await;
+    assert_eq!(code, 201, "{v}");
+    assert!(
+        is_loop_mount(&state.join("workspaces").join(&host)),
+        "the host-seeded workspace is no volume"
+    );
+
+    let job = unique("j");
+    let mut req = crate::harness::command_job(&job, "t-seeded", &["sh", "-c",
+        "cat app/hello.txt; dd if=/dev/zero of=/workspace/fill bs=1048576 count=512 2>&1; echo done"]);
+    req["workspace_id"] = serde_json::json!(ws);
+    let sampler = PeakSampler::start(
+        state.clone(),
+        vec![
+            state.join("workspaces").join(&ws),
+            state.join("volumes").join(format!("ws-{ws}.img")),
+        ],
+    );
+    let (code, v) = sv.post("/v1/worker/jobs:run", &req).await;
+    let peak = sampler.peak();
+    assert_eq!(code, 200, "{v}");
+    assert!(
+        v["stdout"].as_str().unwrap_or("").starts_with("hello\n"),
+        "{v}"
+    );
+    assert_limit_failure("bwrap", "seeded dd", &v);
+    assert!(
+        peak <= 64 * MIB * 105 / 100,
+        "{} MiB on the host: {v}",
+        peak / MIB
+    );
+
+    let big = unique("wb");
+    let (code, v) = sv
+        .put_tar(&big, tar_of(&[("big.bin", vec![7u8; 80 * MIB as usize])]))
+        .await;
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["detail"].as_str().unwrap_or("").contains("disk limit"),
+        "{v}"
+    );
+    assert!(!state.join("workspaces").join(&big).exists());
+    assert!(images(&sv, &format!("ws-{big}")).is_empty());
+    assert!(images(&sv, "seed-").is_empty(), "{:?}", images(&sv, ""));
+    let staged: Vec<_> = std::fs::read_dir(state.join("staging"))
+        .unwrap()
+        .flatten()
+        .collect();
+    assert!(staged.is_empty(), "staging left: {staged:?}");
+    let (code, _) = sv.get("/healthz").await;
+    assert_eq!(code, 200);
 }

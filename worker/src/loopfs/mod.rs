@@ -522,6 +522,51 @@ pub fn release_beneath(root: &Path) {
     }
 }
 
+/// Renames the image of the volume whose root is `dir` to `<label>.img`, never over an
+/// existing image (a node restarting mounts it again on the directory its label names).
+pub fn relabel(dir: &Path, label: &str) -> std::io::Result<()> {
+    let v = VOLUMES
+        .get()
+        .ok_or_else(|| std::io::Error::other("this node has no disk volumes"))?;
+    let s = rfs::statx(
+        rfs::CWD,
+        dir,
+        rfs::AtFlags::SYMLINK_NOFOLLOW,
+        rfs::StatxFlags::BASIC_STATS,
+    )?;
+    let image = (s.stx_dev_major == LOOP_MAJOR)
+        .then(|| backing_file(&format!("/dev/loop{}", s.stx_dev_minor)))
+        .flatten()
+        .filter(|i| i.parent() == Some(v.dir.as_path()))
+        .ok_or_else(|| std::io::Error::other(format!("{} is no volume", dir.display())))?;
+    rfs::renameat_with(
+        rfs::CWD,
+        &image,
+        rfs::CWD,
+        v.dir.join(format!("{label}.img")),
+        rfs::RenameFlags::NOREPLACE,
+    )
+    .map_err(Into::into)
+}
+
+/// Moves the volume mounted at `from` (its root) onto the empty directory `name` in
+/// `parent`: the same mount, its content untouched.
+pub fn move_volume(from: &Path, parent: BorrowedFd<'_>, name: &OsStr) -> std::io::Result<()> {
+    let tree = rmount::open_tree(
+        rfs::CWD,
+        from,
+        rmount::OpenTreeFlags::OPEN_TREE_CLOEXEC | rmount::OpenTreeFlags::AT_SYMLINK_NOFOLLOW,
+    )?;
+    rmount::move_mount(
+        tree.as_fd(),
+        "",
+        parent,
+        name,
+        MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
+    )
+    .map_err(Into::into)
+}
+
 /// Creates the directory `name` in `parent` with a fresh volume (labelled `label`)
 /// mounted on it, its root given to `owner` with mode 0755: `true`. `false`, and nothing
 /// done, when `name` exists already or this node holds disk limits with the poller. A

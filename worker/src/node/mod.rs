@@ -130,6 +130,11 @@ impl Node {
         // Before reconciliation reads what a previous run left: its volumes are back.
         let (layout, shape, pool) = crate::loopfs::plan(&cfg);
         let _ = tokio::task::spawn_blocking(move || crate::loopfs::init(layout, shape, pool)).await;
+        // Seeds a previous run did not finish: their staging trees go, with their volumes.
+        let staging = cfg.state_dir.join("staging");
+        if let Err(e) = crate::remove_tree::remove_tree_async(staging).await {
+            tracing::warn!(error = %e, "cannot remove the staging trees a previous run left");
+        }
         let store = Store::open(&cfg.database_path())
             .await
             .map_err(StartError::Database)?;

@@ -74,21 +74,6 @@ pub const MAX_ACTIVE_SESSIONS: usize = 32;
 /// How often the reaper looks for expired sessions.
 pub const REAP_INTERVAL: Duration = Duration::from_secs(1);
 
-/// Creates the workspace directory `dir` (the node's path) owned by `uid`, mode 0755: a
-/// disk volume of its own, as a job makes it ([`crate::loopfs`]: the kernel holds
-/// `limits.disk_mb`, also against a process a command left writing between execs), else
-/// a plain directory (the disk poller holds the limit while a command runs).
-fn make_workspace(dir: &std::path::Path, uid: u32) -> std::io::Result<()> {
-    use std::os::fd::AsFd;
-    let (parent, name) = crate::job_dir::split(dir)?;
-    let parent = crate::job_dir::open_node_dir(parent)?;
-    let label = format!("ws-{}", name.to_string_lossy());
-    if crate::loopfs::new_volume_dir(parent.as_fd(), name, &label, uid)? {
-        return Ok(());
-    }
-    crate::job_dir::open_or_create_owned_dir(parent.as_fd(), name, uid).map(drop)
-}
-
 /// Why a session's sandbox did not start.
 #[derive(Debug, thiserror::Error)]
 enum StartError {
@@ -292,7 +277,7 @@ impl Sessions {
     ) -> Result<Arc<dyn SessionSandbox>, StartError> {
         // Owned by the workspace's uid, as jobs make it; an existing workspace is kept.
         if !workspace.exists() {
-            make_workspace(&workspace, host_uid).map_err(|e| {
+            crate::workspace::make_workspace(&workspace, host_uid).map_err(|e| {
                 StartError::Workspace(format!(
                     "cannot prepare workspace {}: {e}",
                     workspace.display()

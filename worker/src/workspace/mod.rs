@@ -106,10 +106,10 @@ pub async fn create(
     let baselines = cfg.baselines_dir();
     let report = tokio::task::spawn_blocking(move || -> Result<SeedReport, SeedError> {
         let Some(src) = source else {
-            make_sandbox_dir(&dir, uid)?;
+            make_workspace(&dir, uid)?;
             return Ok(SeedReport::default());
         };
-        let stage = Staging::new(&state, uid)?;
+        let stage = staging_for(&state, uid, &dir)?;
         let report = seed::copy_tree(&src, &stage, &excludes, SeedLimits::default())?;
         if std::fs::symlink_metadata(stage.path().join(".git")).is_err() {
             // The pristine copy is taken from the private tree, before any sandbox sees it.
@@ -152,9 +152,36 @@ fn allowed_source(roots: &[PathBuf], src: &Path) -> Result<PathBuf, WorkspaceErr
     }
 }
 
+/// Creates the workspace directory `dir` (the node's path) owned by `uid`, mode 0755,
+/// when it does not exist: a disk volume of its own, as a job makes it
+/// ([`crate::loopfs`]: the kernel holds `limits.disk_mb`), else a plain directory (the
+/// disk poller holds the limit while a sandbox runs).
+pub fn make_workspace(dir: &Path, uid: u32) -> std::io::Result<()> {
+    use std::os::fd::AsFd;
+    let (parent, name) = crate::job_dir::split(dir)?;
+    let parent = crate::job_dir::open_node_dir(parent)?;
+    let label = format!("ws-{}", name.to_string_lossy());
+    if crate::loopfs::new_volume_dir(parent.as_fd(), name, &label, uid)? {
+        return Ok(());
+    }
+    crate::job_dir::open_or_create_owned_dir(parent.as_fd(), name, uid).map(drop)
+}
+
+/// An empty baseline directory owned by `uid` (the node's, never a volume).
 fn make_sandbox_dir(p: &Path, uid: u32) -> std::io::Result<()> {
     std::fs::create_dir_all(p)?;
     std::os::unix::fs::lchown(p, Some(uid), Some(uid))
+}
+
+/// The staging for seeding `dir`: on a volume of its own when `dir` does not exist yet
+/// (an existing, empty workspace may be mounted by a running sandbox: it is swapped as a
+/// plain directory, [`Staging::publish`]).
+fn staging_for(state: &Path, uid: u32, dir: &Path) -> std::io::Result<Staging> {
+    if std::fs::symlink_metadata(dir).is_err() {
+        Staging::new_volume(state, uid)
+    } else {
+        Staging::new(state, uid)
+    }
 }
 
 /// Whether a name carries secrets and is never copied from a host directory.
@@ -183,7 +210,23 @@ pub fn is_secret(name: &str) -> bool {
         || name.ends_with(".pfx")
 }
 
+/// Whether `e` says the workspace's volume is full (bytes or inodes).
+fn is_full(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+}
+
+/// The refusal of a seed that does not fit its workspace's disk volume.
+fn too_big(e: &std::io::Error) -> SeedError {
+    SeedError::Refused(format!(
+        "the seed does not fit the workspace's disk limit (limits.disk_mb, limits.disk_max_files): {e}"
+    ))
+}
+
 fn seed_error(e: SeedError) -> WorkspaceError {
+    let e = match e {
+        SeedError::Io(io) if is_full(&io) => too_big(&io),
+        other => other,
+    };
     match e {
         SeedError::Refused(m) => ValidationError::new("body", m).into(),
         SeedError::HasContent => WorkspaceError::HasContent("workspace already has content".into()),
@@ -209,9 +252,10 @@ pub async fn seed_tar(
     let uid = uids.for_workspace(&id).await?;
     let state = cfg.state_dir.clone();
     let report = tokio::task::spawn_blocking(move || -> Result<SeedReport, SeedError> {
-        let stage = Staging::new(&state, uid)?;
+        let stage = staging_for(&state, uid, &dir)?;
         let report = seed::unpack_tar(body.as_ref(), &stage, SeedLimits::default()).map_err(
             |e| match e {
+                SeedError::Io(e) if is_full(&e) => too_big(&e),
                 SeedError::Io(e) => SeedError::Refused(format!("invalid tar: {e}")),
                 other => other,
             },

@@ -9,6 +9,12 @@
 //! that does not exist is created by `renameat2(RENAME_NOREPLACE)`; an existing empty one
 //! (which a running sandbox may have mounted) is swapped out with `RENAME_EXCHANGE` and
 //! removed, and if it turned out not to be empty the swap is undone and seeding is refused.
+//!
+//! A workspace that does not exist yet is staged on a disk volume of its own
+//! ([`Staging::new_volume`], when the node has volumes): the seed is bounded by
+//! `limits.disk_mb` while it is built, and publishing moves that mount onto the
+//! workspace's new directory (its image renamed `ws-<id>.img`), so the kernel holds the
+//! seeded workspace's limit as it holds a job-made one's.
 
 use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -54,6 +60,16 @@ pub enum SeedError {
     Io(#[from] std::io::Error),
 }
 
+/// A tar entry that could not be made: the workspace's volume being full stays an I/O
+/// error (the caller says the seed does not fit); anything else refuses the entry.
+fn entry_error(shown: &str, e: std::io::Error) -> SeedError {
+    if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
+        SeedError::Io(e)
+    } else {
+        refuse(format!("entry {shown}: {e}"))
+    }
+}
+
 fn refuse(msg: impl Into<String>) -> SeedError {
     SeedError::Refused(msg.into())
 }
@@ -74,12 +90,25 @@ pub struct Staging {
     published: bool,
     /// The host uid the tree is built for (its workspace's).
     owner: u32,
+    /// Whether the staging directory is a disk volume ([`Staging::new_volume`]).
+    volume: bool,
 }
 
 impl Staging {
     /// A fresh staging directory under `<state_dir>/staging`, owned by `owner` (the
     /// workspace's host uid) inside a root-only parent; everything built in it is too.
     pub fn new(state_dir: &Path, owner: u32) -> std::io::Result<Self> {
+        Self::make(state_dir, owner, false)
+    }
+
+    /// [`Staging::new`] for a workspace that does not exist yet: the staging directory is
+    /// a disk volume ([`crate::loopfs`]) when the node has them, and [`Staging::publish`]
+    /// moves that volume onto the workspace's path.
+    pub fn new_volume(state_dir: &Path, owner: u32) -> std::io::Result<Self> {
+        Self::make(state_dir, owner, true)
+    }
+
+    fn make(state_dir: &Path, owner: u32, volume: bool) -> std::io::Result<Self> {
         use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
         let parent = state_dir.join("staging");
         std::fs::DirBuilder::new()
@@ -88,17 +117,30 @@ impl Staging {
             .create(&parent)?;
         std::fs::set_permissions(&parent, std::fs::Permissions::from_mode(0o700))?;
         let path = fresh_dir(&parent)?;
-        let root = beneath::open_root(&path)?;
-        let id = rfs::Uid::from_raw(owner);
-        let gid = rfs::Gid::from_raw(owner);
-        rfs::fchown(&root, Some(id), Some(gid))?;
-        rfs::fchmod(&root, rfs::Mode::from_raw_mode(0o755))?;
-        Ok(Self {
+        let mut stage = Self {
+            root: beneath::open_root(&path)?,
             path,
-            root,
             published: false,
             owner,
-        })
+            volume: false,
+        };
+        if volume {
+            // A disk volume of its own (labelled after the staging directory until it
+            // is published), so the seeded workspace is bounded by the kernel as a
+            // job-made one. Without volumes, a plain directory as before.
+            let (dir, name) = crate::job_dir::split(&stage.path)?;
+            let label = name.to_string_lossy().into_owned();
+            let dir = crate::job_dir::open_node_dir(dir)?;
+            if let Some(root) = crate::loopfs::cover(dir.as_fd(), name, &label) {
+                stage.root = root;
+                stage.volume = true;
+            }
+        }
+        let id = rfs::Uid::from_raw(owner);
+        let gid = rfs::Gid::from_raw(owner);
+        rfs::fchown(&stage.root, Some(id), Some(gid))?;
+        rfs::fchmod(&stage.root, rfs::Mode::from_raw_mode(0o755))?;
+        Ok(stage)
     }
 
     pub fn path(&self) -> &Path {
@@ -116,6 +158,9 @@ impl Staging {
 
     /// Makes the staged tree the directory `target` (see the module docs).
     pub fn publish(mut self, target: &Path) -> Result<(), SeedError> {
+        if self.volume {
+            return self.publish_volume(target);
+        }
         match rfs::renameat_with(CWD, &self.path, CWD, target, RenameFlags::NOREPLACE) {
             Ok(()) => {
                 self.published = true;
@@ -145,9 +190,38 @@ impl Staging {
     }
 }
 
+impl Staging {
+    /// A volume's tree becomes `target`, which must not exist (a job or session that made
+    /// it meanwhile has it): the image is renamed after the workspace, the volume moved
+    /// onto a new directory there, and the staging directory removed.
+    fn publish_volume(mut self, target: &Path) -> Result<(), SeedError> {
+        let (parent, name) = crate::job_dir::split(target)?;
+        let parent = crate::job_dir::open_node_dir(parent)?;
+        match rfs::mkdirat(&parent, name, rfs::Mode::from_raw_mode(0o700)) {
+            Ok(()) => {}
+            Err(Errno::EXIST) => return Err(SeedError::HasContent),
+            Err(e) => return Err(std::io::Error::from(e).into()),
+        }
+        let label = format!("ws-{}", name.to_string_lossy());
+        let moved = crate::loopfs::relabel(&self.path, &label)
+            .and_then(|()| crate::loopfs::move_volume(&self.path, parent.as_fd(), name));
+        if let Err(e) = moved {
+            // Drop releases the volume (under whichever name it has now).
+            let _ = rfs::unlinkat(&parent, name, rfs::AtFlags::REMOVEDIR);
+            return Err(e.into());
+        }
+        self.published = true;
+        let _ = std::fs::remove_dir(&self.path);
+        Ok(())
+    }
+}
+
 impl Drop for Staging {
     fn drop(&mut self) {
         if !self.published {
+            if self.volume {
+                crate::loopfs::release_beneath(&self.path);
+            }
             // std's remove_dir_all does not follow links.
             let _ = std::fs::remove_dir_all(&self.path);
         }
@@ -234,14 +308,14 @@ pub fn unpack_tar(
                 }
                 let dir = parents(root, dirs, owner)?;
                 let n = beneath::write_file(dir.as_fd(), name, mode, owner, &mut entry)
-                    .map_err(|e| refuse(format!("entry {shown}: {e}")))?;
+                    .map_err(|e| entry_error(&shown, e))?;
                 report.files += 1;
                 report.bytes += n;
             }
             tar::EntryType::Directory => {
                 let dir = parents(root, dirs, owner)?;
                 beneath::make_dir(dir.as_fd(), name, mode, owner)
-                    .map_err(|e| refuse(format!("entry {shown}: {e}")))?;
+                    .map_err(|e| entry_error(&shown, e))?;
             }
             tar::EntryType::Symlink => {
                 let Some(target) = entry.link_name()? else {
@@ -254,7 +328,7 @@ pub fn unpack_tar(
                 }
                 let dir = parents(root, dirs, owner)?;
                 beneath::write_link(dir.as_fd(), name, &target, owner)
-                    .map_err(|e| refuse(format!("entry {shown}: {e}")))?;
+                    .map_err(|e| entry_error(&shown, e))?;
                 links.push(path);
             }
             _ => report.skipped.push(shown),
