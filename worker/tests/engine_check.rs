@@ -1,7 +1,7 @@
 //! `cynode-worker check` names what Docker and gVisor lack: no daemon answering, runsc not
 //! registered with the daemon (or without the flags the node needs), the runsc binary
-//! missing, the pool waiter Docker's `restricted` jobs need; and passes on a host
-//! deploy/install-deps.sh and deploy/docker/start.sh set up.
+//! missing, the pool waiter Docker's `restricted` jobs and gVisor's sessions need; and
+//! passes on a host deploy/install-deps.sh and deploy/docker/start.sh set up.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
@@ -52,6 +52,20 @@ async fn check_names_what_docker_and_runsc_lack() {
         &out,
         "podman.runtime is runsc, but /nonexistent/cynode/runsc is missing",
     );
+
+    // gVisor without the pool waiter its session commands run through.
+    let out = check(
+        d,
+        &format!(
+            "backend: podman\npodman:\n  runtime: runsc\n  pool_waiter: {}\n",
+            d.join("no-waiter").display()
+        ),
+    );
+    assert_missing(
+        &out,
+        "gVisor session commands run under the node's seccomp filter",
+    );
+    assert_missing(&out, "build-waiter.sh");
 
     // The host as the project's scripts set it up: both pass.
     for (config, ok) in [

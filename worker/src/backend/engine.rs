@@ -403,8 +403,9 @@ impl SandboxBackend for EngineBackend {
 
     /// The engine answers (Docker: its daemon, not only the client), the OCI runtime is
     /// there (runsc: Podman's `runsc_path` exists, Docker's daemon has `runsc`
-    /// registered), the seccomp profile is in place, and the init binary that session
-    /// containers need (`run --init`) exists. `Err` says what is missing and how to fix it.
+    /// registered), the seccomp profile is in place, the init binary that session
+    /// containers need (`run --init`) exists, and under gVisor the pool waiter its session
+    /// commands run through ([`exec_filter`]). `Err` says what is missing and how to fix it.
     async fn check(&self) -> Result<String, BackendError> {
         let binary = &self.cfg.binary;
         // Docker's client answers `version` without a daemon; the server's version needs one.
@@ -434,6 +435,14 @@ impl SandboxBackend for EngineBackend {
             return Err(BackendError::Unavailable(format!(
                 "{} {version}; session sandboxes need the init binary {init} (`run --init`), which is missing: install the Debian package `{package}` or set {}.init_path",
                 self.kind.as_str(),
+                self.kind.as_str()
+            )));
+        }
+        if self.cfg.runtime == OciRuntime::Runsc && !self.pool.waiter().is_file() {
+            return Err(BackendError::Unavailable(format!(
+                "{} {version}; gVisor session commands run under the node's seccomp filter through the pool waiter {}, which is missing: build it with deploy/worker/build-waiter.sh or set {}.pool_waiter",
+                self.kind.as_str(),
+                self.pool.waiter().display(),
                 self.kind.as_str()
             )));
         }
