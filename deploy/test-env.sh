@@ -8,6 +8,9 @@
 #      host's Debian python3 and pip (a few seconds; the egress pip tests, both backends)
 #      build-toolchain-test-image.sh the same image plus the host's node, npm, go, cargo
 #      and rustc (about 95 s and 745 MB once; the npm/cargo/go fetch tests, both backends)
+#   3a. deploy/worker/build-waiter.sh   the static pool waiter: PID 1 of the engines'
+#      pooled containers, which `restricted` (egress) jobs on Podman and Docker use, and
+#      the seccomp launcher of gVisor session commands
 #   3b. deploy/docker/start.sh    a Docker daemon (started when none answers; its pid in
 #      /var/cache/cynode/dockerd/started.pid) with the same test image loaded from podman
 #   4. deploy/microvm/build-kernel.sh + build-init.sh   QEMU, the microvm guest kernel
@@ -35,6 +38,8 @@ bash deploy/sba/build-python-test-image.sh >/dev/null
 bash deploy/sba/export-rootfs.sh localhost/cynode-sba-test-python:latest >/dev/null
 bash deploy/sba/build-toolchain-test-image.sh >/dev/null
 bash deploy/sba/export-rootfs.sh localhost/cynode-sba-test-toolchains:latest >/dev/null
+log "pool waiter (the engines' warm and egress containers, gVisor sessions' seccomp)"
+bash deploy/worker/build-waiter.sh >/dev/null
 log "Docker daemon and the test image in it"
 bash deploy/docker/start.sh localhost/cynode-sba-test:latest
 log "microvm guest kernel, VMM and init"

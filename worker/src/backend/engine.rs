@@ -451,14 +451,12 @@ impl SandboxBackend for EngineBackend {
             r => format!(" (runtime {})", r.as_str()),
         };
         let pool = if self.pool.size() == 0 {
-            // Docker's `restricted` jobs start in a waiter's container with the pool off.
-            let gated = if self.kind == BackendKind::Docker
-                && can_gate(self.cfg.runtime)
-                && !self.pool.waiter().is_file()
-            {
+            // `restricted` jobs start in a waiter's container with the pool off.
+            let gated = if can_gate(self.cfg.runtime) && !self.pool.waiter().is_file() {
                 format!(
-                    "; `restricted` (egress) jobs will fail: they need the pool waiter {}, which is missing (build it with deploy/worker/build-waiter.sh or set docker.pool_waiter)",
-                    self.pool.waiter().display()
+                    "; `restricted` (egress) jobs will fail: they need the pool waiter {}, which is missing (build it with deploy/worker/build-waiter.sh or set {}.pool_waiter)",
+                    self.pool.waiter().display(),
+                    self.kind.as_str()
                 )
             } else {
                 String::new()
@@ -551,9 +549,9 @@ impl SandboxBackend for EngineBackend {
         (self.pool.size() > 0).then(|| self.pool.stats())
     }
 
-    /// A gated job runs in a pooled container when one is idle (warm), else in one made
-    /// for it on Docker ([`pool::Pool::fresh`]: Docker has no `init`), else in a cold
-    /// Podman container started in two halves (`gated.rs`). gVisor refuses ([`can_gate`]).
+    /// A gated job runs in a pooled container: an idle one (warm), else one made for it
+    /// ([`pool::Pool::fresh`]), whose waiter holds the job until the hook has run. gVisor
+    /// refuses ([`can_gate`]).
     async fn run_gated(
         &self,
         spec: &SandboxSpec,
@@ -574,7 +572,7 @@ impl SandboxBackend for EngineBackend {
         };
         let slot = match warm {
             Some(slot) => slot,
-            None if self.kind == BackendKind::Docker => {
+            None => {
                 let made = tokio::select! {
                     r = self.pool.fresh(self, spec) => r,
                     _ = cancel.cancelled() => Err("canceled".into()),
@@ -585,7 +583,6 @@ impl SandboxBackend for EngineBackend {
                     Err(e) => return SandboxOutcome::start_failed(e, started),
                 }
             }
-            None => return self.run_in_halves(spec, cancel, hook).await,
         };
         let name = slot.name.clone();
         let hooked = tokio::select! {
@@ -765,7 +762,6 @@ pub(super) fn engine_refused(mut o: SandboxOutcome, binary: &str, what: &str) ->
 }
 
 mod exec_filter;
-mod gated;
 pub mod pool;
 pub mod session;
 

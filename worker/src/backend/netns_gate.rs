@@ -7,8 +7,8 @@
 //! - bubblewrap: `--info-fd` reports the sandbox's pid (`{"child-pid": N}`), and
 //!   `--block-fd` holds the sandbox before it executes the command until the node writes
 //!   a byte ([`Gate`]).
-//! - Podman: `create`, `init` (the runtime has made the namespaces, the command waits),
-//!   `inspect` for the pid, then `start --attach` ([`super::engine`]).
+//! - Podman and Docker: a pooled container ([`super::engine::pool`]), whose PID 1 (the
+//!   pool waiter) holds the job until the node sends it; the hook gets the waiter's pid.
 
 use std::future::Future;
 use std::io::Read;
