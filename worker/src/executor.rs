@@ -243,13 +243,8 @@ fn make_dirs(paths: &JobPaths, req: &RunJobRequest, host_uid: u32) -> std::io::R
         )?;
     }
     job_dir::own(&mount, Some(host_uid), 0o755)?;
-    let (spaces, ws) = job_dir::split(&paths.workspace)?;
-    let spaces = job_dir::open_node_dir(spaces)?;
-    let label = format!("ws-{}", ws.to_string_lossy());
     let files_us = lap.us();
-    if !crate::loopfs::new_volume_dir(spaces.as_fd(), ws, &label, host_uid)? {
-        job_dir::open_or_create_owned_dir(spaces.as_fd(), ws, host_uid)?;
-    }
+    crate::workspace::make_workspace(&paths.workspace, host_uid)?;
     tracing::debug!(job_id = %req.job_id, dir_us, volume_us, files_us, workspace_us = lap.us(), "phases: job directory");
     Ok(())
 }

@@ -438,12 +438,21 @@ impl SandboxBackend for EngineBackend {
                 self.kind.as_str()
             )));
         }
-        if self.cfg.runtime == OciRuntime::Runsc && !self.pool.waiter().is_file() {
-            return Err(BackendError::Unavailable(format!(
-                "{} {version}; gVisor session commands run under the node's seccomp filter through the pool waiter {}, which is missing: build it with deploy/worker/build-waiter.sh or set {}.pool_waiter",
-                self.kind.as_str(),
+        let waiter_missing = |why: &str| {
+            format!(
+                "{why} the pool waiter {}, which is missing: build it with deploy/worker/build-waiter.sh or set {}.pool_waiter",
                 self.pool.waiter().display(),
                 self.kind.as_str()
+            )
+        };
+        let has_waiter = self.pool.waiter().is_file();
+        if self.cfg.runtime == OciRuntime::Runsc && !has_waiter {
+            return Err(BackendError::Unavailable(format!(
+                "{} {version}; {}",
+                self.kind.as_str(),
+                waiter_missing(
+                    "gVisor session commands run under the node's seccomp filter through"
+                )
             )));
         }
         let runtime = match self.cfg.runtime {
@@ -452,11 +461,10 @@ impl SandboxBackend for EngineBackend {
         };
         let pool = if self.pool.size() == 0 {
             // `restricted` jobs start in a waiter's container with the pool off.
-            let gated = if can_gate(self.cfg.runtime) && !self.pool.waiter().is_file() {
+            let gated = if can_gate(self.cfg.runtime) && !has_waiter {
                 format!(
-                    "; `restricted` (egress) jobs will fail: they need the pool waiter {}, which is missing (build it with deploy/worker/build-waiter.sh or set {}.pool_waiter)",
-                    self.pool.waiter().display(),
-                    self.kind.as_str()
+                    "; `restricted` (egress) jobs will fail: {}",
+                    waiter_missing("they need")
                 )
             } else {
                 String::new()
@@ -465,14 +473,12 @@ impl SandboxBackend for EngineBackend {
                 "; warm pool off ({}.pool_size 0){gated}",
                 self.kind.as_str()
             )
-        } else if !self.pool.waiter().is_file() {
-            return Err(BackendError::Unavailable(format!(
-                "{}.pool_size is {}, but the pool waiter {} is missing: build it with deploy/worker/build-waiter.sh or set {}.pool_waiter",
+        } else if !has_waiter {
+            return Err(BackendError::Unavailable(waiter_missing(&format!(
+                "{}.pool_size is {}, but it needs",
                 self.kind.as_str(),
-                self.pool.size(),
-                self.pool.waiter().display(),
-                self.kind.as_str()
-            )));
+                self.pool.size()
+            ))));
         } else {
             format!(
                 "; warm pool {} per image (waiter {}, filled at start: {})",
@@ -516,14 +522,13 @@ impl SandboxBackend for EngineBackend {
         if self.pool.size() > 0 {
             if let Some(slot) = self.pool.claim(self, spec) {
                 let slot_name = slot.name.clone();
-                match slot.start_job(spec).await {
-                    pool::Claimed::Running(r) => {
-                        return self.run_warm(spec, cancel, *r, started).await
+                match self.run_in_slot(slot, spec, cancel, started).await {
+                    Ok(outcome) => return outcome,
+                    Err(why) if cancel.is_cancelled() || started.elapsed() >= spec.timeout => {
+                        return SandboxOutcome::start_failed(why, started)
                     }
-                    pool::Claimed::Failed(why) => {
-                        self.pool.failed(&slot_name);
+                    Err(why) => {
                         tracing::warn!(sandbox = %spec.name, slot = %slot_name, reason = %why, "pooled container could not take the job; it runs cold");
-                        self.force_remove(&slot_name).await;
                     }
                 }
             }
@@ -565,56 +570,48 @@ impl SandboxBackend for EngineBackend {
         if let Err(e) = self.ensure_profile() {
             return SandboxOutcome::start_failed(e.to_string(), started);
         }
+        let deadline = started + spec.timeout;
+        // An idle container whose waiter died (its pid may since be another process's)
+        // is never handed to the hook: it goes, and one is made for the job.
         let warm = if self.pool.size() > 0 {
             self.pool.claim(self, spec)
         } else {
             None
         };
+        let warm = match warm {
+            Some(slot) if slot.alive() => Some(slot),
+            Some(dead) => {
+                self.pool.discard(self, dead);
+                None
+            }
+            None => None,
+        };
         let slot = match warm {
             Some(slot) => slot,
-            None => {
-                let made = tokio::select! {
-                    r = self.pool.fresh(self, spec) => r,
-                    _ = cancel.cancelled() => Err("canceled".into()),
-                    _ = tokio::time::sleep(spec.timeout) => Err("timed out before it started".into()),
-                };
-                match made {
-                    Ok(slot) => slot,
-                    Err(e) => return SandboxOutcome::start_failed(e, started),
-                }
-            }
-        };
-        let name = slot.name.clone();
-        let hooked = tokio::select! {
-            r = hook(slot.pid()) => r,
-            _ = cancel.cancelled() => Err("canceled".into()),
-            _ = tokio::time::sleep(spec.timeout) => Err("timed out before it started".into()),
-        };
-        let hooked = hooked.and_then(|()| {
-            slot.alive()
-                .then_some(())
-                .ok_or_else(|| "the container ended before its job was sent".to_string())
-        });
-        let why = match hooked {
-            Ok(()) => match slot.start_job(spec).await {
-                pool::Claimed::Running(r) => {
-                    // The container's making and the hook count against the timeout.
-                    let mut rest = spec.clone();
-                    rest.timeout = spec.timeout.saturating_sub(started.elapsed());
-                    return self.run_warm(&rest, cancel, *r, started).await;
-                }
-                pool::Claimed::Failed(why) => why,
+            None => match before(self.fresh_slot(spec), deadline, cancel).await {
+                Ok(Ok(slot)) => slot,
+                Ok(Err(e)) | Err(e) => return SandboxOutcome::start_failed(e, started),
             },
-            Err(why) => {
-                drop(slot);
-                why
-            }
         };
-        // The proxy may already listen in this container's namespace: the job does not
-        // run anywhere else.
-        self.pool.failed(&name);
-        self.force_remove(&name).await;
-        SandboxOutcome::start_failed(why, started)
+        // The pid is the waiter's while it lives: alive before the hook opens its
+        // namespace and after, so the namespace the proxy listens in is the container's.
+        let hooked = match before(hook(slot.pid()), deadline, cancel).await {
+            Ok(Ok(())) if slot.alive() => Ok(()),
+            Ok(Ok(())) => Err("the container ended before its job was sent".to_string()),
+            Ok(Err(e)) | Err(e) => Err(e),
+        };
+        if let Err(why) = hooked {
+            // The proxy may already listen in this container's namespace: the job does
+            // not run anywhere else.
+            let name = slot.name.clone();
+            drop(slot);
+            self.pool.failed(&name);
+            self.force_remove(&name).await;
+            return SandboxOutcome::start_failed(why, started);
+        }
+        self.run_in_slot(slot, spec, cancel, started)
+            .await
+            .unwrap_or_else(|why| SandboxOutcome::start_failed(why, started))
     }
 
     /// Removes every container of this node (the pool's too), then fills the warm pool
@@ -654,7 +651,79 @@ impl SandboxBackend for EngineBackend {
     }
 }
 
+/// `fut`, unless `cancel` fires or `deadline` passes first (then why, as `Err`).
+async fn before<T>(
+    fut: impl std::future::Future<Output = T>,
+    deadline: Instant,
+    cancel: &CancellationToken,
+) -> Result<T, String> {
+    tokio::select! {
+        r = fut => Ok(r),
+        _ = cancel.cancelled() => Err("canceled".into()),
+        _ = tokio::time::sleep_until(deadline.into()) => Err("timed out before it started".into()),
+    }
+}
+
 impl EngineBackend {
+    /// A pooled container made now for `spec` ([`pool::Pool::fresh`]), in a task of its
+    /// own: a caller that stops waiting (cancel, timeout) leaves it to finish, and the
+    /// container and its slot directory are then discarded.
+    async fn fresh_slot(&self, spec: &SandboxSpec) -> Result<pool::Slot, String> {
+        struct Orphan(
+            Option<tokio::task::JoinHandle<Result<pool::Slot, String>>>,
+            EngineBackend,
+        );
+        impl Drop for Orphan {
+            fn drop(&mut self) {
+                if let Some(task) = self.0.take() {
+                    let engine = self.1.clone();
+                    tokio::spawn(async move {
+                        if let Ok(Ok(slot)) = task.await {
+                            engine.pool.discard(&engine, slot);
+                        }
+                    });
+                }
+            }
+        }
+        let (engine, spec) = (self.clone(), spec.clone());
+        let task = tokio::spawn(async move { engine.pool.fresh(&engine, &spec).await });
+        let mut orphan = Orphan(Some(task), self.clone());
+        let made = match orphan.0.as_mut() {
+            Some(task) => task
+                .await
+                .unwrap_or_else(|e| Err(format!("the container task failed: {e}"))),
+            None => Err("no container task".into()),
+        };
+        orphan.0 = None;
+        made
+    }
+
+    /// Sends `spec`'s job to `slot` (bounded by the job's timeout and `cancel`) and runs
+    /// it to its end. `Err`: the slot could not take it; its container is removed and
+    /// nothing of the job ran.
+    async fn run_in_slot(
+        &self,
+        slot: pool::Slot,
+        spec: &SandboxSpec,
+        cancel: &CancellationToken,
+        started: Instant,
+    ) -> Result<SandboxOutcome, String> {
+        let deadline = started + spec.timeout;
+        let name = slot.name.clone();
+        let why = match before(slot.start_job(spec), deadline, cancel).await {
+            Ok(pool::Claimed::Running(r)) => {
+                // Making the container and binding the proxy count against the timeout.
+                let mut rest = spec.clone();
+                rest.timeout = deadline.saturating_duration_since(Instant::now());
+                return Ok(self.run_warm(&rest, cancel, *r, started).await);
+            }
+            Ok(pool::Claimed::Failed(why)) | Err(why) => why,
+        };
+        self.pool.failed(&name);
+        self.force_remove(&name).await;
+        Err(why)
+    }
+
     /// Runs the job `r` started in a pooled container to its end: its exit code from the
     /// waiter, or the timeout or cancel (the container is then killed and removed as a
     /// cold one), or the container's end without a report (its client's exit code).

@@ -454,6 +454,18 @@ pub fn cover(parent: BorrowedFd<'_>, name: &OsStr, label: &str) -> Option<OwnedF
 /// The image behind the volume whose root is `dir` (opened `O_PATH`, for `fstat`: its
 /// allocated blocks are the volume's high-water mark), when it is one of this node's.
 pub fn image_of(dir: &Path) -> Option<OwnedFd> {
+    let image = volume_image(dir)?;
+    rfs::open(
+        &image,
+        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .ok()
+}
+
+/// The path of the image behind the loop-device filesystem at `dir`, when it is one of
+/// this node's volumes (its image in the node's volume directory).
+fn volume_image(dir: &Path) -> Option<PathBuf> {
     let v = VOLUMES.get()?;
     let s = rfs::statx(
         rfs::CWD,
@@ -465,16 +477,14 @@ pub fn image_of(dir: &Path) -> Option<OwnedFd> {
     if s.stx_dev_major != LOOP_MAJOR {
         return None;
     }
-    let image = backing_file(&format!("/dev/loop{}", s.stx_dev_minor))?;
-    if image.parent() != Some(v.dir.as_path()) {
-        return None;
-    }
-    rfs::open(
-        &image,
-        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .ok()
+    backing_file(&format!("/dev/loop{}", s.stx_dev_minor))
+        .filter(|image| image.parent() == Some(v.dir.as_path()))
+}
+
+/// The label of workspace `name`'s volume (its image `ws-<name>.img`, which a restarting
+/// node mounts again on the workspace: [`Volumes::reclaim`]).
+pub fn workspace_label(name: &OsStr) -> String {
+    format!("ws-{}", name.to_string_lossy())
 }
 
 /// Whether `dir` is the root of a loop-device filesystem (a volume).
@@ -528,16 +538,7 @@ pub fn relabel(dir: &Path, label: &str) -> std::io::Result<()> {
     let v = VOLUMES
         .get()
         .ok_or_else(|| std::io::Error::other("this node has no disk volumes"))?;
-    let s = rfs::statx(
-        rfs::CWD,
-        dir,
-        rfs::AtFlags::SYMLINK_NOFOLLOW,
-        rfs::StatxFlags::BASIC_STATS,
-    )?;
-    let image = (s.stx_dev_major == LOOP_MAJOR)
-        .then(|| backing_file(&format!("/dev/loop{}", s.stx_dev_minor)))
-        .flatten()
-        .filter(|i| i.parent() == Some(v.dir.as_path()))
+    let image = volume_image(dir)
         .ok_or_else(|| std::io::Error::other(format!("{} is no volume", dir.display())))?;
     rfs::renameat_with(
         rfs::CWD,
@@ -550,12 +551,16 @@ pub fn relabel(dir: &Path, label: &str) -> std::io::Result<()> {
 }
 
 /// Moves the volume mounted at `from` (its root) onto the empty directory `name` in
-/// `parent`: the same mount, its content untouched.
+/// `parent`: a detached clone of the mount is attached there, then the mount at `from` is
+/// detached (the filesystem stays, held by the clone). Moving the attached mount itself
+/// would fail (EINVAL) where its parent mount is shared, as systemd makes them.
 pub fn move_volume(from: &Path, parent: BorrowedFd<'_>, name: &OsStr) -> std::io::Result<()> {
     let tree = rmount::open_tree(
         rfs::CWD,
         from,
-        rmount::OpenTreeFlags::OPEN_TREE_CLOEXEC | rmount::OpenTreeFlags::AT_SYMLINK_NOFOLLOW,
+        rmount::OpenTreeFlags::OPEN_TREE_CLONE
+            | rmount::OpenTreeFlags::OPEN_TREE_CLOEXEC
+            | rmount::OpenTreeFlags::AT_SYMLINK_NOFOLLOW,
     )?;
     rmount::move_mount(
         tree.as_fd(),
@@ -563,8 +568,8 @@ pub fn move_volume(from: &Path, parent: BorrowedFd<'_>, name: &OsStr) -> std::io
         parent,
         name,
         MoveMountFlags::MOVE_MOUNT_F_EMPTY_PATH,
-    )
-    .map_err(Into::into)
+    )?;
+    rmount::unmount(from, UnmountFlags::DETACH | UnmountFlags::NOFOLLOW).map_err(Into::into)
 }
 
 /// Creates the directory `name` in `parent` with a fresh volume (labelled `label`)

@@ -110,7 +110,8 @@ pub async fn create(
             return Ok(SeedReport::default());
         };
         let stage = staging_for(&state, uid, &dir)?;
-        let report = seed::copy_tree(&src, &stage, &excludes, SeedLimits::default())?;
+        let report = seed::copy_tree(&src, &stage, &excludes, SeedLimits::default())
+            .map_err(|e| fit(e, &stage))?;
         if std::fs::symlink_metadata(stage.path().join(".git")).is_err() {
             // The pristine copy is taken from the private tree, before any sandbox sees it.
             let base = Staging::new(&state, uid)?;
@@ -160,7 +161,7 @@ pub fn make_workspace(dir: &Path, uid: u32) -> std::io::Result<()> {
     use std::os::fd::AsFd;
     let (parent, name) = crate::job_dir::split(dir)?;
     let parent = crate::job_dir::open_node_dir(parent)?;
-    let label = format!("ws-{}", name.to_string_lossy());
+    let label = crate::loopfs::workspace_label(name);
     if crate::loopfs::new_volume_dir(parent.as_fd(), name, &label, uid)? {
         return Ok(());
     }
@@ -210,23 +211,18 @@ pub fn is_secret(name: &str) -> bool {
         || name.ends_with(".pfx")
 }
 
-/// Whether `e` says the workspace's volume is full (bytes or inodes).
-fn is_full(e: &std::io::Error) -> bool {
-    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
-}
-
-/// The refusal of a seed that does not fit its workspace's disk volume.
-fn too_big(e: &std::io::Error) -> SeedError {
-    SeedError::Refused(format!(
-        "the seed does not fit the workspace's disk limit (limits.disk_mb, limits.disk_max_files): {e}"
-    ))
+/// A seed into `stage` that failed: a full volume of the stage's own is the seed's fault
+/// (it does not fit the workspace's disk limit); any other full filesystem is the node's.
+fn fit(e: SeedError, stage: &Staging) -> SeedError {
+    match e {
+        SeedError::Io(io) if stage.is_volume() && seed::is_full(&io) => SeedError::Refused(format!(
+            "the seed does not fit the workspace's disk limit (limits.disk_mb, limits.disk_max_files): {io}"
+        )),
+        other => other,
+    }
 }
 
 fn seed_error(e: SeedError) -> WorkspaceError {
-    let e = match e {
-        SeedError::Io(io) if is_full(&io) => too_big(&io),
-        other => other,
-    };
     match e {
         SeedError::Refused(m) => ValidationError::new("body", m).into(),
         SeedError::HasContent => WorkspaceError::HasContent("workspace already has content".into()),
@@ -254,8 +250,7 @@ pub async fn seed_tar(
     let report = tokio::task::spawn_blocking(move || -> Result<SeedReport, SeedError> {
         let stage = staging_for(&state, uid, &dir)?;
         let report = seed::unpack_tar(body.as_ref(), &stage, SeedLimits::default()).map_err(
-            |e| match e {
-                SeedError::Io(e) if is_full(&e) => too_big(&e),
+            |e| match fit(e, &stage) {
                 SeedError::Io(e) => SeedError::Refused(format!("invalid tar: {e}")),
                 other => other,
             },

@@ -60,10 +60,15 @@ pub enum SeedError {
     Io(#[from] std::io::Error),
 }
 
+/// Whether `e` says a filesystem is full (bytes or inodes).
+pub fn is_full(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT))
+}
+
 /// A tar entry that could not be made: the workspace's volume being full stays an I/O
 /// error (the caller says the seed does not fit); anything else refuses the entry.
 fn entry_error(shown: &str, e: std::io::Error) -> SeedError {
-    if matches!(e.raw_os_error(), Some(libc::ENOSPC | libc::EDQUOT)) {
+    if is_full(&e) {
         SeedError::Io(e)
     } else {
         refuse(format!("entry {shown}: {e}"))
@@ -147,6 +152,11 @@ impl Staging {
         &self.path
     }
 
+    /// Whether the tree is built on a disk volume of its own ([`Staging::new_volume`]).
+    pub fn is_volume(&self) -> bool {
+        self.volume
+    }
+
     pub fn fd(&self) -> BorrowedFd<'_> {
         self.root.as_fd()
     }
@@ -202,7 +212,25 @@ impl Staging {
             Err(Errno::EXIST) => return Err(SeedError::HasContent),
             Err(e) => return Err(std::io::Error::from(e).into()),
         }
-        let label = format!("ws-{}", name.to_string_lossy());
+        // The directory beneath the volume is a usable empty workspace of its own, should
+        // the move fail or the node die before it: the workspace's uid, 0755.
+        let owner = Some(rfs::Uid::from_raw(self.owner));
+        rfs::chownat(
+            &parent,
+            name,
+            owner,
+            Some(rfs::Gid::from_raw(self.owner)),
+            rfs::AtFlags::SYMLINK_NOFOLLOW,
+        )
+        .map_err(std::io::Error::from)?;
+        rfs::chmodat(
+            &parent,
+            name,
+            rfs::Mode::from_raw_mode(0o755),
+            rfs::AtFlags::empty(),
+        )
+        .map_err(std::io::Error::from)?;
+        let label = crate::loopfs::workspace_label(name);
         let moved = crate::loopfs::relabel(&self.path, &label)
             .and_then(|()| crate::loopfs::move_volume(&self.path, parent.as_fd(), name));
         if let Err(e) = moved {

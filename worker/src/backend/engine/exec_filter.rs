@@ -27,6 +27,8 @@ impl EngineBackend {
     pub(super) fn exec_filter_mount(&self) -> Result<Mount, BackendError> {
         let programs = seccomp::bpf_programs()
             .map_err(|e| BackendError::Unavailable(format!("seccomp programs: {e}")))?;
+        let waiter = self.pool().waiter();
+        // Named for the programs and the waiter both: a rebuilt waiter gets a new copy.
         let digest = {
             use sha2::Digest;
             let mut h = sha2::Sha256::new();
@@ -34,9 +36,9 @@ impl EngineBackend {
                 h.update((p.len() as u64).to_le_bytes());
                 h.update(p);
             }
+            h.update(std::fs::read(waiter).unwrap_or_default());
             hex::encode(h.finalize())
         };
-        let waiter = self.pool().waiter();
         let base = self.profile_dir();
         let dir = base.join(format!("exec-{}", &digest[..16]));
         if !dir.join(WAITER).is_file() {

@@ -456,7 +456,7 @@ impl Pool {
     }
 
     /// Removes a slot's container and directory in the background.
-    fn discard(&self, engine: &EngineBackend, slot: Slot) {
+    pub fn discard(&self, engine: &EngineBackend, slot: Slot) {
         let engine = engine.clone();
         tokio::spawn(async move {
             let Slot {
@@ -593,6 +593,18 @@ impl Pool {
         }
         // SAFETY: a new descriptor we own.
         let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        // The waiter holds the socket's other end: still connected after pidfd_open, it
+        // still lived then, so the pid (and the pidfd) is its, not a reused one's.
+        let mut poll = libc::pollfd {
+            fd: sock.as_raw_fd(),
+            events: libc::POLLRDHUP,
+            revents: 0,
+        };
+        // SAFETY: poll of one valid descriptor with a zero timeout.
+        let polled = unsafe { libc::poll(&mut poll, 1, 0) };
+        if polled < 0 || poll.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+            return Err("the waiter went away before it was ready".into());
+        }
         // The client's stderr is drained in the background (it holds nothing of a job).
         drop(stderr);
         Ok(Slot {
