@@ -296,6 +296,42 @@ const LOCAL: Ipv4Addr = Ipv4Addr::LOCALHOST;
 /// The credential a route adds; the sandbox side must never see it.
 pub(crate) const ROUTE_SECRET: &str = "s3cret-route-token-7f3a9c";
 
+/// A node with one credentialed route `api` to an HTTPS origin of its own (an rcgen CA),
+/// whose `Authorization` is `Bearer <ROUTE_SECRET>` from the node's environment.
+pub(crate) async fn route_server(
+    backend: &'static str,
+    dir: &std::path::Path,
+) -> (crate::harness::Server, Origin) {
+    let (origin, ca) = Origin::https(dir, "localhost").await;
+    let ca_file = dir.join("route-ca.pem");
+    std::fs::write(&ca_file, ca).unwrap();
+    let config = format!(
+        "egress:\n  routes:\n    api:\n      upstream: \"https://localhost:{}/api\"\n      headers:\n        Authorization: {{env: ROUTE_TOKEN}}\n      ca_file: {}\n",
+        origin.port,
+        ca_file.display()
+    );
+    let server = crate::harness::Server::start_with_env(
+        backend,
+        &config,
+        &[("ROUTE_TOKEN", "Bearer s3cret-route-token-7f3a9c")],
+    );
+    (server, origin)
+}
+
+/// A call of the route from inside the sandbox.
+pub(crate) const ROUTE_CALL: &str =
+    "printf 'GET /routes/api/whoami HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' | nc -w 10 127.0.0.1 3128; echo; ";
+
+/// Searches the sandbox for [`ROUTE_SECRET`] (its environment, every process's environ and
+/// cmdline but the search's own, the job and workspace directories, /tmp and /etc); prints
+/// the count in `env`, any file holding it, then `searched`. The pattern is split so the
+/// script itself does not hold it.
+pub(crate) const SECRET_SEARCH: &str = "s1=s3cret-route; s2=token-7f3a9c; pat=\"$s1-$s2\"; \
+     env | grep -c \"$pat\"; \
+     for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do grep -l -F \"$pat\" \"$f\" 2>/dev/null; done \
+       | grep -v \"^/proc/$$/\" | grep -v '/proc/self/' ; \
+     grep -r -l -F \"$pat\" /job /workspace /tmp /etc 2>/dev/null; echo searched";
+
 // --- the tests -------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

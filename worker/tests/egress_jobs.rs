@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::egress::{Dns, Origin, ROUTE_SECRET};
+use crate::egress::{route_server, Dns, Origin, ROUTE_CALL, ROUTE_SECRET, SECRET_SEARCH};
 use crate::harness::{env, gates_egress, unique, Server};
 
 /// Every test's bound.
@@ -237,28 +237,10 @@ pub async fn egress_flood_keeps_the_node_answering_and_the_audit_bounded(backend
 pub async fn egress_route_secret_never_enters_the_sandbox(backend: &'static str) {
     tokio::time::timeout(TEST_TIME, async {
         let dir = tempfile::tempdir().unwrap();
-        let (origin, ca) = Origin::https(dir.path(), "localhost").await;
-        let ca_file = dir.path().join("route-ca.pem");
-        std::fs::write(&ca_file, ca).unwrap();
-        let config = format!(
-            "egress:\n  routes:\n    api:\n      upstream: \"https://localhost:{}/api\"\n      headers:\n        Authorization: {{env: ROUTE_TOKEN}}\n      ca_file: {}\n",
-            origin.port,
-            ca_file.display()
-        );
-        let server = Server::start_with_env(
-            backend,
-            &config,
-            &[("ROUTE_TOKEN", "Bearer s3cret-route-token-7f3a9c")],
-        );
-        // The pattern is split so this script itself does not hold it.
-        let script = "printf 'GET /routes/api/whoami HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' | nc -w 10 127.0.0.1 3128; echo; \
-             s1=s3cret-route; s2=token-7f3a9c; pat=\"$s1-$s2\"; \
-             env | grep -c \"$pat\"; \
-             for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do grep -l -F \"$pat\" \"$f\" 2>/dev/null; done \
-               | grep -v \"^/proc/$$/\" | grep -v '/proc/self/' ; \
-             grep -r -l -F \"$pat\" /job /workspace /tmp /etc 2>/dev/null; echo searched";
+        let (server, origin) = route_server(backend, dir.path()).await;
+        let script = format!("{ROUTE_CALL}{SECRET_SEARCH}");
         let id = unique("egr");
-        let req = restricted_job(&id, script, None, json!({}));
+        let req = restricted_job(&id, &script, None, json!({}));
         let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
         if !gates_egress(backend) {
             assert_eq!(code, 400, "{resp}");
@@ -266,15 +248,32 @@ pub async fn egress_route_secret_never_enters_the_sandbox(backend: &'static str)
         }
         assert_eq!(code, 200, "{resp}");
         let out = resp["stdout"].as_str().unwrap();
-        assert!(out.contains("authorized"), "the route added its header: {out}");
-        let after: Vec<&str> = out.lines().skip_while(|l| !l.contains("authorized")).skip(1).collect();
-        assert_eq!(after, ["0", "searched"], "the secret was found in the sandbox: {out}");
+        assert!(
+            out.contains("authorized"),
+            "the route added its header: {out}"
+        );
+        let after: Vec<&str> = out
+            .lines()
+            .skip_while(|l| !l.contains("authorized"))
+            .skip(1)
+            .collect();
+        assert_eq!(
+            after,
+            ["0", "searched"],
+            "the secret was found in the sandbox: {out}"
+        );
         assert!(origin.hits() >= 1);
         let text = resp.to_string();
         assert!(!text.contains(ROUTE_SECRET), "{text}");
         let log = server.log.lock().unwrap().join("\n");
-        assert!(!log.contains(ROUTE_SECRET), "the node's log holds the secret");
-        assert!(log.contains("egress attempt"), "the attempt is in the node's log");
+        assert!(
+            !log.contains(ROUTE_SECRET),
+            "the node's log holds the secret"
+        );
+        assert!(
+            log.contains("egress attempt"),
+            "the attempt is in the node's log"
+        );
     })
     .await
     .unwrap();

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::egress::{Dns, Origin, ROUTE_SECRET};
+use crate::egress::{route_server, Dns, Origin, ROUTE_CALL, ROUTE_SECRET, SECRET_SEARCH};
 use crate::harness::{env, gates_egress, session_guard, unique, RemoveOnDrop, Server};
 
 on_both_backends!(session_egress:
@@ -502,39 +502,26 @@ pub async fn session_egress_refusals_are_a_jobs_and_none_has_no_network(backend:
 pub async fn session_egress_route_secret_never_enters_the_session(backend: &'static str) {
     tokio::time::timeout(TEST_TIME, async {
         let dir = tempfile::tempdir().unwrap();
-        let (origin, ca) = Origin::https(dir.path(), "localhost").await;
-        let ca_file = dir.path().join("route-ca.pem");
-        std::fs::write(&ca_file, ca).unwrap();
-        let config = format!(
-            "egress:\n  routes:\n    api:\n      upstream: \"https://localhost:{}/api\"\n      headers:\n        Authorization: {{env: ROUTE_TOKEN}}\n      ca_file: {}\n",
-            origin.port,
-            ca_file.display()
-        );
-        let sv = Server::start_with_env(
-            backend,
-            &config,
-            &[("ROUTE_TOKEN", "Bearer s3cret-route-token-7f3a9c")],
-        );
+        let (sv, origin) = route_server(backend, dir.path()).await;
         let Some((id, _guard)) = create(&sv, &restricted(&unique("sr"), None)).await else {
             return;
         };
         let exec = format!("/v1/worker/sessions/{id}/exec");
-        let call = "printf 'GET /routes/api/whoami HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' | nc -w 10 127.0.0.1 3128; echo; \
-                    (sleep 30 &) ; echo left";
-        let (code, r1) = sv.post(&exec, &exec_body(call)).await;
+        let call = format!("{ROUTE_CALL}(sleep 30 &) ; echo left");
+        let (code, r1) = sv.post(&exec, &exec_body(&call)).await;
         assert_eq!(code, 200, "{r1}");
         let out = r1["stdout"].as_str().unwrap();
-        assert!(out.contains("authorized"), "the route added its header: {out}");
+        assert!(
+            out.contains("authorized"),
+            "the route added its header: {out}"
+        );
         assert_eq!(origin.hits(), 1);
-        // The pattern is split so the script itself does not hold it.
-        let search = "s1=s3cret-route; s2=token-7f3a9c; pat=\"$s1-$s2\"; \
-             env | grep -c \"$pat\"; \
-             for f in /proc/[0-9]*/environ /proc/[0-9]*/cmdline; do grep -l -F \"$pat\" \"$f\" 2>/dev/null; done \
-               | grep -v \"^/proc/$$/\" | grep -v '/proc/self/' ; \
-             grep -r -l -F \"$pat\" /job /workspace /tmp /etc 2>/dev/null; echo searched";
-        let (code, r2) = sv.post(&exec, &exec_body(search)).await;
+        let (code, r2) = sv.post(&exec, &exec_body(SECRET_SEARCH)).await;
         assert_eq!(code, 200, "{r2}");
-        assert_eq!(r2["stdout"], "0\nsearched\n", "the secret was found in the session: {r2}");
+        assert_eq!(
+            r2["stdout"], "0\nsearched\n",
+            "the secret was found in the session: {r2}"
+        );
         let (_, info) = sv.get(&format!("/v1/worker/sessions/{id}")).await;
         let (_, ended) = sv
             .post(&format!("/v1/worker/sessions/{id}/end"), &json!({}))
@@ -544,11 +531,19 @@ pub async fn session_egress_route_secret_never_enters_the_session(backend: &'sta
             1,
             "the route call is not in the session's audit: {info}"
         );
-        for (what, v) in [("exec", &r1), ("search", &r2), ("info", &info), ("end", &ended)] {
+        for (what, v) in [
+            ("exec", &r1),
+            ("search", &r2),
+            ("info", &info),
+            ("end", &ended),
+        ] {
             assert!(!v.to_string().contains(ROUTE_SECRET), "{what}: {v}");
         }
         let log = sv.log.lock().unwrap().join("\n");
-        assert!(!log.contains(ROUTE_SECRET), "the node's log holds the secret");
+        assert!(
+            !log.contains(ROUTE_SECRET),
+            "the node's log holds the secret"
+        );
     })
     .await
     .unwrap();
