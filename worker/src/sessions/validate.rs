@@ -237,7 +237,9 @@ mod tests {
             let err = validate_create(&cfg, &body(extra.clone())).unwrap_err();
             assert_eq!(err.path, path, "{extra}: {err}");
         }
+        // gVisor cannot bind the proxy inside its sandboxes.
         cfg.backend = crate::config::BackendKind::Docker;
+        cfg.docker.runtime = crate::config::OciRuntime::Runsc;
         let err = validate_create(
             &cfg,
             &body(serde_json::json!({"network_policy": "restricted"})),
