@@ -72,15 +72,16 @@
 //! **Jobs with an egress proxy** (`run_gated`) take a slot too: its waiter's namespaces
 //! exist and nothing of the job runs until the claim, so the hook binds the proxy in the
 //! slot's network namespace (the pid from `SO_PEERCRED`, checked alive through the pidfd
-//! after the hook) before the job is sent. When none is idle (or the pool is off), a slot
-//! is made for the job ([`Pool::fresh`]): Docker has no `init` to hold a cold container
-//! between its creation and its command, and on Podman this is faster than `create`,
-//! `init`, `start` (measured: +171 ms over a cold job without network, against -49 ms on
-//! Docker, `worker/benches/egress_engines.sh`).
+//! before and after the hook) before the job is sent. When none is idle (or the pool is
+//! off), a slot is made for the job ([`Pool::fresh`]): Docker has no `init` to hold a cold
+//! container between its creation and its command, and on Podman it is faster than
+//! `create`, `init`, `start` was (+171 ms over a cold job without network; this way -62
+//! ms on Podman, -40 to -49 ms on Docker: `worker/benches/egress_engines.sh`).
 //!
-//! **Not pooled**: sessions, mounts other than `/job` and `/workspace`, and gVisor (`runtime: runsc`, refused by the config: the
-//! sentry has a VFS of its own, so a mount moved into the runsc sandbox's host mount
-//! namespace never appears inside, and fds of host pipes are not passed in).
+//! **Not pooled**: sessions, mounts other than `/job` and `/workspace`, and gVisor
+//! (`runtime: runsc`, refused by the config: the sentry has a VFS of its own, so a mount
+//! moved into the runsc sandbox's host mount namespace never appears inside, and fds of
+//! host pipes are not passed in).
 //!
 //! **Bounds and refill.** At most `pool_size` idle or starting containers per key, and at
 //! most [`MAX_KEYS`] keys (the least recently claimed key's idle containers go first). A
@@ -356,9 +357,8 @@ impl Pool {
         found
     }
 
-    /// A container started now for `spec`, outside the pool's counts: for a gated job on
-    /// Docker, which has no `init` to stop a cold container between its creation and its
-    /// command ([`super::EngineBackend::run_gated`]). Works with `pool_size` 0.
+    /// A container started now for `spec`, outside the pool's counts: for a gated job
+    /// when none is idle ([`super::EngineBackend::run_gated`]). Works with `pool_size` 0.
     pub async fn fresh(&self, engine: &EngineBackend, spec: &SandboxSpec) -> Result<Slot, String> {
         if !poolable(spec) {
             return Err("the sandbox has mounts a pooled container cannot take".into());
