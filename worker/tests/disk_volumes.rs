@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::harness::{unique, Server};
+use crate::workspaces::tar_of;
 
 on_both_backends!(
     disk_volumes:
@@ -287,21 +288,6 @@ pub async fn disk_volume_holds_a_sessions_workspace(backend: &'static str) {
     assert_eq!(code, 200, "{backend}: the node is down");
 }
 
-/// A tar of `(name, bytes)` regular files.
-fn tar_of(entries: &[(&str, Vec<u8>)]) -> Vec<u8> {
-    let mut b = tar::Builder::new(Vec::new());
-    for (path, data) in entries {
-        let mut h = tar::Header::new_gnu();
-        h.set_size(data.len() as u64);
-        h.set_mode(0o644);
-        h.set_entry_type(tar::EntryType::Regular);
-        h.set_path(path).unwrap();
-        h.set_cksum();
-        b.append(&h, &data[..]).unwrap();
-    }
-    b.into_inner().unwrap()
-}
-
 /// The images in the node's volume directory whose names start with `prefix`.
 fn images(sv: &Server, prefix: &str) -> Vec<String> {
     std::fs::read_dir(sv.state_dir().join("volumes"))
@@ -330,7 +316,7 @@ async fn seeded_workspaces_are_volumes() {
     let state = sv.state_dir();
     let ws = unique("ws");
     let (code, v) = sv
-        .put_tar(&ws, tar_of(&[("app/hello.txt", b"hello\n".to_vec())]))
+        .put_tar(&ws, tar_of(&[("app/hello.txt", b"hello\n")]))
         .await;
     assert!((200..300).contains(&code), "{code} {v}");
     assert!(
@@ -373,7 +359,7 @@ async fn seeded_workspaces_are_volumes() {
 
     let big = unique("wb");
     let (code, v) = sv
-        .put_tar(&big, tar_of(&[("big.bin", vec![7u8; 80 * MIB as usize])]))
+        .put_tar(&big, tar_of(&[("big.bin", &vec![7u8; 80 * MIB as usize])]))
         .await;
     assert_eq!(code, 400, "{v}");
     assert!(

@@ -121,7 +121,8 @@ async fn seed_outside_the_roots_is_refused() {
     );
 }
 
-fn tar_of(entries: &[(&str, &[u8])]) -> Vec<u8> {
+/// A tar of `(name, bytes)` regular files, the names written raw.
+pub(crate) fn tar_of(entries: &[(&str, &[u8])]) -> Vec<u8> {
     let mut b = tar::Builder::new(Vec::new());
     for (path, data) in entries {
         let mut h = tar::Header::new_gnu();
