@@ -624,6 +624,8 @@ impl SandboxBackend for EngineBackend {
         // Slot directories of a previous run go, also with the pool off (Docker's gated
         // jobs use slots: `run_gated`).
         self.pool.reset_dir();
+        // Old waiters' filter directories and old profiles: no container uses them now.
+        exec_filter::sweep(&self.profile_dir(), &self.profile);
         if self.pool.size() > 0 && self.ensure_profile().is_ok() {
             let template = pool::template(self.limits);
             self.pool.prewarm(self, &template).await;

@@ -90,6 +90,40 @@ fn make(base: &Path, dir: &Path, programs: &[Vec<u8>], waiter: &Path) -> std::io
     }
 }
 
+/// Removes what earlier runs of the node left in `base` (`<state>/seccomp/`): `exec-*`
+/// directories of other waiters or programs, `.exec-*` ones a killed node left half made,
+/// and seccomp profiles other than `keep`. Called at startup, after the node's containers
+/// are removed, so none of them is in use. The directory is the node's own (root's, never
+/// writable by a sandbox). Returns how many entries went.
+pub fn sweep(base: &Path, keep: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(base) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let Ok(kind) = e.file_type() else { continue };
+        let gone = if kind.is_dir() && (name.starts_with("exec-") || name.starts_with(".exec-")) {
+            std::fs::remove_dir_all(e.path())
+        } else if kind.is_file()
+            && name.starts_with("profile-")
+            && Some(e.file_name().as_os_str()) != keep.file_name()
+        {
+            std::fs::remove_file(e.path())
+        } else {
+            continue;
+        };
+        match gone {
+            Ok(()) => removed += 1,
+            Err(err) => {
+                tracing::warn!(path = %e.path().display(), error = %err, "cannot remove an old seccomp file")
+            }
+        }
+    }
+    removed
+}
+
 /// `command` run through the waiter's `--seccomp-exec`.
 pub fn wrap(command: &[String]) -> Vec<String> {
     let mut argv = vec![
@@ -100,4 +134,30 @@ pub fn wrap(command: &[String]) -> Vec<String> {
     ];
     argv.extend(command.iter().cloned());
     argv
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sweep_removes_old_exec_directories_and_profiles_and_keeps_the_current_one() {
+        let base = tempfile::tempdir().unwrap();
+        let b = base.path();
+        for d in ["exec-0123456789abcdef", ".exec-AbC123"] {
+            std::fs::create_dir_all(b.join(d)).unwrap();
+            std::fs::write(b.join(d).join(WAITER), b"x").unwrap();
+        }
+        std::fs::write(b.join("profile-old.json"), b"{}").unwrap();
+        std::fs::write(b.join("profile-new.json"), b"{}").unwrap();
+        std::fs::write(b.join("unrelated"), b"").unwrap();
+        assert_eq!(sweep(b, &b.join("profile-new.json")), 3);
+        let mut left: Vec<_> = std::fs::read_dir(b)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["profile-new.json", "unrelated"]);
+        assert_eq!(sweep(&b.join("missing"), &b.join("profile-new.json")), 0);
+    }
 }
