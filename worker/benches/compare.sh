@@ -19,6 +19,11 @@
 #      bare bwrap of the worker's argv (hyperfine). Target: p50 < 25 ms.
 #   3. throughput: jobs/s, p95 latency and failures with 4 concurrent clients, for podman
 #      and bwrap, each with queue.max_running 2 (the default) and 4.
+#   4. every engine side by side: worker/benches/engines.sh with this build (bwrap, Podman,
+#      Docker, Podman+runsc, Docker+runsc cold, Podman and Docker warm): bare start and
+#      worker p50/p95, their ratio, the warm pools' claim-to-start, and throughput with
+#      $THR_CLIENTS clients. ENGINES, RUNS (20) and THR_JOBS (40) pass through; SKIP_ENGINES=1
+#      leaves this stage out.
 #   Plus: GET /healthz round trips (the client's and HTTP's own cost), and a per-job time
 #   breakdown joined from the client's clock, the response's started_at/ended_at and the
 #   worker's JSON log lines "job started" / "job finished" (same host clock).
@@ -465,6 +470,15 @@ for spec in "bwrap 2 $bwrap_addr $THR_BWRAP_JOBS" "bwrap 4 $bwrap4_addr $THR_BWR
 done
 load[end]=$(loadavg)
 
+# --- 4. every engine side by side -------------------------------------------------------------
+if [[ -z ${SKIP_ENGINES:-} ]]; then
+  log "4. every engine: worker/benches/engines.sh"
+  RESULT=$res/engines.json WORKER_BIN=$worker_bin THR_CLIENTS=$THR_CLIENTS \
+    bash "$repo/worker/benches/engines.sh" >&2
+else
+  echo null >"$res/engines.json"
+fi
+
 # --- where the time goes ------------------------------------------------------------------
 python3 "$client" breakdown --records "$res/podman-seq.records.json" \
   --log "$work/podman/worker.log" >"$res/podman-breakdown.json"
@@ -477,7 +491,7 @@ jq -n --slurpfile env env.json --slurpfile pb podman-bare.hyperfine.json \
   --slurpfile ps podman-seq.json --slurpfile pp podman-paired.json \
   --slurpfile bb bwrap-bare.hyperfine.json --slurpfile bs bwrap-seq.json \
   --slurpfile hz healthz.json --slurpfile pbd podman-breakdown.json \
-  --slurpfile bbd bwrap-breakdown.json \
+  --slurpfile bbd bwrap-breakdown.json --slurpfile eng engines.json \
   --slurpfile t1 thr-bwrap-max2.json --slurpfile t2 thr-bwrap-max4.json \
   --slurpfile t3 thr-podman-max2.json --slurpfile t4 thr-podman-max4.json \
   --arg l0 "${load[start]}" --arg l1 "${load[podman]}" --arg l2 "${load[bwrap]}" \
@@ -508,7 +522,8 @@ jq -n --slurpfile env env.json --slurpfile pb podman-bare.hyperfine.json \
      breakdown: $bbd[0]},
    healthz: $hz[0].latency,
    throughput: {bwrap_max_running_2: ($t1[0] | thr), bwrap_max_running_4: ($t2[0] | thr),
-                podman_max_running_2: ($t3[0] | thr), podman_max_running_4: ($t4[0] | thr)}}
+                podman_max_running_2: ($t3[0] | thr), podman_max_running_4: ($t4[0] | thr)},
+   engines: $eng[0]}
   ' >summary.json
 cp summary.json "$OUT/latest.json"
 log "results in $res (summary: $OUT/latest.json)"

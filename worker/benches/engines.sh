@@ -17,6 +17,10 @@
 #      container is idle, so every measured job is a claim), and the claim-to-start time
 #      (the worker's "warm job started" log line: mounts moved in, job sent, the waiter's
 #      word that it execs). Their bare columns are the cold engine's bare start.
+#   4. throughput: $THR_JOBS trivial jobs sent by $THR_CLIENTS concurrent clients
+#      (queue.max_running 2, the default), jobs/s over the wall time and the p50/p95 of
+#      their round trips. For the warm engines, the pool's claims and misses during it
+#      (from /metrics): with more clients than pool_size some jobs run cold.
 # Prints one table (p50/p95 in ms, and worker p50 / bare p50) and writes it as JSON to
 # $OUT/engines-<UTC stamp>.json. The host's load average is printed with it: the numbers
 # are only comparable within one run. Starts dockerd through deploy/docker/start.sh when
@@ -29,6 +33,11 @@
 #   RUNS              [20]   measured runs per engine and mode
 #   WORKER_BIN        [unset] a worker binary to measure instead of building the release one
 #   ENGINES           [bwrap podman docker podman-runsc docker-runsc podman-warm docker-warm]
+#   THR_JOBS          [40]   jobs per throughput run (0: no throughput runs)
+#   THR_CLIENTS       [4]    concurrent clients in throughput runs (each job is one curl and
+#                            two jq processes: bwrap's jobs/s here is bound by the client;
+#                            compare.sh's stage 3 times bwrap with an in-process client)
+#   RESULT            [$OUT/engines-<UTC stamp>.json]  where the JSON goes
 # Needs: root, Debian 12; hyperfine, jq, curl (deploy/install-deps.sh installs them).
 set -euo pipefail
 
@@ -48,6 +57,8 @@ cd "$(dirname "$0")/../.."
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/cynode/target}
 OUT=${OUT:-/var/cache/cynode/bench/worker}
 RUNS=${RUNS:-20}
+THR_JOBS=${THR_JOBS:-40}
+THR_CLIENTS=${THR_CLIENTS:-4}
 ENGINES=${ENGINES:-bwrap podman docker podman-runsc docker-runsc podman-warm docker-warm}
 image=localhost/cynode-sba-test:latest
 [[ $(id -u) -eq 0 ]] || die "must run as root"
@@ -119,11 +130,28 @@ worker_config() {
   esac
 }
 
-# pool_idle: the worker's idle pooled containers (/metrics).
-pool_idle() {
+# metric NAME: one of the worker's /metrics values (0 when absent).
+metric() {
   curl -sS -H "Authorization: Bearer $token" "http://$ADDR/metrics" |
-    awk '/^cynode_worker_pool_idle/ {print $2}'
+    awk -v m="cynode_worker_$1" '$1 == m {v = $2} END {print v + 0}'
 }
+pool_idle() { metric pool_idle; }
+
+# one_job ID: sends one trivial job; prints its round trip in seconds (fails unless it
+# completed).
+one_job() {
+  local body out
+  body=$(jq -nc --arg id "$1" --arg image "$image" \
+    '{version: 1, task_id: "bench", job_id: $id, sandbox: {image: $image, command: ["true"]}}')
+  out=$(curl -sS -o "$work/resp-$1.json" -w '%{http_code} %{time_total}' \
+    -H "Authorization: Bearer $token" -H 'Content-Type: application/json' \
+    --data "$body" "http://$ADDR/v1/worker/jobs:run")
+  [[ ${out%% *} == 200 && $(jq -r .status "$work/resp-$1.json") == completed ]] ||
+    die "job $1: $out $(head -c 300 "$work/resp-$1.json")"
+  rm -f "$work/resp-$1.json"
+  echo "${out#* }"
+}
+export -f one_job die log
 
 # start_worker ENGINE: starts a worker; sets ADDR.
 start_worker() {
@@ -168,15 +196,26 @@ for engine in $ENGINES; do
     if [[ $engine == *-warm ]]; then
       for _ in $(seq 600); do (($(pool_idle) >= 1)) && break; sleep 0.05; done
     fi
-    body=$(jq -nc --arg id "bench-$engine-$i" --arg image "$image" \
-      '{version: 1, task_id: "bench", job_id: $id, sandbox: {image: $image, command: ["true"]}}')
-    out=$(curl -sS -o "$work/resp.json" -w '%{http_code} %{time_total}' \
-      -H "Authorization: Bearer $token" -H 'Content-Type: application/json' \
-      --data "$body" "http://$ADDR/v1/worker/jobs:run")
-    [[ ${out%% *} == 200 && $(jq -r .status "$work/resp.json") == completed ]] ||
-      die "$engine job $i: $out $(head -c 300 "$work/resp.json")"
-    ((i > 0)) && echo "${out#* }" >>"$work/$engine.worker.txt"
+    t=$(one_job "bench-$engine-$i")
+    ((i > 0)) && echo "$t" >>"$work/$engine.worker.txt"
   done
+  thr=null
+  if ((THR_JOBS > 0)); then
+    log "$engine: throughput ($THR_JOBS jobs, $THR_CLIENTS clients)"
+    claims0=$(metric pool_claims_total) misses0=$(metric pool_misses_total)
+    t0=$(date +%s.%N)
+    seq "$THR_JOBS" | ADDR=$ADDR token=$token image=$image work=$work \
+      xargs -P "$THR_CLIENTS" -I{} bash -c 'one_job "thr-'"$engine"'-{}"' >"$work/$engine.thr.txt" ||
+      die "$engine: a throughput job failed"
+    t1=$(date +%s.%N)
+    thr=$(jq -nc --argjson n "$THR_JOBS" --argjson c "$THR_CLIENTS" --argjson t0 "$t0" --argjson t1 "$t1" \
+      --argjson p50 "$(pct "$work/$engine.thr.txt" 50)" --argjson p95 "$(pct "$work/$engine.thr.txt" 95)" \
+      --argjson claims "$(($(metric pool_claims_total) - claims0))" \
+      --argjson misses "$(($(metric pool_misses_total) - misses0))" \
+      '{jobs: $n, clients: $c, wall_s: (($t1 - $t0) * 1000 | round / 1000),
+        jobs_per_s: (($n / ($t1 - $t0)) * 100 | round / 100), p50_ms: $p50, p95_ms: $p95,
+        pool_claims: $claims, pool_misses: $misses}')
+  fi
   # The measured jobs' claim-to-start times (warm engines only), in seconds.
   grep '"warm job started"' "$work/$engine/worker.log" | grep -v 'bench-'"$engine"'-\(-[0-9]*\|0\)"' |
     jq -r '.fields.claim_to_start_us / 1000000' >"$work/$engine.start.txt" || true
@@ -184,22 +223,24 @@ for engine in $ENGINES; do
   if [[ -s $work/$engine.start.txt ]]; then
     s50=$(pct "$work/$engine.start.txt" 50) s95=$(pct "$work/$engine.start.txt" 95)
   fi
-  rows+=("$(jq -nc --arg e "$engine" --argjson s50 "$s50" --argjson s95 "$s95" \
+  rows+=("$(jq -nc --arg e "$engine" --argjson s50 "$s50" --argjson s95 "$s95" --argjson thr "$thr" \
     --argjson b50 "$(pct "$work/$engine.bare.txt" 50)" --argjson b95 "$(pct "$work/$engine.bare.txt" 95)" \
     --argjson w50 "$(pct "$work/$engine.worker.txt" 50)" --argjson w95 "$(pct "$work/$engine.worker.txt" 95)" \
     '{engine: $e, bare_p50_ms: $b50, bare_p95_ms: $b95, worker_p50_ms: $w50, worker_p95_ms: $w95,
-      ratio_p50: (($w50 / $b50) * 100 | round / 100), claim_to_start_p50_ms: $s50, claim_to_start_p95_ms: $s95}')")
+      ratio_p50: (($w50 / $b50) * 100 | round / 100), claim_to_start_p50_ms: $s50, claim_to_start_p95_ms: $s95,
+      throughput: $thr}')")
 done
 
 mkdir -p "$OUT"
-result=$OUT/engines-$(date -u +%Y%m%dT%H%M%SZ).json
+result=${RESULT:-$OUT/engines-$(date -u +%Y%m%dT%H%M%SZ).json}
 printf '%s\n' "${rows[@]}" | jq -s --arg lb "$load_before" --arg la "$(cut -d' ' -f1-3 /proc/loadavg)" \
   --argjson runs "$RUNS" --arg kernel "$(uname -r)" --arg runsc "$(runsc --version 2>&1 | head -n 1)" \
   '{runs: $runs, load_before: $lb, load_after: $la, kernel: $kernel, runsc: $runsc, engines: .}' >"$result"
-printf '%-14s %10s %10s %12s %12s %7s %12s %12s\n' engine bare_p50 bare_p95 worker_p50 worker_p95 ratio start_p50 start_p95
+printf '%-14s %10s %10s %12s %12s %7s %12s %12s %9s %10s %10s\n' engine bare_p50 bare_p95 worker_p50 worker_p95 ratio start_p50 start_p95 jobs/s thr_p50 thr_p95
 jq -r '.engines[] | [.engine, .bare_p50_ms, .bare_p95_ms, .worker_p50_ms, .worker_p95_ms, .ratio_p50,
-    (.claim_to_start_p50_ms // "-"), (.claim_to_start_p95_ms // "-")] | @tsv' "$result" |
-  while IFS=$'\t' read -r e b50 b95 w50 w95 r s50 s95; do
-    printf '%-14s %8s ms %8s ms %10s ms %10s ms %6sx %9s ms %9s ms\n' "$e" "$b50" "$b95" "$w50" "$w95" "$r" "$s50" "$s95"
+    (.claim_to_start_p50_ms // "-"), (.claim_to_start_p95_ms // "-"),
+    (.throughput.jobs_per_s // "-"), (.throughput.p50_ms // "-"), (.throughput.p95_ms // "-")] | @tsv' "$result" |
+  while IFS=$'\t' read -r e b50 b95 w50 w95 r s50 s95 tj t50 t95; do
+    printf '%-14s %8s ms %8s ms %10s ms %10s ms %6sx %9s ms %9s ms %9s %7s ms %7s ms\n' "$e" "$b50" "$b95" "$w50" "$w95" "$r" "$s50" "$s95" "$tj" "$t50" "$t95"
   done
 echo "load average before: $load_before; after: $(cut -d' ' -f1-3 /proc/loadavg) ($RUNS runs each; $result)"
