@@ -377,3 +377,77 @@ async fn seeded_workspaces_are_volumes() {
     let (code, _) = sv.get("/healthz").await;
     assert_eq!(code, 200);
 }
+
+/// A seed and a job racing to create the same new workspace: whichever comes first makes
+/// it, and the other sees it whole. A job must never run in the directory a seed is
+/// about to cover with its volume (its writes would be hidden beneath the mount), and a
+/// seed that succeeded must be what the workspace shows. The windows are narrow (a seed's
+/// mkdir to its volume's move; a job's mkdir to its volume's mount), so a run need not hit
+/// one: this checks the outcome, and `workspace::tests::a_workspace_is_not_made_while_its_
+/// creation_lock_is_held` the lock that closes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_seed_and_a_job_racing_on_a_new_workspace_lose_nothing() {
+    crate::cases::setup();
+    let sv = Server::start("bwrap", "limits:\n  disk_mb: 64\n");
+    let mut seeded = 0;
+    for i in 0..30 {
+        let ws = unique("race");
+        let mut job = crate::harness::command_job(
+            &unique("j"),
+            "t-race",
+            &["sh", "-c", "echo mine > mine.txt"],
+        );
+        job["workspace_id"] = serde_json::json!(ws);
+        let tar = tar_of(&[("seed.txt", b"seed\n")]);
+        // The seed starts 0 to 10 ms after the job, so the rounds cover the window from
+        // the seed's mkdir to its volume's move, and some jobs come first.
+        let lag = Duration::from_micros((i * 337 % 10_000) as u64);
+        let seed = async {
+            tokio::time::sleep(lag).await;
+            sv.put_tar(&ws, tar).await
+        };
+        let (seed, run) = tokio::join!(seed, sv.post("/v1/worker/jobs:run", &job));
+        assert_eq!(run.0, 200, "job {i}: {}", run.1);
+        assert_eq!(run.1["status"], "completed", "job {i}: {}", run.1);
+        let mut look = crate::harness::command_job(
+            &unique("j"),
+            "t-race",
+            &[
+                "sh",
+                "-c",
+                "cat mine.txt; cat seed.txt 2>/dev/null || echo no-seed",
+            ],
+        );
+        look["workspace_id"] = serde_json::json!(ws);
+        let (code, v) = sv.post("/v1/worker/jobs:run", &look).await;
+        assert_eq!(code, 200, "{v}");
+        let out = v["stdout"].as_str().unwrap_or("");
+        assert!(
+            out.starts_with("mine\n"),
+            "round {i}: the job's write is not in the workspace (seed: {} {}): {v}",
+            seed.0,
+            seed.1
+        );
+        if (200..300).contains(&seed.0) {
+            seeded += 1;
+            assert!(
+                out.ends_with("seed\n"),
+                "round {i}: the seed succeeded but its file is not in the workspace: {v}"
+            );
+        } else {
+            assert!(out.ends_with("no-seed\n"), "round {i}: {} {v}", seed.1);
+            assert!(
+                (400..500).contains(&seed.0),
+                "round {i}: a refused seed is a client error: {} {}",
+                seed.0,
+                seed.1
+            );
+        }
+    }
+    eprintln!("{seeded} of 30 seeds came first");
+    assert_eq!(
+        images(&sv, "seed-"),
+        Vec::<String>::new(),
+        "staging volumes left"
+    );
+}

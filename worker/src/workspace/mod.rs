@@ -159,6 +159,7 @@ fn allowed_source(roots: &[PathBuf], src: &Path) -> Result<PathBuf, WorkspaceErr
 /// disk poller holds the limit while a sandbox runs).
 pub fn make_workspace(dir: &Path, uid: u32) -> std::io::Result<()> {
     use std::os::fd::AsFd;
+    let _creating = creation_lock(dir);
     let (parent, name) = crate::job_dir::split(dir)?;
     let parent = crate::job_dir::open_node_dir(parent)?;
     let label = crate::loopfs::workspace_label(name);
@@ -166,6 +167,25 @@ pub fn make_workspace(dir: &Path, uid: u32) -> std::io::Result<()> {
         return Ok(());
     }
     crate::job_dir::open_or_create_owned_dir(parent.as_fd(), name, uid).map(drop)
+}
+
+/// Held while a workspace directory is made ([`make_workspace`], by jobs, sessions and
+/// empty creations) and while a seed is published onto it ([`Staging::publish`]). Each of
+/// these is several steps (a directory, then a volume mounted on it, or a swap), and a
+/// job that found the directory between a seed's steps would run beneath the seed's
+/// volume, its writes hidden once the volume is moved on top. With the lock, each sees the
+/// other's work whole or not at all. Striped by path: different workspaces rarely wait on
+/// each other, and nothing is held across an await.
+pub(crate) fn creation_lock(dir: &Path) -> std::sync::MutexGuard<'static, ()> {
+    use std::hash::{Hash, Hasher};
+    use std::sync::Mutex;
+    const STRIPES: usize = 64;
+    static LOCKS: [Mutex<()>; STRIPES] = [const { Mutex::new(()) }; STRIPES];
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    dir.hash(&mut h);
+    LOCKS[(h.finish() % STRIPES as u64) as usize]
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// An empty baseline directory owned by `uid` (the node's, never a volume).
@@ -319,6 +339,23 @@ pub async fn changeset(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_workspace_is_not_made_while_its_creation_lock_is_held() {
+        let parent = tempfile::tempdir().unwrap();
+        let dir = parent.path().join("ws-locked");
+        let held = creation_lock(&dir);
+        let maker = {
+            let dir = dir.clone();
+            std::thread::spawn(move || make_workspace(&dir, 0))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!dir.exists(), "made while a seed held the lock");
+        assert!(!maker.is_finished());
+        drop(held);
+        maker.join().unwrap().unwrap();
+        assert!(dir.is_dir());
+    }
 
     #[test]
     fn secrets_are_recognised() {

@@ -168,6 +168,7 @@ impl Staging {
 
     /// Makes the staged tree the directory `target` (see the module docs).
     pub fn publish(mut self, target: &Path) -> Result<(), SeedError> {
+        let _creating = super::creation_lock(target);
         if self.volume {
             return self.publish_volume(target);
         }
