@@ -130,10 +130,10 @@ worker_config() {
   esac
 }
 
-# metric NAME: one of the worker's /metrics values (0 when absent).
+# metric NAME: one of the worker's /metrics values, summed over its labels (0 when absent).
 metric() {
   curl -sS -H "Authorization: Bearer $token" "http://$ADDR/metrics" |
-    awk -v m="cynode_worker_$1" '$1 == m {v = $2} END {print v + 0}'
+    awk -v m="cynode_worker_$1" '{n = $1; sub(/\{.*/, "", n)} n == m {v += $2} END {print v + 0}'
 }
 pool_idle() { metric pool_idle; }
 

@@ -79,9 +79,11 @@
 //! ms on Podman, -40 to -49 ms on Docker: `worker/benches/egress_engines.sh`).
 //!
 //! **Not pooled**: sessions, mounts other than `/job` and `/workspace`, and gVisor
-//! (`runtime: runsc`, refused by the config: the sentry has a VFS of its own, so a mount
-//! moved into the runsc sandbox's host mount namespace never appears inside, and fds of
-//! host pipes are not passed in).
+//! (`runtime: runsc`, refused by the config: the sentry has a VFS of its own whose mount
+//! roots are opened at creation, so a mount put on a placeholder afterwards never appears
+//! inside, and fds of host pipes are not passed in). docs/PERFORMANCE.md ("gVisor is not
+//! pooled") has a way that fits, tried by hand: mounts under an `rslave` directory, bound
+//! onto the placeholders inside gVisor by the waiter.
 //!
 //! **Bounds and refill.** At most `pool_size` idle or starting containers per key, and at
 //! most [`MAX_KEYS`] keys (the least recently claimed key's idle containers go first). A
