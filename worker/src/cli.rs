@@ -277,7 +277,10 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
         }
     }
     cynode_worker::backend::bwrap::starter::drain();
-    tracing::info!("cynode-worker stopped");
+    // Nothing of a job runs now: the disk volumes come off their directories (the next
+    // start mounts them again), so a stopped node leaves no mount behind.
+    let volumes = cynode_worker::loopfs::unmount_all();
+    tracing::info!(volumes, "cynode-worker stopped");
     Ok(())
 }
 

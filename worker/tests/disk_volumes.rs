@@ -451,3 +451,134 @@ async fn a_seed_and_a_job_racing_on_a_new_workspace_lose_nothing() {
         "staging volumes left"
     );
 }
+
+/// A node that stops gracefully leaves no volume mounted on the host, and the next start
+/// mounts each one again: a retained job's directory, a workspace holding a `lost+found`
+/// of the sandbox's own, and a workspace that a process outside the node still holds (as
+/// a sandbox that outlived the node would). That image stays attached to its loop device,
+/// and the restarted node mounts the same device, so both see one filesystem.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_node_leaves_no_volume_mounted_and_mounts_them_again() {
+    use std::process::Command;
+    crate::cases::setup();
+    let mut sv = Server::start("bwrap", "limits:\n  disk_mb: 64\n");
+    let state = sv.state_dir();
+    let (held, plain, kept) = (unique("held"), unique("plain"), unique("j"));
+    let run = |id: &str, ws: &str, script: &str| {
+        let mut job = crate::harness::command_job(id, "t-stop", &["sh", "-c", script]);
+        job["workspace_id"] = serde_json::json!(ws);
+        job
+    };
+    let (code, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &run(
+                &kept,
+                &held,
+                "echo held > held.txt; echo out > /job/artifacts/a.txt",
+            ),
+        )
+        .await;
+    assert_eq!(
+        (code, &v["status"]),
+        (200, &serde_json::json!("completed")),
+        "{v}"
+    );
+    // A process with a private copy of the mounts made so far: the held workspace's.
+    let holder = cynode_testkit::OwnedChild::spawn({
+        let mut c = Command::new("unshare");
+        c.args(["--mount", "--propagation", "private", "sleep", "300"]);
+        c
+    });
+    let own_ns = std::fs::read_link("/proc/self/ns/mnt").unwrap();
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while std::fs::read_link(format!("/proc/{}/ns/mnt", holder.id())).ok() == Some(own_ns.clone()) {
+        assert!(
+            std::time::Instant::now() < until,
+            "unshare made no namespace"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (code, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &run(
+                &unique("j"),
+                &plain,
+                "mkdir lost+found && echo keep > lost+found/keep && echo plain > plain.txt",
+            ),
+        )
+        .await;
+    assert_eq!(
+        (code, &v["status"]),
+        (200, &serde_json::json!("completed")),
+        "{v}"
+    );
+
+    sv.terminate();
+    let left: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains(&state.display().to_string()))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(left, Vec::<String>::new(), "mounts left by a stopped node");
+    let held_image = state.join("volumes").join(format!("ws-{held}.img"));
+    assert!(
+        attached(&held_image),
+        "the test's premise: the holder keeps {} attached",
+        held_image.display()
+    );
+
+    sv.restart();
+    for dir in [
+        state.join("workspaces").join(&held),
+        state.join("workspaces").join(&plain),
+        state.join("jobs").join(&kept).join("job"),
+    ] {
+        assert!(
+            is_loop_mount(&dir),
+            "{} is not mounted again",
+            dir.display()
+        );
+    }
+    let (code, v) = sv.get(&format!("/v1/worker/jobs/{kept}")).await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(
+        std::fs::read_to_string(state.join("jobs").join(&kept).join("job/artifacts/a.txt"))
+            .unwrap(),
+        "out\n"
+    );
+    let (code, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &run(&unique("j"), &held, "cat held.txt; echo after > after.txt"),
+        )
+        .await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["stdout"], "held\n", "{v}");
+    // One filesystem: what the node's job wrote is what the holder sees.
+    let through_holder = PathBuf::from(format!("/proc/{}/root", holder.id()))
+        .join(state.strip_prefix("/").unwrap())
+        .join("workspaces")
+        .join(&held)
+        .join("after.txt");
+    assert_eq!(std::fs::read_to_string(&through_holder).unwrap(), "after\n");
+    let (code, v) = sv
+        .post(
+            "/v1/worker/jobs:run",
+            &run(&unique("j"), &plain, "cat plain.txt lost+found/keep"),
+        )
+        .await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["stdout"], "plain\nkeep\n", "{v}");
+    drop(holder);
+}
+
+/// Whether a loop device holds `image` (from sysfs).
+fn attached(image: &Path) -> bool {
+    std::fs::read_dir("/sys/block").unwrap().flatten().any(|e| {
+        std::fs::read_to_string(e.path().join("loop/backing_file"))
+            .is_ok_and(|s| Path::new(s.trim_end()) == image)
+    })
+}

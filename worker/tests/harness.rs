@@ -194,18 +194,29 @@ impl Server {
 
     /// SIGTERMs the worker, waits for it to exit (bounded), and starts it again.
     pub fn terminate_and_restart(&mut self) -> std::time::Duration {
+        let took = self.terminate();
+        self.restart();
+        took
+    }
+
+    /// SIGTERMs the worker and waits for it to exit (bounded); how long it took. Call
+    /// [`Server::restart`] before using the server again.
+    pub fn terminate(&mut self) -> std::time::Duration {
         let t = Instant::now();
         self.child.signal(libc::SIGTERM);
         assert!(
             self.child.wait_timeout(Duration::from_secs(60)).is_some(),
             "worker did not exit within 60 s of SIGTERM"
         );
-        let took = t.elapsed();
+        t.elapsed()
+    }
+
+    /// Starts the worker again on the same state (after [`Server::terminate`]).
+    pub fn restart(&mut self) {
         let (child, addr, log) = self.relaunch();
         self.child = child;
         self.addr = addr;
         self.log = log;
-        took
     }
 
     fn relaunch(&self) -> (OwnedChild, String, Arc<Mutex<Vec<String>>>) {

@@ -132,39 +132,50 @@ pub fn create(path: &Path, shape: Shape) -> Result<(), MakeError> {
     Ok(())
 }
 
-/// Binds `image` to a loop device and mounts it detached: the mount's fd, to be moved
-/// onto a directory with `move_mount`. Closing the fd unmounts it and frees the device.
-/// The `lost+found` mke2fs made is removed, so the volume starts empty.
+/// Binds the new `image` to a loop device and mounts it detached: the mount's fd, to be
+/// moved onto a directory with `move_mount`. Closing the fd unmounts it and frees the
+/// device. The `lost+found` mke2fs made is removed, so the volume starts empty.
 pub fn mount_detached(image: &Path) -> Result<OwnedFd, MakeError> {
-    let file = rfs::open(
-        image,
-        OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| MakeError::Loop(e.into()))?;
-    let dev = loopdev::attach(file.as_fd()).map_err(MakeError::Loop)?;
-    drop(file);
+    let mnt = mount_again(image, None)?;
+    match rfs::unlinkat(mnt.as_fd(), "lost+found", rfs::AtFlags::REMOVEDIR) {
+        Ok(()) | Err(rustix::io::Errno::NOENT) => Ok(mnt),
+        Err(e) => Err(MakeError::Mount(e.into())),
+    }
+}
+
+/// Mounts the existing `image` detached, as it is (a sandbox's own `lost+found` stays):
+/// through `device` when a loop device still holds it (a mount of the previous run held
+/// elsewhere; the kernel gives both mounts the one filesystem), else bound to a new one.
+pub fn mount_again(image: &Path, device: Option<&Path>) -> Result<OwnedFd, MakeError> {
+    // An attached device stays open until the mount holds it.
+    let (source, _open) = match device {
+        Some(d) => (d.to_path_buf(), None),
+        None => {
+            let file = rfs::open(
+                image,
+                OFlags::RDWR | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                Mode::empty(),
+            )
+            .map_err(|e| MakeError::Loop(e.into()))?;
+            let dev = loopdev::attach(file.as_fd()).map_err(MakeError::Loop)?;
+            (dev.path(), Some(dev))
+        }
+    };
     let m = |e: rustix::io::Errno| MakeError::Mount(e.into());
     let fs = rmount::fsopen("ext4", FsOpenFlags::FSOPEN_CLOEXEC).map_err(m)?;
-    rmount::fsconfig_set_string(fs.as_fd(), "source", dev.path().as_path()).map_err(m)?;
+    rmount::fsconfig_set_string(fs.as_fd(), "source", source.as_path()).map_err(m)?;
     rmount::fsconfig_set_flag(fs.as_fd(), "noinit_itable").map_err(m)?;
     rmount::fsconfig_set_string(fs.as_fd(), "errors", "remount-ro").map_err(m)?;
     rmount::fsconfig_create(fs.as_fd()).map_err(m)?;
-    let mnt = rmount::fsmount(
+    // The mount holds the device now; with autoclear, it detaches when the mount goes.
+    rmount::fsmount(
         fs.as_fd(),
         FsMountFlags::FSMOUNT_CLOEXEC,
         MountAttrFlags::MOUNT_ATTR_NOSUID
             | MountAttrFlags::MOUNT_ATTR_NODEV
             | MountAttrFlags::MOUNT_ATTR_RELATIME,
     )
-    .map_err(m)?;
-    // The mount holds the device now; with autoclear, it detaches when the mount goes.
-    drop(dev);
-    match rfs::unlinkat(mnt.as_fd(), "lost+found", rfs::AtFlags::REMOVEDIR) {
-        Ok(()) | Err(rustix::io::Errno::NOENT) => {}
-        Err(e) => return Err(m(e)),
-    }
-    Ok(mnt)
+    .map_err(m)
 }
 
 #[cfg(test)]

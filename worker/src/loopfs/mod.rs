@@ -11,7 +11,10 @@
 //!   background thread, so a job start only moves one onto its directory (`move_mount`).
 //! - The image is renamed after its directory (`job-<job_id>.img`, `ws-<workspace>.img`),
 //!   so a node that starts after a reboot mounts it again ([`Volumes::reclaim`]); pool
-//!   images and images whose directory is gone are deleted then.
+//!   images and images whose directory is gone are deleted then. A node that stops
+//!   gracefully unmounts its volumes ([`unmount_all`]): it leaves no mount behind, and the
+//!   next start mounts them again (through the loop device that still holds one, when a
+//!   sandbox outlived the node).
 //! - [`release_beneath`] unmounts (detached) the volumes under a directory about to be
 //!   removed and deletes their images; the loop device lets go of the image when its
 //!   last mount goes (autoclear). `remove_tree_async` calls it, so `:ack`, the retention
@@ -350,7 +353,8 @@ impl Volumes {
 
     /// What a previous run left: pool images (their mounts died with it) and images
     /// whose directory is gone are deleted; an image whose directory is still there but
-    /// no longer mounted (after a reboot) is mounted on it again.
+    /// no longer mounted (after a reboot or a graceful stop, [`unmount_all`]) is mounted on
+    /// it again, as it is (a `lost+found` a sandbox made stays).
     fn reclaim(&self) {
         let attached = attached_images();
         let Ok(entries) = std::fs::read_dir(&self.dir) else {
@@ -359,15 +363,28 @@ impl Volumes {
         for e in entries.flatten() {
             let path = e.path();
             let name = e.file_name().to_string_lossy().into_owned();
-            if attached.contains(&path) {
-                continue;
-            }
             let target = name.strip_suffix(".img").and_then(|n| {
                 n.strip_prefix("job-")
                     .map(|id| self.jobs.join(id).join("job"))
                     .or_else(|| n.strip_prefix("ws-").map(|id| self.workspaces.join(id)))
             });
-            let remounted = target.is_some_and(|t| self.remount(&path, &t));
+            let wanted = target.as_deref().filter(|t| wants_volume(t));
+            if let Some(device) = attached.get(&path) {
+                // Still held: mounted on its directory (a killed node's), or by a sandbox
+                // that outlived a stopped node. In the second case it goes back on its
+                // directory through the same device (a second device would put a second
+                // filesystem on the image); an attached image is never removed.
+                if let Some(t) = wanted {
+                    if !self.remount(&path, t, Some(device))
+                        && !attached_images().contains_key(&path)
+                    {
+                        // Its last holder let go meanwhile: a new device.
+                        self.remount(&path, t, None);
+                    }
+                }
+                continue;
+            }
+            let remounted = wanted.is_some_and(|t| self.remount(&path, t, None));
             if !remounted {
                 tracing::info!(image = %path.display(), "removing a disk volume a previous run left");
                 let _ = std::fs::remove_file(&path);
@@ -375,16 +392,13 @@ impl Volumes {
         }
     }
 
-    /// Mounts `image` again on `target` when that is an empty directory, not a mount.
-    fn remount(&self, image: &Path, target: &Path) -> bool {
-        let empty = std::fs::read_dir(target).is_ok_and(|mut d| d.next().is_none());
-        if !empty || is_volume(target) {
-            return false;
-        }
+    /// Mounts `image` again on `target` (an empty directory, [`wants_volume`]): through
+    /// `device` when a loop device still holds the image, else a new one.
+    fn remount(&self, image: &Path, target: &Path, device: Option<&Path>) -> bool {
         let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
             return false;
         };
-        let moved = image::mount_detached(image)
+        let moved = image::mount_again(image, device)
             .map_err(std::io::Error::other)
             .and_then(|mnt| {
                 let p = rfs::open(
@@ -414,15 +428,23 @@ impl Volumes {
     }
 }
 
-/// The image files loop devices hold now (from sysfs).
-fn attached_images() -> Vec<PathBuf> {
+/// Whether `target` is an empty directory that is no mount: a volume's directory whose
+/// volume is not on it.
+fn wants_volume(target: &Path) -> bool {
+    std::fs::read_dir(target).is_ok_and(|mut d| d.next().is_none()) && !is_volume(target)
+}
+
+/// The image files loop devices hold now, each with its device (from sysfs).
+fn attached_images() -> std::collections::HashMap<PathBuf, PathBuf> {
     let Ok(d) = std::fs::read_dir("/sys/block") else {
-        return Vec::new();
+        return Default::default();
     };
     d.flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("loop"))
-        .filter_map(|e| std::fs::read_to_string(e.path().join("loop/backing_file")).ok())
-        .map(|s| PathBuf::from(s.trim_end_matches('\n')))
+        .filter_map(|e| {
+            let dev = e.file_name().to_string_lossy().into_owned();
+            let image = backing_file(&format!("/dev/{dev}"))?;
+            Some((image, PathBuf::from(format!("/dev/{dev}"))))
+        })
         .collect()
 }
 
@@ -507,28 +529,53 @@ pub fn is_volume(dir: &Path) -> bool {
 /// keeps it until it lets go) and deletes its image. A no-op without volumes.
 pub fn release_beneath(root: &Path) {
     let Some(v) = VOLUMES.get() else { return };
-    let Ok(mounts) = mountinfo::read() else {
-        return;
-    };
-    for m in mountinfo::beneath(&mounts, root) {
-        if m.fstype != "ext4" {
-            continue;
-        }
-        let Some(image) = backing_file(&m.source) else {
-            continue;
-        };
-        if image.parent() != Some(v.dir.as_path()) {
-            continue;
-        }
+    for (m, image) in v.mounted_beneath(root) {
         let _ = std::fs::remove_file(&image);
-        match rmount::unmount(&m.point, UnmountFlags::DETACH | UnmountFlags::NOFOLLOW) {
-            Ok(()) => {
-                v.stats.released.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(e) => {
-                tracing::warn!(dir = %m.point.display(), error = %e, "cannot unmount a disk volume");
-            }
+        if unmount(&m.point) {
+            v.stats.released.fetch_add(1, Ordering::Relaxed);
         }
+    }
+}
+
+/// Unmounts (detached) this node's volumes from the job directories and workspaces, when
+/// the node stops gracefully, so a stopped node leaves no mount and, once no sandbox holds
+/// them, no loop device behind. Their images stay: the next start mounts them again
+/// ([`Volumes::reclaim`]), through the same loop device when a sandbox that outlived the
+/// node still holds one. Returns how many.
+pub fn unmount_all() -> usize {
+    let Some(v) = VOLUMES.get() else { return 0 };
+    [&v.jobs, &v.workspaces]
+        .into_iter()
+        .flat_map(|dir| v.mounted_beneath(dir))
+        .filter(|(m, _)| unmount(&m.point))
+        .count()
+}
+
+/// Detaches the mount at `point` (no link followed); logs a failure.
+fn unmount(point: &Path) -> bool {
+    match rmount::unmount(point, UnmountFlags::DETACH | UnmountFlags::NOFOLLOW) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(dir = %point.display(), error = %e, "cannot unmount a disk volume");
+            false
+        }
+    }
+}
+
+impl Volumes {
+    /// This node's volumes mounted at or beneath `dir`, deepest first, with their images.
+    fn mounted_beneath(&self, dir: &Path) -> Vec<(mountinfo::Mount, PathBuf)> {
+        let Ok(mounts) = mountinfo::read() else {
+            return Vec::new();
+        };
+        mountinfo::beneath(&mounts, dir)
+            .into_iter()
+            .filter(|m| m.fstype == "ext4")
+            .filter_map(|m| {
+                let image = backing_file(&m.source)?;
+                (image.parent() == Some(self.dir.as_path())).then_some((m, image))
+            })
+            .collect()
     }
 }
 
