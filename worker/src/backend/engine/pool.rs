@@ -94,9 +94,7 @@
 //! container is removed (`--rm`); reconciliation at the next start removes any left.
 
 use std::collections::HashMap;
-use std::ffi::CString;
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -108,6 +106,9 @@ use tokio::net::UnixStream;
 use super::EngineBackend;
 use crate::backend::{SandboxSpec, MANAGED_LABEL};
 use crate::sandbox::{JOB_MOUNT, WORKSPACE_MOUNT};
+
+mod inject;
+use inject::{inject, Identity};
 
 /// The label every pooled container carries (besides the node's).
 pub const POOL_LABEL: &str = "io.cynode.pool";
@@ -588,13 +589,12 @@ impl Pool {
             Ok(Ok(_)) if r[0] == b'R' => {}
             _ => return Err("the waiter did not say it is ready".into()),
         }
-        // SAFETY: pidfd_open with a pid and no flags.
-        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
-        if fd < 0 {
-            return Err(format!("pidfd_open: {}", std::io::Error::last_os_error()));
-        }
-        // SAFETY: a new descriptor we own.
-        let pidfd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+        let pidfd = rustix::process::Pid::from_raw(pid)
+            .ok_or_else(|| format!("the waiter's pid is {pid}"))
+            .and_then(|p| {
+                rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty())
+                    .map_err(|e| format!("pidfd_open: {e}"))
+            })?;
         // The waiter holds the socket's other end: still connected after pidfd_open, it
         // still lived then, so the pid (and the pidfd) is its, not a reused one's.
         let mut poll = libc::pollfd {
@@ -934,263 +934,6 @@ fn sendmsg_fds(fd: RawFd, msg: &[u8], fds: &[RawFd; 2]) -> std::io::Result<usize
         }
         Ok(n as usize)
     }
-}
-
-/// The uid whose passwd and group entries a Podman job gets when the image has none, and
-/// the slot directory the files are made in.
-#[derive(Debug)]
-struct Identity {
-    uid: u32,
-    workdir: String,
-    dir: PathBuf,
-}
-
-/// `passwd` and `group` in the slot directory (new, root's, 0644), each open for writing
-/// and cloned as a read-only mount, made on the host before the thread enters the
-/// container (a mount can only be cloned in its own namespace).
-fn identity_files(id: &Identity) -> std::io::Result<Vec<(&'static str, std::fs::File, OwnedFd)>> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let mut out = Vec::new();
-    for name in ["passwd", "group"] {
-        let host = id.dir.join(name);
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o644)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&host)?;
-        let c = CString::new(host.as_os_str().as_bytes())?;
-        // SAFETY: open_tree with a valid path; the result is a new descriptor.
-        let fd = check(
-            unsafe {
-                libc::syscall(
-                    libc::SYS_open_tree,
-                    libc::AT_FDCWD,
-                    c.as_ptr(),
-                    OPEN_TREE_CLONE
-                        | libc::O_CLOEXEC as libc::c_uint
-                        | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint,
-                )
-            },
-            "open_tree",
-        )?;
-        // SAFETY: a new descriptor we own.
-        let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-        set_attrs(
-            &tree,
-            MOUNT_ATTR_RDONLY | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOEXEC,
-        )?;
-        out.push((name, f, tree));
-    }
-    Ok(out)
-}
-
-/// In the container's mount namespace: for each of /etc/passwd and /etc/group that exists
-/// and has no entry for the uid, writes the image's file plus Podman's line into the host
-/// file and mounts it over the image's. Blocking; the calling thread is in the container.
-fn add_identity(
-    id: &Identity,
-    files: &[(&'static str, std::fs::File, OwnedFd)],
-) -> std::io::Result<()> {
-    use std::io::{Read, Write};
-    use std::os::unix::fs::OpenOptionsExt;
-    for (name, file, tree) in files {
-        let target = format!("/etc/{name}");
-        let Ok(image) = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_NOFOLLOW)
-            .open(&target)
-        else {
-            continue;
-        };
-        let mut text = Vec::new();
-        image.take(1024 * 1024).read_to_end(&mut text)?;
-        let uid = id.uid.to_string();
-        let has = text
-            .split(|b| *b == b'\n')
-            .any(|l| l.split(|b| *b == b':').nth(2) == Some(uid.as_bytes()));
-        if has {
-            continue;
-        }
-        if !text.is_empty() && !text.ends_with(b"\n") {
-            text.push(b'\n');
-        }
-        let line = if *name == "passwd" {
-            format!(
-                "{uid}:*:{uid}:{uid}:container user:{}:/bin/sh\n",
-                id.workdir
-            )
-        } else {
-            format!("{uid}:x:{uid}:{uid}\n")
-        };
-        text.extend_from_slice(line.as_bytes());
-        let mut f = file;
-        f.write_all(&text)?;
-        let c = CString::new(target)?;
-        // SAFETY: open and move_mount with valid paths and descriptors we own.
-        unsafe {
-            let t = check(
-                libc::open(
-                    c.as_ptr(),
-                    libc::O_PATH | libc::O_NOFOLLOW | libc::O_CLOEXEC,
-                ) as libc::c_long,
-                "open /etc file",
-            )?;
-            let t = OwnedFd::from_raw_fd(t as RawFd);
-            check(
-                libc::syscall(
-                    libc::SYS_move_mount,
-                    tree.as_raw_fd(),
-                    c"".as_ptr(),
-                    t.as_raw_fd(),
-                    c"".as_ptr(),
-                    MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
-                ),
-                "move_mount /etc file",
-            )?;
-        }
-    }
-    Ok(())
-}
-
-/// Sets mount attributes on a detached tree (recursively).
-fn set_attrs(tree: &OwnedFd, set: u64) -> std::io::Result<()> {
-    let attr = MountAttr {
-        attr_set: set,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: 0,
-    };
-    // SAFETY: mount_setattr on our detached tree with a valid attr struct.
-    check(
-        unsafe {
-            libc::syscall(
-                libc::SYS_mount_setattr,
-                tree.as_raw_fd(),
-                c"".as_ptr(),
-                libc::AT_EMPTY_PATH as libc::c_uint | AT_RECURSIVE,
-                &attr as *const MountAttr,
-                std::mem::size_of::<MountAttr>(),
-            )
-        },
-        "mount_setattr",
-    )?;
-    Ok(())
-}
-
-/// `struct mount_attr` of mount_setattr(2).
-#[repr(C)]
-struct MountAttr {
-    attr_set: u64,
-    attr_clr: u64,
-    propagation: u64,
-    userns_fd: u64,
-}
-
-const OPEN_TREE_CLONE: libc::c_uint = 1;
-const AT_RECURSIVE: libc::c_uint = 0x8000;
-const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
-const MOVE_MOUNT_T_EMPTY_PATH: libc::c_uint = 0x40;
-const MOUNT_ATTR_RDONLY: u64 = 0x1;
-const MOUNT_ATTR_NOSUID: u64 = 0x2;
-const MOUNT_ATTR_NODEV: u64 = 0x4;
-const MOUNT_ATTR_NOEXEC: u64 = 0x8;
-
-fn check(r: libc::c_long, what: &str) -> std::io::Result<libc::c_long> {
-    if r < 0 {
-        let e = std::io::Error::last_os_error();
-        return Err(std::io::Error::new(e.kind(), format!("{what}: {e}")));
-    }
-    Ok(r)
-}
-
-/// Clones each host directory's mount tree, then, on a thread of its own in the
-/// container's mount namespace (entered through `pidfd`), moves each clone onto its
-/// placeholder and detaches `/.cynode`. Blocking.
-fn inject(
-    pidfd: &OwnedFd,
-    mounts: &[(PathBuf, String, bool)],
-    identity: Option<Identity>,
-) -> std::io::Result<()> {
-    let files = match &identity {
-        Some(id) => identity_files(id)?,
-        None => Vec::new(),
-    };
-    let mut trees = Vec::with_capacity(mounts.len());
-    for (host, target, writable) in mounts {
-        let c = CString::new(host.as_os_str().as_bytes())?;
-        // SAFETY: open_tree with a valid path; the result is a new descriptor.
-        let fd = check(
-            unsafe {
-                libc::syscall(
-                    libc::SYS_open_tree,
-                    libc::AT_FDCWD,
-                    c.as_ptr(),
-                    OPEN_TREE_CLONE
-                        | libc::O_CLOEXEC as libc::c_uint
-                        | AT_RECURSIVE
-                        | libc::AT_SYMLINK_NOFOLLOW as libc::c_uint,
-                )
-            },
-            "open_tree",
-        )?;
-        // SAFETY: a new descriptor we own.
-        let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
-        let mut set = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
-        if !writable {
-            set |= MOUNT_ATTR_RDONLY;
-        }
-        set_attrs(&tree, set)?;
-        trees.push((tree, CString::new(target.as_bytes())?));
-    }
-    let ns = pidfd.as_raw_fd();
-    std::thread::scope(|s| {
-        s.spawn(|| -> std::io::Result<()> {
-            // SAFETY: this thread only: its own fs struct, then the container's mount
-            // namespace; it ends right after.
-            unsafe {
-                check(libc::unshare(libc::CLONE_FS) as libc::c_long, "unshare")?;
-                check(libc::setns(ns, libc::CLONE_NEWNS) as libc::c_long, "setns")?;
-                for (tree, target) in &trees {
-                    // The placeholder goes, so the job's mount table is a cold job's.
-                    check(
-                        libc::umount2(target.as_ptr(), libc::MNT_DETACH) as libc::c_long,
-                        "umount the placeholder",
-                    )?;
-                    let t = check(
-                        libc::open(
-                            target.as_ptr(),
-                            libc::O_PATH | libc::O_NOFOLLOW | libc::O_DIRECTORY | libc::O_CLOEXEC,
-                        ) as libc::c_long,
-                        "open the placeholder",
-                    )?;
-                    let t = OwnedFd::from_raw_fd(t as RawFd);
-                    check(
-                        libc::syscall(
-                            libc::SYS_move_mount,
-                            tree.as_raw_fd(),
-                            c"".as_ptr(),
-                            t.as_raw_fd(),
-                            c"".as_ptr(),
-                            MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH,
-                        ),
-                        "move_mount",
-                    )?;
-                }
-                if let Some(id) = &identity {
-                    add_identity(id, &files)?;
-                }
-                let ctl = CString::new(CTL_MOUNT)?;
-                check(
-                    libc::umount2(ctl.as_ptr(), libc::MNT_DETACH) as libc::c_long,
-                    "umount /.cynode",
-                )?;
-            }
-            Ok(())
-        })
-        .join()
-        .unwrap_or_else(|_| Err(std::io::Error::other("mount thread panicked")))
-    })
 }
 
 impl EngineBackend {
