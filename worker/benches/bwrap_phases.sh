@@ -52,7 +52,7 @@ cleanup() {
   fi
   # A worker killed before its clean-up leaves volumes mounted in its state directory.
   if [[ -d $work/state ]]; then
-    grep -F " $work/" /proc/self/mountinfo | awk '{print $5}' | sort -r |
+    { grep -F " $work/" /proc/self/mountinfo || true; } | awk '{print $5}' | sort -r |
       while read -r m; do umount -l "$m" 2>/dev/null || true; done
   fi
   [[ -n ${KEEP_LOG:-} ]] && cp "$work/worker.log" "$KEEP_LOG"

@@ -110,7 +110,7 @@ cleanup() {
   done
   # The workers' disk volumes (loop-mounted ext4 on the retained jobs' directories and the
   # workspaces) outlive a stopped worker: unmount them before the state goes.
-  grep -F " $work/" /proc/self/mountinfo | awk '{print $5}' | sort -r |
+  { grep -F " $work/" /proc/self/mountinfo || true; } | awk '{print $5}' | sort -r |
     while read -r m; do umount -l "$m" 2>/dev/null || true; done
   rm -rf "$work"
   exit "$rc"

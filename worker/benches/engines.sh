@@ -90,7 +90,7 @@ cleanup() {
   done
   # The workers' disk volumes (loop-mounted ext4 on job directories and workspaces)
   # outlive a stopped worker: unmount them before the state goes.
-  grep -F " $work/" /proc/self/mountinfo | awk '{print $5}' | sort -r |
+  { grep -F " $work/" /proc/self/mountinfo || true; } | awk '{print $5}' | sort -r |
     while read -r m; do umount -l "$m" 2>/dev/null || true; done
   rm -rf "$work"
   exit "$rc"
@@ -216,8 +216,9 @@ for engine in $ENGINES; do
         jobs_per_s: (($n / ($t1 - $t0)) * 100 | round / 100), p50_ms: $p50, p95_ms: $p95,
         pool_claims: $claims, pool_misses: $misses}')
   fi
-  # The measured jobs' claim-to-start times (warm engines only), in seconds.
-  grep '"warm job started"' "$work/$engine/worker.log" | grep -v 'bench-'"$engine"'-\(-[0-9]*\|0\)"' |
+  # The measured jobs' claim-to-start times (warm engines only, not the warm-up or the
+  # throughput jobs), in seconds.
+  grep '"warm job started"' "$work/$engine/worker.log" | grep '"sandbox":"cynode-bench-'"$engine"'-[1-9][0-9]*"' |
     jq -r '.fields.claim_to_start_us / 1000000' >"$work/$engine.start.txt" || true
   s50=null s95=null
   if [[ -s $work/$engine.start.txt ]]; then

@@ -454,12 +454,12 @@ async fn a_seed_and_a_job_racing_on_a_new_workspace_lose_nothing() {
 
 /// A node that stops gracefully leaves no volume mounted on the host, and the next start
 /// mounts each one again: a retained job's directory, a workspace holding a `lost+found`
-/// of the sandbox's own, and a workspace that a process outside the node still holds (as
-/// a sandbox that outlived the node would). That image stays attached to its loop device,
-/// and the restarted node mounts the same device, so both see one filesystem.
+/// of the sandbox's own, and a workspace still held from outside the node (an open
+/// directory, as a sandbox that outlived the node would hold it). That image stays
+/// attached to its loop device, and the restarted node mounts the same device, so both
+/// see one filesystem.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_node_leaves_no_volume_mounted_and_mounts_them_again() {
-    use std::process::Command;
     crate::cases::setup();
     let mut sv = Server::start("bwrap", "limits:\n  disk_mb: 64\n");
     let state = sv.state_dir();
@@ -484,21 +484,10 @@ async fn a_stopped_node_leaves_no_volume_mounted_and_mounts_them_again() {
         (200, &serde_json::json!("completed")),
         "{v}"
     );
-    // A process with a private copy of the mounts made so far: the held workspace's.
-    let holder = cynode_testkit::OwnedChild::spawn({
-        let mut c = Command::new("unshare");
-        c.args(["--mount", "--propagation", "private", "sleep", "300"]);
-        c
-    });
-    let own_ns = std::fs::read_link("/proc/self/ns/mnt").unwrap();
-    let until = std::time::Instant::now() + Duration::from_secs(10);
-    while std::fs::read_link(format!("/proc/{}/ns/mnt", holder.id())).ok() == Some(own_ns.clone()) {
-        assert!(
-            std::time::Instant::now() < until,
-            "unshare made no namespace"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // An open directory on the held workspace's volume keeps it (and its loop device)
+    // alive after it is unmounted, as a sandbox that outlived the node would.
+    let holder = std::fs::File::open(state.join("workspaces").join(&held)).unwrap();
+    let held_dev = holder.metadata().unwrap().dev();
     let (code, v) = sv
         .post(
             "/v1/worker/jobs:run",
@@ -557,12 +546,18 @@ async fn a_stopped_node_leaves_no_volume_mounted_and_mounts_them_again() {
         .await;
     assert_eq!(code, 200, "{v}");
     assert_eq!(v["stdout"], "held\n", "{v}");
-    // One filesystem: what the node's job wrote is what the holder sees.
-    let through_holder = PathBuf::from(format!("/proc/{}/root", holder.id()))
-        .join(state.strip_prefix("/").unwrap())
-        .join("workspaces")
-        .join(&held)
-        .join("after.txt");
+    // One filesystem: the same device, and what the node's job wrote is what the holder
+    // sees.
+    let ws_meta = std::fs::metadata(state.join("workspaces").join(&held)).unwrap();
+    assert_eq!(
+        ws_meta.dev(),
+        held_dev,
+        "the held workspace is another filesystem now"
+    );
+    let through_holder = PathBuf::from(format!(
+        "/proc/self/fd/{}/after.txt",
+        std::os::fd::AsRawFd::as_raw_fd(&holder)
+    ));
     assert_eq!(std::fs::read_to_string(&through_holder).unwrap(), "after\n");
     let (code, v) = sv
         .post(
@@ -581,4 +576,58 @@ fn attached(image: &Path) -> bool {
         std::fs::read_to_string(e.path().join("loop/backing_file"))
             .is_ok_and(|s| Path::new(s.trim_end()) == image)
     })
+}
+
+/// A volume that cannot be mounted again at start (here: its directory got a file while it
+/// was off) is never deleted, and its workspace is refused rather than used empty; once
+/// the directory is clean, the next start mounts it again with its content.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_volume_that_cannot_be_mounted_again_is_kept_and_its_workspace_refused() {
+    crate::cases::setup();
+    let mut sv = Server::start("bwrap", "limits:\n  disk_mb: 64\n");
+    let state = sv.state_dir();
+    let ws = unique("kept");
+    let job = |script: &str| {
+        let mut j = crate::harness::command_job(&unique("j"), "t-keep", &["sh", "-c", script]);
+        j["workspace_id"] = serde_json::json!(ws);
+        j
+    };
+    let (code, v) = sv
+        .post("/v1/worker/jobs:run", &job("echo mine > mine.txt"))
+        .await;
+    assert_eq!(
+        (code, &v["status"]),
+        (200, &serde_json::json!("completed")),
+        "{v}"
+    );
+    sv.terminate();
+    let dir = state.join("workspaces").join(&ws);
+    let image = state.join("volumes").join(format!("ws-{ws}.img"));
+    assert!(!is_loop_mount(&dir));
+    std::fs::write(dir.join("stray"), "").unwrap();
+
+    sv.restart();
+    assert!(image.exists(), "the image was deleted");
+    assert!(!is_loop_mount(&dir));
+    let (code, v) = sv
+        .post("/v1/worker/jobs:run", &job("echo other > other.txt"))
+        .await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["status"], "failed", "{v}");
+    assert!(
+        v.to_string().contains("is not mounted"),
+        "the refusal names the volume: {v}"
+    );
+    assert!(
+        !dir.join("other.txt").exists(),
+        "a job ran beneath the volume"
+    );
+
+    sv.terminate();
+    std::fs::remove_file(dir.join("stray")).unwrap();
+    sv.restart();
+    assert!(is_loop_mount(&dir), "not mounted again once clean");
+    let (code, v) = sv.post("/v1/worker/jobs:run", &job("cat mine.txt")).await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["stdout"], "mine\n", "{v}");
 }

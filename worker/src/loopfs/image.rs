@@ -147,9 +147,13 @@ pub fn mount_detached(image: &Path) -> Result<OwnedFd, MakeError> {
 /// through `device` when a loop device still holds it (a mount of the previous run held
 /// elsewhere; the kernel gives both mounts the one filesystem), else bound to a new one.
 pub fn mount_again(image: &Path, device: Option<&Path>) -> Result<OwnedFd, MakeError> {
-    // An attached device stays open until the mount holds it.
-    let (source, _open) = match device {
-        Some(d) => (d.to_path_buf(), None),
+    // The device stays open (and on the image) until the mount holds it.
+    let (mut _held, mut _attached) = (None, None);
+    let source = match device {
+        Some(d) => {
+            _held = Some(loopdev::hold(d, image).map_err(MakeError::Loop)?);
+            d.to_path_buf()
+        }
         None => {
             let file = rfs::open(
                 image,
@@ -158,7 +162,9 @@ pub fn mount_again(image: &Path, device: Option<&Path>) -> Result<OwnedFd, MakeE
             )
             .map_err(|e| MakeError::Loop(e.into()))?;
             let dev = loopdev::attach(file.as_fd()).map_err(MakeError::Loop)?;
-            (dev.path(), Some(dev))
+            let path = dev.path();
+            _attached = Some(dev);
+            path
         }
     };
     let m = |e: rustix::io::Errno| MakeError::Mount(e.into());

@@ -5,12 +5,13 @@
 //! `<linux/loop.h>`; neither libc nor rustix carries them.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use rustix::fs::{self as rfs, Mode, OFlags};
 
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LOOP_GET_STATUS64: libc::c_ulong = 0x4C05;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
 const LO_NAME_SIZE: usize = 64;
 const LO_KEY_SIZE: usize = 32;
@@ -115,4 +116,35 @@ pub fn attach(image: BorrowedFd<'_>) -> std::io::Result<LoopDev> {
         }
     }
     Err(last)
+}
+
+/// Opens `device` (a loop device that held `image` when sysfs was read) and checks that it
+/// still holds that very file (device and inode, from `LOOP_GET_STATUS64`, against the
+/// image's `lstat`). While the returned fd is open the device cannot let go of the image
+/// (autoclear waits for its last user), so a mount made through its path meanwhile gets
+/// this image's filesystem, never another's that reused the number.
+pub fn hold(device: &Path, image: &Path) -> std::io::Result<OwnedFd> {
+    let fd = rfs::open(device, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())?;
+    // SAFETY: a plain-data struct the kernel fills in.
+    let mut info: LoopInfo64 = unsafe { std::mem::zeroed() };
+    // SAFETY: LOOP_GET_STATUS64 writes one `struct loop_info64`, which `info` is.
+    let r = unsafe {
+        libc::ioctl(
+            fd.as_raw_fd(),
+            LOOP_GET_STATUS64,
+            &mut info as *mut LoopInfo64,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let st = rfs::lstat(image)?;
+    if info.lo_device != st.st_dev || info.lo_inode != st.st_ino {
+        return Err(std::io::Error::other(format!(
+            "{} no longer holds {}",
+            device.display(),
+            image.display()
+        )));
+    }
+    Ok(fd)
 }

@@ -127,6 +127,8 @@ pub struct Stats {
 
 static VOLUMES: OnceLock<Arc<Volumes>> = OnceLock::new();
 static MODE: OnceLock<Enforcement> = OnceLock::new();
+/// The node's layout, also when its disk limits are the poller's ([`unmounted_image`]).
+static LAYOUT: OnceLock<Layout> = OnceLock::new();
 
 /// How this process holds disk limits (the poller until [`init`] succeeded).
 pub fn enforcement() -> Enforcement {
@@ -209,6 +211,7 @@ pub fn init(layout: Layout, shape: Shape, pool: usize) -> Enforcement {
     if let Some(m) = MODE.get() {
         return m.clone();
     }
+    let _ = LAYOUT.set(layout.clone());
     let probed = if std::env::var_os(OFF_VAR).is_some_and(|v| v == "off") {
         Err(format!("{OFF_VAR}=off"))
     } else {
@@ -384,10 +387,19 @@ impl Volumes {
                 }
                 continue;
             }
-            let remounted = wanted.is_some_and(|t| self.remount(&path, t, None));
-            if !remounted {
-                tracing::info!(image = %path.display(), "removing a disk volume a previous run left");
-                let _ = std::fs::remove_file(&path);
+            match target.as_deref() {
+                // A pool image (its mount died with the run), or no volume of this node's.
+                None => remove_left_image(&path),
+                // Its directory is gone (acknowledged, swept, removed): so is its content.
+                Some(t) if std::fs::symlink_metadata(t).is_err() => remove_left_image(&path),
+                Some(t) => {
+                    if !wanted.is_some_and(|w| self.remount(&path, w, None)) {
+                        // Never deleted while its directory is there: the image is the
+                        // content. `make_workspace` refuses such a workspace until the
+                        // operator has looked (the log names both).
+                        tracing::error!(image = %path.display(), dir = %t.display(), "a disk volume could not be mounted again on its directory; its image is kept");
+                    }
+                }
             }
         }
     }
@@ -426,6 +438,23 @@ impl Volumes {
             }
         }
     }
+}
+
+fn remove_left_image(path: &Path) {
+    tracing::info!(image = %path.display(), "removing a disk volume a previous run left");
+    let _ = std::fs::remove_file(path);
+}
+
+/// The image of the workspace directory `dir`, when one is on disk but not mounted on it
+/// (it could not be mounted again at start, or this start has no volumes): a job there
+/// would run on the empty directory beneath and hide the content. `None` otherwise.
+pub fn unmounted_image(dir: &Path) -> Option<PathBuf> {
+    let layout = LAYOUT.get()?;
+    let image = layout
+        .state_dir
+        .join(VOLUMES_DIR)
+        .join(format!("{}.img", workspace_label(dir.file_name()?)));
+    (std::fs::symlink_metadata(&image).is_ok() && !is_volume(dir)).then_some(image)
 }
 
 /// Whether `target` is an empty directory that is no mount: a volume's directory whose

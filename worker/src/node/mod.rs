@@ -119,7 +119,14 @@ impl std::fmt::Debug for Node {
 
 impl Node {
     /// Opens the state directory, reconciles what a previous run left, checks readiness.
-    pub async fn start(cfg: Config, token: String) -> Result<Arc<Node>, StartError> {
+    pub async fn start(mut cfg: Config, token: String) -> Result<Arc<Node>, StartError> {
+        std::fs::create_dir_all(&cfg.state_dir)
+            .map_err(|e| StartError::CreateDir(cfg.state_dir.clone(), e))?;
+        // The kernel names mounts and loop devices' files by their real paths: the node's
+        // own must be the same strings (a symlinked or relative state_dir would otherwise
+        // never match them).
+        cfg.state_dir = std::fs::canonicalize(&cfg.state_dir)
+            .map_err(|e| StartError::CreateDir(cfg.state_dir.clone(), e))?;
         for d in [cfg.state_dir.clone(), cfg.jobs_dir(), cfg.workspaces_dir()] {
             std::fs::create_dir_all(&d).map_err(|e| StartError::CreateDir(d.clone(), e))?;
             // Sandboxes run as their workspace's uid and must traverse to their directories.

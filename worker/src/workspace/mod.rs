@@ -160,6 +160,13 @@ fn allowed_source(roots: &[PathBuf], src: &Path) -> Result<PathBuf, WorkspaceErr
 pub fn make_workspace(dir: &Path, uid: u32) -> std::io::Result<()> {
     use std::os::fd::AsFd;
     let _creating = creation_lock(dir);
+    if let Some(image) = crate::loopfs::unmounted_image(dir) {
+        return Err(std::io::Error::other(format!(
+            "the workspace's disk volume {} is not mounted on {} (see the node's log from its start); it is not used without it",
+            image.display(),
+            dir.display()
+        )));
+    }
     let (parent, name) = crate::job_dir::split(dir)?;
     let parent = crate::job_dir::open_node_dir(parent)?;
     let label = crate::loopfs::workspace_label(name);
@@ -339,6 +346,28 @@ pub async fn changeset(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_seed_is_not_published_while_its_creation_lock_is_held() {
+        let state = tempfile::tempdir().unwrap();
+        let target = state.path().join("ws-seeded");
+        let stage = Staging::new(state.path(), 0).unwrap();
+        std::fs::write(stage.path().join("seed.txt"), "seed\n").unwrap();
+        let held = creation_lock(&target);
+        let publisher = {
+            let target = target.clone();
+            std::thread::spawn(move || stage.publish(&target))
+        };
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        assert!(!target.exists(), "published while a job held the lock");
+        assert!(!publisher.is_finished());
+        drop(held);
+        publisher.join().unwrap().unwrap();
+        assert_eq!(
+            std::fs::read_to_string(target.join("seed.txt")).unwrap(),
+            "seed\n"
+        );
+    }
 
     #[test]
     fn a_workspace_is_not_made_while_its_creation_lock_is_held() {

@@ -205,9 +205,9 @@ pub(super) fn inject(
             // mount namespace; it ends right after, and nothing else runs on it.
             unsafe { rustix::thread::unshare_unsafe(rustix::thread::UnshareFlags::FS) }
                 .map_err(ctx("unshare"))?;
-            rustix::thread::move_into_link_name_space(
+            rustix::thread::move_into_thread_name_spaces(
                 pidfd.as_fd(),
-                Some(rustix::thread::LinkNameSpaceType::Mount),
+                rustix::thread::ThreadNameSpaceType::MOUNT,
             )
             .map_err(ctx("setns"))?;
             for (tree, target) in &trees {
