@@ -11,7 +11,9 @@
 //!   background thread, so a job start only moves one onto its directory (`move_mount`).
 //! - The image is renamed after its directory (`job-<job_id>.img`, `ws-<workspace>.img`),
 //!   so a node that starts after a reboot mounts it again ([`Volumes::reclaim`]); pool
-//!   images and images whose directory is gone are deleted then. A node that stops
+//!   images and images whose directory is gone are deleted then, and no other: one that
+//!   cannot be mounted again is kept and logged, and its workspace refused
+//!   ([`unmounted_image`]) rather than used empty. A node that stops
 //!   gracefully unmounts its volumes ([`unmount_all`]): it leaves no mount behind, and the
 //!   next start mounts them again (through the loop device that still holds one, when a
 //!   sandbox outlived the node).
