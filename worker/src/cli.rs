@@ -277,10 +277,9 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
         }
     }
     cynode_worker::backend::bwrap::starter::drain();
-    // Nothing of a job runs now: the disk volumes come off their directories (the next
-    // start mounts them again), so a stopped node leaves no mount behind.
-    let volumes = cynode_worker::loopfs::unmount_all();
-    tracing::info!(volumes, "cynode-worker stopped");
+    // The disk volumes stay mounted: a stopped node's workspaces and retained results are
+    // read on the host (`cynode-pm run` leaves its deliverable there).
+    tracing::info!("cynode-worker stopped");
     Ok(())
 }
 

@@ -452,14 +452,15 @@ async fn a_seed_and_a_job_racing_on_a_new_workspace_lose_nothing() {
     );
 }
 
-/// A node that stops gracefully leaves no volume mounted on the host, and the next start
-/// mounts each one again: a retained job's directory, a workspace holding a `lost+found`
-/// of the sandbox's own, and a workspace still held from outside the node (an open
-/// directory, as a sandbox that outlived the node would hold it). That image stays
+/// A stopped node leaves its volumes mounted (its workspaces' files stay readable on the
+/// host). Volumes unmounted while it is down (an operator's clean-up, a reboot) are
+/// mounted again at its next start: a retained job's directory, a workspace holding a
+/// `lost+found` of the sandbox's own, and a workspace still held from outside the node (an
+/// open directory, as a sandbox that outlived the node would hold it). That image stays
 /// attached to its loop device, and the restarted node mounts the same device, so both
 /// see one filesystem.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_stopped_node_leaves_no_volume_mounted_and_mounts_them_again() {
+async fn volumes_unmounted_while_the_node_is_down_are_mounted_again() {
     crate::cases::setup();
     let mut sv = Server::start("bwrap", "limits:\n  disk_mb: 64\n");
     let state = sv.state_dir();
@@ -505,13 +506,16 @@ async fn a_stopped_node_leaves_no_volume_mounted_and_mounts_them_again() {
     );
 
     sv.terminate();
-    let left: Vec<String> = std::fs::read_to_string("/proc/self/mountinfo")
-        .unwrap()
-        .lines()
-        .filter(|l| l.contains(&state.display().to_string()))
-        .map(str::to_string)
-        .collect();
-    assert_eq!(left, Vec::<String>::new(), "mounts left by a stopped node");
+    let ws_dir = state.join("workspaces").join(&plain);
+    assert!(
+        is_loop_mount(&ws_dir),
+        "a stopped node's workspace is readable"
+    );
+    assert_eq!(
+        std::fs::read_to_string(ws_dir.join("plain.txt")).unwrap(),
+        "plain\n"
+    );
+    unmount_volumes(&state);
     let held_image = state.join("volumes").join(format!("ws-{held}.img"));
     assert!(
         attached(&held_image),
@@ -579,7 +583,7 @@ fn attached(image: &Path) -> bool {
 }
 
 /// A volume that cannot be mounted again at start (here: its directory got a file while it
-/// was off) is never deleted, and its workspace is refused rather than used empty; once
+/// was unmounted) is never deleted, and its workspace is refused rather than used empty; once
 /// the directory is clean, the next start mounts it again with its content.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_volume_that_cannot_be_mounted_again_is_kept_and_its_workspace_refused() {
@@ -601,6 +605,7 @@ async fn a_volume_that_cannot_be_mounted_again_is_kept_and_its_workspace_refused
         "{v}"
     );
     sv.terminate();
+    unmount_volumes(&state);
     let dir = state.join("workspaces").join(&ws);
     let image = state.join("volumes").join(format!("ws-{ws}.img"));
     assert!(!is_loop_mount(&dir));
@@ -630,4 +635,29 @@ async fn a_volume_that_cannot_be_mounted_again_is_kept_and_its_workspace_refused
     let (code, v) = sv.post("/v1/worker/jobs:run", &job("cat mine.txt")).await;
     assert_eq!(code, 200, "{v}");
     assert_eq!(v["stdout"], "mine\n", "{v}");
+}
+
+/// Unmounts (detached) every volume under `state`, deepest first, as an operator cleaning
+/// up a stopped node would; the images stay.
+fn unmount_volumes(state: &Path) {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let prefix = format!("{}/", state.display());
+    let mut points: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains(" - ext4 /dev/loop"))
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|p| p.starts_with(&prefix))
+        .collect();
+    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
+    for p in points {
+        let out = cynode_testkit::output_bounded(
+            {
+                let mut c = std::process::Command::new("umount");
+                c.args(["-l", p]);
+                c
+            },
+            Duration::from_secs(30),
+        );
+        assert!(out.status.success(), "umount -l {p}: {out:?}");
+    }
 }

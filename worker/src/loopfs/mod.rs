@@ -13,10 +13,11 @@
 //!   so a node that starts after a reboot mounts it again ([`Volumes::reclaim`]); pool
 //!   images and images whose directory is gone are deleted then, and no other: one that
 //!   cannot be mounted again is kept and logged, and its workspace refused
-//!   ([`unmounted_image`]) rather than used empty. A node that stops
-//!   gracefully unmounts its volumes ([`unmount_all`]): it leaves no mount behind, and the
-//!   next start mounts them again (through the loop device that still holds one, when a
-//!   sandbox outlived the node).
+//!   ([`unmounted_image`]) rather than used empty. A volume still held by a loop device
+//!   (a sandbox that outlived the node keeps a copy of its mount) is mounted through that
+//!   device, never a second one. A node that stops leaves its volumes mounted: the files
+//!   of its workspaces and retained jobs stay readable on the host (`cynode-pm run`
+//!   leaves its deliverable there).
 //! - [`release_beneath`] unmounts (detached) the volumes under a directory about to be
 //!   removed and deletes their images; the loop device lets go of the image when its
 //!   last mount goes (autoclear). `remove_tree_async` calls it, so `:ack`, the retention
@@ -358,7 +359,7 @@ impl Volumes {
 
     /// What a previous run left: pool images (their mounts died with it) and images
     /// whose directory is gone are deleted; an image whose directory is still there but
-    /// no longer mounted (after a reboot or a graceful stop, [`unmount_all`]) is mounted on
+    /// no longer mounted (after a reboot, or an operator's unmount) is mounted on
     /// it again, as it is (a `lost+found` a sandbox made stays).
     fn reclaim(&self) {
         let attached = attached_images();
@@ -566,20 +567,6 @@ pub fn release_beneath(root: &Path) {
             v.stats.released.fetch_add(1, Ordering::Relaxed);
         }
     }
-}
-
-/// Unmounts (detached) this node's volumes from the job directories and workspaces, when
-/// the node stops gracefully, so a stopped node leaves no mount and, once no sandbox holds
-/// them, no loop device behind. Their images stay: the next start mounts them again
-/// ([`Volumes::reclaim`]), through the same loop device when a sandbox that outlived the
-/// node still holds one. Returns how many.
-pub fn unmount_all() -> usize {
-    let Some(v) = VOLUMES.get() else { return 0 };
-    [&v.jobs, &v.workspaces]
-        .into_iter()
-        .flat_map(|dir| v.mounted_beneath(dir))
-        .filter(|(m, _)| unmount(&m.point))
-        .count()
 }
 
 /// Detaches the mount at `point` (no link followed); logs a failure.
