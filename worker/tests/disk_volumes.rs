@@ -470,40 +470,28 @@ async fn volumes_unmounted_while_the_node_is_down_are_mounted_again() {
         job["workspace_id"] = serde_json::json!(ws);
         job
     };
-    let (code, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &run(
-                &kept,
-                &held,
-                "echo held > held.txt; echo out > /job/artifacts/a.txt",
-            ),
-        )
-        .await;
-    assert_eq!(
-        (code, &v["status"]),
-        (200, &serde_json::json!("completed")),
-        "{v}"
-    );
+    completed(
+        &sv,
+        &run(
+            &kept,
+            &held,
+            "echo held > held.txt; echo out > /job/artifacts/a.txt",
+        ),
+    )
+    .await;
     // An open directory on the held workspace's volume keeps it (and its loop device)
     // alive after it is unmounted, as a sandbox that outlived the node would.
     let holder = std::fs::File::open(state.join("workspaces").join(&held)).unwrap();
     let held_dev = holder.metadata().unwrap().dev();
-    let (code, v) = sv
-        .post(
-            "/v1/worker/jobs:run",
-            &run(
-                &unique("j"),
-                &plain,
-                "mkdir lost+found && echo keep > lost+found/keep && echo plain > plain.txt",
-            ),
-        )
-        .await;
-    assert_eq!(
-        (code, &v["status"]),
-        (200, &serde_json::json!("completed")),
-        "{v}"
-    );
+    completed(
+        &sv,
+        &run(
+            &unique("j"),
+            &plain,
+            "mkdir lost+found && echo keep > lost+found/keep && echo plain > plain.txt",
+        ),
+    )
+    .await;
 
     sv.terminate();
     let ws_dir = state.join("workspaces").join(&plain);
@@ -596,14 +584,7 @@ async fn a_volume_that_cannot_be_mounted_again_is_kept_and_its_workspace_refused
         j["workspace_id"] = serde_json::json!(ws);
         j
     };
-    let (code, v) = sv
-        .post("/v1/worker/jobs:run", &job("echo mine > mine.txt"))
-        .await;
-    assert_eq!(
-        (code, &v["status"]),
-        (200, &serde_json::json!("completed")),
-        "{v}"
-    );
+    completed(&sv, &job("echo mine > mine.txt")).await;
     sv.terminate();
     unmount_volumes(&state);
     let dir = state.join("workspaces").join(&ws);
@@ -660,4 +641,12 @@ fn unmount_volumes(state: &Path) {
         );
         assert!(out.status.success(), "umount -l {p}: {out:?}");
     }
+}
+
+/// Runs `job` and checks that it completed; its response.
+async fn completed(sv: &Server, job: &serde_json::Value) -> serde_json::Value {
+    let (code, v) = sv.post("/v1/worker/jobs:run", job).await;
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["status"], "completed", "{v}");
+    v
 }
