@@ -376,10 +376,11 @@ impl Volumes {
             });
             let wanted = target.as_deref().filter(|t| wants_volume(t));
             if let Some(device) = attached.get(&path) {
-                // Still held: mounted on its directory (a killed node's), or by a sandbox
-                // that outlived a stopped node. In the second case it goes back on its
-                // directory through the same device (a second device would put a second
-                // filesystem on the image); an attached image is never removed.
+                // Still held: mounted on its directory (the usual case after any stop), or
+                // only by a sandbox that outlived the node after the mount was taken off
+                // its directory (an operator's unmount). In the second case it goes back
+                // on its directory through the same device (a second device would put a
+                // second filesystem on the image); an attached image is never removed.
                 if let Some(t) = wanted {
                     if !self.remount(&path, t, Some(device))
                         && !attached_images().contains_key(&path)
@@ -561,39 +562,28 @@ pub fn is_volume(dir: &Path) -> bool {
 /// keeps it until it lets go) and deletes its image. A no-op without volumes.
 pub fn release_beneath(root: &Path) {
     let Some(v) = VOLUMES.get() else { return };
-    for (m, image) in v.mounted_beneath(root) {
-        let _ = std::fs::remove_file(&image);
-        if unmount(&m.point) {
-            v.stats.released.fetch_add(1, Ordering::Relaxed);
+    let Ok(mounts) = mountinfo::read() else {
+        return;
+    };
+    for m in mountinfo::beneath(&mounts, root) {
+        if m.fstype != "ext4" {
+            continue;
         }
-    }
-}
-
-/// Detaches the mount at `point` (no link followed); logs a failure.
-fn unmount(point: &Path) -> bool {
-    match rmount::unmount(point, UnmountFlags::DETACH | UnmountFlags::NOFOLLOW) {
-        Ok(()) => true,
-        Err(e) => {
-            tracing::warn!(dir = %point.display(), error = %e, "cannot unmount a disk volume");
-            false
-        }
-    }
-}
-
-impl Volumes {
-    /// This node's volumes mounted at or beneath `dir`, deepest first, with their images.
-    fn mounted_beneath(&self, dir: &Path) -> Vec<(mountinfo::Mount, PathBuf)> {
-        let Ok(mounts) = mountinfo::read() else {
-            return Vec::new();
+        let Some(image) = backing_file(&m.source) else {
+            continue;
         };
-        mountinfo::beneath(&mounts, dir)
-            .into_iter()
-            .filter(|m| m.fstype == "ext4")
-            .filter_map(|m| {
-                let image = backing_file(&m.source)?;
-                (image.parent() == Some(self.dir.as_path())).then_some((m, image))
-            })
-            .collect()
+        if image.parent() != Some(v.dir.as_path()) {
+            continue;
+        }
+        let _ = std::fs::remove_file(&image);
+        match rmount::unmount(&m.point, UnmountFlags::DETACH | UnmountFlags::NOFOLLOW) {
+            Ok(()) => {
+                v.stats.released.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(e) => {
+                tracing::warn!(dir = %m.point.display(), error = %e, "cannot unmount a disk volume");
+            }
+        }
     }
 }
 
