@@ -45,7 +45,7 @@ pub fn env() -> &'static Env {
 /// Podman), `docker` for docker, `None` for bwrap.
 pub fn engine_cli(backend: &str) -> Option<&'static str> {
     match backend {
-        "podman" | "runsc" | "podman_warm" => Some("podman"),
+        "podman" | "runsc" | "podman_warm" | "runsc_warm" => Some("podman"),
         "docker" | "docker_warm" => Some("docker"),
         _ => None,
     }
@@ -55,7 +55,7 @@ pub fn engine_cli(backend: &str) -> Option<&'static str> {
 /// is Podman with gVisor's runtime.
 pub fn node_backend(backend: &str) -> &str {
     match backend {
-        "runsc" | "podman_warm" => "podman",
+        "runsc" | "podman_warm" | "runsc_warm" => "podman",
         "docker_warm" => "docker",
         other => other,
     }
@@ -64,7 +64,7 @@ pub fn node_backend(backend: &str) -> &str {
 /// Whether `backend` can bind the egress proxy inside its sandboxes (gVisor and the
 /// microVM cannot: `restricted` is refused there with a 400).
 pub fn gates_egress(backend: &str) -> bool {
-    !matches!(backend, "runsc" | "microvm")
+    !matches!(backend, "runsc" | "runsc_warm" | "microvm")
 }
 
 /// Whether the backend runs containers through an engine (not bwrap).
@@ -78,21 +78,27 @@ pub fn is_engine(backend: &str) -> bool {
 fn backend_config(backend: &str, extra: &str) -> String {
     match backend {
         "runsc" => {
-            assert!(
-                !extra.lines().any(|l| l.starts_with("podman:")),
-                "runsc sets the podman section itself"
-            );
             // gVisor sessions' commands run through the pool waiter's seccomp filter:
             // built to the worker's default path.
             crate::warm_pool::waiter();
-            "backend: podman\npodman:\n  runtime: runsc\n".to_string()
+            if extra.lines().any(|l| l.starts_with("podman:")) {
+                assert!(
+                    extra.contains("\n  runtime: runsc\n"),
+                    "a podman section for runsc keeps runtime: runsc"
+                );
+                "backend: podman\n".to_string()
+            } else {
+                "backend: podman\npodman:\n  runtime: runsc\n".to_string()
+            }
         }
         "docker" => {
             docker_ready();
             "backend: docker\n".to_string()
         }
         // The engines with their warm pool on (`warm_pool.rs`).
-        "podman_warm" | "docker_warm" => crate::warm_pool::backend_config(backend, extra),
+        "podman_warm" | "docker_warm" | "runsc_warm" => {
+            crate::warm_pool::backend_config(backend, extra)
+        }
         // Every other name is a `backend:` of its own (a name the worker does not know
         // fails its config).
         other => format!("backend: {other}\n"),

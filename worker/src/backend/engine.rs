@@ -118,6 +118,11 @@ impl EngineBackend {
         self
     }
 
+    /// Whether containers run under gVisor (`runtime: runsc`).
+    pub fn gvisor(&self) -> bool {
+        self.cfg.runtime == OciRuntime::Runsc
+    }
+
     /// The warm pool.
     pub fn pool(&self) -> &pool::Pool {
         &self.pool
@@ -777,7 +782,7 @@ impl EngineBackend {
             None => {
                 drop(sock);
                 let s = self.stop_and_remove(&name, &mut child).await;
-                let _ = std::fs::remove_dir_all(&dir);
+                let _ = tokio::task::spawn_blocking(move || pool::remove_slot_dir(&dir)).await;
                 s.and_then(|s| s.code())
             }
         };

@@ -457,11 +457,6 @@ fn engine_over<'de, D: serde::Deserializer<'de>>(
         (_, other) => merged = other,
     }
     let cfg = EngineConfig::deserialize(merged).map_err(D::Error::custom)?;
-    if cfg.pool_size > 0 && cfg.runtime == OciRuntime::Runsc {
-        return Err(D::Error::custom(
-            "pool_size needs runtime runc, crun or the default: a warm pool's mounts and control socket do not reach into gVisor (docs/PERFORMANCE.md, Engine start-up)",
-        ));
-    }
     for image in &cfg.pool_images {
         crate::image_ref::check(image)
             .map_err(|e| D::Error::custom(format!("pool_images: image {image}: {e}")))?;

@@ -107,7 +107,9 @@ use super::EngineBackend;
 use crate::backend::{SandboxSpec, MANAGED_LABEL};
 use crate::sandbox::{JOB_MOUNT, WORKSPACE_MOUNT};
 
+mod gvisor;
 mod inject;
+pub use gvisor::remove_slot_dir;
 use inject::{inject, Identity};
 
 /// The label every pooled container carries (besides the node's).
@@ -216,7 +218,13 @@ pub struct Slot {
     pid: u32,
     pidfd: OwnedFd,
     args: ImageArgs,
+    /// gVisor: the job's stdout and stderr sockets, which the waiter copies its pipes to.
+    output: Option<[UnixStream; 2]>,
 }
+
+/// A warm job's stdout or stderr, as the worker reads it: the read end of a pipe whose
+/// write end the job has (runc), or a socket the waiter copies the job's pipe to (gVisor).
+pub type Output = Box<dyn tokio::io::AsyncRead + Send + Unpin>;
 
 /// How a warm run went.
 #[derive(Debug)]
@@ -229,13 +237,12 @@ pub enum Claimed {
 }
 
 /// A job started in a pooled container.
-#[derive(Debug)]
 pub struct Running {
     pub name: String,
     pub child: tokio::process::Child,
     pub sock: UnixStream,
-    pub stdout: tokio::net::unix::pipe::Receiver,
-    pub stderr: tokio::net::unix::pipe::Receiver,
+    pub stdout: Output,
+    pub stderr: Output,
     pub dir: PathBuf,
     /// Claim to the job's exec (the waiter's `S`).
     pub to_start: Duration,
@@ -304,13 +311,19 @@ impl Pool {
     /// directory (the caller removes the container).
     pub fn failed(&self, name: &str) {
         self.inner.failures.fetch_add(1, Ordering::Relaxed);
-        let _ = std::fs::remove_dir_all(self.inner.dir.join(name));
+        remove_slot_dir(&self.inner.dir.join(name));
     }
 
     /// Removes the slot directories of a previous run (their containers are gone:
     /// reconciliation removed every managed container first) and makes the pool's
     /// directory, root's only.
     pub fn reset_dir(&self) {
+        // A gVisor slot's staging mounts of a killed node go first: removing through them
+        // would delete the workspaces they show.
+        if !gvisor::unmount_beneath(&self.inner.dir) {
+            tracing::error!(dir = %self.inner.dir.display(), "the pool directory keeps a mount; it is left, not removed");
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.inner.dir);
         let _ = self.ensure_dir();
     }
@@ -472,7 +485,7 @@ impl Pool {
             drop(sock);
             engine.force_remove(&name).await;
             let _ = tokio::time::timeout(Duration::from_secs(30), child.wait()).await;
-            let _ = std::fs::remove_dir_all(&dir);
+            let _ = tokio::task::spawn_blocking(move || remove_slot_dir(&dir)).await;
         });
     }
 
@@ -487,6 +500,9 @@ impl Pool {
     ) {
         let engine = engine.clone();
         tokio::spawn(async move {
+            // A gVisor slot's job mounts go now: the job has ended.
+            let staged = dir.clone();
+            let _ = tokio::task::spawn_blocking(move || gvisor::unmount_beneath(&staged)).await;
             if tokio::time::timeout(Duration::from_secs(30), child.wait())
                 .await
                 .is_err()
@@ -495,7 +511,7 @@ impl Pool {
                 let _ = child.start_kill();
                 let _ = child.wait().await;
             }
-            let _ = std::fs::remove_dir_all(&dir);
+            let _ = tokio::task::spawn_blocking(move || remove_slot_dir(&dir)).await;
         });
     }
 
@@ -517,7 +533,7 @@ impl Pool {
         let result = self.start(engine, spec, &name, &dir, args).await;
         if result.is_err() {
             engine.force_remove(&name).await;
-            let _ = std::fs::remove_dir_all(&dir);
+            let _ = tokio::task::spawn_blocking(move || remove_slot_dir(&dir)).await;
         }
         result
     }
@@ -545,8 +561,22 @@ impl Pool {
             })?;
             let _ = std::fs::set_permissions(&waiter, std::fs::Permissions::from_mode(0o555));
         }
-        let listener =
-            bind_socket(dir).map_err(|e| format!("cannot bind the control socket: {e}"))?;
+        let gvisor = engine.gvisor();
+        let outputs = if gvisor {
+            gvisor::prepare(dir).map_err(|e| format!("cannot prepare the gVisor slot: {e}"))?;
+            let mut l = Vec::new();
+            for name in gvisor::OUTPUT_SOCKETS {
+                l.push(
+                    bind_socket(dir, name)
+                        .map_err(|e| format!("cannot bind the output socket {name}: {e}"))?,
+                );
+            }
+            l
+        } else {
+            Vec::new()
+        };
+        let listener = bind_socket(dir, SOCKET_NAME)
+            .map_err(|e| format!("cannot bind the control socket: {e}"))?;
         let mut cmd = engine.command();
         cmd.args(engine.pool_args(spec, name, dir, &self.inner.dir.join("empty")));
         cmd.stdout(std::process::Stdio::null())
@@ -607,6 +637,30 @@ impl Pool {
         if polled < 0 || poll.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
             return Err("the waiter went away before it was ready".into());
         }
+        // gVisor: the waiter connected its output sockets before the control socket.
+        let mut output = Vec::new();
+        for (l, name) in outputs.into_iter().zip(gvisor::OUTPUT_SOCKETS) {
+            let accepted = tokio::time::timeout(Duration::from_secs(5), l.accept()).await;
+            let _ = std::fs::remove_file(dir.join(name));
+            let (s, _) = accepted
+                .map_err(|_| format!("the waiter did not connect {name}"))?
+                .map_err(|e| format!("accept {name}: {e}"))?;
+            let peer = s
+                .peer_cred()
+                .map_err(|e| format!("peer credentials: {e}"))?;
+            if peer.pid() != Some(pid) || peer.uid() != 0 {
+                return Err(format!("{name} was connected by another process"));
+            }
+            // The worker only reads: nothing goes back to the sandbox.
+            let std = s.into_std().map_err(|e| format!("{name}: {e}"))?;
+            let _ = std.shutdown(std::net::Shutdown::Write);
+            output.push(UnixStream::from_std(std).map_err(|e| format!("{name}: {e}"))?);
+        }
+        let output = match <[UnixStream; 2]>::try_from(output) {
+            Ok(o) => Some(o),
+            Err(v) if v.is_empty() => None,
+            Err(_) => return Err("the output sockets".into()),
+        };
         // The client's stderr is drained in the background (it holds nothing of a job).
         drop(stderr);
         Ok(Slot {
@@ -617,6 +671,7 @@ impl Pool {
             pid: u32::try_from(pid).map_err(|_| format!("peer pid {pid}"))?,
             pidfd,
             args,
+            output,
         })
     }
 
@@ -720,17 +775,14 @@ fn job_argv(spec: &SandboxSpec, args: &ImageArgs) -> Vec<String> {
     args.entrypoint.iter().chain(tail).cloned().collect()
 }
 
-/// Binds `<dir>/ctl.sock` (root only) through the directory's fd, so a long state path
+/// Binds `<dir>/<name>` (root only) through the directory's fd, so a long state path
 /// still fits a socket address.
-fn bind_socket(dir: &Path) -> std::io::Result<tokio::net::UnixListener> {
+fn bind_socket(dir: &Path, name: &str) -> std::io::Result<tokio::net::UnixListener> {
     let d = std::fs::File::open(dir)?;
-    let short = format!("/proc/self/fd/{}/{SOCKET_NAME}", d.as_raw_fd());
+    let short = format!("/proc/self/fd/{}/{name}", d.as_raw_fd());
     let l = std::os::unix::net::UnixListener::bind(&short)?;
     use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(
-        dir.join(SOCKET_NAME),
-        std::fs::Permissions::from_mode(0o600),
-    )?;
+    std::fs::set_permissions(dir.join(name), std::fs::Permissions::from_mode(0o600))?;
     l.set_nonblocking(true)?;
     tokio::net::UnixListener::from_std(l)
 }
@@ -768,6 +820,7 @@ impl Slot {
             mut sock,
             pidfd,
             args,
+            output,
             ..
         } = self;
         let fail = |why: String| Claimed::Failed(why);
@@ -780,35 +833,59 @@ impl Slot {
             .iter()
             .map(|m| (m.host.clone(), m.target.clone(), m.writable))
             .collect();
-        // Podman gives a cold job's uid an entry in passwd and group when the image has
-        // none; a pooled container was started as root, so the claim adds them.
-        let identity = args.podman.then(|| Identity {
-            uid: spec.host_uid,
-            workdir: spec.workdir.clone(),
-            dir: dir.clone(),
-        });
-        let injected = tokio::task::spawn_blocking(move || inject(&pidfd, &mounts, identity)).await;
-        match injected {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return fail(format!("cannot mount the job's directories: {e}")),
-            Err(e) => return fail(format!("mount task: {e}")),
-        }
-        let (out_w, out_r) = match tokio::net::unix::pipe::pipe() {
-            Ok(p) => p,
-            Err(e) => return fail(format!("pipe: {e}")),
+        let gvisor = output.is_some();
+        let msg = encode(spec, &argv, &args, gvisor);
+        let (stdout, stderr): (Output, Output) = match output {
+            // gVisor: the job's directories go under the staging directory on the host
+            // (the waiter binds them inside, and adds Podman's passwd entry itself).
+            Some([out, err]) => {
+                let staged = dir.clone();
+                match tokio::task::spawn_blocking(move || gvisor::mount_job(&staged, &mounts)).await
+                {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return fail(format!("cannot mount the job's directories: {e}")),
+                    Err(e) => return fail(format!("mount task: {e}")),
+                }
+                if let Err(e) = sock.write_all(&msg).await {
+                    return fail(format!("cannot send the job to the waiter: {e}"));
+                }
+                (Box::new(out), Box::new(err))
+            }
+            None => {
+                // Podman gives a cold job's uid an entry in passwd and group when the image
+                // has none; a pooled container was started as root, so the claim adds them.
+                let identity = args.podman.then(|| Identity {
+                    uid: spec.host_uid,
+                    workdir: spec.workdir.clone(),
+                    dir: dir.clone(),
+                });
+                let injected =
+                    tokio::task::spawn_blocking(move || inject(&pidfd, &mounts, identity)).await;
+                match injected {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return fail(format!("cannot mount the job's directories: {e}")),
+                    Err(e) => return fail(format!("mount task: {e}")),
+                }
+                let (out_w, out_r) = match tokio::net::unix::pipe::pipe() {
+                    Ok(p) => p,
+                    Err(e) => return fail(format!("pipe: {e}")),
+                };
+                let (err_w, err_r) = match tokio::net::unix::pipe::pipe() {
+                    Ok(p) => p,
+                    Err(e) => return fail(format!("pipe: {e}")),
+                };
+                let (Ok(out_w), Ok(err_w)) = (out_w.into_blocking_fd(), err_w.into_blocking_fd())
+                else {
+                    return fail("pipe descriptors".into());
+                };
+                if let Err(e) =
+                    send_job(&mut sock, &msg, [out_w.as_raw_fd(), err_w.as_raw_fd()]).await
+                {
+                    return fail(format!("cannot send the job to the waiter: {e}"));
+                }
+                (Box::new(out_r), Box::new(err_r))
+            }
         };
-        let (err_w, err_r) = match tokio::net::unix::pipe::pipe() {
-            Ok(p) => p,
-            Err(e) => return fail(format!("pipe: {e}")),
-        };
-        let (Ok(out_w), Ok(err_w)) = (out_w.into_blocking_fd(), err_w.into_blocking_fd()) else {
-            return fail("pipe descriptors".into());
-        };
-        let msg = encode(spec, &argv, &args);
-        if let Err(e) = send_job(&mut sock, &msg, [out_w.as_raw_fd(), err_w.as_raw_fd()]).await {
-            return fail(format!("cannot send the job to the waiter: {e}"));
-        }
-        drop((out_w, err_w));
         let mut tag = [0u8; 1];
         let word = tokio::time::timeout(READY_BOUND, sock.read_exact(&mut tag)).await;
         let exec_failed = match word {
@@ -817,6 +894,16 @@ impl Slot {
                 let mut e = [0u8; 4];
                 let _ = sock.read_exact(&mut e).await;
                 true
+            }
+            // gVisor: the waiter could not bind the job's directories; nothing ran.
+            Ok(Ok(_)) if tag[0] == b'M' => {
+                let mut e = [0u8; 4];
+                let _ = sock.read_exact(&mut e).await;
+                let _ = child.start_kill();
+                return fail(format!(
+                    "the waiter could not mount the job's directories: {}",
+                    std::io::Error::from_raw_os_error(i32::from_le_bytes(e))
+                ));
             }
             _ => {
                 // The job may have been sent: the container must not live on.
@@ -828,12 +915,22 @@ impl Slot {
             name,
             child,
             sock,
-            stdout: out_r,
-            stderr: err_r,
+            stdout,
+            stderr,
             dir,
             to_start: t.elapsed(),
             exec_failed,
         }))
+    }
+}
+
+impl std::fmt::Debug for Running {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Running")
+            .field("name", &self.name)
+            .field("to_start", &self.to_start)
+            .field("exec_failed", &self.exec_failed)
+            .finish_non_exhaustive()
     }
 }
 
@@ -848,14 +945,15 @@ impl Running {
 }
 
 /// The job message ([`poolwaiter`'s format](../../../../poolwaiter/src/main.rs)): a
-/// length, then NUL-terminated fields.
-fn encode(spec: &SandboxSpec, argv: &[String], image: &ImageArgs) -> Vec<u8> {
+/// length, then NUL-terminated fields. For gVisor it names the job's mounts' targets for
+/// the waiter to bind, and whether it adds Podman's passwd entry.
+fn encode(spec: &SandboxSpec, argv: &[String], image: &ImageArgs, gvisor: bool) -> Vec<u8> {
     let mut body = Vec::new();
     let mut field = |b: &[u8]| {
         body.extend_from_slice(b);
         body.push(0);
     };
-    field(b"1");
+    field(b"2");
     field(spec.host_uid.to_string().as_bytes());
     field(spec.host_uid.to_string().as_bytes());
     field(spec.workdir.as_bytes());
@@ -884,6 +982,12 @@ fn encode(spec: &SandboxSpec, argv: &[String], image: &ImageArgs) -> Vec<u8> {
     for (k, v) in &spec.env {
         field(format!("{k}={v}").as_bytes());
     }
+    let mounts: &[crate::sandbox::Mount] = if gvisor { &spec.mounts } else { &[] };
+    field(mounts.len().to_string().as_bytes());
+    for m in mounts {
+        field(m.target.as_bytes());
+    }
+    field(if gvisor && image.podman { b"1" } else { b"0" });
     let mut msg = (body.len() as u32).to_le_bytes().to_vec();
     msg.extend_from_slice(&body);
     msg
@@ -959,7 +1063,15 @@ impl EngineBackend {
         ];
         a.extend(self.runtime_args());
         a.push("--pull=never".into());
-        a.push(format!("--security-opt=seccomp={}", self.profile.display()));
+        let gvisor = self.gvisor();
+        if gvisor {
+            // The waiter mounts inside gVisor; the job gets the node's filters from it
+            // (gvisor.rs). Nothing runs in the container before the job but the waiter.
+            a.push("--security-opt=seccomp=unconfined".into());
+            a.push("--cap-add=SYS_ADMIN".into());
+        } else {
+            a.push(format!("--security-opt=seccomp={}", self.profile.display()));
+        }
         a.extend([
             "--network=none".into(),
             "--read-only".into(),
@@ -978,6 +1090,13 @@ impl EngineBackend {
         a.push(format!("--cpus={}", l.cpus));
         a.push(format!("--tmpfs=/tmp:rw,size={}m,mode=1777", l.tmpfs_mb));
         a.push(format!("--volume={}:{CTL_MOUNT}:ro", dir.display()));
+        if gvisor {
+            a.push(format!(
+                "--mount=type=bind,source={},target={},bind-propagation=rslave",
+                dir.join(gvisor::STAGING).display(),
+                gvisor::STAGING_MOUNT
+            ));
+        }
         for target in [JOB_MOUNT, WORKSPACE_MOUNT] {
             a.push(format!("--volume={}:{target}:ro", empty.display()));
         }
@@ -986,6 +1105,9 @@ impl EngineBackend {
         a.push("--".into());
         a.push(spec.image.clone());
         a.push(format!("{CTL_MOUNT}/{SOCKET_NAME}"));
+        if gvisor {
+            a.push("--gvisor".into());
+        }
         a
     }
 }
@@ -1018,31 +1140,70 @@ mod tests {
         assert_eq!(job_argv(&spec(&[], true), &img), ["/sba", "--default"]);
     }
 
-    /// The message is the waiter's format: length, then NUL-terminated fields.
+    /// The message is the waiter's format: length, then NUL-terminated fields; for runc
+    /// no mounts and no identity (the worker makes both from the host).
     #[test]
     fn the_job_message_is_length_prefixed_fields() {
         let mut s = spec(&["echo", "hi"], true);
         s.env = vec![("A".into(), "1".into())];
         s.host_uid = 2001;
-        let m = encode(&s, &s.command.clone(), &ImageArgs::default());
+        let podman = ImageArgs {
+            podman: true,
+            ..ImageArgs::default()
+        };
+        let m = encode(&s, &s.command.clone(), &podman, false);
         let len = u32::from_le_bytes([m[0], m[1], m[2], m[3]]) as usize;
         assert_eq!(len, m.len() - 4);
         let fields: Vec<&[u8]> = m[4..].split(|b| *b == 0).collect();
         assert_eq!(
             &fields[..fields.len() - 1],
             [
-                &b"1"[..],
+                &b"2"[..],
                 b"2001",
                 b"2001",
                 s.workdir.as_bytes(),
-                b"/",
+                s.workdir.as_bytes(),
                 b"2",
                 b"echo",
                 b"hi",
                 b"1",
-                b"A=1"
+                b"A=1",
+                b"0",
+                b"0"
             ]
         );
+    }
+
+    /// For gVisor the message names the job's mounts' targets, and asks the waiter
+    /// for Podman's passwd entry (never for Docker's).
+    #[test]
+    fn a_gvisor_message_names_the_mounts() {
+        let mut s = spec(&["true"], true);
+        s.mounts = vec![
+            crate::sandbox::Mount {
+                host: "/h/job".into(),
+                target: JOB_MOUNT.into(),
+                writable: false,
+            },
+            crate::sandbox::Mount {
+                host: "/h/ws".into(),
+                target: WORKSPACE_MOUNT.into(),
+                writable: true,
+            },
+        ];
+        for (podman, identity) in [(true, &b"1"[..]), (false, b"0")] {
+            let img = ImageArgs {
+                podman,
+                ..ImageArgs::default()
+            };
+            let m = encode(&s, &s.command.clone(), &img, true);
+            let fields: Vec<&[u8]> = m[4..].split(|b| *b == 0).collect();
+            let n = fields.len() - 1;
+            assert_eq!(
+                &fields[n - 4..n],
+                [&b"2"[..], b"/job", b"/workspace", identity]
+            );
+        }
     }
 
     /// A pooled container keeps a cold one's walls: no network, read-only root, the
@@ -1088,5 +1249,42 @@ mod tests {
             ["--cap-add=SETUID", "--cap-add=SETGID", "--cap-add=SETPCAP"]
         );
         assert_eq!(&a[end + 1..], ["img:1", "/.cynode/ctl.sock"]);
+    }
+
+    /// Under gVisor the waiter mounts: no OCI profile (the waiter installs the node's
+    /// filters on the job) and `CAP_SYS_ADMIN` in gVisor's kernel, the staging directory
+    /// with `rslave` propagation, the waiter in its gVisor mode; every other wall stays.
+    #[test]
+    fn gvisor_pool_args_stage_the_mounts() {
+        let cfg = crate::config::EngineConfig {
+            runtime: crate::config::OciRuntime::Runsc,
+            ..crate::config::EngineConfig::default()
+        };
+        let e = EngineBackend::new(
+            crate::config::BackendKind::Podman,
+            cfg,
+            "n".into(),
+            Path::new("/s"),
+            crate::backend::bwrap::IsolatedBwrap::new("bwrap".into(), "n".into(), Some(false)),
+        );
+        let a = e.pool_args(
+            &spec(&["true"], true),
+            "cynode-pool-1",
+            Path::new("/s/pool/x"),
+            Path::new("/s/pool/empty"),
+        );
+        let end = a.iter().position(|x| x == "--").unwrap_or(0);
+        for want in [
+            "--security-opt=seccomp=unconfined",
+            "--cap-add=SYS_ADMIN",
+            "--mount=type=bind,source=/s/pool/x/mnt,target=/.cynode-mnt,bind-propagation=rslave",
+            "--network=none",
+            "--read-only",
+            "--cap-drop=ALL",
+            "--security-opt=no-new-privileges",
+        ] {
+            assert!(a[..end].iter().any(|x| x == want), "{want} missing: {a:?}");
+        }
+        assert_eq!(&a[end + 1..], ["img:1", "/.cynode/ctl.sock", "--gvisor"]);
     }
 }

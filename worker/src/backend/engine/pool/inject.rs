@@ -35,7 +35,7 @@ fn ctx(what: &'static str) -> impl Fn(rustix::io::Errno) -> std::io::Error {
 
 /// A detached clone of the mount tree at `host` (recursive when `recursive`), with `set`
 /// mount attributes on all of it.
-fn clone_tree(host: &Path, recursive: bool, set: u64) -> std::io::Result<OwnedFd> {
+pub(super) fn clone_tree(host: &Path, recursive: bool, set: u64) -> std::io::Result<OwnedFd> {
     let mut flags = OpenTreeFlags::OPEN_TREE_CLONE
         | OpenTreeFlags::OPEN_TREE_CLOEXEC
         | OpenTreeFlags::AT_SYMLINK_NOFOLLOW;
@@ -49,7 +49,11 @@ fn clone_tree(host: &Path, recursive: bool, set: u64) -> std::io::Result<OwnedFd
 
 /// Moves the detached `tree` onto `target` (opened without following a link) in the
 /// calling thread's mount namespace.
-fn move_onto(tree: &OwnedFd, target: &str, flags: OFlags) -> std::io::Result<()> {
+pub(super) fn move_onto<P: rustix::path::Arg>(
+    tree: &OwnedFd,
+    target: P,
+    flags: OFlags,
+) -> std::io::Result<()> {
     let t = rustix::fs::open(
         target,
         OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC | flags,
@@ -131,7 +135,7 @@ fn add_identity(
         text.extend_from_slice(line.as_bytes());
         let mut f = file;
         f.write_all(&text)?;
-        move_onto(tree, &target, OFlags::empty())?;
+        move_onto(tree, target.as_str(), OFlags::empty())?;
     }
     Ok(())
 }
@@ -163,6 +167,16 @@ fn set_attrs(tree: &OwnedFd, set: u64) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The attributes of a job's directory in a container: `nosuid,nodev`, and read-only
+/// unless `writable`.
+pub(super) fn job_attrs(writable: bool) -> u64 {
+    let mut set = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
+    if !writable {
+        set |= MOUNT_ATTR_RDONLY;
+    }
+    set
+}
+
 /// `struct mount_attr` of mount_setattr(2).
 #[repr(C)]
 struct MountAttr {
@@ -192,11 +206,10 @@ pub(super) fn inject(
     };
     let mut trees = Vec::with_capacity(mounts.len());
     for (host, target, writable) in mounts {
-        let mut set = MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV;
-        if !writable {
-            set |= MOUNT_ATTR_RDONLY;
-        }
-        trees.push((clone_tree(host, true, set)?, target.as_str()));
+        trees.push((
+            clone_tree(host, true, job_attrs(*writable))?,
+            target.as_str(),
+        ));
     }
     std::thread::scope(|s| {
         s.spawn(|| -> std::io::Result<()> {
@@ -214,7 +227,7 @@ pub(super) fn inject(
                 // The placeholder goes, so the job's mount table is a cold job's.
                 rmount::unmount(*target, UnmountFlags::DETACH)
                     .map_err(ctx("umount the placeholder"))?;
-                move_onto(tree, target, OFlags::DIRECTORY)?;
+                move_onto(tree, *target, OFlags::DIRECTORY)?;
             }
             if let Some(id) = &identity {
                 add_identity(id, &files)?;
