@@ -12,7 +12,8 @@
 #   2. the worker's round trip of the same trivial job (sync POST /v1/worker/jobs:run,
 #      command ["true"]), $RUNS requests one after the other (2 warm-up ones first),
 #      each timed by curl.
-#   3. podman-warm and docker-warm: the same round trip with the engine's warm pool on
+#   3. podman-warm, docker-warm, podman-runsc-warm and docker-runsc-warm (gVisor): the
+#      same round trip with the engine's warm pool on
 #      (pool_size 2, filled for the test image at start; each request waits until a pooled
 #      container is idle, so every measured job is a claim), and the claim-to-start time
 #      (the worker's "warm job started" log line: mounts moved in, job sent, the waiter's
@@ -32,7 +33,8 @@
 #   OUT               [/var/cache/cynode/bench/worker]
 #   RUNS              [20]   measured runs per engine and mode
 #   WORKER_BIN        [unset] a worker binary to measure instead of building the release one
-#   ENGINES           [bwrap podman docker podman-runsc docker-runsc podman-warm docker-warm]
+#   ENGINES           [bwrap podman docker podman-runsc docker-runsc podman-warm docker-warm
+#                      podman-runsc-warm docker-runsc-warm]
 #   THR_JOBS          [40]   jobs per throughput run (0: no throughput runs)
 #   THR_CLIENTS       [4]    concurrent clients in throughput runs (each job is one curl and
 #                            two jq processes: bwrap's jobs/s here is bound by the client;
@@ -59,7 +61,7 @@ OUT=${OUT:-/var/cache/cynode/bench/worker}
 RUNS=${RUNS:-20}
 THR_JOBS=${THR_JOBS:-40}
 THR_CLIENTS=${THR_CLIENTS:-4}
-ENGINES=${ENGINES:-bwrap podman docker podman-runsc docker-runsc podman-warm docker-warm}
+ENGINES=${ENGINES:-bwrap podman docker podman-runsc docker-runsc podman-warm docker-warm podman-runsc-warm docker-runsc-warm}
 image=localhost/cynode-sba-test:latest
 [[ $(id -u) -eq 0 ]] || die "must run as root"
 
@@ -112,8 +114,8 @@ bare_cmd() {
     bwrap) echo "bwrap --ro-bind $rootfs / --dev /dev --proc /proc --unshare-all --die-with-parent --uid 1000 --gid 1000 /bin/true" ;;
     podman | podman-warm) echo "podman run --runtime=runc ${engine_flags[*]} $image" ;;
     docker | docker-warm) echo "docker run ${engine_flags[*]} $image" ;;
-    podman-runsc) echo "podman run --runtime=/usr/bin/runsc --runtime-flag=network=none ${engine_flags[*]} $image" ;;
-    docker-runsc) echo "docker run --runtime=runsc ${engine_flags[*]} $image" ;;
+    podman-runsc | podman-runsc-warm) echo "podman run --runtime=/usr/bin/runsc --runtime-flag=network=none ${engine_flags[*]} $image" ;;
+    docker-runsc | docker-runsc-warm) echo "docker run --runtime=runsc ${engine_flags[*]} $image" ;;
   esac
 }
 
@@ -126,6 +128,10 @@ worker_config() {
     podman-warm | docker-warm)
       printf 'backend: %s\n%s:\n  pool_size: 2\n  pool_images: ["%s"]\n  pool_waiter: %s\n' \
         "${1%-warm}" "${1%-warm}" "$image" "$waiter"
+      ;;
+    podman-runsc-warm | docker-runsc-warm)
+      printf 'backend: %s\n%s:\n  runtime: runsc\n  pool_size: 2\n  pool_images: ["%s"]\n  pool_waiter: %s\n' \
+        "${1%-runsc-warm}" "${1%-runsc-warm}" "$image" "$waiter"
       ;;
   esac
 }

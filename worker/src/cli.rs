@@ -250,6 +250,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     // Before anything touches the state directory: reconciliation must never run while
     // another live worker owns it.
     let _lock = StateLock::acquire(&cfg.state_dir).await?;
+    let state_dir = cfg.state_dir.clone();
     let node = Node::start(cfg, token).await?;
     let listener = std::net::TcpListener::bind(listen)
         .with_context(|| format!("cannot listen on {listen}"))?;
@@ -277,6 +278,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
         }
     }
     cynode_worker::backend::bwrap::starter::drain();
+    cynode_worker::backend::engine::pool::unmount_slots(&state_dir);
     // The disk volumes stay mounted: a stopped node's workspaces and retained results are
     // read on the host (`cynode-pm run` leaves its deliverable there).
     tracing::info!("cynode-worker stopped");

@@ -340,6 +340,10 @@ impl Drop for Server {
         // The node's disk volumes outlive a killed node (mounts are the kernel's): they
         // go before the state directory does.
         cynode_worker::loopfs::unmount_all_beneath(self.dir.path());
+        // So do a gVisor pool slot's staging mounts (a killed node's, or an idle slot's).
+        if let Ok(dir) = std::fs::canonicalize(self.dir.path()) {
+            cynode_worker::backend::engine::pool::unmount_beneath(&dir);
+        }
     }
 }
 

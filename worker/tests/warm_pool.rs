@@ -369,6 +369,64 @@ pub async fn a_miss_runs_cold_and_metrics_count_it(engine: &'static str) {
     assert_eq!(pool_metric(&sv, "failures_total").await, 0);
 }
 
+/// A gVisor claim mounts the job's workspace on the host, under its slot's staging
+/// directory. A node SIGKILLed in the middle of such a job leaves that mount behind; the
+/// restarted node removes the old slot directories, and must unmount beneath them first:
+/// removing through the mount would delete the workspace. The workspace keeps what the job
+/// wrote, nothing stays mounted under the pool's directory, and its old slots are gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_gvisor_node_leaves_its_workspace_whole() {
+    crate::cases::setup();
+    let mut sv = warm_server("runsc", 1, true);
+    wait_idle(&sv, 1).await;
+    let task = unique("t");
+    let job = command_job(
+        &unique("j"),
+        &task,
+        &["sh", "-c", "echo kept > /workspace/keep; sleep 120"],
+    );
+    let (code, _) = sv.post("/v1/worker/jobs", &job).await;
+    assert_eq!(code, 202);
+    let kept = sv.state_dir().join("workspaces").join(&task).join("keep");
+    let pool = std::fs::canonicalize(sv.state_dir().join("pool")).unwrap();
+    // The mount points under the pool's directory.
+    let staged = || -> Vec<String> {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.split(' ').nth(4).map(str::to_string))
+            .filter(|p| p.starts_with(&pool.display().to_string()))
+            .collect()
+    };
+    let until = Instant::now() + Duration::from_secs(60);
+    // The idle slot's staging directory, then the job's two directories on it.
+    while !(kept.is_file() && staged().len() >= 3) {
+        assert!(
+            Instant::now() < until,
+            "the warm job never wrote its workspace"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(pool_metric(&sv, "claims_total").await, 1);
+    let before = staged();
+    assert!(
+        before.iter().any(|p| p.ends_with("/mnt/workspace")),
+        "{before:?}"
+    );
+    sv.kill9_and_restart();
+    wait_idle(&sv, 1).await;
+    let after = staged();
+    assert!(
+        before.iter().all(|p| !after.contains(p)),
+        "the old slot's mounts are left: {after:?}"
+    );
+    assert_eq!(std::fs::read_to_string(&kept).unwrap(), "kept\n");
+    let (_, v) = sv
+        .run_job(&unique("j"), &task, &["cat", "/workspace/keep"])
+        .await;
+    assert_eq!(v["stdout"], "kept\n", "{v}");
+}
+
 /// `pool_size` is bounded, and taken with gVisor.
 #[test]
 fn pool_size_is_validated() {

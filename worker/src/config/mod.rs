@@ -290,8 +290,8 @@ pub struct EngineConfig {
     pub init_path: Option<PathBuf>,
     /// Warm pool (`backend/engine/pool.rs`): pre-started sandboxes kept per image (and the
     /// node's limits), each serving one job and destroyed after it. 0 (the default) turns
-    /// the pool off: every job is a cold `run`. At most [`MAX_POOL_SIZE`]; not with
-    /// `runtime: runsc` (docs/PERFORMANCE.md says why).
+    /// the pool off: every job is a cold `run`. At most [`MAX_POOL_SIZE`]; with
+    /// `runtime: runsc` the slots are gVisor's (`backend/engine/pool/gvisor.rs`).
     #[serde(default, deserialize_with = "pool_size")]
     pub pool_size: usize,
     /// Images whose pool is filled when the node starts (before it listens); any other

@@ -109,7 +109,7 @@ use crate::sandbox::{JOB_MOUNT, WORKSPACE_MOUNT};
 
 mod gvisor;
 mod inject;
-pub use gvisor::remove_slot_dir;
+pub use gvisor::{remove_slot_dir, unmount_beneath};
 use inject::{inject, Identity};
 
 /// The label every pooled container carries (besides the node's).
@@ -730,6 +730,17 @@ impl Pool {
             s.images.insert(image.to_string(), args.clone());
         }
         Ok(args)
+    }
+}
+
+/// Unmounts the gVisor slots' staging mounts under `<state_dir>/pool` (at a graceful
+/// stop, once no job runs: idle slots' containers end with the node, and the next start
+/// removes their directories). Blocking.
+pub fn unmount_slots(state_dir: &Path) {
+    if let Ok(dir) = std::fs::canonicalize(state_dir.join("pool")) {
+        if !unmount_beneath(&dir) {
+            tracing::warn!(dir = %dir.display(), "mounts are left under the pool's directory");
+        }
     }
 }
 
