@@ -43,6 +43,16 @@ pub struct Gvisor {
     pub filters: Vec<Vec<u8>>,
     pub out: UnixStream,
     pub err: UnixStream,
+    /// Device and inode of the empty staging directories as first seen: a claim whose
+    /// mount did not arrive (no propagation) still shows them.
+    empty: Vec<(String, (u64, u64))>,
+}
+
+/// Device and inode of `path`.
+fn identity_of(path: &str) -> std::io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path)?;
+    Ok((m.dev(), m.ino()))
 }
 
 /// Reads the filters and connects the output sockets (before the control socket: the
@@ -53,10 +63,17 @@ pub fn start() -> Result<Gvisor, String> {
         UnixStream::connect(format!("{DIR}/{name}"))
             .map_err(|e| format!("cannot connect to {DIR}/{name}: {e}"))
     };
+    let mut empty = Vec::new();
+    for name in ["job", "workspace"] {
+        let path = format!("{MNT}/{name}");
+        let id = identity_of(&path).map_err(|e| format!("{path}: {e}"))?;
+        empty.push((name.to_string(), id));
+    }
     Ok(Gvisor {
         filters,
         out: connect("out.sock")?,
         err: connect("err.sock")?,
+        empty,
     })
 }
 
@@ -74,10 +91,18 @@ fn fail(what: String) -> (i32, String) {
 }
 
 /// The job's mounts and identity, then the staging mounts go (see the module doc).
-pub fn prepare(job: &Job) -> Result<(), (i32, String)> {
+pub fn prepare(job: &Job, g: &Gvisor) -> Result<(), (i32, String)> {
     for m in &job.mounts {
         let target = c(&m.target);
-        let source = c(&format!("{MNT}/{}", m.name));
+        let path = format!("{MNT}/{}", m.name);
+        let arrived = identity_of(&path).map_err(|_| fail(format!("stat {path}")))?;
+        if g.empty.iter().any(|(n, id)| *n == m.name && *id == arrived) {
+            return Err((
+                libc::ENOENT,
+                format!("the worker's mount of {path} did not reach the container"),
+            ));
+        }
+        let source = c(&path);
         // gVisor (runsc 2022) takes no remount, and no flags with MS_BIND: the options are
         // the host mount's, which the worker made `nosuid,nodev` (and read-only where the
         // job says) before it reached the staging directory.

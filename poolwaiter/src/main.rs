@@ -99,7 +99,7 @@ fn main() {
     wipe_environment();
     let code = match &gvisor {
         Some(g) => {
-            if let Err((e, why)) = gvisor::prepare(&job) {
+            if let Err((e, why)) = gvisor::prepare(&job, g) {
                 eprintln!("cynode-pool-waiter: {why}");
                 let mut msg = vec![b'M'];
                 msg.extend_from_slice(&e.to_le_bytes());
@@ -288,8 +288,15 @@ fn decode(body: &[u8]) -> std::io::Result<Job> {
     let num = |b: &[u8], what: &str| -> std::io::Result<u64> {
         text(b, what)?.parse().map_err(|_| bad(what))
     };
-    let uid = num(next("uid")?, "uid")? as u32;
-    let gid = num(next("gid")?, "gid")? as u32;
+    // u32::MAX is -1 to setresuid ("unchanged"): refused with everything above it.
+    let id = |b: &[u8], what: &str| -> std::io::Result<u32> {
+        u32::try_from(num(b, what)?)
+            .ok()
+            .filter(|v| *v != u32::MAX)
+            .ok_or_else(|| bad(what))
+    };
+    let uid = id(next("uid")?, "uid")?;
+    let gid = id(next("gid")?, "gid")?;
     if uid == 0 || gid == 0 {
         return Err(bad("uid (root refused)"));
     }
@@ -313,12 +320,13 @@ fn decode(body: &[u8]) -> std::io::Result<Job> {
     let mut mounts = Vec::new();
     for _ in 0..mountc.min(2) {
         let target = text(next("mount target")?, "mount target")?;
-        // Only `/<name>` with a plain name: the source is `/.cynode-mnt/<name>`.
-        let name = target
-            .strip_prefix('/')
-            .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_lowercase()))
-            .ok_or_else(|| bad("mount target"))?
-            .to_string();
+        // Only the job's two directories; the source is `/.cynode-mnt/<name>`.
+        let name = match target.as_str() {
+            "/job" => "job",
+            "/workspace" => "workspace",
+            _ => return Err(bad("mount target")),
+        }
+        .to_string();
         mounts.push(JobMount { name, target });
     }
     if mountc > 2 {
@@ -372,7 +380,7 @@ fn environment(uid: u32, job: Vec<CString>, fallback: Vec<u8>) -> Vec<CString> {
 
 /// `uid`'s home directory in the image's /etc/passwd.
 fn home_of(uid: u32) -> Option<Vec<u8>> {
-    let text = std::fs::read("/etc/passwd").unwrap_or_default();
+    let text = image_file("/etc/passwd")?;
     for line in text.split(|b| *b == b'\n') {
         let f: Vec<&[u8]> = line.split(|b| *b == b':').collect();
         if f.len() >= 6 && f[2] == uid.to_string().as_bytes() && !f[5].is_empty() {
@@ -380,6 +388,23 @@ fn home_of(uid: u32) -> Option<Vec<u8>> {
         }
     }
     None
+}
+
+/// A file of the image (which the job's author chose): a regular file only, opened
+/// without following a link or blocking on a FIFO, at most 1 MiB.
+fn image_file(path: &str) -> Option<Vec<u8>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    if !f.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut text = Vec::new();
+    f.take(1024 * 1024).read_to_end(&mut text).ok()?;
+    Some(text)
 }
 
 /// The program to exec: argv[0] itself when it has a slash, else the first executable
@@ -436,10 +461,15 @@ fn run(sock: &UnixStream, job: &Job, output: Output) -> i32 {
             Err(e) => return report_failure(sock, g.err.as_raw_fd(), job, e),
         },
     };
+    // Where a failure before the fork is told: the job's stderr as the worker reads it.
+    let report = match &relay {
+        Some((_, g)) => g.err.as_raw_fd(),
+        None => fds[1].as_raw_fd(),
+    };
     let mut pipe = [0; 2];
     // SAFETY: an array of two ints.
     if unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return report_failure(sock, fds[1].as_raw_fd(), job, errno());
+        return report_failure(sock, report, job, errno());
     }
     // SAFETY: the waiter is single-threaded: the child may allocate; it only execs or exits.
     let pid = unsafe { libc::fork() };
@@ -459,8 +489,10 @@ fn run(sock: &UnixStream, job: &Job, output: Output) -> i32 {
     if pid < 0 {
         // SAFETY: closing our read end.
         unsafe { libc::close(pipe[0]) };
-        return report_failure(sock, fds[1].as_raw_fd(), job, errno());
+        return report_failure(sock, report, job, errno());
     }
+    // The job is forked: the waiter needs no privilege any more.
+    drop_own_privileges(filters);
     let [out, err] = fds;
     drop(out);
     // SAFETY: the read end is ours; File closes it.
@@ -623,6 +655,37 @@ fn child(
         libc::execve(prog.as_ptr(), argv.as_ptr(), envp.as_ptr());
     }
     errno()
+}
+
+/// Once the job is forked: every capability of the waiter goes (the bounding set, then
+/// all sets), and in gVisor mode the node's filters with no_new_privs, so nothing that
+/// could reach the waiter later finds `CAP_SYS_ADMIN` or mount calls there. What it
+/// still does (read, poll, send, waitpid) needs none of them. Best effort: the job is
+/// already confined on its own.
+fn drop_own_privileges(filters: &[Vec<u8>]) {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    // SAFETY: prctl with integer arguments; capset with a v3 header and two zeroed data
+    // words (three u32 each).
+    unsafe {
+        for cap in 0..64 {
+            if libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 && errno() == libc::EINVAL {
+                break;
+            }
+        }
+        let mut h = Header {
+            version: 0x2008_0522,
+            pid: 0,
+        };
+        let data = [0u32; 6];
+        libc::syscall(libc::SYS_capset, &mut h, data.as_ptr());
+        if !filters.is_empty() && libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0 {
+            let _ = install_filters(filters);
+        }
+    }
 }
 
 /// Whether the permitted, effective and inheritable sets are all empty.

@@ -21,24 +21,32 @@ fn assert_no_leaks(sv: &Server, job_id: &str, marker: Option<&str>) {
     if let Some(m) = marker {
         assert!(!process_with_arg(m), "a process with {m} survived");
     }
-    // An idle gVisor pool slot keeps its staging directory bound on itself (empty: a
-    // job's directories go onto it at the claim and are unmounted at its end).
+    // A live gVisor pool slot keeps its staging directory bound on itself (empty once
+    // idle: a job's directories go onto it at the claim and are unmounted at its end).
     let mounts: Vec<String> = mounts_with(&sv.state_dir().display().to_string())
         .into_iter()
-        .filter(|l| !idle_gvisor_slot(l))
+        .filter(|l| !live_gvisor_slot(sv, l))
         .collect();
     assert_eq!(mounts, Vec::<String>::new());
 }
 
-/// Whether a mountinfo line is an idle gVisor slot's staging mount: mount point
-/// `…/pool/cynode-pool-<n>/mnt` (nothing beneath).
-fn idle_gvisor_slot(line: &str) -> bool {
-    line.split(' ').nth(4).is_some_and(|p| {
-        let mut parts = p.rsplit('/');
-        parts.next() == Some("mnt")
-            && parts.next().is_some_and(|s| s.starts_with("cynode-pool-"))
-            && parts.next() == Some("pool")
-    })
+/// Whether a mountinfo line is a gVisor slot's staging mount (mount point
+/// `…/pool/cynode-pool-<n>/mnt`, nothing beneath) whose container still runs.
+fn live_gvisor_slot(sv: &Server, line: &str) -> bool {
+    let Some(point) = line.split(' ').nth(4) else {
+        return false;
+    };
+    let mut parts = point.rsplit('/');
+    let (Some("mnt"), Some(slot), Some("pool")) = (parts.next(), parts.next(), parts.next()) else {
+        return false;
+    };
+    let Some(cli) = crate::harness::engine_cli(sv.backend) else {
+        return false;
+    };
+    slot.starts_with("cynode-pool-")
+        && crate::harness::engine_names(cli, &format!("name=^{slot}$"))
+            .iter()
+            .any(|n| n == slot)
 }
 
 /// Submits a job that sleeps until stopped (tagged by a unique marker) and waits until it

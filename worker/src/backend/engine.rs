@@ -529,11 +529,15 @@ impl SandboxBackend for EngineBackend {
                 let slot_name = slot.name.clone();
                 match self.run_in_slot(slot, spec, cancel, started).await {
                     Ok(outcome) => return outcome,
-                    Err(why) if cancel.is_cancelled() || started.elapsed() >= spec.timeout => {
-                        return SandboxOutcome::start_failed(why, started)
+                    Err(u)
+                        if !u.retry
+                            || cancel.is_cancelled()
+                            || started.elapsed() >= spec.timeout =>
+                    {
+                        return SandboxOutcome::start_failed(u.why, started)
                     }
-                    Err(why) => {
-                        tracing::warn!(sandbox = %spec.name, slot = %slot_name, reason = %why, "pooled container could not take the job; it runs cold");
+                    Err(u) => {
+                        tracing::warn!(sandbox = %spec.name, slot = %slot_name, reason = %u.why, "pooled container could not take the job; it runs cold");
                     }
                 }
             }
@@ -610,13 +614,13 @@ impl SandboxBackend for EngineBackend {
             // not run anywhere else.
             let name = slot.name.clone();
             drop(slot);
-            self.pool.failed(&name);
             self.force_remove(&name).await;
+            self.pool.failed(&name).await;
             return SandboxOutcome::start_failed(why, started);
         }
         self.run_in_slot(slot, spec, cancel, started)
             .await
-            .unwrap_or_else(|why| SandboxOutcome::start_failed(why, started))
+            .unwrap_or_else(|u| SandboxOutcome::start_failed(u.why, started))
     }
 
     /// Removes every container of this node (the pool's too), then fills the warm pool
@@ -656,6 +660,14 @@ impl SandboxBackend for EngineBackend {
     async fn run_isolated(&self, run: IsolatedRun) -> Result<IsolatedOutput, IsolatedError> {
         self.tools.run(run).await
     }
+}
+
+/// Why a pooled container did not run a job, and whether it may run cold
+/// ([`EngineBackend::run_in_slot`]).
+struct Unclaimed {
+    why: String,
+    /// Nothing of the job ran.
+    retry: bool,
 }
 
 /// `fut`, unless `cancel` fires or `deadline` passes first (then why, as `Err`).
@@ -706,29 +718,45 @@ impl EngineBackend {
     }
 
     /// Sends `spec`'s job to `slot` (bounded by the job's timeout and `cancel`) and runs
-    /// it to its end. `Err`: the slot could not take it; its container is removed and
-    /// nothing of the job ran.
+    /// it to its end. `Err`: the slot could not take it and its container is removed;
+    /// with `retry` nothing of the job ran (the caller may run it cold), without it the
+    /// job may have started.
     async fn run_in_slot(
         &self,
         slot: pool::Slot,
         spec: &SandboxSpec,
         cancel: &CancellationToken,
         started: Instant,
-    ) -> Result<SandboxOutcome, String> {
+    ) -> Result<SandboxOutcome, Unclaimed> {
         let deadline = started + spec.timeout;
         let name = slot.name.clone();
-        let why = match before(slot.start_job(spec), deadline, cancel).await {
-            Ok(pool::Claimed::Running(r)) => {
+        // The claim runs in a task of its own: one given up on (cancel, timeout) may be
+        // mounting the job's directories; its container goes first, then the claim is
+        // awaited (it ends once its waiter is gone), then its slot directory.
+        let job = spec.clone();
+        let mut claim = tokio::spawn(async move { slot.start_job(&job).await });
+        let lost = match before(&mut claim, deadline, cancel).await {
+            Ok(Ok(pool::Claimed::Running(r))) => {
                 // Making the container and binding the proxy count against the timeout.
                 let mut rest = spec.clone();
                 rest.timeout = deadline.saturating_duration_since(Instant::now());
                 return Ok(self.run_warm(&rest, cancel, *r, started).await);
             }
-            Ok(pool::Claimed::Failed(why)) | Err(why) => why,
+            Ok(Ok(pool::Claimed::Failed(why))) => Unclaimed { why, retry: true },
+            Ok(Ok(pool::Claimed::Lost(why))) => Unclaimed { why, retry: false },
+            Ok(Err(e)) => Unclaimed {
+                why: format!("the claim task failed: {e}"),
+                retry: false,
+            },
+            Err(why) => {
+                self.force_remove(&name).await;
+                let _ = claim.await;
+                Unclaimed { why, retry: false }
+            }
         };
-        self.pool.failed(&name);
         self.force_remove(&name).await;
-        Err(why)
+        self.pool.failed(&name).await;
+        Err(lost)
     }
 
     /// Runs the job `r` started in a pooled container to its end: its exit code from the

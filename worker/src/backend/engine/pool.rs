@@ -40,8 +40,9 @@
 //! 2. On a fresh thread (`unshare(CLONE_FS)`, then `setns` into the container's mount
 //!    namespace through the pidfd): its placeholder is unmounted and the copy `move_mount`ed onto the directory beneath
 //!    (opened `O_PATH|O_NOFOLLOW`, so an image's symlink is not followed), and `/.cynode`
-//!    is unmounted (detached). No host mount is made: nothing under the state directory
-//!    stays mounted, and the mounts go with the container's namespace. The rslave
+//!    is unmounted (detached). No host mount is made (under runc: gVisor's are below):
+//!    nothing under the state directory stays mounted, and the mounts go with the
+//!    container's namespace. The rslave
 //!    propagation alternative would keep a shared mount per idle slot on the host and
 //!    depends on the engine daemon's mount namespace (dockerd's); this does neither.
 //! 3. The job (uid, gid, cwd, argv, env) goes to the waiter with the write ends of two
@@ -78,12 +79,16 @@
 //! `create`, `init`, `start` was (+171 ms over a cold job without network; this way -62
 //! ms on Podman, -40 to -49 ms on Docker: `worker/benches/egress_engines.sh`).
 //!
-//! **Not pooled**: sessions, mounts other than `/job` and `/workspace`, and gVisor
-//! (`runtime: runsc`, refused by the config: the sentry has a VFS of its own whose mount
-//! roots are opened at creation, so a mount put on a placeholder afterwards never appears
-//! inside, and fds of host pipes are not passed in). docs/PERFORMANCE.md ("gVisor is not
-//! pooled") has a way that fits, tried by hand: mounts under an `rslave` directory, bound
-//! onto the placeholders inside gVisor by the waiter.
+//! **Under gVisor** (`runtime: runsc`) steps 2 and 3 differ: the sentry has a VFS of its
+//! own whose mount roots are opened at creation, so a mount put on a placeholder
+//! afterwards never appears inside, and descriptors of host pipes are not imported. The
+//! clones go onto the slot's shared staging directory on the host instead, the waiter
+//! binds them inside, and the job's output comes over two more host sockets
+//! ([`gvisor`]; the waiter's side in `poolwaiter/src/gvisor.rs`). There `SO_PEERCRED`
+//! names a process of gVisor's (the sandbox), not the waiter: [`Slot::pid`] and
+//! [`Slot::alive`] are used only for gated jobs, which gVisor refuses.
+//!
+//! **Not pooled**: sessions, and mounts other than `/job` and `/workspace`.
 //!
 //! **Bounds and refill.** At most `pool_size` idle or starting containers per key, and at
 //! most [`MAX_KEYS`] keys (the least recently claimed key's idle containers go first). A
@@ -124,6 +129,8 @@ const SOCKET_NAME: &str = "ctl.sock";
 const READY_BOUND: Duration = Duration::from_secs(90);
 /// At most this many keys (image and limits) have a pool at once.
 pub const MAX_KEYS: usize = 4;
+/// The host threads a warm gVisor container's limit allows beyond a cold one's.
+const GVISOR_EXTRA_THREADS: u64 = 64;
 /// After a failed creation, the key's refill waits this long.
 const BACKOFF: Duration = Duration::from_secs(5);
 
@@ -234,6 +241,9 @@ pub enum Claimed {
     /// The slot could not take the job (the container died, a mount failed); nothing of
     /// the job ran. The caller runs it cold.
     Failed(String),
+    /// The job was sent but the waiter never said it runs: it may have started, so it is
+    /// not run again.
+    Lost(String),
 }
 
 /// A job started in a pooled container.
@@ -308,23 +318,21 @@ impl Pool {
     }
 
     /// Counts a pooled container that could not take its job and removes its slot
-    /// directory (the caller removes the container).
-    pub fn failed(&self, name: &str) {
+    /// directory (the caller has removed the container first: its gVisor mounts go
+    /// with it).
+    pub async fn failed(&self, name: &str) {
         self.inner.failures.fetch_add(1, Ordering::Relaxed);
-        remove_slot_dir(&self.inner.dir.join(name));
+        let dir = self.inner.dir.join(name);
+        let _ = tokio::task::spawn_blocking(move || remove_slot_dir(&dir)).await;
     }
 
     /// Removes the slot directories of a previous run (their containers are gone:
     /// reconciliation removed every managed container first) and makes the pool's
     /// directory, root's only.
     pub fn reset_dir(&self) {
-        // A gVisor slot's staging mounts of a killed node go first: removing through them
-        // would delete the workspaces they show.
-        if !gvisor::unmount_beneath(&self.inner.dir) {
-            tracing::error!(dir = %self.inner.dir.display(), "the pool directory keeps a mount; it is left, not removed");
-            return;
-        }
-        let _ = std::fs::remove_dir_all(&self.inner.dir);
+        // A gVisor slot's staging mounts of a killed node go first, and never through a
+        // recursive removal: it would delete the workspaces they show.
+        gvisor::remove_pool_dir(&self.inner.dir);
         let _ = self.ensure_dir();
     }
 
@@ -917,9 +925,10 @@ impl Slot {
                 ));
             }
             _ => {
-                // The job may have been sent: the container must not live on.
+                // The job was sent and may run: the container must not live on, and the
+                // job is not run again.
                 let _ = child.start_kill();
-                return fail("the waiter did not start the job".into());
+                return Claimed::Lost("the waiter did not say whether the job started".into());
             }
         };
         Claimed::Running(Box::new(Running {
@@ -1097,7 +1106,17 @@ impl EngineBackend {
         ]);
         a.push(format!("--memory={}m", l.memory_mb));
         a.push(format!("--memory-swap={}m", l.memory_mb));
-        a.push(format!("--pids-limit={}", l.pids + 1));
+        // Under gVisor the engine's pids limit counts the sandbox's host threads (the
+        // sentry's and the gofer's), not the job's processes, which are gVisor's tasks: a
+        // warm container, with its waiter's three host sockets and output relay, runs
+        // about 30 more of them than a cold one (54 idle, 74 with a job, against 42; a
+        // limit of 65 crashed the sentry).
+        let pids = if gvisor {
+            l.pids + 1 + GVISOR_EXTRA_THREADS
+        } else {
+            l.pids + 1
+        };
+        a.push(format!("--pids-limit={pids}"));
         a.push(format!("--cpus={}", l.cpus));
         a.push(format!("--tmpfs=/tmp:rw,size={}m,mode=1777", l.tmpfs_mb));
         a.push(format!("--volume={}:{CTL_MOUNT}:ro", dir.display()));
@@ -1296,6 +1315,8 @@ mod tests {
         ] {
             assert!(a[..end].iter().any(|x| x == want), "{want} missing: {a:?}");
         }
+        let pids = spec(&["true"], true).limits.pids + 1 + GVISOR_EXTRA_THREADS;
+        assert!(a[..end].contains(&format!("--pids-limit={pids}")), "{a:?}");
         assert_eq!(&a[end + 1..], ["img:1", "/.cynode/ctl.sock", "--gvisor"]);
     }
 }

@@ -21,9 +21,10 @@
 //! mount points are opened without following a link.
 //!
 //! **At the end** ([`remove_slot_dir`]) every mount beneath a slot directory is unmounted
-//! (detached) before the directory is removed, and a directory that keeps a mount is left:
-//! removing through a mount would delete a workspace. The same runs over the whole pool
-//! directory at start, for what a killed node left.
+//! (detached), and its staging directory is removed without recursion (known files, then
+//! `rmdir`), so a mount still there (or one landing late) stops the removal instead of
+//! letting it delete a workspace through it. The same runs over the whole pool directory
+//! at start ([`remove_pool_dir`]), for what a killed node left.
 
 use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
@@ -80,9 +81,11 @@ pub(super) fn mount_job(dir: &Path, mounts: &[(PathBuf, String, bool)]) -> std::
     Ok(())
 }
 
-/// Unmounts (detached, deepest first) every mount at or beneath `dir`; whether none is
-/// left. Blocking.
+/// Unmounts (detached, deepest first) every mount at or beneath `dir` (its real path: the
+/// kernel's names are); whether none is left. Blocking.
 pub fn unmount_beneath(dir: &Path) -> bool {
+    let real = std::fs::canonicalize(dir);
+    let dir = real.as_deref().unwrap_or(dir);
     for _ in 0..4 {
         let Ok(mounts) = mountinfo::read() else {
             return false;
@@ -101,13 +104,50 @@ pub fn unmount_beneath(dir: &Path) -> bool {
     false
 }
 
-/// Removes a slot directory once nothing is mounted beneath it; one that keeps a mount is
-/// left and logged. Blocking.
+/// Removes a slot directory. Its staging directory is never removed recursively: after
+/// the unmounts, only its known files go, then each directory by `rmdir`, which fails on
+/// a mount point (or anything left in it) rather than entering it; a slot whose staging
+/// directory stays is left and logged. Blocking.
 pub fn remove_slot_dir(dir: &Path) {
-    // A runc slot never has a mount: no mountinfo read for it.
-    let staged = std::fs::symlink_metadata(dir.join(STAGING)).is_ok();
-    if staged && !unmount_beneath(dir) {
-        tracing::error!(dir = %dir.display(), "a pool directory keeps a mount; it is left, not removed");
+    let staging = dir.join(STAGING);
+    if std::fs::symlink_metadata(&staging).is_ok() {
+        unmount_beneath(dir);
+        for file in ["passwd", "group"] {
+            let _ = std::fs::remove_file(staging.join(file));
+        }
+        let dirs = [JOB_MOUNT, WORKSPACE_MOUNT].map(|t| staging.join(staged_name(t)));
+        for d in dirs.iter().chain([&staging]) {
+            match std::fs::remove_dir(d) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => {
+                    tracing::error!(dir = %d.display(), error = %e, "a pool slot's staging directory cannot be removed (still mounted?); the slot is left");
+                    return;
+                }
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+/// Removes the pool's directory (at start: what a previous run left), each slot by
+/// [`remove_slot_dir`] first; left when a slot is. Blocking.
+pub fn remove_pool_dir(dir: &Path) {
+    unmount_beneath(dir);
+    if let Ok(entries) = std::fs::read_dir(dir) {
+        for e in entries.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_slot_dir(&e.path());
+            }
+        }
+    }
+    let left = std::fs::read_dir(dir).is_ok_and(|entries| {
+        entries
+            .flatten()
+            .any(|e| std::fs::symlink_metadata(e.path().join(STAGING)).is_ok())
+    });
+    if left {
+        tracing::error!(dir = %dir.display(), "the pool directory keeps a slot it cannot remove; it is left");
         return;
     }
     let _ = std::fs::remove_dir_all(dir);
