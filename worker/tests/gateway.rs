@@ -418,10 +418,19 @@ async fn an_https_gateway_of_a_private_ca_is_reached_only_when_the_node_trusts_i
         0,
         "the PM side was reached"
     );
-    let log = untrusting.log.lock().unwrap().join("\n");
-    assert!(
+    // The line may reach the log's reader a moment after the answer (CI run 20).
+    let named = |log: &str| {
         log.lines()
-            .any(|l| l.contains("gateway upstream failed") && l.contains("certificate")),
+            .any(|l| l.contains("gateway upstream failed") && l.contains("certificate"))
+    };
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut log = untrusting.log.lock().unwrap().join("\n");
+    while !named(&log) && std::time::Instant::now() < until {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        log = untrusting.log.lock().unwrap().join("\n");
+    }
+    assert!(
+        named(&log),
         "the node's log should name the certificate problem: {log}"
     );
     let _ = untrusting
