@@ -2,13 +2,16 @@
 //! (`worker/src/backend/engine/pool.rs` has the design). Statically linked, so it runs in
 //! any image; the worker mounts it read-only at `/.cynode/` with the slot's control socket.
 //!
-//! 1. Makes itself non-dumpable, connects to the control socket given as its only argument
+//! 1. Makes itself non-dumpable, connects to the control socket given as its first argument
 //!    (the worker listens there; it unlinks the socket as soon as this connection is
-//!    accepted), and says `R` (ready).
+//!    accepted), and says `R` (ready). With `--gvisor` after it, see [`gvisor`] (its
+//!    output sockets and filters first, its mounts at the claim).
 //! 2. Waits for one job: `u32` length (little endian) and that many bytes of NUL-terminated
-//!    fields: `1`, uid, gid, cwd, home (the engine's fallback `HOME`), argc, argv…, envc,
-//!    env…, with the job's stdout and stderr
-//!    (pipes of the worker) passed as two descriptors (`SCM_RIGHTS`) on the same message.
+//!    fields: `2`, uid, gid, cwd, home (the engine's fallback `HOME`), argc, argv…, envc,
+//!    env…, mountc, mount targets… (gVisor only: `/job`, `/workspace`), identity (`1`:
+//!    add Podman's passwd entry, gVisor only; else `0`), with the job's stdout and stderr
+//!    (pipes of the worker) passed as two descriptors (`SCM_RIGHTS`) on the same message
+//!    (none under gVisor). Then zeroes its own environment strings.
 //!    End of file instead of a job (the worker went away): exits 0, so the container ends.
 //! 3. Forks the job. The child: stdin `/dev/null`, stdout/stderr the passed pipes, a
 //!    session of its own, every capability dropped from the bounding set, the job's gid as
@@ -20,9 +23,11 @@
 //!    waiter's own environment (the image's and the engine's), `HOME` of the job's uid and
 //!    the job's variables over them. The seccomp
 //!    profile, cgroup limits and namespaces are the container's own, inherited.
-//! 4. Says `S` once the job runs (exec succeeded: the close-on-exec error pipe closed), or
+//! 4. Drops its own capabilities (and under gVisor takes the node's filters). Says `S` once
+//!    the job runs (exec succeeded: the close-on-exec error pipe closed), or
 //!    `F` and the errno when it could not be started (and writes why on the job's stderr,
-//!    exit code 127, or 126 for a permission error).
+//!    exit code 127, or 126 for a permission error); under gVisor, `M` and the errno when
+//!    the job's directories could not be bound (nothing ran).
 //! 5. Reaps children until the job itself has exited, says `X` and its exit code (128 +
 //!    signal when it was killed, as the engines report), and exits: as PID 1 its exit ends
 //!    the container, and the kernel kills whatever the job left behind.
@@ -37,8 +42,8 @@
 //!
 //! The job (another uid, no capabilities) can neither signal nor ptrace this process (it
 //! is root's, non-dumpable, and PID 1 of the namespace), nor open its descriptors through
-//! `/proc/1/fd`; the socket's name is gone and its directory unmounted before the job is
-//! sent.
+//! `/proc/1/fd` (tested on runc and gVisor); the socket's name is gone and its directory
+//! unmounted before the job is sent.
 
 use std::ffi::{CStr, CString};
 use std::io::{Read, Write};
