@@ -90,10 +90,28 @@ fn fail(what: String) -> (i32, String) {
     )
 }
 
+/// Binds `source` onto `target` (`MS_BIND`, no flags: gVisor takes none).
+fn bind(source: &str, target: &str) -> Result<(), (i32, String)> {
+    let (s, t) = (c(source), c(target));
+    // SAFETY: mount with valid C strings and null type and data.
+    let r = unsafe {
+        libc::mount(
+            s.as_ptr(),
+            t.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    };
+    if r != 0 {
+        return Err(fail(format!("bind {source} onto {target}")));
+    }
+    Ok(())
+}
+
 /// The job's mounts and identity, then the staging mounts go (see the module doc).
 pub fn prepare(job: &Job, g: &Gvisor) -> Result<(), (i32, String)> {
     for m in &job.mounts {
-        let target = c(&m.target);
         let path = format!("{MNT}/{}", m.name);
         let arrived = identity_of(&path).map_err(|_| fail(format!("stat {path}")))?;
         if g.empty.iter().any(|(n, id)| *n == m.name && *id == arrived) {
@@ -102,26 +120,15 @@ pub fn prepare(job: &Job, g: &Gvisor) -> Result<(), (i32, String)> {
                 format!("the worker's mount of {path} did not reach the container"),
             ));
         }
-        let source = c(&path);
         // gVisor (runsc 2022) takes no remount, and no flags with MS_BIND: the options are
         // the host mount's, which the worker made `nosuid,nodev` (and read-only where the
         // job says) before it reached the staging directory.
-        // SAFETY: mount calls with valid C strings and null data.
-        unsafe {
-            if libc::umount2(target.as_ptr(), libc::MNT_DETACH) != 0 {
-                return Err(fail(format!("umount the placeholder {}", m.target)));
-            }
-            if libc::mount(
-                source.as_ptr(),
-                target.as_ptr(),
-                std::ptr::null(),
-                libc::MS_BIND,
-                std::ptr::null(),
-            ) != 0
-            {
-                return Err(fail(format!("bind {} onto {}", m.name, m.target)));
-            }
+        let target = &m.target;
+        // SAFETY: umount2 with a valid C string.
+        if unsafe { libc::umount2(c(target).as_ptr(), libc::MNT_DETACH) } != 0 {
+            return Err(fail(format!("umount the placeholder {target}")));
         }
+        bind(&path, target)?;
     }
     if let Some(workdir) = &job.identity {
         identity(job.uid, workdir)?;
@@ -182,20 +189,7 @@ fn identity(uid: u32, workdir: &str) -> Result<(), (i32, String)> {
         f.write_all(&text)
             .map_err(|_| fail(format!("write {staged}")))?;
         drop(f);
-        let (s, t) = (c(&staged), c(&target));
-        // SAFETY: mount calls with valid C strings and null data.
-        unsafe {
-            if libc::mount(
-                s.as_ptr(),
-                t.as_ptr(),
-                std::ptr::null(),
-                libc::MS_BIND,
-                std::ptr::null(),
-            ) != 0
-            {
-                return Err(fail(format!("bind over {target}")));
-            }
-        }
+        bind(&staged, &target)?;
     }
     Ok(())
 }

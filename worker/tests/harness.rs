@@ -341,9 +341,7 @@ impl Drop for Server {
         // go before the state directory does.
         cynode_worker::loopfs::unmount_all_beneath(self.dir.path());
         // So do a gVisor pool slot's staging mounts (a killed node's, or an idle slot's).
-        if let Ok(dir) = std::fs::canonicalize(self.dir.path()) {
-            cynode_worker::backend::engine::pool::unmount_beneath(&dir);
-        }
+        cynode_worker::backend::engine::pool::unmount_beneath(self.dir.path());
     }
 }
 

@@ -749,9 +749,11 @@ impl EngineBackend {
                 retry: false,
             },
             Err(why) => {
+                // The container goes before the claim is awaited (its waiter's end ends it).
                 self.force_remove(&name).await;
                 let _ = claim.await;
-                Unclaimed { why, retry: false }
+                self.pool.failed(&name).await;
+                return Err(Unclaimed { why, retry: false });
             }
         };
         self.force_remove(&name).await;

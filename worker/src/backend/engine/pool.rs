@@ -745,10 +745,9 @@ impl Pool {
 /// stop, once no job runs: idle slots' containers end with the node, and the next start
 /// removes their directories). Blocking.
 pub fn unmount_slots(state_dir: &Path) {
-    if let Ok(dir) = std::fs::canonicalize(state_dir.join("pool")) {
-        if !unmount_beneath(&dir) {
-            tracing::warn!(dir = %dir.display(), "mounts are left under the pool's directory");
-        }
+    let dir = state_dir.join("pool");
+    if !unmount_beneath(&dir) {
+        tracing::warn!(dir = %dir.display(), "mounts are left under the pool's directory");
     }
 }
 
@@ -1236,26 +1235,31 @@ mod tests {
         }
     }
 
+    /// The `run` argv of a Podman slot for `spec` of a node with `cfg`.
+    fn slot_args(cfg: crate::config::EngineConfig, spec: &SandboxSpec) -> Vec<String> {
+        let e = EngineBackend::new(
+            crate::config::BackendKind::Podman,
+            cfg,
+            "n".into(),
+            Path::new("/s"),
+            crate::backend::bwrap::IsolatedBwrap::new("bwrap".into(), "n".into(), Some(false)),
+        );
+        e.pool_args(
+            spec,
+            "cynode-pool-1",
+            Path::new("/s/pool/x"),
+            Path::new("/s/pool/empty"),
+        )
+    }
+
     /// A pooled container keeps a cold one's walls: no network, read-only root, the
     /// node's seccomp profile, no-new-privileges, all capabilities dropped but the three
     /// the waiter needs to drop to the job's uid, the limits (one more pid for the waiter),
     /// the node's label; the image after `--`.
     #[test]
     fn pool_args_keep_the_cold_walls() {
-        let e = EngineBackend::new(
-            crate::config::BackendKind::Podman,
-            crate::config::EngineConfig::default(),
-            "n".into(),
-            Path::new("/s"),
-            crate::backend::bwrap::IsolatedBwrap::new("bwrap".into(), "n".into(), Some(false)),
-        );
         let s = spec(&["true"], true);
-        let a = e.pool_args(
-            &s,
-            "cynode-pool-1",
-            Path::new("/s/pool/x"),
-            Path::new("/s/pool/empty"),
-        );
+        let a = slot_args(crate::config::EngineConfig::default(), &s);
         let end = a.iter().position(|x| x == "--").unwrap_or(0);
         for want in [
             "--rm",
@@ -1290,19 +1294,7 @@ mod tests {
             runtime: crate::config::OciRuntime::Runsc,
             ..crate::config::EngineConfig::default()
         };
-        let e = EngineBackend::new(
-            crate::config::BackendKind::Podman,
-            cfg,
-            "n".into(),
-            Path::new("/s"),
-            crate::backend::bwrap::IsolatedBwrap::new("bwrap".into(), "n".into(), Some(false)),
-        );
-        let a = e.pool_args(
-            &spec(&["true"], true),
-            "cynode-pool-1",
-            Path::new("/s/pool/x"),
-            Path::new("/s/pool/empty"),
-        );
+        let a = slot_args(cfg, &spec(&["true"], true));
         let end = a.iter().position(|x| x == "--").unwrap_or(0);
         for want in [
             "--security-opt=seccomp=unconfined",
