@@ -40,6 +40,9 @@
 //! installs. Any failure before the exec exits 126 (127: the command is not found)
 //! without running the command.
 //!
+//! **`--bwrap EXE CTL READY`**, a third use: the command of a warm bubblewrap sandbox,
+//! which waits for one job and becomes it ([`bwrap`]).
+//!
 //! The job (another uid, no capabilities) can neither signal nor ptrace this process (it
 //! is root's, non-dumpable, and PID 1 of the namespace), nor open its descriptors through
 //! `/proc/1/fd` (tested on runc and gVisor); the socket's name is gone and its directory
@@ -55,12 +58,16 @@ const MAX_MESSAGE: usize = 8 * 1024 * 1024;
 /// The PATH used when the job's environment has none.
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
+mod bwrap;
 mod gvisor;
 
 fn main() {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if args.get(1).is_some_and(|a| a == "--seccomp-exec") {
         seccomp_exec(&args[2..]);
+    }
+    if args.get(1).is_some_and(|a| a == "--bwrap") {
+        bwrap::main(&args[2..]);
     }
     // SAFETY: prctl with an integer argument.
     unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };

@@ -73,6 +73,7 @@ macro_rules! on_every_backend {
 
 mod backends;
 mod bwrap_starters;
+mod bwrap_warm;
 mod cases;
 mod disk_attacks;
 mod disk_unlinked;

@@ -22,7 +22,7 @@ async fn metrics(sv: &Server) -> String {
 }
 
 /// The node's cgroup directories (v1 pids hierarchy or v2), from its state directory.
-fn node_cgroups(sv: &Server) -> Vec<PathBuf> {
+pub fn node_cgroups(sv: &Server) -> Vec<PathBuf> {
     let state = std::fs::canonicalize(sv.state_dir()).unwrap();
     let node = &sha256_hex(state.display().to_string().as_bytes())[..12];
     ["/sys/fs/cgroup/pids/cynode", "/sys/fs/cgroup/cynode"]
@@ -53,7 +53,7 @@ fn starters(sv: &Server) -> Vec<(PathBuf, Vec<i32>)> {
 /// Whether process `pid` exists and has not exited. An exited one may stay a zombie for
 /// a while: its new parent (under CI, `cynode-reap`, the run's subreaper) reaps it only
 /// at the end, and a zombie runs nothing.
-fn runs(pid: i32) -> bool {
+pub fn runs(pid: i32) -> bool {
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;
     };

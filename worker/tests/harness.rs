@@ -57,6 +57,7 @@ pub fn node_backend(backend: &str) -> &str {
     match backend {
         "runsc" | "podman_warm" | "runsc_warm" => "podman",
         "docker_warm" => "docker",
+        "bwrap_warm" => "bwrap",
         other => other,
     }
 }
@@ -98,6 +99,11 @@ fn backend_config(backend: &str, extra: &str) -> String {
         // The engines with their warm pool on (`warm_pool.rs`).
         "podman_warm" | "docker_warm" | "runsc_warm" => {
             crate::warm_pool::backend_config(backend, extra)
+        }
+        // bwrap with warm sandboxes (`bwrap_warm.rs`): the bwrap section gets them.
+        "bwrap_warm" => {
+            crate::warm_pool::waiter();
+            "backend: bwrap\n".to_string()
         }
         // Every other name is a `backend:` of its own (a name the worker does not know
         // fails its config).
@@ -395,7 +401,7 @@ fn kill_orphan_conmons() {
 }
 
 /// Every process as (pid, parent pid, command line).
-fn processes() -> Vec<(i32, i32, String)> {
+pub fn processes() -> Vec<(i32, i32, String)> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -501,9 +507,10 @@ fn launch(
     std::fs::write(
         &config,
         format!(
-            "listen: 127.0.0.1:0\n{}state_dir: {}\n{token_line}bwrap:\n  rootfs:\n    \"{}\": {}\n{extra}\n",
+            "listen: 127.0.0.1:0\n{}state_dir: {}\n{token_line}bwrap:\n{}  rootfs:\n    \"{}\": {}\n{extra}\n",
             backend_config(backend, extra),
             dir.join("state").display(),
+            crate::bwrap_warm::bwrap_lines(backend),
             e.image,
             e.rootfs.display()
         ),

@@ -47,6 +47,7 @@ use crate::sandbox::SANDBOX_UID_TEXT;
 
 mod isolated;
 pub mod starter;
+pub mod warm;
 pub use isolated::IsolatedBwrap;
 
 /// What runs when an SBA job's image has no explicit command.
@@ -66,6 +67,8 @@ pub struct BwrapBackend {
     disable_userns: bool,
     /// Pre-spawned starters ([`starter`]), shared by the backend's clones.
     starters: Arc<std::sync::OnceLock<Option<Arc<starter::Starters>>>>,
+    /// Warm sandboxes ([`warm`], `bwrap.warm_slots`), shared by the backend's clones.
+    warm: Arc<std::sync::OnceLock<Option<Arc<warm::Warm>>>>,
 }
 
 /// The compiled seccomp programs, built once.
@@ -251,7 +254,23 @@ impl BwrapBackend {
             node,
             disable_userns,
             starters: Arc::default(),
+            warm: Arc::default(),
         }
+    }
+
+    /// The backend's warm sandboxes, started at its first job; `None` when off.
+    fn warm(&self) -> Option<&warm::Warm> {
+        self.warm
+            .get_or_init(|| {
+                warm::Warm::start(
+                    self.binary(),
+                    &self.node,
+                    self.disable_userns,
+                    self.cfg.warm_slots,
+                    &self.cfg.pool_waiter,
+                )
+            })
+            .as_deref()
     }
 
     fn binary(&self) -> &str {
@@ -270,16 +289,7 @@ impl BwrapBackend {
     /// The bwrap argv for `spec` with `rootfs` as `/`, confined by `confinement` (its
     /// [`Confinement::args`]).
     pub fn args(&self, spec: &SandboxSpec, rootfs: &Path, confinement: &[String]) -> Vec<String> {
-        let mut a = isolation_args("sandbox");
-        a.extend(confinement.iter().cloned());
-        a.extend(["--ro-bind".into(), rootfs.display().to_string(), "/".into()]);
-        a.extend(["--dev", "/dev", "--proc", "/proc"].map(String::from));
-        a.extend([
-            "--size".into(),
-            (spec.limits.tmpfs_mb * 1024 * 1024).to_string(),
-            "--tmpfs".into(),
-            "/tmp".into(),
-        ]);
+        let mut a = sandbox_args(rootfs, &spec.limits, confinement);
         for m in &spec.mounts {
             let flag = if m.writable { "--bind" } else { "--ro-bind" };
             a.extend([flag.into(), m.host.display().to_string(), m.target.clone()]);
@@ -355,6 +365,29 @@ impl BwrapBackend {
         }
     }
 
+    /// The job handed to an idle warm sandbox of its key ([`warm`]), if there is one and
+    /// the claim succeeds (else nothing of it ran, and it starts as before).
+    async fn claim_slot(
+        &self,
+        spec: &SandboxSpec,
+        rootfs: &Path,
+    ) -> Option<(tokio::process::Child, Confinement)> {
+        let w = self.warm()?;
+        let slot = w.take(spec, rootfs)?;
+        let s = spec.clone();
+        let claimed = tokio::task::spawn_blocking(move || slot.claim(&s))
+            .await
+            .unwrap_or_else(|e| Err(format!("the claim panicked: {e}")));
+        match claimed {
+            Ok(c) => Some(c),
+            Err(e) => {
+                w.failed();
+                tracing::warn!(sandbox = %spec.name, error = %e, "warm bwrap sandbox not used; starting as before");
+                None
+            }
+        }
+    }
+
     /// Runs the sandbox to the end; with a `hook`, bwrap reports the sandbox's pid and
     /// waits ([`Gate`]) until the hook has run (a failed hook ends it unstarted).
     pub async fn run_with(
@@ -372,10 +405,16 @@ impl BwrapBackend {
                 spec.image
             ));
         };
-        // A pre-spawned starter (already in its cgroup) when the job needs no gate.
-        let warm = match hook {
-            None => self.starters(spec).and_then(|p| p.take(&spec.limits)),
+        // A warm sandbox of the workspace's uid, else a pre-spawned starter (already in
+        // its cgroup), when the job needs no gate.
+        let from_slot = match hook {
+            None => self.claim_slot(spec, rootfs).await,
             Some(_) => None,
+        };
+        let warm_slot = from_slot.is_some();
+        let warm = match (&hook, &from_slot) {
+            (None, None) => self.starters(spec).and_then(|p| p.take(&spec.limits)),
+            _ => None,
         };
         let started_warm = match warm {
             Some(t) => {
@@ -390,9 +429,10 @@ impl BwrapBackend {
             }
             None => None,
         };
-        let (mut child, mut confinement, gate) = match started_warm {
-            Some(c) => (c.child, c.confinement, None),
-            None => match self.spawn_cold(spec, rootfs, hook.is_some()) {
+        let (mut child, mut confinement, gate) = match (from_slot, started_warm) {
+            (Some((child, confinement)), _) => (child, confinement, None),
+            (None, Some(c)) => (c.child, c.confinement, None),
+            (None, None) => match self.spawn_cold(spec, rootfs, hook.is_some()) {
                 Ok(x) => x,
                 Err(e) => return fail(e),
             },
@@ -453,7 +493,7 @@ impl BwrapBackend {
         let outcome = SandboxOutcome::collected(exit_code, out, err, end, started).await;
         let collect_us = lap.us();
         drop(confinement);
-        tracing::debug!(sandbox = %spec.name, start_us, hook_us, wait_us, kill_us, collect_us, cgroup_remove_us = lap.us(), "phases: bwrap");
+        tracing::debug!(sandbox = %spec.name, warm_slot, start_us, hook_us, wait_us, kill_us, collect_us, cgroup_remove_us = lap.us(), "phases: bwrap");
         outcome
     }
 }
@@ -559,6 +599,23 @@ impl SandboxBackend for BwrapBackend {
         .run(run)
         .await
     }
+}
+
+/// A job's bwrap arguments up to its own parts (mounts, working directory, environment,
+/// command): the isolation, `confinement`'s options, the read-only root, /dev, /proc and
+/// the tmpfs /tmp of `limits`' size. A warm sandbox ([`warm`]) is made with exactly these.
+pub fn sandbox_args(rootfs: &Path, limits: &ResourceLimits, confinement: &[String]) -> Vec<String> {
+    let mut a = isolation_args("sandbox");
+    a.extend(confinement.iter().cloned());
+    a.extend(["--ro-bind".into(), rootfs.display().to_string(), "/".into()]);
+    a.extend(["--dev", "/dev", "--proc", "/proc"].map(String::from));
+    a.extend([
+        "--size".into(),
+        (limits.tmpfs_mb * 1024 * 1024).to_string(),
+        "--tmpfs".into(),
+        "/tmp".into(),
+    ]);
+    a
 }
 
 /// The isolation every bwrap sandbox of the node starts with: every namespace new (no

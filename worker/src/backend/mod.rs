@@ -21,6 +21,7 @@ pub mod capture;
 pub mod engine;
 pub mod isolated;
 pub mod microvm;
+pub mod mount_tree;
 pub mod netns_gate;
 pub mod seccomp;
 

@@ -118,7 +118,7 @@ impl Gate {
 }
 
 /// Reads `{"child-pid": N, …}` (bwrap writes it and keeps the fd open).
-fn read_child_pid(fd: OwnedFd) -> Result<u32, String> {
+pub(crate) fn read_child_pid(fd: OwnedFd) -> Result<u32, String> {
     let mut f = std::fs::File::from(fd);
     let mut text = Vec::new();
     let mut buf = [0u8; 256];

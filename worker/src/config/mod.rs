@@ -329,12 +329,31 @@ fn pool_size<'de, D: serde::Deserializer<'de>>(d: D) -> Result<usize, D::Error> 
 }
 
 /// bubblewrap settings.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct BwrapConfig {
     pub binary: Option<String>,
     /// Image name → root filesystem directory used as `/` inside the sandbox.
     pub rootfs: BTreeMap<String, PathBuf>,
+    /// Warm sandboxes (`backend/bwrap/warm.rs`): bwrap sandboxes made ahead for the
+    /// workspaces that ran a job last, each serving one job. 0 (the default) turns them
+    /// off. At most [`MAX_POOL_SIZE`] idle or being made; needs the node to run as root.
+    #[serde(deserialize_with = "pool_size")]
+    pub warm_slots: usize,
+    /// The static `cynode-pool-waiter` (deploy/worker/build-waiter.sh), the command of a
+    /// warm sandbox until its job comes.
+    pub pool_waiter: PathBuf,
+}
+
+impl Default for BwrapConfig {
+    fn default() -> Self {
+        BwrapConfig {
+            binary: None,
+            rootfs: BTreeMap::new(),
+            warm_slots: 0,
+            pool_waiter: default_pool_waiter(),
+        }
+    }
 }
 
 /// Per-sandbox limits and API limits.

@@ -104,5 +104,6 @@ fn render(node: &Node) -> String {
     }
     out.push_str(&crate::loopfs::metrics_text());
     out.push_str(&crate::backend::bwrap::starter::metrics_text());
+    out.push_str(&crate::backend::bwrap::warm::metrics_text());
     out
 }

@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 use rustix::fs::OFlags;
 use rustix::mount::{self as rmount, MountPropagationFlags, UnmountFlags};
 
-use super::inject::{clone_tree, job_attrs, move_onto};
+use crate::backend::mount_tree::{clone_tree, job_attrs, move_onto};
 use crate::backend::seccomp;
 use crate::loopfs::mountinfo;
 use crate::sandbox::{JOB_MOUNT, WORKSPACE_MOUNT};
