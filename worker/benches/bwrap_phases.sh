@@ -21,6 +21,8 @@
 #   OUT                [/var/cache/cynode/bench/worker]  results: bwrap-phases-<stamp>.json
 #   WORKER_ENV         []      extra environment for the worker, e.g. CYNODE_DISK_VOLUMES=off
 #   WORKER_BIN         [$CARGO_TARGET_DIR/release/cynode-worker]
+#   WARM_SLOTS         [0]     bwrap.warm_slots (warm sandboxes, backend/bwrap/warm.rs; the
+#                              waiter from deploy/worker/build-waiter.sh must be built)
 set -euo pipefail
 
 cd "$(dirname "$0")/../.."
@@ -71,6 +73,7 @@ backend: bwrap
 state_dir: $work/state
 token_file: $work/token
 bwrap:
+  warm_slots: ${WARM_SLOTS:-0}
   rootfs:
     "$image": $rootfs
 queue:
@@ -155,6 +158,7 @@ def pct(xs, p):
 time.sleep(0.5)  # the last job's "finish" line is written before its response; margin
 keep = set(ids)
 phases = {}
+warm_jobs = 0
 for line in open(logf):
     try:
         v = json.loads(line)
@@ -167,6 +171,7 @@ for line in open(logf):
     jid = f.get("job_id") or (f.get("sandbox") or "").removeprefix("cynode-")
     if jid not in keep:
         continue
+    warm_jobs += f.get("warm_slot") is True
     for k, x in f.items():
         if k.endswith("_us"):
             phases.setdefault((msg.removeprefix("phases: "), k[:-3]), []).append(x / 1000)
@@ -177,11 +182,12 @@ res = {"runs": runs, "failures": fails, "load_before": load0, "load_after": " ".
        "phases_p50_ms": {f"{g}.{k}": round(pct(xs, 50), 3) for (g, k), xs in phases.items()},
        "phases_p95_ms": {f"{g}.{k}": round(pct(xs, 95), 3) for (g, k), xs in phases.items()}}
 res["ratio_p50"] = res["worker_p50_ms"] / res["bare_p50_ms"]
+res["warm_sandbox_jobs"] = warm_jobs
 json.dump(res, open(out, "w"), indent=1)
 print(f"load {load0} -> {' '.join(load1)}; {runs} pairs, {fails} failures")
 print(f"bare bwrap   p50 {res['bare_p50_ms']:7.2f} ms  p95 {res['bare_p95_ms']:7.2f} ms")
 print(f"worker job   p50 {res['worker_p50_ms']:7.2f} ms  p95 {res['worker_p95_ms']:7.2f} ms"
-      f"  ratio p50 {res['ratio_p50']:.2f}x")
+      f"  ratio p50 {res['ratio_p50']:.2f}x; {warm_jobs} of {len(keep)} jobs in a warm sandbox")
 print("| phase | p50 ms | p95 ms |")
 print("|---|---|---|")
 for (g, k), xs in phases.items():

@@ -481,7 +481,7 @@ on_warm_engines!(
     a_miss_runs_cold_and_metrics_count_it,
 );
 
-/// The contract suite with the pools on.
+/// The contract suite with the pools on (and bwrap's warm sandboxes, `bwrap_warm.rs`).
 macro_rules! contract_warm {
     ($($backend:ident),*) => { $(
         on_both_backends!(@one cases $backend [
@@ -508,4 +508,4 @@ macro_rules! contract_warm {
         ]);
     )* };
 }
-contract_warm!(podman_warm, docker_warm, runsc_warm);
+contract_warm!(podman_warm, docker_warm, runsc_warm, bwrap_warm);

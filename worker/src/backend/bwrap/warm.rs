@@ -21,7 +21,7 @@
 //! **Keyed by the workspace's host uid.** The user namespace's map is written before
 //! bwrap's setup, so a slot serves one host uid (with one root filesystem and the node's
 //! limits). After each job, slots are made in the background for its workspace's uid
-//! (the workspace's next job) and for the uid after it (a guess at the next new
+//! (two: the workspace's next jobs, which may come back to back) and for the uid after it (a guess at the next new
 //! workspace's: the node gives each the lowest free uid, most often the one after the
 //! newest). A wrong guess costs one idle sandbox until it is pushed out or expires. At most `warm_slots` slots are idle or being
 //! made; the one idle longest makes room for a new key, and a slot idle for
@@ -115,12 +115,13 @@ struct State {
 }
 
 impl State {
-    /// Wants a slot for `key` unless one is idle or wanted; when `cap` slots are idle or
-    /// on their way, the one idle longest is doomed to make room. Whether it was wanted.
-    fn want(&mut self, key: Key, cap: usize) -> bool {
-        let have = self.idle.iter().any(|s| s.key.matches(&key))
-            || self.wanted.iter().any(|k| k.matches(&key));
-        if have {
+    /// Wants a slot for `key` unless `depth` are idle or wanted already; when `cap` slots
+    /// are idle or on their way, the one idle longest is doomed to make room. Whether it
+    /// was wanted.
+    fn want(&mut self, key: Key, depth: usize, cap: usize) -> bool {
+        let have = self.idle.iter().filter(|s| s.key.matches(&key)).count()
+            + self.wanted.iter().filter(|k| k.matches(&key)).count();
+        if have >= depth {
             return false;
         }
         if self.idle.len() + self.wanted.len() + self.making >= cap {
@@ -272,8 +273,10 @@ impl Warm {
             uid: key.uid.saturating_add(1),
             ..key.clone()
         };
-        for k in [key, next] {
-            if st.want(k, self.cap) {
+        // Two for the workspace itself, so that jobs sent back to back find one ready
+        // while the next is made.
+        for (k, depth) in [(key.clone(), 1), (next, 1), (key, 2)] {
+            if st.want(k, depth, self.cap) {
                 self.wake.notify_one();
             }
         }
