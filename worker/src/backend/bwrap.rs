@@ -69,6 +69,8 @@ pub struct BwrapBackend {
     starters: Arc<std::sync::OnceLock<Option<Arc<starter::Starters>>>>,
     /// Warm sandboxes ([`warm`], `bwrap.warm_slots`), shared by the backend's clones.
     warm: Arc<std::sync::OnceLock<Option<Arc<warm::Warm>>>>,
+    /// The node's `sandbox_uids`: warm sandboxes are made for these uids only.
+    uids: Option<crate::uid_pool::UidRange>,
 }
 
 /// The compiled seccomp programs, built once.
@@ -255,7 +257,14 @@ impl BwrapBackend {
             disable_userns,
             starters: Arc::default(),
             warm: Arc::default(),
+            uids: None,
         }
+    }
+
+    /// The node's `sandbox_uids`, the only uids warm sandboxes are made for (none without).
+    pub fn with_uid_range(mut self, uids: crate::uid_pool::UidRange) -> Self {
+        self.uids = Some(uids);
+        self
     }
 
     /// The backend's warm sandboxes, started at its first job; `None` when off.
@@ -268,6 +277,7 @@ impl BwrapBackend {
                     self.disable_userns,
                     self.cfg.warm_slots,
                     &self.cfg.pool_waiter,
+                    self.uids?,
                 )
             })
             .as_deref()

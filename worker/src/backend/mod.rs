@@ -352,7 +352,9 @@ pub fn from_config(cfg: &Config) -> Arc<dyn SandboxBackend> {
             )
             .with_limits(ResourceLimits::from_limits(&cfg.limits)),
         ),
-        BackendKind::Bwrap => Arc::new(bwrap::BwrapBackend::new(cfg.bwrap.clone(), node)),
+        BackendKind::Bwrap => Arc::new(
+            bwrap::BwrapBackend::new(cfg.bwrap.clone(), node).with_uid_range(cfg.sandbox_uids),
+        ),
         BackendKind::Microvm => Arc::new(microvm::MicrovmBackend::new(
             cfg.microvm.clone(),
             &cfg.bwrap.rootfs,

@@ -23,7 +23,8 @@
 //! limits). After each job, slots are made in the background for its workspace's uid
 //! (two: the workspace's next jobs, which may come back to back) and for the uid after it (a guess at the next new
 //! workspace's: the node gives each the lowest free uid, most often the one after the
-//! newest). A wrong guess costs one idle sandbox until it is pushed out or expires. At most `warm_slots` slots are idle or being
+//! newest; never a uid outside `sandbox_uids`). A wrong guess costs one idle sandbox until
+//! it is pushed out or expires. At most `warm_slots` slots are idle or being
 //! made; the one idle longest makes room for a new key, and a slot idle for
 //! [`IDLE_MAX`] is removed. A workspace's first job, or a second job of a workspace running
 //! at the same time, starts the cold way.
@@ -59,6 +60,7 @@ use tokio::process::{Child, Command};
 use super::{sandbox_args, Confinement, SBA_ENTRYPOINT};
 use crate::backend::mount_tree::{clone_tree, in_mount_namespace, job_attrs, move_onto};
 use crate::backend::{ResourceLimits, SandboxSpec};
+use crate::uid_pool::UidRange;
 
 /// A slot idle this long is removed.
 pub const IDLE_MAX: Duration = Duration::from_secs(300);
@@ -164,6 +166,8 @@ pub struct Warm {
     binary: String,
     node: String,
     disable_userns: bool,
+    /// `sandbox_uids`: no slot is made for a uid outside it.
+    uids: UidRange,
     state: Mutex<State>,
     wake: Condvar,
     seq: AtomicU64,
@@ -205,6 +209,7 @@ impl Warm {
         disable_userns: bool,
         cap: usize,
         waiter: &Path,
+        uids: UidRange,
     ) -> Option<Arc<Warm>> {
         if cap == 0 || !rustix::process::geteuid().is_root() {
             return None;
@@ -220,6 +225,7 @@ impl Warm {
             binary: binary.to_string(),
             node: node.to_string(),
             disable_userns,
+            uids,
             state: Mutex::default(),
             wake: Condvar::new(),
             seq: AtomicU64::new(0),
@@ -276,12 +282,20 @@ impl Warm {
         // Two for the workspace itself, so that jobs sent back to back find one ready
         // while the next is made.
         for (k, depth) in [(key.clone(), 1), (next, 1), (key, 2)] {
+            if !self.in_range(k.uid) {
+                continue;
+            }
             if st.want(k, depth, self.cap) {
                 self.wake.notify_one();
             }
         }
         drop(st);
         got
+    }
+
+    /// Whether `uid` is one of the node's sandbox uids.
+    fn in_range(&self, uid: u32) -> bool {
+        uid >= self.uids.first && uid - self.uids.first < self.uids.count
     }
 
     /// Makes one slot for `key` (on the maker thread).
