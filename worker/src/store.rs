@@ -260,23 +260,7 @@ impl Store {
             if let Some(uid) = self.workspace_uid(workspace_id).await? {
                 return Ok(Some(uid));
             }
-            let held = sqlx::query(
-                "SELECT uid FROM sandbox_uids WHERE uid >= ?1 AND uid < ?2 ORDER BY uid",
-            )
-            .bind(i64::from(first))
-            .bind(i64::try_from(end).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
-            .await?;
-            let mut free = u64::from(first);
-            for r in &held {
-                let uid = u64::try_from(r.get::<i64, _>(0)).unwrap_or(0);
-                if uid == free {
-                    free += 1;
-                } else if uid > free {
-                    break;
-                }
-            }
-            let Some(uid) = u32::try_from(free).ok().filter(|_| free < end) else {
+            let Some(uid) = self.lowest_free_uid(first, end).await? else {
                 return Ok(None);
             };
             let res = sqlx::query(
@@ -295,6 +279,27 @@ impl Store {
         Err(StoreError::Db(sqlx::Error::Protocol(
             "sandbox uid assignment kept racing".into(),
         )))
+    }
+
+    /// The lowest uid in `first..end` no workspace holds, the one the next new workspace
+    /// gets.
+    pub async fn lowest_free_uid(&self, first: u32, end: u64) -> Result<Option<u32>> {
+        let held =
+            sqlx::query("SELECT uid FROM sandbox_uids WHERE uid >= ?1 AND uid < ?2 ORDER BY uid")
+                .bind(i64::from(first))
+                .bind(i64::try_from(end).unwrap_or(i64::MAX))
+                .fetch_all(&self.pool)
+                .await?;
+        let mut free = u64::from(first);
+        for r in &held {
+            let uid = u64::try_from(r.get::<i64, _>(0)).unwrap_or(0);
+            if uid == free {
+                free += 1;
+            } else if uid > free {
+                break;
+            }
+        }
+        Ok(u32::try_from(free).ok().filter(|_| free < end))
     }
 
     /// Forgets the uid of `workspace_id`.

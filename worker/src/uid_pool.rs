@@ -119,6 +119,13 @@ impl UidPool {
         self.assigned(workspace_id).await
     }
 
+    /// The uid the next new workspace will get, if one is free (a hint: another
+    /// assignment may take it first).
+    pub async fn next_free(&self) -> Result<Option<u32>, UidError> {
+        let r = self.range;
+        Ok(self.store.lowest_free_uid(r.first, r.end()).await?)
+    }
+
     /// Forgets the uid of a workspace that is gone.
     pub async fn release(&self, workspace_id: &str) -> Result<(), UidError> {
         let _held = self.lock.lock().await;

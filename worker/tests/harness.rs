@@ -177,6 +177,9 @@ impl Server {
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
             .expect("chmod");
         let (child, addr, log) = launch(backend, dir.path(), extra_config, env);
+        if backend == "bwrap_warm" {
+            crate::bwrap_warm::wait_first_slot(&addr);
+        }
         Server {
             backend,
             dir,

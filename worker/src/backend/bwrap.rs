@@ -69,8 +69,9 @@ pub struct BwrapBackend {
     starters: Arc<std::sync::OnceLock<Option<Arc<starter::Starters>>>>,
     /// Warm sandboxes ([`warm`], `bwrap.warm_slots`), shared by the backend's clones.
     warm: Arc<std::sync::OnceLock<Option<Arc<warm::Warm>>>>,
-    /// The node's `sandbox_uids`: warm sandboxes are made for these uids only.
-    uids: Option<crate::uid_pool::UidRange>,
+    /// The node's `sandbox_uids` (warm sandboxes are made for these uids only) and its
+    /// limits (those of the slots made ahead of any job, [`SandboxBackend::expect_uid`]).
+    node_limits: Option<(crate::uid_pool::UidRange, ResourceLimits)>,
 }
 
 /// The compiled seccomp programs, built once.
@@ -257,13 +258,18 @@ impl BwrapBackend {
             disable_userns,
             starters: Arc::default(),
             warm: Arc::default(),
-            uids: None,
+            node_limits: None,
         }
     }
 
-    /// The node's `sandbox_uids`, the only uids warm sandboxes are made for (none without).
-    pub fn with_uid_range(mut self, uids: crate::uid_pool::UidRange) -> Self {
-        self.uids = Some(uids);
+    /// The node's `sandbox_uids`, the only uids warm sandboxes are made for (none
+    /// without), and its limits.
+    pub fn with_node_limits(
+        mut self,
+        uids: crate::uid_pool::UidRange,
+        limits: ResourceLimits,
+    ) -> Self {
+        self.node_limits = Some((uids, limits));
         self
     }
 
@@ -277,7 +283,7 @@ impl BwrapBackend {
                     self.disable_userns,
                     self.cfg.warm_slots,
                     &self.cfg.pool_waiter,
-                    self.uids?,
+                    self.node_limits?.0,
                 )
             })
             .as_deref()
@@ -564,6 +570,17 @@ impl SandboxBackend for BwrapBackend {
         hook: NetnsHook,
     ) -> SandboxOutcome {
         self.run_with(spec, cancel, Some(hook)).await
+    }
+
+    /// Warm sandboxes for a new workspace's uid, one per configured image, with the
+    /// node's limits (when they are on).
+    fn expect_uid(&self, uid: u32) {
+        let (Some(w), Some((_, limits))) = (self.warm(), self.node_limits) else {
+            return;
+        };
+        for rootfs in self.cfg.rootfs.values().filter(|p| p.is_dir()) {
+            w.expect(uid, rootfs, limits);
+        }
     }
 
     /// Removes leftover cgroups of sandboxes (their processes died with the node).

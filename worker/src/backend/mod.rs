@@ -243,6 +243,11 @@ pub trait SandboxBackend: Send + Sync + std::fmt::Debug {
     /// Runs a host tool over sandbox-written content in isolation ([`isolated`]).
     async fn run_isolated(&self, run: IsolatedRun) -> Result<IsolatedOutput, IsolatedError>;
 
+    /// A hint that a new workspace will likely run as host uid `uid` (the next free one
+    /// of `sandbox_uids`): a backend whose warm sandboxes are made per uid may make one
+    /// ahead (bwrap's [`bwrap::warm`]). The default ignores it.
+    fn expect_uid(&self, _uid: u32) {}
+
     /// The warm pool's figures for `/metrics`, when the backend has one turned on
     /// (Podman/Docker `pool_size`, [`engine::pool`]).
     fn pool_stats(&self) -> Option<engine::pool::PoolStats> {
@@ -353,7 +358,8 @@ pub fn from_config(cfg: &Config) -> Arc<dyn SandboxBackend> {
             .with_limits(ResourceLimits::from_limits(&cfg.limits)),
         ),
         BackendKind::Bwrap => Arc::new(
-            bwrap::BwrapBackend::new(cfg.bwrap.clone(), node).with_uid_range(cfg.sandbox_uids),
+            bwrap::BwrapBackend::new(cfg.bwrap.clone(), node)
+                .with_node_limits(cfg.sandbox_uids, ResourceLimits::from_limits(&cfg.limits)),
         ),
         BackendKind::Microvm => Arc::new(microvm::MicrovmBackend::new(
             cfg.microvm.clone(),

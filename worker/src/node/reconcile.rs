@@ -16,6 +16,12 @@ impl Node {
         if removed > 0 {
             tracing::warn!(removed, "removed sandboxes left by a previous run");
         }
+        // The next new workspace's uid: a backend may make a warm sandbox for it now.
+        match self.uids.next_free().await {
+            Ok(Some(uid)) => self.backend.expect_uid(uid),
+            Ok(None) => {}
+            Err(e) => tracing::warn!(error = %e, "cannot read the next free sandbox uid"),
+        }
         let unfinished = self.store.unfinished().await?;
         // A client killed with the node may still have been creating its container: sweep
         // those names once more a little later.

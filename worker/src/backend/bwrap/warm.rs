@@ -299,6 +299,21 @@ impl Warm {
         uid >= self.uids.first && uid - self.uids.first < self.uids.count
     }
 
+    /// Wants a slot for `uid` on `rootfs` with `limits` (a new workspace's, expected).
+    pub fn expect(&self, uid: u32, rootfs: &Path, limits: ResourceLimits) {
+        if !self.in_range(uid) {
+            return;
+        }
+        let key = Key {
+            uid,
+            rootfs: rootfs.to_path_buf(),
+            limits,
+        };
+        if self.state().want(key, 1, self.cap) {
+            self.wake.notify_one();
+        }
+    }
+
     /// Makes one slot for `key` (on the maker thread).
     fn make(&self, key: &Key) -> Result<Slot, String> {
         let n = self.seq.fetch_add(1, Ordering::Relaxed);
