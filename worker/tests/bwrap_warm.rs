@@ -386,6 +386,36 @@ pub async fn a_killed_node_leaves_no_warm_sandbox() {
     assert!(old.is_empty(), "{old:?}");
 }
 
+/// `check` says whether the warm sandboxes can be used: how many, or that the waiter is
+/// missing (named with the script that builds it).
+#[test]
+fn check_names_the_warm_sandboxes_and_a_missing_waiter() {
+    crate::cases::setup();
+    let dir = tempfile::tempdir().unwrap();
+    let e = crate::harness::env();
+    let lines = |waiter: &str| {
+        format!(
+            "backend: bwrap\nbwrap:\n  warm_slots: 3\n  pool_waiter: {waiter}\n  rootfs:\n    \"{}\": {}\n",
+            e.image,
+            e.rootfs.display()
+        )
+    };
+    let out = crate::engine_check::check(
+        dir.path(),
+        &lines(&crate::warm_pool::waiter().display().to_string()),
+    );
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(text.contains("3 warm sandboxes"), "{text}");
+    let out = crate::engine_check::check(dir.path(), &lines("/nonexistent/waiter"));
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("warm_slots 3 unused (no pool waiter at /nonexistent/waiter"),
+        "{text}"
+    );
+}
+
 #[test]
 fn warm_slots_is_validated() {
     let load = |text: &str| {

@@ -151,7 +151,7 @@ fn script(dir: &Path, name: &str, body: &str) -> String {
 }
 
 /// Runs `cynode-worker check` on `backend_lines` plus a token and a state directory in `dir`.
-fn check(dir: &Path, backend_lines: &str) -> std::process::Output {
+pub fn check(dir: &Path, backend_lines: &str) -> std::process::Output {
     let token = dir.join("token");
     std::fs::write(&token, crate::harness::TOKEN).unwrap();
     let config = dir.join("worker.yaml");

@@ -548,8 +548,19 @@ impl SandboxBackend for BwrapBackend {
         } else {
             ""
         };
+        let warm = match self.cfg.warm_slots {
+            0 => String::new(),
+            n if !rustix::process::geteuid().is_root() => {
+                format!(", warm_slots {n} unused (the node is not root)")
+            }
+            n if !self.cfg.pool_waiter.is_file() => format!(
+                ", warm_slots {n} unused (no pool waiter at {}: deploy/worker/build-waiter.sh)",
+                self.cfg.pool_waiter.display()
+            ),
+            n => format!(", {n} warm sandboxes"),
+        };
         Ok(format!(
-            "{}, {limits}, seccomp{userns}",
+            "{}, {limits}, seccomp{userns}{warm}",
             String::from_utf8_lossy(&out.stdout).trim()
         ))
     }

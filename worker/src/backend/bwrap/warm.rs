@@ -23,12 +23,14 @@
 //! limits). After each job, slots are made in the background for its workspace's uid
 //! (two: the workspace's next jobs, which may come back to back) and for the uid after it
 //! (a guess at the next new workspace's: the node gives each the lowest free uid, most
-//! often the one after the newest; never a uid outside `sandbox_uids`). A wrong guess
-//! costs one idle sandbox until it is pushed out or expires. At most `warm_slots` slots
-//! are idle or being made; the one idle longest makes room for a new key, and a slot idle
-//! for [`IDLE_MAX`] is removed. A job that finds no slot of its uid (a workspace's first
-//! job when the guess failed, a third job of a workspace at the same time) starts the
-//! cold way.
+//! often the one after the newest; never a uid outside `sandbox_uids`), and at the
+//! node's start one for the lowest free uid
+//! ([`crate::backend::SandboxBackend::expect_uid`], with the node's limits, per configured
+//! image). A wrong guess costs one idle sandbox until it is pushed out or expires. At most
+//! `warm_slots` slots are idle or being made; the one idle longest makes room for a new
+//! key, and a slot idle for [`IDLE_MAX`] is removed. A job that finds no slot of its uid
+//! (a workspace's first job when the guess failed, a third job of a workspace at the same
+//! time) starts the cold way.
 //!
 //! **A claim** (blocking, a fraction of a millisecond):
 //! 1. the slot's bwrap is checked alive;
