@@ -418,12 +418,7 @@ fn check_names_the_warm_sandboxes_and_a_missing_waiter() {
 
 #[test]
 fn warm_slots_is_validated() {
-    let load = |text: &str| {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("w.yaml");
-        std::fs::write(&p, text).unwrap();
-        cynode_worker::config::Config::load(&p).map(|c| c.bwrap.warm_slots)
-    };
+    let load = |text: &str| crate::warm_pool::load_config(text).map(|c| c.bwrap.warm_slots);
     assert_eq!(load("backend: bwrap\n").unwrap(), 0);
     assert_eq!(load("bwrap:\n  warm_slots: 4\n").unwrap(), 4);
     let e = format!("{:?}", load("bwrap:\n  warm_slots: 17\n").unwrap_err());

@@ -427,15 +427,20 @@ async fn a_killed_gvisor_node_leaves_its_workspace_whole() {
     assert_eq!(v["stdout"], "kept\n", "{v}");
 }
 
+/// The worker config `text` as the node loads it.
+pub fn load_config(
+    text: &str,
+) -> Result<cynode_worker::config::Config, cynode_worker::config::ConfigError> {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("w.yaml");
+    std::fs::write(&p, text).unwrap();
+    cynode_worker::config::Config::load(&p)
+}
+
 /// `pool_size` is bounded, and taken with gVisor.
 #[test]
 fn pool_size_is_validated() {
-    let load = |text: &str| {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("w.yaml");
-        std::fs::write(&p, text).unwrap();
-        cynode_worker::config::Config::load(&p).map(|c| c.podman.pool_size)
-    };
+    let load = |text: &str| load_config(text).map(|c| c.podman.pool_size);
     assert_eq!(load("podman:\n  pool_size: 4\n").unwrap(), 4);
     assert_eq!(load("backend: podman\n").unwrap(), 0);
     let e = format!("{:?}", load("podman:\n  pool_size: 17\n").unwrap_err());

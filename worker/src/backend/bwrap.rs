@@ -358,14 +358,7 @@ impl BwrapBackend {
             .map_err(|e| format!("cannot make bwrap's info and block pipes: {e}"))?;
         let mut args = confinement.args();
         args.extend(gate.iter().flat_map(Gate::args));
-        let mut cmd = Command::new(self.binary());
-        super::client_env(&mut cmd)
-            .args(self.args(spec, rootfs, &args))
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
+        let mut cmd = client_command(self.binary(), &self.args(spec, rootfs, &args));
         confinement.apply(&mut cmd);
         if let Some(g) = &gate {
             g.apply(&mut cmd);
@@ -637,6 +630,21 @@ impl SandboxBackend for BwrapBackend {
         .run(run)
         .await
     }
+}
+
+/// bwrap `binary` with `args`, as a sandbox's client: the node's cleared client
+/// environment, stdin `/dev/null`, stdout and stderr piped, a process group of its own,
+/// killed when dropped.
+fn client_command(binary: &str, args: &[String]) -> Command {
+    let mut cmd = Command::new(binary);
+    super::client_env(&mut cmd)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    cmd
 }
 
 /// A job's bwrap arguments up to its own parts (mounts, working directory, environment,

@@ -52,15 +52,14 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::time::{Duration, Instant};
 
 use rustix::fs::OFlags;
-use tokio::process::{Child, Command};
+use tokio::process::Child;
 
-use super::{sandbox_args, Confinement, SBA_ENTRYPOINT};
+use super::{client_command, sandbox_args, Confinement, SBA_ENTRYPOINT};
 use crate::backend::mount_tree::{clone_tree, in_mount_namespace, job_attrs, move_onto};
 use crate::backend::{ResourceLimits, SandboxSpec};
 use crate::uid_pool::UidRange;
@@ -349,14 +348,7 @@ impl Warm {
             c.to_string(),
             r.to_string(),
         ]);
-        let mut cmd = Command::new(&self.binary);
-        crate::backend::client_env(&mut cmd)
-            .args(&args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .kill_on_drop(true);
+        let mut cmd = client_command(&self.binary, &args);
         confinement.apply(&mut cmd);
         // SAFETY: between fork and exec this only clears close-on-exec (fcntl) on four
         // descriptors opened before the fork.
