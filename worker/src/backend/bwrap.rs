@@ -273,7 +273,8 @@ impl BwrapBackend {
         self
     }
 
-    /// The backend's warm sandboxes, started at its first job; `None` when off.
+    /// The backend's warm sandboxes, started at their first use (the node's start or its
+    /// first job); `None` when off.
     fn warm(&self) -> Option<&warm::Warm> {
         self.warm
             .get_or_init(|| {
