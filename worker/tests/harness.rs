@@ -343,6 +343,16 @@ impl Drop for Server {
     /// label, before the state directory goes.
     fn drop(&mut self) {
         self.child.kill();
+        // A node killed while bwrap was still setting a sandbox up (a job's, a starter's,
+        // a warm slot's) leaves that setup running: bwrap's PID 1 arms its parent-death
+        // signal only once its setup is done. A restarted node kills what its cgroups
+        // hold (`remove_all_managed`); this does the same for a node that is not.
+        if let Ok(state) = std::fs::canonicalize(self.state_dir()) {
+            let node = &sha256_hex(state.display().to_string().as_bytes())[..12];
+            for parent in ["/sys/fs/cgroup/pids/cynode", "/sys/fs/cgroup/cynode"] {
+                kill_cgroup_tree(&Path::new(parent).join(node));
+            }
+        }
         if let Some(cli) = engine_cli(self.backend) {
             remove_engine_containers(cli, &self.state_dir());
         }
@@ -351,6 +361,20 @@ impl Drop for Server {
         cynode_worker::loopfs::unmount_all_beneath(self.dir.path());
         // So do a gVisor pool slot's staging mounts (a killed node's, or an idle slot's).
         cynode_worker::backend::engine::pool::unmount_beneath(self.dir.path());
+    }
+}
+
+/// SIGKILLs every process in the cgroups beneath `dir` (a node's sandboxes).
+fn kill_cgroup_tree(dir: &Path) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let procs = std::fs::read_to_string(e.path().join("cgroup.procs")).unwrap_or_default();
+        for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+            // SAFETY: kill(2) of a process in this test node's own sandbox cgroup.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
     }
 }
 

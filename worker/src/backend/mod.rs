@@ -83,12 +83,35 @@ pub struct SandboxOutcome {
 /// Arranges for the calling (forked, not yet exec'd) process to get SIGKILL when the node
 /// dies, so no sandbox client outlives a node killed with SIGKILL. Must run after any
 /// credential change, which clears it.
+///
+/// A node that died before the signal was armed (during the child's cgroup join, say)
+/// would never send it: the child then has another parent than the node, and fails here
+/// instead of running orphaned (checked against the pid [`client_env`] recorded).
 pub fn die_with_node() -> std::io::Result<()> {
     // SAFETY: prctl with PR_SET_PDEATHSIG takes a signal number.
     if unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL, 0, 0, 0) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
+    let node = NODE_PID.load(std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: getppid has no preconditions.
+    if node != 0 && unsafe { libc::getppid() } != node {
+        return Err(std::io::Error::other(
+            "the node died before its child started",
+        ));
+    }
     Ok(())
+}
+
+/// The node's pid, recorded before a client is forked ([`client_env`]), for
+/// [`die_with_node`]'s check in the child.
+static NODE_PID: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+/// Records this process's pid for [`die_with_node`] (before any fork of a client).
+pub fn record_node_pid() {
+    NODE_PID.store(
+        std::process::id() as i32,
+        std::sync::atomic::Ordering::Relaxed,
+    );
 }
 
 /// Variables a sandbox client (bwrap, podman, docker) may inherit from the node: what the
@@ -114,6 +137,7 @@ const CLIENT_ENV: &[&str] = &[
 
 /// Clears `cmd`'s environment down to [`CLIENT_ENV`].
 pub fn client_env(cmd: &mut tokio::process::Command) -> &mut tokio::process::Command {
+    record_node_pid();
     cmd.env_clear();
     for k in CLIENT_ENV {
         if let Some(v) = std::env::var_os(k) {
@@ -334,6 +358,7 @@ impl<B: SandboxBackend> SessionSandbox for PerCommand<B> {
 /// The backend the config names: the one place a [`BackendKind`] becomes an
 /// implementation.
 pub fn from_config(cfg: &Config) -> Arc<dyn SandboxBackend> {
+    record_node_pid();
     let node = node_id(cfg);
     let tools = bwrap::IsolatedBwrap::for_config(cfg);
     match cfg.backend {
