@@ -41,6 +41,14 @@ pub enum Command {
         #[command(flatten)]
         node: NodeArgs,
     },
+    /// Internal: started by `serve`, removes the node's sandboxes once the node is gone
+    /// (`cynode_worker::janitor`).
+    #[command(hide = true)]
+    Janitor {
+        /// The node's id (12 hex digits).
+        #[arg(long)]
+        node: String,
+    },
 }
 
 /// Config file and the flags that override it.
@@ -102,6 +110,10 @@ pub fn main() -> anyhow::Result<i32> {
     let cli = Cli::parse();
     let exporter =
         cynode_worker::trace::init(std::env::var("CYNODE_OTLP_ENDPOINT").ok().as_deref())?;
+    if let Command::Janitor { node } = &cli.command {
+        cynode_worker::janitor::run(node)?;
+        return Ok(0);
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -110,6 +122,7 @@ pub fn main() -> anyhow::Result<i32> {
         match cli.command {
             Command::Serve(args) => serve(args).await.map(|()| 0),
             Command::Check(args) => check(args).await,
+            Command::Janitor { .. } => unreachable!("the janitor runs without the runtime"),
             Command::Replay { job_id, node } => {
                 let report = cynode_worker::replay::replay(&node.config()?, &job_id).await?;
                 println!("{}", serde_json::to_string_pretty(&report)?);
@@ -177,7 +190,7 @@ pub const LOCK_WAIT_MESSAGE: &str = "waiting for the state directory lock";
 /// The exclusive lock on a worker's state directory, held while the value lives.
 #[derive(Debug)]
 pub struct StateLock {
-    _file: std::fs::File,
+    file: std::fs::File,
 }
 
 impl StateLock {
@@ -228,7 +241,12 @@ impl StateLock {
         file.rewind()?;
         write!(file, "{}", std::process::id())?;
         tracing::info!(lock = %path.display(), "holding the state directory lock");
-        Ok(StateLock { _file: file })
+        Ok(StateLock { file })
+    }
+
+    /// The lock's descriptor (the janitor inherits it, and the lock with it).
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        std::os::fd::AsFd::as_fd(&self.file)
     }
 }
 
@@ -249,7 +267,14 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     }
     // Before anything touches the state directory: reconciliation must never run while
     // another live worker owns it.
-    let _lock = StateLock::acquire(&cfg.state_dir).await?;
+    let lock = StateLock::acquire(&cfg.state_dir).await?;
+    // However this process ends, its sandboxes go with it.
+    let janitor = cynode_worker::janitor::Janitor::spawn(
+        &cynode_worker::backend::node_id(&cfg),
+        lock.fd(),
+    )
+    .map_err(|e| tracing::warn!(error = %e, "no janitor: a node killed during a sandbox's setup leaves that setup running until its restart"))
+    .ok();
     let state_dir = cfg.state_dir.clone();
     let node = Node::start(cfg, token).await?;
     let listener = std::net::TcpListener::bind(listen)
@@ -279,6 +304,11 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     }
     cynode_worker::backend::bwrap::starter::drain();
     cynode_worker::backend::engine::pool::unmount_slots(&state_dir);
+    if let Some(j) = janitor {
+        if !j.finish() {
+            tracing::warn!("the janitor did not finish its sweep within 10 s");
+        }
+    }
     // The disk volumes stay mounted: a stopped node's workspaces and retained results are
     // read on the host (`cynode-pm run` leaves its deliverable there).
     tracing::info!("cynode-worker stopped");

@@ -16,6 +16,7 @@
 //! - Leaves: [`sandbox`] (the sandbox contract and the one spec builder),
 //!   [`sandbox_files`] (host reads of sandbox-written files), [`image_ref`], [`config`],
 //!   [`trace`].
+//! - [`janitor`]: the process that removes a node's sandboxes once the node is gone.
 //!
 //! The command line (`serve`, `check`, `replay`) is the binary's (`src/cli.rs`), the only
 //! place an error is an `anyhow::Error`.
@@ -32,6 +33,7 @@ pub mod gateway_forward;
 pub mod http;
 pub mod image_ref;
 pub mod inference;
+pub mod janitor;
 pub mod job_dir;
 pub mod job_egress;
 pub mod loopfs;

@@ -89,6 +89,7 @@ mod harness;
 mod host_reads;
 mod host_writes;
 mod inference;
+mod janitor;
 mod listeners;
 mod microvm;
 mod sandbox_escapes;

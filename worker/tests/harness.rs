@@ -199,12 +199,18 @@ impl Server {
 
     /// SIGKILLs the worker (no graceful anything) and starts it again on the same state.
     pub fn kill9_and_restart(&mut self) {
+        self.kill9();
+        self.restart();
+    }
+
+    /// SIGKILLs the worker and waits (bounded) for it to exit; [`Server::restart`] starts
+    /// it again.
+    pub fn kill9(&mut self) {
         self.child.signal(libc::SIGKILL);
-        let _ = self.child.wait_timeout(Duration::from_secs(30));
-        let (child, addr, log) = self.relaunch();
-        self.child = child;
-        self.addr = addr;
-        self.log = log;
+        assert!(
+            self.child.wait_timeout(Duration::from_secs(30)).is_some(),
+            "worker did not exit within 30 s of SIGKILL"
+        );
     }
 
     /// SIGTERMs the worker, waits for it to exit (bounded), and starts it again.
@@ -226,7 +232,8 @@ impl Server {
         t.elapsed()
     }
 
-    /// Starts the worker again on the same state (after [`Server::terminate`]).
+    /// Starts the worker again on the same state (after [`Server::terminate`] or
+    /// [`Server::kill9`]).
     pub fn restart(&mut self) {
         let (child, addr, log) = self.relaunch();
         self.child = child;
@@ -343,14 +350,26 @@ impl Drop for Server {
     /// label, before the state directory goes.
     fn drop(&mut self) {
         self.child.kill();
-        // A node killed while bwrap was still setting a sandbox up (a job's, a starter's,
-        // a warm slot's) leaves that setup running: bwrap's PID 1 arms its parent-death
-        // signal only once its setup is done. A restarted node kills what its cgroups
-        // hold (`remove_all_managed`); this does the same for a node that is not.
+        // The node's janitor kills what its sandbox cgroups hold and removes them (a
+        // setup bwrap was still doing when the node died included): waited for here, so
+        // the test's processes are gone when it ends. Should it not come (`janitor.rs`
+        // tests that it does), this kills them itself.
         if let Ok(state) = std::fs::canonicalize(self.state_dir()) {
             let node = &sha256_hex(state.display().to_string().as_bytes())[..12];
-            for parent in ["/sys/fs/cgroup/pids/cynode", "/sys/fs/cgroup/cynode"] {
-                kill_cgroup_tree(&Path::new(parent).join(node));
+            let dirs: Vec<PathBuf> = ["/sys/fs/cgroup/pids/cynode", "/sys/fs/cgroup/cynode"]
+                .iter()
+                .map(|p| Path::new(p).join(node))
+                .collect();
+            let until = Instant::now() + Duration::from_secs(10);
+            while dirs.iter().any(|d| d.exists()) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            for d in dirs.iter().filter(|d| d.exists()) {
+                eprintln!(
+                    "harness: the janitor left {}; killing what it holds",
+                    d.display()
+                );
+                kill_cgroup_tree(d);
             }
         }
         if let Some(cli) = engine_cli(self.backend) {

@@ -1,0 +1,292 @@
+//! The node's janitor (`worker/src/janitor.rs`): a node that is gone, killed or stopped,
+//! leaves nothing running in its sandbox cgroups, even without a restart, and a node
+//! restarted at once never has its own sandboxes swept by its predecessor's janitor.
+//!
+//! The orphan these tests plant stands for what bwrap leaves when its node is killed during
+//! a sandbox's setup (bwrap's PID 1 arms its parent-death signal only after its setup): a
+//! process in one of the node's sandbox cgroups that nothing ties to the node. It forks as
+//! it runs, as a hostile job would to outrun a kill.
+
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use crate::bwrap_starters::{node_cgroups, runs};
+use crate::harness::{unique, Server};
+
+const SWEPT: &str = "the node is gone; its janitor removed its sandboxes";
+
+/// A process tree planted in a cgroup `orphan-<n>` of the node's (each hierarchy where
+/// the node has one), not tied to the test or the node; killed and removed when dropped,
+/// whatever the test did.
+struct Orphan {
+    dirs: Vec<PathBuf>,
+    child: std::process::Child,
+}
+
+impl Orphan {
+    fn plant(node_dirs: &[PathBuf]) -> Orphan {
+        assert!(!node_dirs.is_empty(), "the node has no cgroup");
+        let name = unique("orphan");
+        let dirs: Vec<PathBuf> = node_dirs.iter().map(|d| d.join(&name)).collect();
+        for d in &dirs {
+            std::fs::create_dir(d).unwrap_or_else(|e| panic!("mkdir {}: {e}", d.display()));
+            // Bounded, as the node's own sandboxes are: the tree forks until it hits this.
+            std::fs::write(d.join("pids.max"), "32").expect("pids.max");
+        }
+        let procs: Vec<PathBuf> = dirs.iter().map(|d| d.join("cgroup.procs")).collect();
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "while :; do sleep 300 & sleep 0.02; done"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        // SAFETY: between fork and exec: setsid and writes of this pid to cgroup files
+        // (std::fs allocates, acceptable in a test's single-purpose child).
+        unsafe {
+            cmd.pre_exec(move || {
+                libc::setsid();
+                for p in &procs {
+                    std::fs::write(p, std::process::id().to_string())?;
+                }
+                Ok(())
+            });
+        }
+        let child = cmd.spawn().expect("spawn the orphan");
+        Orphan { dirs, child }
+    }
+
+    /// The processes in the orphan's cgroup (none once it is gone).
+    fn pids(&self) -> Vec<i32> {
+        self.dirs
+            .iter()
+            .filter_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
+            .flat_map(|t| {
+                t.lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .collect::<Vec<i32>>()
+            })
+            .filter(|p| runs(*p))
+            .collect()
+    }
+}
+
+impl Drop for Orphan {
+    fn drop(&mut self) {
+        for _ in 0..50 {
+            let pids = self.pids();
+            if pids.is_empty() {
+                break;
+            }
+            for p in pids {
+                // SAFETY: kill(2) of a process this test planted.
+                unsafe { libc::kill(p, libc::SIGKILL) };
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        for d in &self.dirs {
+            let _ = std::fs::remove_dir(d);
+        }
+    }
+}
+
+/// Waits (bounded by `within`) until `f` holds; fails naming `what`.
+async fn eventually(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + within;
+    while !f() {
+        assert!(Instant::now() < until, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The janitor's log line in `log` (its sweep report), waited for (bounded).
+async fn sweep_line(log: &Arc<Mutex<Vec<String>>>) -> Value {
+    let find = || {
+        log.lock()
+            .ok()?
+            .iter()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["fields"]["message"] == SWEPT)
+    };
+    let mut line = None;
+    eventually(
+        "the janitor reports its sweep",
+        Duration::from_secs(15),
+        || {
+            line = find();
+            line.is_some()
+        },
+    )
+    .await;
+    line.unwrap()
+}
+
+/// A node killed with SIGKILL and not restarted: its janitor kills the orphan (forks
+/// included) and removes every cgroup of the node, and says so.
+pub async fn a_killed_nodes_janitor_kills_what_its_cgroups_hold() {
+    let mut sv = Server::start("bwrap", "");
+    let (_, first) = sv.run_job(&unique("j"), "k", &["true"]).await;
+    assert_eq!(first["status"], "completed", "{first}");
+    let node = node_cgroups(&sv);
+    let orphan = Orphan::plant(&node);
+    eventually("the orphan forks", Duration::from_secs(10), || {
+        orphan.pids().len() >= 3
+    })
+    .await;
+    let log = Arc::clone(&sv.log);
+    sv.kill9();
+    eventually(
+        "the orphan's processes are killed",
+        Duration::from_secs(10),
+        || orphan.pids().is_empty(),
+    )
+    .await;
+    eventually(
+        "the node's cgroups are removed",
+        Duration::from_secs(10),
+        || node.iter().all(|d| !d.exists()),
+    )
+    .await;
+    let line = sweep_line(&log).await;
+    assert!(line["fields"]["removed"].as_u64() >= Some(1), "{line}");
+    drop(orphan);
+    sv.restart();
+}
+
+/// A node that stops on SIGTERM has its sandboxes swept before it exits: nothing is left
+/// to wait for once the process is gone.
+pub async fn a_stopped_node_exits_with_its_cgroups_removed() {
+    let mut sv = Server::start("bwrap", "");
+    let (_, first) = sv.run_job(&unique("j"), "k", &["true"]).await;
+    assert_eq!(first["status"], "completed", "{first}");
+    let node = node_cgroups(&sv);
+    let orphan = Orphan::plant(&node);
+    eventually("the orphan runs", Duration::from_secs(10), || {
+        !orphan.pids().is_empty()
+    })
+    .await;
+    sv.terminate();
+    assert!(
+        orphan.pids().is_empty(),
+        "the orphan outlived its stopped node"
+    );
+    assert!(
+        node.iter().all(|d| !d.exists()),
+        "the stopped node left its cgroups: {node:?}"
+    );
+    drop(orphan);
+    sv.restart();
+}
+
+/// A node restarted at once waits for its predecessor's janitor (they share the state
+/// directory's lock), so the sweep is over before the new node makes any sandbox, and the
+/// new node's jobs run.
+pub async fn a_restarted_node_waits_for_its_predecessors_janitor() {
+    let mut sv = Server::start("bwrap", "");
+    let (_, first) = sv.run_job(&unique("j"), "k", &["true"]).await;
+    assert_eq!(first["status"], "completed", "{first}");
+    let orphan = Orphan::plant(&node_cgroups(&sv));
+    let old_log = Arc::clone(&sv.log);
+    sv.kill9_and_restart();
+    let swept = sweep_line(&old_log).await;
+    let locked = sv
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["fields"]["message"] == "holding the state directory lock")
+        .expect("the new node took the lock");
+    let (swept_at, locked_at) = (
+        swept["timestamp"].as_str().unwrap(),
+        locked["timestamp"].as_str().unwrap(),
+    );
+    assert!(
+        swept_at <= locked_at,
+        "the new node took the lock at {locked_at}, before the old janitor's sweep at {swept_at}"
+    );
+    assert!(orphan.pids().is_empty());
+    let (_, again) = sv
+        .run_job(&unique("j"), "k", &["sh", "-c", "sleep 0.2; echo ok"])
+        .await;
+    assert_eq!(again["status"], "completed", "{again}");
+}
+
+/// The race the janitor exists for: a node killed while warm sandboxes are being set up
+/// after each job (bwrap_warm makes two or three after every job). Killed at once after a
+/// job, five times, the node leaves no process and no cgroup behind, with no restart in
+/// between to clean up.
+pub async fn a_node_killed_during_sandbox_setups_leaves_nothing() {
+    crate::cases::setup_for("bwrap_warm");
+    let mut sv = Server::start("bwrap_warm", "");
+    for round in 0..5 {
+        let (_, done) = sv.run_job(&unique("j"), "k", &["true"]).await;
+        assert_eq!(done["status"], "completed", "round {round}: {done}");
+        let node = node_cgroups(&sv);
+        let procs_in = |dirs: &[PathBuf]| -> Vec<i32> {
+            dirs.iter()
+                .filter_map(|d| std::fs::read_dir(d).ok())
+                .flat_map(|d| d.flatten())
+                .filter_map(|e| std::fs::read_to_string(e.path().join("cgroup.procs")).ok())
+                .flat_map(|t| {
+                    t.lines()
+                        .filter_map(|l| l.trim().parse().ok())
+                        .collect::<Vec<i32>>()
+                })
+                .collect()
+        };
+        sv.kill9();
+        eventually(
+            &format!("round {round}: the killed node's cgroups are emptied and removed"),
+            Duration::from_secs(10),
+            || procs_in(&node).is_empty() && node.iter().all(|d| !Path::new(d).exists()),
+        )
+        .await;
+        sv.restart();
+        crate::bwrap_warm::wait_first_slot(&sv.addr);
+    }
+}
+
+/// The janitor started by hand (stdin a terminal or a file, not the node's pipe) sweeps
+/// nothing, and no node id can name a path: the command refuses with its reason.
+#[test]
+fn the_janitor_refuses_what_is_not_its_node() {
+    let run = |node: &str| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-worker"));
+        cmd.args(["janitor", "--node", node]).env_clear();
+        // stdin: /dev/null, as a hand-started janitor's terminal is: not a pipe.
+        let out = cynode_testkit::output_within(cmd, Duration::from_secs(30)).unwrap();
+        assert!(!out.status.success(), "{node}: {out:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let e = run("0123456789ab");
+    assert!(e.contains("stdin is not a pipe"), "{e}");
+    for bad in ["../../..", "..", "0123456789AB", "*"] {
+        let e = run(bad);
+        assert!(e.contains("not a node id"), "{bad}: {e}");
+    }
+}
+
+macro_rules! janitor_tests {
+    ($($case:ident),* $(,)?) => { $(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $case() {
+            crate::cases::setup_for("bwrap");
+            super::$case().await;
+        }
+    )* };
+}
+
+mod on_bwrap {
+    janitor_tests!(
+        a_killed_nodes_janitor_kills_what_its_cgroups_hold,
+        a_stopped_node_exits_with_its_cgroups_removed,
+        a_restarted_node_waits_for_its_predecessors_janitor,
+        a_node_killed_during_sandbox_setups_leaves_nothing,
+    );
+}
