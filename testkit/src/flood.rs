@@ -123,6 +123,30 @@ pub fn held_descriptors(pid: u32) -> usize {
         .count()
 }
 
+/// What process `pid`'s descriptors are, counted by kind (`socket`, `pipe`, `/dev/loop`,
+/// `anon_inode:[pidfd]`, a path's first two components…): for a failure message.
+pub fn descriptor_kinds(pid: u32) -> std::collections::BTreeMap<String, usize> {
+    let mut kinds = std::collections::BTreeMap::new();
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let target = std::fs::read_link(e.path())
+            .map(|t| t.display().to_string())
+            .unwrap_or_else(|_| "?".into());
+        let kind = if target.starts_with('/') {
+            target.split('/').take(3).collect::<Vec<_>>().join("/")
+        } else if target.starts_with("anon_inode:") {
+            target
+        } else {
+            target.split(':').next().unwrap_or_default().to_string()
+        };
+        *kinds.entry(kind).or_insert(0) += 1;
+    }
+    kinds
+}
+
 /// The resident memory of process `pid` (`VmRSS`), in KiB.
 ///
 /// # Panics

@@ -72,7 +72,9 @@ impl Janitor {
         check_node_id(node)?;
         let (reader, pipe) = std::io::pipe().map_err(JanitorError::Spawn)?;
         let lock_fd = lock.as_raw_fd();
+        // This very binary, even if its file was replaced since; named as the worker.
         let mut cmd = Command::new("/proc/self/exe");
+        std::os::unix::process::CommandExt::arg0(&mut cmd, "cynode-worker");
         cmd.args([SUBCOMMAND, "--node", node])
             .env_clear()
             .stdin(Stdio::from(reader))
@@ -118,6 +120,9 @@ pub fn run(node: &str) -> Result<usize, JanitorError> {
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Fifo {
         return Err(JanitorError::NotAPipe);
     }
+    // Its name in ps and /proc (exec through /proc/self/exe would show "exe").
+    // SAFETY: PR_SET_NAME with a NUL-terminated name of at most 16 bytes.
+    unsafe { libc::prctl(libc::PR_SET_NAME, c"cynode-janitor".as_ptr(), 0, 0, 0) };
     for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
         // SAFETY: setting a signal's disposition to ignore.
         unsafe { libc::signal(sig, libc::SIG_IGN) };
