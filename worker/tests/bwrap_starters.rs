@@ -4,7 +4,7 @@
 //! leaves no starter process, and after its restart no starter cgroup, behind.
 
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use crate::harness::{command_job, sha256_hex, Server};
 
@@ -64,13 +64,9 @@ pub fn runs(pid: i32) -> bool {
     !matches!(state, Some("Z" | "X"))
 }
 
-/// Waits (bounded) until `f` holds.
-async fn eventually(what: &str, mut f: impl FnMut() -> bool) {
-    let until = Instant::now() + Duration::from_secs(30);
-    while !f() {
-        assert!(Instant::now() < until, "not within 30 s: {what}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+/// Waits (at most 30 s) until `f` holds.
+async fn eventually(what: &str, f: impl FnMut() -> bool) {
+    crate::harness::eventually(what, Duration::from_secs(30), f).await;
 }
 
 /// 16 jobs, 4 at a time, each printing its own job id (from its environment) and argv

@@ -142,6 +142,15 @@ pub fn marker() -> String {
     )
 }
 
+/// Waits (bounded by `within`, polling every 20 ms) until `f` holds; fails naming `what`.
+pub async fn eventually(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+    let until = Instant::now() + within;
+    while !f() {
+        assert!(Instant::now() < until, "not within {within:?}: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A running worker.
 pub struct Server {
     pub backend: &'static str,

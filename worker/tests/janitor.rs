@@ -11,12 +11,12 @@ use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
 
 use crate::bwrap_starters::{node_cgroups, runs};
-use crate::harness::{unique, Server};
+use crate::harness::{eventually, unique, Server};
 
 const SWEPT: &str = "the node is gone; its janitor removed its sandboxes";
 
@@ -92,15 +92,6 @@ impl Drop for Orphan {
         for d in &self.dirs {
             let _ = std::fs::remove_dir(d);
         }
-    }
-}
-
-/// Waits (bounded by `within`) until `f` holds; fails naming `what`.
-async fn eventually(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
-    let until = Instant::now() + within;
-    while !f() {
-        assert!(Instant::now() < until, "not within {within:?}: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
