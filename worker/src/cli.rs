@@ -44,11 +44,7 @@ pub enum Command {
     /// Internal: started by `serve`, removes the node's sandboxes once the node is gone
     /// (`cynode_worker::janitor`).
     #[command(hide = true)]
-    Janitor {
-        /// The node's id (12 hex digits).
-        #[arg(long)]
-        node: String,
-    },
+    Janitor(NodeArgs),
 }
 
 /// Config file and the flags that override it.
@@ -110,8 +106,8 @@ pub fn main() -> anyhow::Result<i32> {
     let cli = Cli::parse();
     let exporter =
         cynode_worker::trace::init(std::env::var("CYNODE_OTLP_ENDPOINT").ok().as_deref())?;
-    if let Command::Janitor { node } = &cli.command {
-        cynode_worker::janitor::run(node)?;
+    if let Command::Janitor(args) = &cli.command {
+        cynode_worker::janitor::run(&args.config()?)?;
         return Ok(0);
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -122,7 +118,7 @@ pub fn main() -> anyhow::Result<i32> {
         match cli.command {
             Command::Serve(args) => serve(args).await.map(|()| 0),
             Command::Check(args) => check(args).await,
-            Command::Janitor { .. } => unreachable!("the janitor runs without the runtime"),
+            Command::Janitor(_) => unreachable!("the janitor runs without the runtime"),
             Command::Replay { job_id, node } => {
                 let report = cynode_worker::replay::replay(&node.config()?, &job_id).await?;
                 println!("{}", serde_json::to_string_pretty(&report)?);
@@ -269,10 +265,8 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     // another live worker owns it.
     let lock = StateLock::acquire(&cfg.state_dir).await?;
     // However this process ends, its sandboxes go with it.
-    let janitor = cynode_worker::janitor::Janitor::spawn(
-        &cynode_worker::backend::node_id(&cfg),
-        lock.fd(),
-    )
+    let serve_flags: Vec<std::ffi::OsString> = std::env::args_os().skip(2).collect();
+    let janitor = cynode_worker::janitor::Janitor::spawn(&serve_flags, lock.fd())
     .map_err(|e| tracing::warn!(error = %e, "no janitor: a node killed during a sandbox's setup leaves that setup running until its restart"))
     .ok();
     let state_dir = cfg.state_dir.clone();
@@ -306,7 +300,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     cynode_worker::backend::engine::pool::unmount_slots(&state_dir);
     if let Some(j) = janitor {
         if !j.finish() {
-            tracing::warn!("the janitor did not finish its sweep within 10 s");
+            tracing::warn!("the janitor did not finish its sweep within 70 s");
         }
     }
     // The disk volumes stay mounted: a stopped node's workspaces and retained results are

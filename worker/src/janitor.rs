@@ -1,26 +1,30 @@
 //! The node's janitor: a small process of its own (`cynode-worker janitor`, started by
-//! `serve`) that kills and removes the node's sandboxes once the node is gone, however it
-//! went (SIGKILL and the OOM killer included).
+//! `serve` with the node's own flags) that removes the node's sandboxes once the node is
+//! gone, however it went (SIGKILL and the OOM killer included).
 //!
 //! Why: bwrap's PID 1 arms its parent-death signal only when its setup is done, so a node
 //! killed while a sandbox was being set up (a job's, a starter's, a warm slot's) leaves that
-//! setup running, orphaned, until the node's restart reconciles it. The janitor closes that
-//! window for a node that is never restarted. It holds the read end of a pipe whose only
-//! write end is the node's (close-on-exec, so no client or sandbox has it); end-of-file
-//! means the node has exited, and the janitor then does what a restart's reconciliation
-//! does to the node's sandbox cgroups ([`remove_node_cgroups`]) and exits.
+//! setup running, orphaned; and an engine keeps a dead node's containers running. Until
+//! now both waited for the node's restart. The janitor holds the read end of a pipe whose
+//! only write end is the node's (close-on-exec, so no client or sandbox has it);
+//! end-of-file means the node has exited, and the janitor then does what a restart's
+//! reconciliation does, without making anything again: it kills and removes the node's
+//! sandbox cgroups ([`remove_node_cgroups`]), then the backend's sandboxes that outlive
+//! their node ([`SandboxBackend::remove_orphans`]: an engine's containers), and exits.
 //!
 //! Invariants:
 //! - It shares the node's state-directory lock (the same open file description, inherited),
 //!   so a new node on the same state directory waits until the janitor is done: a
-//!   predecessor's janitor never kills a successor's sandboxes.
+//!   predecessor's janitor never removes a successor's sandboxes. Its sweep is bounded
+//!   ([`ENGINE_BOUND`] for the engine's part), so it never holds the lock for long.
 //! - It runs in a session of its own (a terminal's SIGINT does not reach it) and ignores
 //!   SIGINT, SIGTERM and SIGHUP: it ends when the node does, not before.
 //! - It sweeps only on end-of-file of a pipe: started with anything else as its stdin (a
-//!   terminal, a file) it refuses and sweeps nothing. The node id it is given must be the
-//!   12 hex digits of [`crate::backend::node_id`], never a path.
-//! - Its environment is empty; it reads nothing a sandbox wrote (only `cgroup.procs`,
-//!   which is the kernel's).
+//!   terminal, a file) it refuses and sweeps nothing.
+//! - Its configuration is the node's (the same flags, read when it starts, right after the
+//!   node read them); its environment is only the clients' ([`client_vars`]): never the
+//!   node's bearer token. It reads nothing a sandbox wrote (`cgroup.procs` is the
+//!   kernel's; the engine's container list is filtered by the node's label).
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -28,19 +32,20 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::backend::bwrap::cgroup::remove_node_cgroups;
+use crate::backend::{client_vars, SandboxBackend};
+use crate::config::Config;
 
 /// The subcommand that runs [`run`].
 pub const SUBCOMMAND: &str = "janitor";
 
 /// How long a node that stops cleanly waits for its janitor's sweep.
-const FINISH_WAIT: Duration = Duration::from_secs(10);
+const FINISH_WAIT: Duration = Duration::from_secs(70);
+/// The bound on the engine's part of the sweep (a hung daemon must not hold the lock).
+pub const ENGINE_BOUND: Duration = Duration::from_secs(60);
 
 /// Why the janitor cannot run or refused to.
 #[derive(Debug, thiserror::Error)]
 pub enum JanitorError {
-    /// The node id is not 12 lowercase hex digits.
-    #[error("not a node id: {0:?} (expected 12 lowercase hex digits)")]
-    NodeId(String),
     /// Its stdin is not the node's pipe.
     #[error("stdin is not a pipe: the janitor runs only as `cynode-worker serve` starts it")]
     NotAPipe,
@@ -57,26 +62,24 @@ pub struct Janitor {
     child: Child,
 }
 
-fn check_node_id(node: &str) -> Result<(), JanitorError> {
-    if node.len() == 12 && node.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')) {
-        Ok(())
-    } else {
-        Err(JanitorError::NodeId(node.to_string()))
-    }
-}
-
 impl Janitor {
-    /// Starts the janitor of node `node` (this executable, [`SUBCOMMAND`]), handing it
-    /// `lock`, the node's state-directory lock, and the read end of the node's pipe.
-    pub fn spawn(node: &str, lock: BorrowedFd<'_>) -> Result<Janitor, JanitorError> {
-        check_node_id(node)?;
+    /// Starts the janitor (this executable, [`SUBCOMMAND`]) with `node_args`, the flags the
+    /// node was started with, handing it `lock`, the node's state-directory lock, and the
+    /// read end of the node's pipe.
+    pub fn spawn(
+        node_args: &[std::ffi::OsString],
+        lock: BorrowedFd<'_>,
+    ) -> Result<Janitor, JanitorError> {
         let (reader, pipe) = std::io::pipe().map_err(JanitorError::Spawn)?;
         let lock_fd = lock.as_raw_fd();
         // This very binary, even if its file was replaced since; named as the worker.
         let mut cmd = Command::new("/proc/self/exe");
         std::os::unix::process::CommandExt::arg0(&mut cmd, "cynode-worker");
-        cmd.args([SUBCOMMAND, "--node", node])
+        cmd.arg(SUBCOMMAND)
+            .args(node_args)
             .env_clear()
+            .envs(client_vars())
+            .envs(std::env::var_os("CYNODE_LOG_LEVEL").map(|v| ("CYNODE_LOG_LEVEL", v)))
             .stdin(Stdio::from(reader))
             .stdout(Stdio::null())
             .stderr(Stdio::inherit());
@@ -91,11 +94,11 @@ impl Janitor {
             });
         }
         let child = cmd.spawn().map_err(JanitorError::Spawn)?;
-        tracing::info!(janitor_pid = child.id(), node, "janitor started");
+        tracing::info!(janitor_pid = child.id(), "janitor started");
         Ok(Janitor { pipe, child })
     }
 
-    /// For a node that stops cleanly: closes the pipe and waits (at most 10 s) for the
+    /// For a node that stops cleanly: closes the pipe and waits (at most 70 s) for the
     /// janitor's sweep. Returns whether it ended in time.
     pub fn finish(self) -> bool {
         let Janitor { pipe, mut child } = self;
@@ -111,10 +114,10 @@ impl Janitor {
     }
 }
 
-/// The janitor itself: waits for end-of-file on stdin (the node's pipe), then kills and
-/// removes node `node`'s sandbox cgroups. Returns how many sandboxes it removed.
-pub fn run(node: &str) -> Result<usize, JanitorError> {
-    check_node_id(node)?;
+/// The janitor itself, for the node configured by `cfg`: waits for end-of-file on stdin
+/// (the node's pipe), then removes the node's sandbox cgroups and its backend's orphans.
+/// Returns how many sandboxes it removed.
+pub fn run(cfg: &Config) -> Result<usize, JanitorError> {
     let stdin = std::io::stdin();
     let st = rustix::fs::fstat(&stdin).map_err(|_| JanitorError::NotAPipe)?;
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::Fifo {
@@ -127,6 +130,8 @@ pub fn run(node: &str) -> Result<usize, JanitorError> {
         // SAFETY: setting a signal's disposition to ignore.
         unsafe { libc::signal(sig, libc::SIG_IGN) };
     }
+    let node = crate::backend::node_id(cfg);
+    let backend = crate::backend::from_config(cfg);
     let mut buf = [0u8; 64];
     let mut input = stdin.lock();
     loop {
@@ -139,35 +144,40 @@ pub fn run(node: &str) -> Result<usize, JanitorError> {
         }
     }
     let started = Instant::now();
-    let removed = remove_node_cgroups(node);
+    let cgroups = remove_node_cgroups(&node);
+    let orphans = remove_orphans(backend.as_ref());
     tracing::info!(
         node,
-        removed,
+        removed = cgroups + orphans,
+        cgroups,
+        orphans,
         sweep_ms = started.elapsed().as_millis() as u64,
         "the node is gone; its janitor removed its sandboxes"
     );
-    Ok(removed)
+    Ok(cgroups + orphans)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_a_node_id_is_accepted() {
-        check_node_id("0123456789ab").unwrap();
-        for bad in [
-            "",
-            "../../../..",
-            "0123456789AB",
-            "0123456789abc",
-            "0123456789a/",
-            ".",
-        ] {
-            assert!(
-                matches!(check_node_id(bad), Err(JanitorError::NodeId(_))),
-                "{bad:?} was accepted"
-            );
+/// `backend`'s orphans, within [`ENGINE_BOUND`] (0 and a log line past it).
+fn remove_orphans(backend: &dyn SandboxBackend) -> usize {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::warn!(error = %e, "the janitor cannot remove the engine's containers");
+            return 0;
         }
-    }
+    };
+    rt.block_on(async {
+        tokio::time::timeout(ENGINE_BOUND, backend.remove_orphans())
+            .await
+            .unwrap_or_else(|_| {
+                tracing::warn!(
+                    bound_s = ENGINE_BOUND.as_secs(),
+                    "the engine did not remove the node's containers in time; its restart will"
+                );
+                0
+            })
+    })
 }

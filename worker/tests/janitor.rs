@@ -244,23 +244,85 @@ pub async fn a_node_killed_during_sandbox_setups_leaves_nothing() {
 }
 
 /// The janitor started by hand (stdin a terminal or a file, not the node's pipe) sweeps
-/// nothing, and no node id can name a path: the command refuses with its reason.
+/// nothing: it refuses with its reason, and a cgroup of its node keeps its process.
 #[test]
 fn the_janitor_refuses_what_is_not_its_node() {
-    let run = |node: &str| {
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-worker"));
-        cmd.args(["janitor", "--node", node]).env_clear();
-        // stdin: /dev/null, as a hand-started janitor's terminal is: not a pipe.
-        let out = cynode_testkit::output_within(cmd, Duration::from_secs(30)).unwrap();
-        assert!(!out.status.success(), "{node}: {out:?}");
-        String::from_utf8_lossy(&out.stderr).into_owned()
-    };
-    let e = run("0123456789ab");
+    crate::cases::setup();
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state).unwrap();
+    let canonical = std::fs::canonicalize(&state).unwrap();
+    let node = &crate::harness::sha256_hex(canonical.display().to_string().as_bytes())[..12];
+    let root = ["/sys/fs/cgroup/pids/cynode", "/sys/fs/cgroup/cynode"]
+        .iter()
+        .map(|p| Path::new(p).to_path_buf())
+        .find(|p| p.parent().is_some_and(|c| c.join("cgroup.procs").exists()))
+        .expect("a pids or v2 cgroup hierarchy");
+    let node_dir = root.join(node);
+    std::fs::create_dir_all(&node_dir).unwrap();
+    let orphan = Orphan::plant(std::slice::from_ref(&node_dir));
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-worker"));
+    cmd.args(["janitor", "--backend", "bwrap", "--state-dir"])
+        .arg(&state)
+        .env_clear();
+    // stdin: /dev/null, as a hand-started janitor's terminal is: not a pipe.
+    let out = cynode_testkit::output_within(cmd, Duration::from_secs(30)).unwrap();
+    let e = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{out:?}");
     assert!(e.contains("stdin is not a pipe"), "{e}");
-    for bad in ["../../..", "..", "0123456789AB", "*"] {
-        let e = run(bad);
-        assert!(e.contains("not a node id"), "{bad}: {e}");
-    }
+    assert!(!orphan.pids().is_empty(), "the refused janitor swept");
+    drop(orphan);
+    let _ = std::fs::remove_dir(&node_dir);
+}
+
+/// An engine keeps a killed node's containers running (conmon or the daemon holds them):
+/// a job's until its command ends, a session's keep-alive until the session's max
+/// lifetime. The node's janitor removes both, without a restart.
+pub async fn a_killed_nodes_janitor_removes_its_containers(backend: &'static str) {
+    let cli = crate::harness::engine_cli(backend).expect("an engine backend");
+    let mut sv = Server::start(backend, "");
+    let session = unique("s");
+    let _cleanup = crate::harness::session_guard(backend, &session);
+    let body = serde_json::json!({
+        "version": 1, "session_id": session, "task_id": unique("t"),
+        "image": crate::harness::env().image,
+    });
+    let (code, v) = sv.post("/v1/worker/sessions", &body).await;
+    assert_eq!(code, 201, "{v}");
+    let job = unique("j");
+    let (code, v) = sv
+        .post(
+            "/v1/worker/jobs",
+            &crate::harness::command_job(&job, "k", &["sleep", "300"]),
+        )
+        .await;
+    assert_eq!(code, 202, "{v}");
+    let containers = || {
+        let mut names =
+            crate::harness::engine_names(cli, &format!("name=^cynode-session-{session}$"));
+        names.extend(crate::harness::job_containers(backend, &job));
+        names
+    };
+    eventually(
+        "the session's and the job's containers run",
+        Duration::from_secs(60),
+        || containers().len() == 2,
+    )
+    .await;
+    let log = Arc::clone(&sv.log);
+    sv.kill9();
+    eventually(
+        "the killed node's containers are removed",
+        Duration::from_secs(60),
+        || containers().is_empty(),
+    )
+    .await;
+    let line = sweep_line(&log).await;
+    assert!(
+        line["fields"]["orphans"].as_u64() >= Some(2),
+        "{cli}: {line}"
+    );
+    sv.restart();
 }
 
 macro_rules! janitor_tests {
@@ -271,6 +333,22 @@ macro_rules! janitor_tests {
             super::$case().await;
         }
     )* };
+}
+
+mod on_podman {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_killed_nodes_janitor_removes_its_containers() {
+        crate::cases::setup_for("podman");
+        super::a_killed_nodes_janitor_removes_its_containers("podman").await;
+    }
+}
+
+mod on_docker {
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_killed_nodes_janitor_removes_its_containers() {
+        crate::cases::setup_for("docker");
+        super::a_killed_nodes_janitor_removes_its_containers("docker").await;
+    }
 }
 
 mod on_bwrap {

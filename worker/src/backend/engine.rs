@@ -626,10 +626,7 @@ impl SandboxBackend for EngineBackend {
     /// Removes every container of this node (the pool's too), then fills the warm pool
     /// for its configured images.
     async fn remove_all_managed(&self) -> usize {
-        let names = self.list_managed().await;
-        for n in &names {
-            self.force_remove(n).await;
-        }
+        let removed = self.remove_orphans().await;
         // Slot directories of a previous run go, also with the pool off (Docker's gated
         // jobs use slots: `run_gated`).
         self.pool.reset_dir();
@@ -639,11 +636,21 @@ impl SandboxBackend for EngineBackend {
             let template = pool::template(self.limits);
             self.pool.prewarm(self, &template).await;
         }
-        names.len()
+        removed
     }
 
     async fn remove_named(&self, name: &str) {
         self.force_remove(name).await;
+    }
+
+    /// The node's containers, running or not (conmon or the daemon keeps a container of a
+    /// dead node running); the pool is not filled again.
+    async fn remove_orphans(&self) -> usize {
+        let names = self.list_managed().await;
+        for n in &names {
+            self.force_remove(n).await;
+        }
+        names.len()
     }
 
     /// One keep-alive container per session ([`session`]).

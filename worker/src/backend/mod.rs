@@ -138,16 +138,20 @@ const CLIENT_ENV: &[&str] = &[
 /// Clears `cmd`'s environment down to [`CLIENT_ENV`].
 pub fn client_env(cmd: &mut tokio::process::Command) -> &mut tokio::process::Command {
     record_node_pid();
-    cmd.env_clear();
-    for k in CLIENT_ENV {
-        if let Some(v) = std::env::var_os(k) {
-            cmd.env(k, v);
-        }
-    }
+    cmd.env_clear().envs(client_vars())
+}
+
+/// The node's [`CLIENT_ENV`] variables that are set (PATH always: the default when unset),
+/// for a client's environment, or the janitor's ([`crate::janitor`]).
+pub fn client_vars() -> Vec<(&'static str, std::ffi::OsString)> {
+    let mut vars: Vec<_> = CLIENT_ENV
+        .iter()
+        .filter_map(|k| std::env::var_os(k).map(|v| (*k, v)))
+        .collect();
     if std::env::var_os("PATH").is_none() {
-        cmd.env("PATH", crate::sandbox::DEFAULT_PATH);
+        vars.push(("PATH", crate::sandbox::DEFAULT_PATH.into()));
     }
-    cmd
+    vars
 }
 
 impl SandboxOutcome {
@@ -256,6 +260,15 @@ pub trait SandboxBackend: Send + Sync + std::fmt::Debug {
 
     /// Removes the named sandbox if it still exists (reconciliation of one job).
     async fn remove_named(&self, name: &str);
+
+    /// For the node's janitor once the node is gone ([`crate::janitor`], which removes the
+    /// node's sandbox cgroups itself): removes this node's sandboxes that do not end with
+    /// their node (an engine's containers, which their engine keeps running), and makes
+    /// nothing again (no pool is filled). Returns how many. None by default: a bwrap or
+    /// microVM sandbox lives in the node's cgroups or dies with its client.
+    async fn remove_orphans(&self) -> usize {
+        0
+    }
 
     /// Starts the session sandbox described by `spec`, whose `timeout` is the session's max
     /// lifetime. On error nothing is left behind.
