@@ -2,8 +2,9 @@
 //! detached with exactly the job flags ([`EngineBackend::run_args`]: no network, read-only
 //! root, the workspace's host uid, all capabilities dropped, no-new-privileges,
 //! memory/CPU/pids limits, tmpfs /tmp, the node label) plus `--init`, running `sleep` for
-//! the session's max lifetime plus a margin (so a container outlives a node killed with
-//! SIGKILL by at most that, even if the node never restarts to reconcile). The init
+//! the session's max lifetime plus a margin (the node's janitor removes the container when
+//! the node is gone, [`crate::janitor`]; should the janitor die with it, the container
+//! outlives the node by at most that, even if the node never restarts). The init
 //! (catatonit / tini) is PID 1 so the orphans of finished commands are reaped and never
 //! pile up against the pids limit. Each command is an `exec --user N:N --workdir … --env …`.
 //!
