@@ -196,7 +196,7 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
                 "open_unlinked",
             ],
             &["sessions", "workspace", "executor", "job_egress"],
-            &["node", "replay"],
+            &["node", "replay", "janitor"],
             &["http"],
         ],
     ),
