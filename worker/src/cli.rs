@@ -299,7 +299,10 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     cynode_worker::backend::bwrap::starter::drain();
     cynode_worker::backend::engine::pool::unmount_slots(&state_dir);
     if let Some(j) = janitor {
-        if !j.finish() {
+        if !tokio::task::spawn_blocking(move || j.finish())
+            .await
+            .unwrap_or(false)
+        {
             tracing::warn!("the janitor did not finish its sweep within 70 s");
         }
     }
