@@ -175,24 +175,43 @@ pub async fn a_stopped_node_exits_with_its_cgroups_removed() {
 }
 
 /// A node restarted at once waits for its predecessor's janitor (they share the state
-/// directory's lock), so the sweep is over before the new node makes any sandbox, and the
-/// new node's jobs run.
+/// directory's lock), so the sweep is over before the new node makes any sandbox. The old
+/// janitor is held stopped for 2 s after its node's death: the new node waits for the
+/// lock (saying so) until the janitor has swept, then serves.
 pub async fn a_restarted_node_waits_for_its_predecessors_janitor() {
     let mut sv = Server::start("bwrap", "");
     let (_, first) = sv.run_job(&unique("j"), "k", &["true"]).await;
     assert_eq!(first["status"], "completed", "{first}");
     let orphan = Orphan::plant(&node_cgroups(&sv));
+    let message = |log: &Arc<Mutex<Vec<String>>>, text: &str| -> Option<Value> {
+        log.lock()
+            .unwrap()
+            .iter()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["fields"]["message"] == text)
+    };
+    let janitor = message(&sv.log, "janitor started").expect("the janitor's start")["fields"]
+        ["janitor_pid"]
+        .as_i64()
+        .expect("its pid") as i32;
+    // SAFETY: stopping and resuming the janitor this test's node started.
+    unsafe { libc::kill(janitor, libc::SIGSTOP) };
+    let resume = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(2));
+        // SAFETY: as above.
+        unsafe { libc::kill(janitor, libc::SIGCONT) };
+    });
     let old_log = Arc::clone(&sv.log);
-    sv.kill9_and_restart();
+    sv.kill9();
+    sv.restart();
+    resume.join().unwrap();
     let swept = sweep_line(&old_log).await;
-    let locked = sv
-        .log
-        .lock()
-        .unwrap()
-        .iter()
-        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .find(|v| v["fields"]["message"] == "holding the state directory lock")
-        .expect("the new node took the lock");
+    assert!(
+        message(&sv.log, "waiting for the state directory lock").is_some(),
+        "the new node did not wait for the old janitor's lock: {:?}",
+        sv.log.lock().unwrap()
+    );
+    let locked = message(&sv.log, "holding the state directory lock").expect("the lock");
     let (swept_at, locked_at) = (
         swept["timestamp"].as_str().unwrap(),
         locked["timestamp"].as_str().unwrap(),
