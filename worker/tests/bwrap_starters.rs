@@ -3,10 +3,10 @@
 //! another's), the pool shows in `/metrics`, and a node killed with starters waiting
 //! leaves no starter process, and after its restart no starter cgroup, behind.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
-use crate::harness::{command_job, sha256_hex, Server};
+use crate::harness::{command_job, Server};
 
 /// `name value` of a metrics line starting with `name`.
 fn metric(text: &str, name: &str) -> u64 {
@@ -23,13 +23,9 @@ async fn metrics(sv: &Server) -> String {
 
 /// The node's cgroup directories (v1 pids hierarchy or v2), from its state directory.
 pub fn node_cgroups(sv: &Server) -> Vec<PathBuf> {
-    let state = std::fs::canonicalize(sv.state_dir()).unwrap();
-    let node = &sha256_hex(state.display().to_string().as_bytes())[..12];
-    ["/sys/fs/cgroup/pids/cynode", "/sys/fs/cgroup/cynode"]
-        .iter()
-        .map(|p| Path::new(p).join(node))
-        .filter(|p| p.is_dir())
-        .collect()
+    let mut dirs = crate::harness::node_cgroup_dirs(&sv.state_dir());
+    dirs.retain(|p| p.is_dir());
+    dirs
 }
 
 /// The starter cgroups of the node and the processes in them.

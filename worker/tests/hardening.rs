@@ -152,11 +152,9 @@ pub async fn hardening_changeset_filter_is_confined_like_a_job(backend: &'static
 /// No `changeset-*` cgroup of `sv`'s node remains (its id is the state directory's
 /// hash, as the node derives it).
 fn no_changeset_cgroup_left(sv: &Server) -> bool {
-    let state = std::fs::canonicalize(sv.state_dir()).unwrap();
-    let node = &crate::harness::sha256_hex(state.display().to_string().as_bytes())[..12];
-    ["/sys/fs/cgroup/cynode", "/sys/fs/cgroup/pids/cynode"]
+    crate::harness::node_cgroup_dirs(&sv.state_dir())
         .iter()
-        .filter_map(|p| std::fs::read_dir(Path::new(p).join(node)).ok())
+        .filter_map(|p| std::fs::read_dir(p).ok())
         .flat_map(|d| d.flatten())
         .all(|g| !g.file_name().to_string_lossy().starts_with("changeset-"))
 }

@@ -142,6 +142,33 @@ pub fn marker() -> String {
     )
 }
 
+/// The id of the node whose state directory is `state_dir`, as the node derives it.
+pub fn node_id(state_dir: &Path) -> String {
+    cynode_worker::backend::node_id(&cynode_worker::config::Config {
+        state_dir: state_dir.to_path_buf(),
+        ..Default::default()
+    })
+}
+
+/// Where that node's sandbox cgroups are (the v1 pids hierarchy's and the v2 one's),
+/// whether or not they exist.
+pub fn node_cgroup_dirs(state_dir: &Path) -> Vec<PathBuf> {
+    let node = node_id(state_dir);
+    ["/sys/fs/cgroup/pids/cynode", "/sys/fs/cgroup/cynode"]
+        .iter()
+        .map(|p| Path::new(p).join(&node))
+        .collect()
+}
+
+/// The processes listed in cgroup `dir` (none when it is gone).
+pub fn cgroup_pids(dir: &Path) -> Vec<i32> {
+    std::fs::read_to_string(dir.join("cgroup.procs"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.trim().parse().ok())
+        .collect()
+}
+
 /// Waits (bounded by `within`, polling every 20 ms) until `f` holds; fails naming `what`.
 pub async fn eventually(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
     let until = Instant::now() + within;
@@ -363,23 +390,17 @@ impl Drop for Server {
         // setup bwrap was still doing when the node died included): waited for here, so
         // the test's processes are gone when it ends. Should it not come (`janitor.rs`
         // tests that it does), this kills them itself.
-        if let Ok(state) = std::fs::canonicalize(self.state_dir()) {
-            let node = &sha256_hex(state.display().to_string().as_bytes())[..12];
-            let dirs: Vec<PathBuf> = ["/sys/fs/cgroup/pids/cynode", "/sys/fs/cgroup/cynode"]
-                .iter()
-                .map(|p| Path::new(p).join(node))
-                .collect();
-            let until = Instant::now() + Duration::from_secs(10);
-            while dirs.iter().any(|d| d.exists()) && Instant::now() < until {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            for d in dirs.iter().filter(|d| d.exists()) {
-                eprintln!(
-                    "harness: the janitor left {}; killing what it holds",
-                    d.display()
-                );
-                kill_cgroup_tree(d);
-            }
+        let dirs = node_cgroup_dirs(&self.state_dir());
+        let until = Instant::now() + Duration::from_secs(10);
+        while dirs.iter().any(|d| d.exists()) && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for d in dirs.iter().filter(|d| d.exists()) {
+            eprintln!(
+                "harness: the janitor left {}; killing what it holds",
+                d.display()
+            );
+            kill_cgroup_tree(d);
         }
         if let Some(cli) = engine_cli(self.backend) {
             remove_engine_containers(cli, &self.state_dir());
@@ -398,8 +419,7 @@ fn kill_cgroup_tree(dir: &Path) {
         return;
     };
     for e in entries.flatten() {
-        let procs = std::fs::read_to_string(e.path().join("cgroup.procs")).unwrap_or_default();
-        for pid in procs.lines().filter_map(|l| l.trim().parse::<i32>().ok()) {
+        for pid in cgroup_pids(&e.path()) {
             // SAFETY: kill(2) of a process in this test node's own sandbox cgroup.
             unsafe { libc::kill(pid, libc::SIGKILL) };
         }
@@ -481,10 +501,7 @@ pub fn processes() -> Vec<(i32, i32, String)> {
 
 /// The removal loop of [`remove_node_containers`].
 fn remove_listed_containers(cli: &str, state: &Path) {
-    let Ok(state) = std::fs::canonicalize(state) else {
-        return;
-    };
-    let node = &sha256_hex(state.display().to_string().as_bytes())[..12];
+    let node = node_id(state);
     let mut empty_looks = 0;
     for _ in 0..20 {
         let mut ps = Command::new(cli);

@@ -16,7 +16,7 @@ use std::time::Duration;
 use serde_json::Value;
 
 use crate::bwrap_starters::{node_cgroups, runs};
-use crate::harness::{eventually, unique, Server};
+use crate::harness::{cgroup_pids, eventually, node_cgroup_dirs, unique, Server};
 
 const SWEPT: &str = "the node is gone; its janitor removed its sandboxes";
 
@@ -63,15 +63,21 @@ impl Orphan {
     fn pids(&self) -> Vec<i32> {
         self.dirs
             .iter()
-            .filter_map(|d| std::fs::read_to_string(d.join("cgroup.procs")).ok())
-            .flat_map(|t| {
-                t.lines()
-                    .filter_map(|l| l.trim().parse().ok())
-                    .collect::<Vec<i32>>()
-            })
+            .flat_map(|d| cgroup_pids(d))
             .filter(|p| runs(*p))
             .collect()
     }
+}
+
+/// A bwrap node that ran one job (so its cgroups exist), its cgroup directories, and an
+/// orphan planted in them.
+async fn bwrap_node_with_an_orphan() -> (Server, Vec<PathBuf>, Orphan) {
+    let sv = Server::start("bwrap", "");
+    let (_, first) = sv.run_job(&unique("j"), "k", &["true"]).await;
+    assert_eq!(first["status"], "completed", "{first}");
+    let node = node_cgroups(&sv);
+    let orphan = Orphan::plant(&node);
+    (sv, node, orphan)
 }
 
 impl Drop for Orphan {
@@ -120,11 +126,7 @@ async fn sweep_line(log: &Arc<Mutex<Vec<String>>>) -> Value {
 /// A node killed with SIGKILL and not restarted: its janitor kills the orphan (forks
 /// included) and removes every cgroup of the node, and says so.
 pub async fn a_killed_nodes_janitor_kills_what_its_cgroups_hold() {
-    let mut sv = Server::start("bwrap", "");
-    let (_, first) = sv.run_job(&unique("j"), "k", &["true"]).await;
-    assert_eq!(first["status"], "completed", "{first}");
-    let node = node_cgroups(&sv);
-    let orphan = Orphan::plant(&node);
+    let (mut sv, node, orphan) = bwrap_node_with_an_orphan().await;
     eventually("the orphan forks", Duration::from_secs(10), || {
         orphan.pids().len() >= 3
     })
@@ -152,11 +154,7 @@ pub async fn a_killed_nodes_janitor_kills_what_its_cgroups_hold() {
 /// A node that stops on SIGTERM has its sandboxes swept before it exits: nothing is left
 /// to wait for once the process is gone.
 pub async fn a_stopped_node_exits_with_its_cgroups_removed() {
-    let mut sv = Server::start("bwrap", "");
-    let (_, first) = sv.run_job(&unique("j"), "k", &["true"]).await;
-    assert_eq!(first["status"], "completed", "{first}");
-    let node = node_cgroups(&sv);
-    let orphan = Orphan::plant(&node);
+    let (mut sv, node, orphan) = bwrap_node_with_an_orphan().await;
     eventually("the orphan runs", Duration::from_secs(10), || {
         !orphan.pids().is_empty()
     })
@@ -179,10 +177,7 @@ pub async fn a_stopped_node_exits_with_its_cgroups_removed() {
 /// janitor is held stopped for 2 s after its node's death: the new node waits for the
 /// lock (saying so) until the janitor has swept, then serves.
 pub async fn a_restarted_node_waits_for_its_predecessors_janitor() {
-    let mut sv = Server::start("bwrap", "");
-    let (_, first) = sv.run_job(&unique("j"), "k", &["true"]).await;
-    assert_eq!(first["status"], "completed", "{first}");
-    let orphan = Orphan::plant(&node_cgroups(&sv));
+    let (mut sv, _, orphan) = bwrap_node_with_an_orphan().await;
     let message = |log: &Arc<Mutex<Vec<String>>>, text: &str| -> Option<Value> {
         log.lock()
             .unwrap()
@@ -242,12 +237,7 @@ pub async fn a_node_killed_during_sandbox_setups_leaves_nothing() {
             dirs.iter()
                 .filter_map(|d| std::fs::read_dir(d).ok())
                 .flat_map(|d| d.flatten())
-                .filter_map(|e| std::fs::read_to_string(e.path().join("cgroup.procs")).ok())
-                .flat_map(|t| {
-                    t.lines()
-                        .filter_map(|l| l.trim().parse().ok())
-                        .collect::<Vec<i32>>()
-                })
+                .flat_map(|e| cgroup_pids(&e.path()))
                 .collect()
         };
         sv.kill9();
@@ -270,14 +260,15 @@ fn the_janitor_refuses_what_is_not_its_node() {
     let dir = tempfile::tempdir().unwrap();
     let state = dir.path().join("state");
     std::fs::create_dir(&state).unwrap();
-    let canonical = std::fs::canonicalize(&state).unwrap();
-    let node = &crate::harness::sha256_hex(canonical.display().to_string().as_bytes())[..12];
-    let root = ["/sys/fs/cgroup/pids/cynode", "/sys/fs/cgroup/cynode"]
-        .iter()
-        .map(|p| Path::new(p).to_path_buf())
-        .find(|p| p.parent().is_some_and(|c| c.join("cgroup.procs").exists()))
+    // The node's directory in the hierarchy this host has (its root lists cgroup.procs).
+    let node_dir = node_cgroup_dirs(&state)
+        .into_iter()
+        .find(|d| {
+            d.parent()
+                .and_then(Path::parent)
+                .is_some_and(|h| h.join("cgroup.procs").exists())
+        })
         .expect("a pids or v2 cgroup hierarchy");
-    let node_dir = root.join(node);
     std::fs::create_dir_all(&node_dir).unwrap();
     let orphan = Orphan::plant(std::slice::from_ref(&node_dir));
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_cynode-worker"));

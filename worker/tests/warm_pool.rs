@@ -99,8 +99,7 @@ async fn wait_idle(sv: &Server, n: u64) {
 /// This node's pooled containers, by its label.
 fn pool_containers(sv: &Server) -> Vec<String> {
     let cli = engine_cli(sv.backend).unwrap();
-    let state = std::fs::canonicalize(sv.state_dir()).unwrap();
-    let node = &crate::harness::sha256_hex(state.display().to_string().as_bytes())[..12];
+    let node = crate::harness::node_id(&sv.state_dir());
     engine_names(cli, &format!("label=io.cynode.node={node}"))
         .into_iter()
         .filter(|n| n.starts_with("cynode-pool-"))
