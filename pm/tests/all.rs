@@ -5,6 +5,7 @@ mod cli;
 mod egress;
 mod gateway_egress;
 mod llm;
+mod plan_bounds;
 mod policy;
 mod skills;
 mod skills_fetch;

@@ -11,7 +11,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::result::ArtifactRecord;
 
-/// Status of a plan entry.
+/// Status of a plan entry; `skipped`: closed without running, on purpose (the entry's
+/// `reason` says why).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum TaskStatus {
@@ -20,6 +21,7 @@ pub enum TaskStatus {
     Done,
     Failed,
     Blocked,
+    Skipped,
 }
 
 /// One entry of the plan.
@@ -31,6 +33,9 @@ pub struct PlanEntry {
     pub status: TaskStatus,
     /// Bumped on every change of this entry.
     pub version: u64,
+    /// Why the task was closed without running (status `skipped`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// Limits a session runs under.

@@ -54,7 +54,11 @@ impl Pm {
                             &schema,
                             &self.contract.validator,
                             &task_ids,
-                            |r| rules.check(r),
+                            // A final must leave no task open (run, or skipped with a reason).
+                            |r| {
+                                rules.check(r)?;
+                                llm::contract::check_final_closes_plan(rec, r)
+                            },
                         )
                         .await
                     {

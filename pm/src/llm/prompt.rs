@@ -11,7 +11,7 @@
 
 use serde_json::{json, Value};
 
-use super::contract::{MAX_PATCH_OPS, PATCH_PATH_PATTERN, REPLY_TYPES, TASK_STATUSES};
+use super::contract::{MAX_PATCH_OPS, PATCH_PATH_PATTERN, REPLY_TYPES, TASK_ID_MAX, TASK_STATUSES};
 use super::key_order::ordered_json;
 use super::ChatMessage;
 use crate::skills::registry::CatalogEntry;
@@ -105,8 +105,9 @@ one of {statuses}. The PM keeps each entry's version.
 - Make the plan as you act: the first reply is a job_request whose state_patch adds the \
 task it works on, e.g. {{\"op\": \"add\", \"path\": \"/plan/-\", \"value\": {{\"task_id\": \
 \"t1\", \"description\": \"list the files\", \"status\": \"in_progress\"}}}}; add more \
-tasks as results show what is needed. Task ids are short and unique (letters, digits, . _ -); \
-never reuse one for other work.
+tasks as results show what is needed. Task ids are short and unique (letters, digits, . _ -, \
+at most {TASK_ID_MAX} characters, e.g. t1, t2); never reuse one for other work. A description is \
+one line.
 - One job at a time. A job_request names a task already in the plan or one added by the same \
 reply's state_patch.
 - Keep the plan true: set a task's status as results arrive, e.g. {{\"op\": \"replace\", \
@@ -126,7 +127,10 @@ missing. Ask one precise question. Never ask for permission to run a job.
 # When to finish
 Send final when the objective is reached and job results show it (every needed task done), or \
 when it cannot be reached: then say why in the summary. Never claim work that no job result \
-shows. List in artifacts the sha256 of the artifacts that make up the deliverable.
+shows. A final is refused while a task is still pending, in_progress or blocked: run it, or close \
+it in the final's state_patch with status skipped and a reason, e.g. {{\"op\": \"replace\", \
+\"path\": \"/plan/1/status\", \"value\": \"skipped\"}}, {{\"op\": \"add\", \"path\": \
+\"/plan/1/reason\", \"value\": \"not needed: t1 answered it\"}}. List in artifacts the sha256 of the artifacts that make up the deliverable.
 
 # Example replies
 {examples}

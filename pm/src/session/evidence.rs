@@ -41,6 +41,9 @@ pub struct TaskEvidence {
     /// pending, in_progress, done, failed or skipped; null for a task not in the plan.
     #[schema(value_type = Option<String>)]
     pub status: Option<TaskStatus>,
+    /// Why the model closed the task without running it (status `skipped`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     pub jobs: Vec<JobEvidence>,
 }
 
@@ -206,6 +209,7 @@ pub fn compose(plan: &[PlanEntry], jobs: &[JobEvidence], summary: Option<&str>) 
             task_id: p.task_id.clone(),
             description: p.description.clone(),
             status: Some(p.status),
+            reason: p.reason.clone(),
             jobs: Vec::new(),
         })
         .collect();
@@ -216,6 +220,7 @@ pub fn compose(plan: &[PlanEntry], jobs: &[JobEvidence], summary: Option<&str>) 
                 task_id: j.task_id.clone(),
                 description: String::new(),
                 status: None,
+                reason: None,
                 jobs: vec![j.clone()],
             }),
         }
@@ -271,6 +276,9 @@ impl EvidenceReport {
                 format!(": {}", clip(&t.description, 120).0)
             };
             line(format!("task {} [{status}]{desc}", t.task_id));
+            if let Some(r) = &t.reason {
+                line(format!("  skipped by the model: {}", clip(r, 160).0));
+            }
             if t.jobs.is_empty() {
                 line("  no job ran".to_string());
             }

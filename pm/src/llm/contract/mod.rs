@@ -16,7 +16,11 @@
 //! under `/plan` and `/notes`, values that fit a plan entry or a note, `job_request`'s
 //! `skill_id` in the catalog, its `task_id` known or added by this reply's `state_patch`,
 //! and `inputs` valid against that skill's own `inputs_schema` (the original one: the copy
-//! inside the response schema drops bounds too large for a grammar). A [`ContractError`]
+//! inside the response schema drops bounds too large for a grammar). A plan entry's
+//! `task_id` is short ([`TASK_ID_PATTERN`]), its `description` one bounded line, and a
+//! `skipped` entry says why in its `reason`. A `final` that leaves tasks open is refused
+//! by [`check_final_closes_plan`], which the loop runs on the state the reply's patch
+//! would make. A [`ContractError`]
 //! is written to be shown to the model so it can correct its reply.
 //!
 //! One file a concern: [`schema`] builds the schema, [`validate`] checks a reply,
@@ -29,7 +33,7 @@ mod schema;
 mod tests;
 mod validate;
 
-pub use patch::{apply_state_patch, PatchError};
+pub use patch::{apply_state_patch, check_final_closes_plan, PatchError};
 pub use schema::{response_schema, response_schema_for};
 pub use validate::{validate_reply, ReplyValidator};
 
@@ -39,14 +43,28 @@ pub const RESPONSE_SCHEMA_NAME: &str = "cynode_pm_reply";
 /// Every `state_patch` path (and `from`) must match this: the plan, the notes, or below.
 pub const PATCH_PATH_PATTERN: &str = "^/(plan|notes)(/.*)?$";
 
-/// What a task id looks like (it ends up in job ids and job.json).
-pub const TASK_ID_PATTERN: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$";
+/// What a task id looks like (it ends up in job ids, job.json and every progress line):
+/// a short name such as `t1` or `fetch-deps`, at most [`TASK_ID_MAX`] characters.
+pub const TASK_ID_PATTERN: &str = "^[A-Za-z0-9][A-Za-z0-9._-]{0,31}$";
+/// The longest task id, in characters (ASCII).
+pub const TASK_ID_MAX: usize = 32;
 
 /// The reply types, in the order the system prompt lists them.
 pub const REPLY_TYPES: [&str; 4] = ["plan_update", "job_request", "message", "final"];
 
 /// The statuses of a plan entry (`cynode_protocol::session::TaskStatus`).
-pub const TASK_STATUSES: [&str; 5] = ["pending", "in_progress", "done", "failed", "blocked"];
+pub const TASK_STATUSES: [&str; 6] = [
+    "pending",
+    "in_progress",
+    "done",
+    "failed",
+    "blocked",
+    "skipped",
+];
+
+/// The statuses of a task still open: a `final` with one of these in the plan is refused
+/// (the model runs the task, or closes it as `skipped` with a `reason`).
+pub const OPEN_STATUSES: [&str; 3] = ["pending", "in_progress", "blocked"];
 
 /// At most this many `state_patch` operations per reply (a bound a grammar can enforce, so
 /// a small model cannot loop in the list until it runs out of tokens).
@@ -65,6 +83,8 @@ pub const MAX_ARTIFACTS: usize = 100;
 /// characters it once had with one repeated clause, on every plan-only turn.
 pub const DESCRIPTION_MAX: usize = 200;
 pub const NOTE_MAX: usize = 160;
+/// Why a task was skipped (a plan entry's `reason`): one short sentence.
+pub const REASON_MAX: usize = 160;
 pub const TEXT_MAX: usize = 500;
 pub const SUMMARY_MAX: usize = 800;
 pub const ARTIFACT_REF_MAX: usize = 128;

@@ -11,7 +11,7 @@ use super::schema::*;
 use super::validate::*;
 use super::*;
 use crate::session::SessionRecord;
-use cynode_protocol::session::PlanEntry;
+use cynode_protocol::session::{PlanEntry, TaskStatus};
 
 /// What a patch pointer designates.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -297,7 +297,56 @@ pub fn apply_state_patch(rec: &mut SessionRecord, reply: &LlmOutput) -> Result<(
     if let Some(dup) = plan.iter().find(|p| !seen.insert(p.task_id.clone())) {
         return Err(PatchError(format!("duplicate task_id {}", dup.task_id)));
     }
+    if let Some((i, p)) = plan.iter().enumerate().find(|(_, p)| {
+        p.status == TaskStatus::Skipped && p.reason.as_deref().is_none_or(|r| r.trim().is_empty())
+    }) {
+        return Err(PatchError(format!(
+            "/plan/{i}/reason: task {} is skipped without a reason; set its reason (one short sentence) in the same state_patch",
+            p.task_id
+        )));
+    }
     rec.state.plan = plan;
     rec.state.notes = notes;
     Ok(())
+}
+
+/// A `final` must leave no task open: every plan entry done, failed or `skipped` (with
+/// its `reason`) once the reply's own `state_patch` is applied to `rec`'s state. Any other
+/// reply passes. The refusal names each open task by its JSON pointer and says how to
+/// close it, so the model can run it or skip it explicitly on its next attempt.
+pub fn check_final_closes_plan(
+    rec: &SessionRecord,
+    reply: &LlmOutput,
+) -> Result<(), ContractError> {
+    if reply.kind != cynode_protocol::llm::LlmOutputType::Final {
+        return Ok(());
+    }
+    let mut after = rec.clone();
+    apply_state_patch(&mut after, reply)
+        .map_err(|e| ContractError::Rejected(format!("state_patch: {e}")))?;
+    let open: Vec<String> = after
+        .state
+        .plan
+        .iter()
+        .enumerate()
+        .filter(|(_, p)| {
+            let status = serde_json::to_value(p.status).unwrap_or_default();
+            OPEN_STATUSES.iter().any(|s| status == *s)
+        })
+        .map(|(i, p)| {
+            let status = serde_json::to_value(p.status).unwrap_or_default();
+            format!(
+                "/plan/{i}/status ({}: {})",
+                p.task_id,
+                status.as_str().unwrap_or("")
+            )
+        })
+        .collect();
+    if open.is_empty() {
+        return Ok(());
+    }
+    Err(ContractError::Rejected(format!(
+        "final refused: tasks still open at {}. Run them with job_request, or close each one in this reply's state_patch: {{\"op\": \"replace\", \"path\": \"/plan/N/status\", \"value\": \"skipped\"}} and {{\"op\": \"add\", \"path\": \"/plan/N/reason\", \"value\": \"why\"}}",
+        open.join(", ")
+    )))
 }

@@ -131,6 +131,7 @@ pub(super) fn plan_entry_schema() -> Value {
             ("description", bounded_string(1, DESCRIPTION_MAX)),
             ("status", json!({ "type": "string", "enum": TASK_STATUSES })),
             ("version", json!({ "type": "integer", "minimum": 0 })),
+            ("reason", bounded_string(1, REASON_MAX)),
         ],
         &["task_id", "description", "status"],
     )
@@ -140,15 +141,16 @@ pub(super) fn plan_entry_schema() -> Value {
 pub(super) fn plan_field_schema(field: &str) -> Value {
     match field {
         "description" => bounded_string(1, DESCRIPTION_MAX),
+        "reason" => bounded_string(1, REASON_MAX),
         _ => json!({ "type": "string", "enum": TASK_STATUSES }),
     }
 }
 
-pub(super) const PLAN_FIELDS: [&str; 4] = ["task_id", "description", "status", "version"];
+pub(super) const PLAN_FIELDS: [&str; 5] = ["task_id", "description", "status", "version", "reason"];
 
 /// The fields of a plan entry a patch may change one by one: a task's id names it (in
 /// attempts, jobs and history) and its version is the PM's.
-pub(super) const PATCHABLE_FIELDS: [&str; 2] = ["description", "status"];
+pub(super) const PATCHABLE_FIELDS: [&str; 3] = ["description", "status", "reason"];
 
 /// One closed patch operation schema.
 pub(super) fn op(ops: &[&str], members: &[(&str, Value)]) -> Value {

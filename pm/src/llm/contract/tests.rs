@@ -3,6 +3,7 @@
 use super::patch::*;
 use super::schema::*;
 use super::validate::*;
+use super::DESCRIPTION_MAX;
 use crate::skills::registry::CatalogEntry;
 use serde_json::json;
 
@@ -125,4 +126,136 @@ fn schema_and_checks_agree_on_patches() {
         assert_eq!(by_schema, ok, "schema on {op}");
         assert_eq!(by_checks.is_ok(), ok, "checks on {op}: {by_checks:?}");
     }
+}
+
+fn validator() -> ReplyValidator {
+    ReplyValidator::new(&response_schema(&catalog(), &[]), &catalog()).unwrap()
+}
+
+fn plan_add(entry: serde_json::Value) -> String {
+    json!({ "type": "plan_update", "payload": {},
+            "state_patch": [{ "op": "add", "path": "/plan/-", "value": entry }] })
+    .to_string()
+}
+
+#[test]
+fn a_task_id_is_short_and_named_when_refused() {
+    let v = validator();
+    let ok = "t".repeat(super::TASK_ID_MAX);
+    assert!(v
+        .validate(
+            &plan_add(json!({ "task_id": ok, "description": "d", "status": "pending" })),
+            &[]
+        )
+        .is_ok());
+    // The 60-hex-character id a small model once wrote.
+    let long = format!("t324158769-{}", "bddf".repeat(12));
+    let e = v
+        .validate(
+            &plan_add(json!({ "task_id": long, "description": "d", "status": "pending" })),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("state_patch[0].value.task_id: "), "{e}");
+    assert!(e.contains("1 to 32"), "{e}");
+    // The schema the model is constrained by says the same.
+    let schema = response_schema(&catalog(), &[]);
+    assert!(!jsonschema::is_valid(
+        &schema,
+        &serde_json::from_str(&plan_add(
+            json!({ "task_id": "a".repeat(33), "description": "d", "status": "pending" })
+        ))
+        .unwrap()
+    ));
+}
+
+#[test]
+fn a_description_is_one_bounded_line_and_a_skipped_task_has_a_reason() {
+    let v = validator();
+    let e = v
+        .validate(
+            &plan_add(json!({ "task_id": "t1", "description": "one\ntwo", "status": "pending" })),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("state_patch[0].value.description: must be one line"),
+        "{e}"
+    );
+    let e = v
+        .validate(
+            &plan_add(json!({ "task_id": "t1", "description": "x".repeat(DESCRIPTION_MAX + 1), "status": "pending" })),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("too long"), "{e}");
+    let e = v
+        .validate(
+            &plan_add(json!({ "task_id": "t1", "description": "d", "status": "skipped" })),
+            &[],
+        )
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("state_patch[0].value.reason: missing"), "{e}");
+    assert!(v
+        .validate(
+            &plan_add(json!({ "task_id": "t1", "description": "d", "status": "skipped", "reason": "not needed" })),
+            &[]
+        )
+        .is_ok());
+}
+
+fn final_reply(patch: serde_json::Value) -> cynode_protocol::llm::LlmOutput {
+    serde_json::from_value(
+        json!({ "type": "final", "state_patch": patch, "payload": { "summary": "s" } }),
+    )
+    .unwrap()
+}
+
+#[test]
+fn a_final_leaves_no_task_open() {
+    let mut rec = crate::session::SessionRecord::new("s-1", "default", "o", Default::default());
+    rec.state.plan = serde_json::from_value(json!([
+        { "task_id": "t1", "description": "a", "status": "done", "version": 1 },
+        { "task_id": "t2", "description": "b", "status": "in_progress", "version": 1 },
+        { "task_id": "t3", "description": "c", "status": "pending", "version": 1 },
+    ]))
+    .unwrap();
+    let e = check_final_closes_plan(&rec, &final_reply(json!([])))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("/plan/1/status (t2: in_progress)"), "{e}");
+    assert!(e.contains("/plan/2/status (t3: pending)"), "{e}");
+    // Skipping one leaves the other open.
+    let skip = |i: usize| {
+        [
+            json!({ "op": "replace", "path": format!("/plan/{i}/status"), "value": "skipped" }),
+            json!({ "op": "add", "path": format!("/plan/{i}/reason"), "value": "not needed" }),
+        ]
+    };
+    let e = check_final_closes_plan(&rec, &final_reply(json!(skip(1))))
+        .unwrap_err()
+        .to_string();
+    assert!(!e.contains("t2") && e.contains("t3"), "{e}");
+    // Skipped without a reason: refused by the patch.
+    let e = check_final_closes_plan(
+        &rec,
+        &final_reply(json!([
+            { "op": "replace", "path": "/plan/1/status", "value": "skipped" },
+            { "op": "replace", "path": "/plan/2/status", "value": "done" },
+        ])),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("/plan/1/reason"), "{e}");
+    let both: Vec<_> = skip(1).into_iter().chain(skip(2)).collect();
+    check_final_closes_plan(&rec, &final_reply(json!(both))).unwrap();
+    // Other replies are not this rule's business.
+    let plan: cynode_protocol::llm::LlmOutput =
+        serde_json::from_value(json!({ "type": "plan_update", "state_patch": [], "payload": {} }))
+            .unwrap();
+    check_final_closes_plan(&rec, &plan).unwrap();
 }

@@ -345,7 +345,7 @@ pub(super) fn check_string(
 pub(super) fn is_task_id(s: &str) -> bool {
     let mut chars = s.chars();
     chars.next().is_some_and(|c| c.is_ascii_alphanumeric())
-        && s.len() <= 64
+        && s.len() <= TASK_ID_MAX
         && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
@@ -357,7 +357,10 @@ pub(super) fn check_task_id<'a>(
         Some(Value::String(s)) if is_task_id(s) => Ok(s),
         Some(Value::String(s)) => Err(invalid(
             path,
-            format!("`{s}` is not a task id: 1 to 64 of A-Z a-z 0-9 . _ -, starting with a letter or digit"),
+            format!(
+                "`{}` is not a task id: 1 to {TASK_ID_MAX} of A-Z a-z 0-9 . _ -, starting with a letter or digit (a short name such as t1 or fetch-deps)",
+                clip_chars(s, TASK_ID_MAX + 8)
+            ),
         )),
         Some(other) => Err(invalid(
             path,
@@ -382,13 +385,26 @@ pub(super) fn check_entry<'a>(path: &str, v: &'a Value) -> Result<&'a str, Contr
             check_plan_field(&join(path, field), field, fv)?;
         }
     }
+    if obj.get("status") == Some(&Value::String("skipped".into())) && !obj.contains_key("reason") {
+        return Err(invalid(
+            join(path, "reason"),
+            "missing: a skipped task says why in its reason",
+        ));
+    }
     check_task_id(&join(path, "task_id"), obj.get("task_id"))
 }
 
 pub(super) fn check_plan_field(path: &str, field: &str, v: &Value) -> Result<(), ContractError> {
     match field {
         "task_id" => check_task_id(path, Some(v)).map(|_| ()),
-        "description" => check_string(path, Some(v), true, DESCRIPTION_MAX),
+        "description" => {
+            check_string(path, Some(v), true, DESCRIPTION_MAX)?;
+            check_one_line(path, v)
+        }
+        "reason" => {
+            check_string(path, Some(v), true, REASON_MAX)?;
+            check_one_line(path, v)
+        }
         "status" => match v.as_str() {
             Some(s) if TASK_STATUSES.contains(&s) => Ok(()),
             _ => Err(invalid(
@@ -403,6 +419,26 @@ pub(super) fn check_plan_field(path: &str, field: &str, v: &Value) -> Result<(),
                 format!("must be a non-negative integer; got {v}"),
             )),
         },
+    }
+}
+
+/// A task's description or reason is one line of text: no line breaks, tabs or other
+/// control characters (it is printed as one progress line and one line of the report).
+fn check_one_line(path: &str, v: &Value) -> Result<(), ContractError> {
+    match v.as_str() {
+        Some(s) if s.chars().any(char::is_control) => Err(invalid(
+            path,
+            "must be one line: no line breaks, tabs or other control characters",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// At most `max` characters of `s`, with `…` when cut (an over-long value quoted back).
+fn clip_chars(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        Some((i, _)) => format!("{}…", &s[..i]),
+        None => s.to_string(),
     }
 }
 
@@ -441,8 +477,10 @@ fn check_prose(patch: &[Value], payload: &Map<String, Value>) -> Result<(), Cont
         match op.get("value") {
             Some(Value::String(t)) => texts.push((at, t)),
             Some(Value::Object(o)) => {
-                if let Some(Value::String(t)) = o.get("description") {
-                    texts.push((format!("{at}.description"), t));
+                for key in ["description", "reason"] {
+                    if let Some(Value::String(t)) = o.get(key) {
+                        texts.push((format!("{at}.{key}"), t));
+                    }
                 }
             }
             Some(Value::Array(items)) => {
@@ -450,8 +488,10 @@ fn check_prose(patch: &[Value], payload: &Map<String, Value>) -> Result<(), Cont
                     match item {
                         Value::String(t) => texts.push((format!("{at}[{j}]"), t)),
                         Value::Object(o) => {
-                            if let Some(Value::String(t)) = o.get("description") {
-                                texts.push((format!("{at}[{j}].description"), t));
+                            for key in ["description", "reason"] {
+                                if let Some(Value::String(t)) = o.get(key) {
+                                    texts.push((format!("{at}[{j}].{key}"), t));
+                                }
                             }
                         }
                         _ => {}
