@@ -86,6 +86,7 @@ mod gaps;
 mod gateway;
 mod hardening;
 mod harness;
+mod host_paths;
 mod host_reads;
 mod host_writes;
 mod inference;

@@ -12,14 +12,21 @@
 //!
 //! The command runs under the node's seccomp filter ([`super::seccomp`], handed to bwrap
 //! as BPF through memfds and `--add-seccomp-fd`), and with `--disable-userns` where this
-//! bwrap has it, so no nested user namespace can be made. bwrap itself starts with a
-//! cleared environment ([`super::client_env`]): it is PID 1 of the sandbox, so its
-//! `/proc/1/environ` is readable inside.
+//! bwrap has it, so no nested user namespace can be made.
 //!
-//! Residual: `/proc/self/mountinfo` inside shows, as the root of the `/job` and
-//! `/workspace` bind mounts, their paths relative to the filesystem holding the state
-//! directory (a bind mount's root is a path in its source filesystem; no bind trick hides
-//! it). Put `state_dir` on a filesystem of its own to show only paths below it.
+//! bwrap is PID 1 of the sandbox, so its `/proc/1/cmdline` and `/proc/1/environ` are
+//! readable inside: it starts with an empty environment, and with every option (the root
+//! filesystem, the job's directories, the node's descriptors: every host path) in a sealed
+//! memfd it reads through `--args` ([`Invocation`]), so its command line is
+//! `bwrap --args N -- <the sandbox's command>`.
+//!
+//! Residuals (`worker/tests/host_paths.rs` matches exactly these): `/proc/self/mountinfo`
+//! inside shows, as the root of the `/` mount, the root filesystem directory's path in the
+//! filesystem that holds it, and as the root of a `/job` or `/workspace` that is not a
+//! volume of its own, its path in the filesystem of the state directory (a bind mount's
+//! root is a path in its source filesystem; no bind trick hides it): put the root
+//! filesystem directories (and `state_dir`) on filesystems of their own to show `/`. And
+//! `/proc/1/maps` names bwrap's binary and the shared libraries it loads.
 //!
 //! When the node runs as root, bwrap itself is started as the workspace's host uid/gid
 //! ([`crate::uid_pool`], after joining the cgroup), so the unprivileged user namespace maps
@@ -82,20 +89,73 @@ fn seccomp_programs() -> Result<&'static [Vec<u8>], BackendError> {
         .map_err(Clone::clone)
 }
 
-/// A memfd (close-on-exec) holding `bytes`, read from its start.
-fn memfd_with(bytes: &[u8]) -> std::io::Result<std::os::fd::OwnedFd> {
+/// A sealed memfd (close-on-exec, no further write, growth or shrinking) named `name`,
+/// holding `bytes`, read from its start.
+fn sealed_memfd(name: &std::ffi::CStr, bytes: &[u8]) -> std::io::Result<std::os::fd::OwnedFd> {
     use std::io::{Seek, Write};
-    use std::os::fd::FromRawFd;
+    use std::os::fd::{AsRawFd, FromRawFd};
     // SAFETY: memfd_create with a valid NUL-terminated name.
-    let fd = unsafe { libc::memfd_create(c"cynode-seccomp".as_ptr(), libc::MFD_CLOEXEC) };
+    let fd =
+        unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
     // SAFETY: fd was just created and is owned by nothing else.
     let mut file = unsafe { std::fs::File::from_raw_fd(fd) };
     file.write_all(bytes)?;
+    seal(file.as_raw_fd())?;
     file.seek(std::io::SeekFrom::Start(0))?;
     Ok(file.into())
+}
+
+/// Seals the memfd `fd` against any change.
+fn seal(fd: i32) -> std::io::Result<()> {
+    let seals = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+    // SAFETY: fcntl on a descriptor the caller owns.
+    if unsafe { libc::fcntl(fd, libc::F_ADD_SEALS, seals) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// One start of bwrap: its options, with every host path among them (the root filesystem,
+/// the job's directories, the node's descriptors), which bwrap reads from a sealed memfd
+/// (`--args FD`, [`client_command`]), and the sandbox's command, after `--`. Inside the
+/// sandbox PID 1 is bwrap, and its `/proc/1/cmdline` reads `bwrap --args N -- <command>`:
+/// nothing of the host. Every bwrap of the node (cold, starter, warm, isolated) starts
+/// from one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Invocation {
+    pub options: Vec<String>,
+    pub command: Vec<String>,
+}
+
+impl Invocation {
+    /// The options as `--args` reads them: each NUL-terminated. `Err` when one holds a NUL.
+    pub fn options_data(&self) -> Result<Vec<u8>, String> {
+        let mut out = Vec::with_capacity(self.options.iter().map(|a| a.len() + 1).sum());
+        for a in &self.options {
+            if a.as_bytes().contains(&0) {
+                return Err("a bwrap option holds a NUL byte".into());
+            }
+            out.extend_from_slice(a.as_bytes());
+            out.push(0);
+        }
+        Ok(out)
+    }
+
+    /// bwrap's arguments after the program, its options in descriptor `fd`.
+    pub fn argv(&self, fd: i32) -> Vec<String> {
+        let mut a = vec!["--args".to_string(), fd.to_string(), "--".to_string()];
+        a.extend(self.command.iter().cloned());
+        a
+    }
+
+    /// A sealed memfd holding [`Invocation::options_data`].
+    fn options_memfd(&self) -> std::io::Result<std::os::fd::OwnedFd> {
+        let data = self.options_data().map_err(std::io::Error::other)?;
+        sealed_memfd(c"cynode-bwrap-args", &data)
+    }
 }
 
 /// Whether `binary` knows `--disable-userns` (bwrap 0.8 and later); asked once per binary.
@@ -159,7 +219,7 @@ impl Confinement {
         let memfds = seccomp_programs()?
             .iter()
             .map(|p| {
-                memfd_with(p).map_err(|e| {
+                sealed_memfd(c"cynode-seccomp", p).map_err(|e| {
                     BackendError::Unavailable(format!("cannot pass the seccomp filter: {e}"))
                 })
             })
@@ -299,9 +359,14 @@ impl BwrapBackend {
             .filter(|p| p.is_dir())
     }
 
-    /// The bwrap argv for `spec` with `rootfs` as `/`, confined by `confinement` (its
+    /// The bwrap invocation for `spec` with `rootfs` as `/`, confined by `confinement` (its
     /// [`Confinement::args`]).
-    pub fn args(&self, spec: &SandboxSpec, rootfs: &Path, confinement: &[String]) -> Vec<String> {
+    pub fn invocation(
+        &self,
+        spec: &SandboxSpec,
+        rootfs: &Path,
+        confinement: &[String],
+    ) -> Invocation {
         let mut a = sandbox_args(rootfs, &spec.limits, confinement);
         for m in &spec.mounts {
             let flag = if m.writable { "--bind" } else { "--ro-bind" };
@@ -311,12 +376,15 @@ impl BwrapBackend {
         for (k, v) in &spec.env {
             a.extend(["--setenv".into(), k.clone(), v.clone()]);
         }
-        a.push("--".into());
+        let mut command = Vec::new();
         if !spec.override_entrypoint {
-            a.push(SBA_ENTRYPOINT.into());
+            command.push(SBA_ENTRYPOINT.into());
         }
-        a.extend(spec.command.iter().cloned());
-        a
+        command.extend(spec.command.iter().cloned());
+        Invocation {
+            options: a,
+            command,
+        }
     }
 
     /// The backend's starter pool, started at its first job; `None` where it cannot run.
@@ -355,12 +423,15 @@ impl BwrapBackend {
             .map_err(|e| format!("cannot make bwrap's info and block pipes: {e}"))?;
         let mut args = confinement.args();
         args.extend(gate.iter().flat_map(Gate::args));
-        let mut cmd = client_command(self.binary(), &self.args(spec, rootfs, &args));
+        let (mut cmd, options) =
+            client_command(self.binary(), &self.invocation(spec, rootfs, &args))
+                .map_err(|e| format!("cannot pass bwrap its arguments: {e}"))?;
         confinement.apply(&mut cmd);
         if let Some(g) = &gate {
             g.apply(&mut cmd);
         }
         let spawned = cmd.spawn();
+        drop(options);
         confinement.started();
         if let Some(g) = &mut gate {
             g.spawned();
@@ -424,8 +495,8 @@ impl BwrapBackend {
         };
         let started_warm = match warm {
             Some(t) => {
-                let args = self.args(spec, rootfs, &t.confinement_args());
-                match t.start(&spec.name, &args, spec.host_uid) {
+                let inv = self.invocation(spec, rootfs, &t.confinement_args());
+                match t.start(&spec.name, &inv, spec.host_uid) {
                     Ok(c) => Some(c),
                     Err(e) => {
                         tracing::warn!(sandbox = %spec.name, error = %e, "bwrap starter not used; starting cold");
@@ -616,19 +687,40 @@ impl SandboxBackend for BwrapBackend {
     }
 }
 
-/// bwrap `binary` with `args`, as a sandbox's client: the node's cleared client
-/// environment, stdin `/dev/null`, stdout and stderr piped, a process group of its own,
-/// killed when dropped.
-fn client_command(binary: &str, args: &[String]) -> Command {
-    let mut cmd = Command::new(binary);
-    super::client_env(&mut cmd)
-        .args(args)
+/// bwrap `binary` started as `inv` says, as a sandbox's client: its options in a sealed
+/// memfd (`--args`, left open across exec; the caller drops the returned descriptor once
+/// bwrap is spawned), an empty environment (bwrap needs none: the sandbox's is set by
+/// `--clearenv` and `--setenv`, and bwrap is PID 1 inside, its environ readable there),
+/// `bwrap` as its argv\[0\] (not the binary's path), stdin `/dev/null`, stdout and stderr piped, a process group of its own, killed when
+/// dropped.
+fn client_command(
+    binary: &str,
+    inv: &Invocation,
+) -> std::io::Result<(Command, std::os::fd::OwnedFd)> {
+    use std::os::fd::AsRawFd;
+    let options = inv.options_memfd()?;
+    let fd = options.as_raw_fd();
+    super::record_node_pid();
+    let mut cmd = Command::new(starter::resolve(binary).unwrap_or_else(|| binary.into()));
+    cmd.arg0("bwrap")
+        .env_clear()
+        .args(inv.argv(fd))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
-    cmd
+    // SAFETY: between fork and exec this only clears close-on-exec (fcntl) on a
+    // descriptor opened before the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    Ok((cmd, options))
 }
 
 /// A job's bwrap arguments up to its own parts (mounts, working directory, environment,

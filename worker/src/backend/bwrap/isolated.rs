@@ -8,12 +8,10 @@
 //! memory, pids and CPU limits. Whatever is left of it is killed when the run returns.
 
 use std::path::Path;
-use std::process::Stdio;
 
 use tokio::io::AsyncReadExt;
-use tokio::process::Command;
 
-use super::{has_disable_userns, isolation_args, Confinement};
+use super::{client_command, has_disable_userns, isolation_args, Confinement, Invocation};
 use crate::backend::{IsolatedError, IsolatedOutput, IsolatedRun};
 use crate::config::Config;
 
@@ -67,9 +65,11 @@ impl IsolatedBwrap {
         for (k, v) in &run.env {
             args.extend(["--setenv".into(), k.clone(), v.clone()]);
         }
-        args.push("--".into());
-        args.extend(run.argv.iter().cloned());
-        let (code, stdout, stderr) = spawn(&self.binary, &args, confinement, &run).await?;
+        let inv = Invocation {
+            options: args,
+            command: run.argv.clone(),
+        };
+        let (code, stdout, stderr) = spawn(&self.binary, &inv, confinement, &run).await?;
         Ok(IsolatedOutput {
             exit_code: code,
             stdout,
@@ -141,22 +141,16 @@ fn ro_bind(host: &Path, target: &str) -> [String; 3] {
     ]
 }
 
-/// Runs bwrap with `args` as the sandbox user under `confinement`, bounded in time and
+/// Runs bwrap as `inv` says, as the sandbox user under `confinement`, bounded in time and
 /// output; whatever is left of it is killed when this returns.
 async fn spawn(
     bwrap: &str,
-    args: &[String],
+    inv: &Invocation,
     mut confinement: Confinement,
     run: &IsolatedRun,
 ) -> Result<(i32, String, String), IsolatedError> {
-    let mut cmd = Command::new(bwrap);
-    cmd.args(args)
-        .env_clear()
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0)
-        .kill_on_drop(true);
+    let (mut cmd, options) = client_command(bwrap, inv)
+        .map_err(|e| IsolatedError::Sandbox(format!("cannot pass {bwrap} its arguments: {e}")))?;
     confinement.apply(&mut cmd);
     let space = run.max_address_space;
     // SAFETY: between fork and exec this only makes the async-signal-safe setrlimit on
@@ -177,6 +171,7 @@ async fn spawn(
         });
     }
     let spawned = cmd.spawn();
+    drop(options);
     confinement.started();
     let mut child =
         spawned.map_err(|e| IsolatedError::Sandbox(format!("cannot start {bwrap}: {e}")))?;

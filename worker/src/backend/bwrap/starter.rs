@@ -7,13 +7,16 @@
 //! in the background, before the job arrives.
 //!
 //! A starter is the worker's forked child stopped inside `pre_exec`: it has joined its
-//! cgroup and closed every descriptor but its stdio pipes, the seccomp memfds, an argv
-//! memfd and a control pipe, and it blocks reading the control pipe. A job claims one
-//! ([`Starters::take`]), writes its bwrap argv into the memfd and its host uid into the
-//! pipe; the starter reads them, closes both, drops to that uid (no groups), arms
-//! `PR_SET_PDEATHSIG` again and executes bwrap with the node's cleared client
-//! environment: exactly what the cold path's `pre_exec` does, only earlier. Its cgroup is
-//! renamed to the job's sandbox name on the claim, so a job's cgroup is named as before.
+//! cgroup and closed every descriptor but its stdio pipes, the seccomp memfds, two memfds
+//! for the job's bwrap (its options, its command) and a control pipe, and it blocks
+//! reading the control pipe. A job claims one ([`Starters::take`]), writes its bwrap
+//! options into the first memfd (then sealed) and the sandbox's command into the second,
+//! and its host uid into the pipe; the starter reads the command and the uid, closes the
+//! command memfd and the pipe, drops to that uid (no groups), arms `PR_SET_PDEATHSIG`
+//! again and executes `bwrap --args <options memfd> -- <command>` with an empty
+//! environment: exactly what the cold path does ([`super::Invocation`]), only earlier.
+//! bwrap reads the options and closes their memfd. Its cgroup is renamed to the job's
+//! sandbox name on the claim, so a job's cgroup is named as before.
 //!
 //! - One starter, one job: the pool hands each out once (`VecDeque::pop_front` under its
 //!   lock, moved into the job) and never takes one back; a job's [`super::Confinement`]
@@ -23,8 +26,8 @@
 //!   filler thread that forked it, which lives as long as the backend. Its empty cgroup
 //!   is removed at the next start (`remove_all_managed`).
 //! - The filler is one thread that keeps at most [`TARGET`] starters ready; it pauses
-//!   after failures. Jobs that need a gated start (egress) or whose argv is larger than a
-//!   starter's buffer take the cold path.
+//!   after failures. Jobs that need a gated start (egress) or whose command is larger than
+//!   a starter's buffer take the cold path.
 //! - What `/metrics` shows: [`stats`].
 
 use std::collections::VecDeque;
@@ -44,9 +47,9 @@ use crate::backend::ResourceLimits;
 
 /// Starters kept ready.
 pub const TARGET: usize = 2;
-/// The largest bwrap argv (NUL-terminated strings, bytes) a starter takes.
+/// The largest sandbox command (NUL-terminated strings, bytes) a starter takes.
 const ARGS_CAP: usize = 256 * 1024;
-/// The most arguments a starter takes.
+/// The most command arguments a starter takes.
 const MAX_ARGS: usize = 8192;
 /// The longest pause of the filler after a failure.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
@@ -128,11 +131,13 @@ pub fn metrics_text() -> String {
     )
 }
 
-/// One starter: the waiting child, its confinement (cgroup and seccomp memfds), the argv
-/// memfd and the control pipe's write end.
+/// One starter: the waiting child, its confinement (cgroup and seccomp memfds), the
+/// memfds of bwrap's options and of the sandbox's command, and the control pipe's write
+/// end.
 struct Starter {
     child: Child,
     confinement: Confinement,
+    options: std::fs::File,
     args: std::fs::File,
     ctrl: OwnedFd,
 }
@@ -244,31 +249,38 @@ impl Starters {
         );
         let confinement = Confinement::new(&self.node, &name, &self.limits, self.disable_userns, 0)
             .map_err(std::io::Error::other)?;
-        let args = memfd("cynode-bwrap-argv")?;
+        let options = memfd("cynode-bwrap-args", libc::MFD_ALLOW_SEALING)?;
+        let args = memfd("cynode-bwrap-command", 0)?;
         let (ctrl_r, ctrl_w) = rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC)?;
         let mut keep: Vec<i32> = confinement.fds.clone();
-        keep.extend([args.as_raw_fd(), ctrl_r.as_raw_fd()]);
+        keep.extend([options.as_raw_fd(), args.as_raw_fd(), ctrl_r.as_raw_fd()]);
         keep.sort_unstable();
         let plan = Plan {
             inherit: confinement
                 .fds
                 .iter()
                 .copied()
-                .chain([args.as_raw_fd()])
+                .chain([options.as_raw_fd(), args.as_raw_fd()])
                 .collect(),
             procs: confinement.cgroup.procs_files(),
             keep,
             args_fd: args.as_raw_fd(),
             ctrl_fd: ctrl_r.as_raw_fd(),
             buf: vec![0; ARGS_CAP],
-            argv: vec![0; MAX_ARGS + 2],
-            envp_store: client_envp(),
-            envp: Vec::new(),
+            argv: vec![0; MAX_ARGS + 5],
+            fixed: [
+                c"bwrap".into(),
+                c"--args".into(),
+                CString::new(options.as_raw_fd().to_string()).map_err(std::io::Error::other)?,
+                c"--".into(),
+            ],
+            envp: vec![0],
             binary: self.binary.clone(),
             root: rustix::process::geteuid().is_root(),
         };
+        super::super::record_node_pid();
         let mut cmd = Command::new(OsStr::from_bytes(self.binary.as_bytes()));
-        super::super::client_env(&mut cmd)
+        cmd.env_clear()
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -282,6 +294,7 @@ impl Starters {
         Ok(Starter {
             child,
             confinement,
+            options,
             args,
             ctrl: ctrl_w,
         })
@@ -304,32 +317,42 @@ impl Taken<'_> {
             .unwrap_or_default()
     }
 
-    /// Renames its cgroup to `name`, hands it `argv` (bwrap's arguments, without the
-    /// program) and `host_uid`: it executes bwrap. `Err` when it could not be handed
+    /// Renames its cgroup to `name`, hands it `inv` (bwrap's options and the sandbox's
+    /// command) and `host_uid`: it executes bwrap. `Err` when it could not be handed
     /// over (then it is killed and removed, and the caller starts cold).
-    pub fn start(mut self, name: &str, argv: &[String], host_uid: u32) -> Result<Claimed, String> {
+    pub fn start(
+        mut self,
+        name: &str,
+        inv: &super::Invocation,
+        host_uid: u32,
+    ) -> Result<Claimed, String> {
         use std::io::Write;
         use std::os::unix::fs::FileExt;
         let Some(mut s) = self.starter.take() else {
             return Err("no starter".into());
         };
-        let mut bytes = Vec::with_capacity(argv.iter().map(|a| a.len() + 1).sum());
-        for a in argv {
-            if a.as_bytes().contains(&0) {
-                self.pool.counters.cold.fetch_add(1, Ordering::Relaxed);
-                return Err("an argument holds a NUL byte".into());
-            }
-            bytes.extend_from_slice(a.as_bytes());
-            bytes.push(0);
+        let command = super::Invocation {
+            options: inv.command.clone(),
+            command: Vec::new(),
         }
-        if bytes.len() >= ARGS_CAP || argv.len() > MAX_ARGS {
+        .options_data();
+        let (options, command) = match (inv.options_data(), command) {
+            (Ok(o), Ok(c)) => (o, c),
+            (Err(e), _) | (_, Err(e)) => {
+                self.pool.counters.cold.fetch_add(1, Ordering::Relaxed);
+                return Err(e);
+            }
+        };
+        if command.is_empty() || command.len() >= ARGS_CAP || inv.command.len() > MAX_ARGS {
             self.pool.counters.cold.fetch_add(1, Ordering::Relaxed);
-            return Err("argv larger than a starter takes".into());
+            return Err("a command a starter does not take".into());
         }
         s.confinement.cgroup.rename(name);
         let handed = s
-            .args
-            .write_all_at(&bytes, 0)
+            .options
+            .write_all_at(&options, 0)
+            .and_then(|()| super::seal(s.options.as_raw_fd()))
+            .and_then(|()| s.args.write_all_at(&command, 0))
             .and_then(|()| {
                 let mut ctrl = std::fs::File::from(s.ctrl.try_clone()?);
                 ctrl.write_all(&host_uid.to_ne_bytes())
@@ -397,7 +420,10 @@ struct Plan {
     ctrl_fd: i32,
     buf: Vec<u8>,
     argv: Vec<usize>,
-    envp_store: Vec<CString>,
+    /// `bwrap` (its argv\[0\], not the binary's path), `--args`, the options memfd's
+    /// number, `--`: bwrap's arguments before the command.
+    fixed: [CString; 4],
+    /// The empty environment bwrap starts with.
     envp: Vec<usize>,
     binary: CString,
     root: bool,
@@ -405,12 +431,6 @@ struct Plan {
 
 impl Plan {
     fn apply(mut self, cmd: &mut Command) {
-        self.envp = self
-            .envp_store
-            .iter()
-            .map(|c| c.as_ptr() as usize)
-            .chain([0])
-            .collect();
         // SAFETY: between fork and exec the closure only makes syscalls (fcntl, open,
         // write, close, close_range, read, pread, prctl, setgroups/setgid/setuid, execve,
         // _exit) on descriptors and buffers prepared before the fork, and writes pointers
@@ -432,8 +452,9 @@ impl Plan {
         }
         join_cgroups(&self.procs)?;
         super::super::die_with_node()?;
-        // Close everything but stdio, the seccomp memfds, the argv memfd and the control
-        // pipe: the standard library's status pipe too, so the parent's spawn returns now.
+        // Close everything but stdio, the seccomp memfds, the options and command memfds
+        // and the control pipe: the standard library's status pipe too, so the parent's
+        // spawn returns now.
         let mut next: u32 = 3;
         for &k in &self.keep {
             let k = k as u32;
@@ -463,12 +484,15 @@ impl Plan {
         if super::super::die_with_node().is_err() {
             exit(126);
         }
-        self.argv[0] = self.binary.as_ptr() as usize;
-        let mut count = 1;
+        self.argv[0] = self.fixed[0].as_ptr() as usize;
+        for (i, a) in self.fixed.iter().enumerate().skip(1) {
+            self.argv[i] = a.as_ptr() as usize;
+        }
+        let mut count = self.fixed.len();
         let mut start = 0;
         for i in 0..n {
             if self.buf[i] == 0 {
-                if count > MAX_ARGS {
+                if count >= MAX_ARGS + self.fixed.len() {
                     exit(126);
                 }
                 self.argv[count] = self.buf[start..].as_ptr() as usize;
@@ -550,10 +574,11 @@ fn read_at_most(fd: i32, buf: &mut [u8]) -> usize {
     got
 }
 
-fn memfd(name: &str) -> std::io::Result<std::fs::File> {
+/// A memfd (close-on-exec, with `flags` besides) named `name`.
+fn memfd(name: &str, flags: libc::c_uint) -> std::io::Result<std::fs::File> {
     let name = CString::new(name).map_err(std::io::Error::other)?;
     // SAFETY: memfd_create with a valid NUL-terminated name.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | flags) };
     if fd < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -561,29 +586,9 @@ fn memfd(name: &str) -> std::io::Result<std::fs::File> {
     Ok(unsafe { std::fs::File::from_raw_fd(fd) })
 }
 
-/// The client environment ([`super::super::client_env`]) as `NAME=value` strings.
-fn client_envp() -> Vec<CString> {
-    let mut out: Vec<CString> = super::super::CLIENT_ENV
-        .iter()
-        .filter_map(|k| {
-            let v = std::env::var_os(k)?;
-            let mut b = k.as_bytes().to_vec();
-            b.push(b'=');
-            b.extend_from_slice(v.as_bytes());
-            CString::new(b).ok()
-        })
-        .collect();
-    if std::env::var_os("PATH").is_none() {
-        if let Ok(c) = CString::new(format!("PATH={}", crate::sandbox::DEFAULT_PATH)) {
-            out.push(c);
-        }
-    }
-    out
-}
-
 /// `binary` as a path: itself when it holds a `/`, else the first executable match on
 /// `PATH` (the client's).
-fn resolve(binary: &str) -> Option<PathBuf> {
+pub(super) fn resolve(binary: &str) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     if binary.contains('/') {
         return Some(PathBuf::from(binary));

@@ -59,7 +59,7 @@ use std::time::{Duration, Instant};
 use rustix::fs::OFlags;
 use tokio::process::Child;
 
-use super::{client_command, sandbox_args, Confinement, SBA_ENTRYPOINT};
+use super::{client_command, sandbox_args, Confinement, Invocation, SBA_ENTRYPOINT};
 use crate::backend::mount_tree::{clone_tree, in_mount_namespace, job_attrs, move_onto};
 use crate::backend::{ResourceLimits, SandboxSpec};
 use crate::uid_pool::UidRange;
@@ -339,16 +339,20 @@ impl Warm {
         );
         let mut confine = confinement.args();
         confine.extend(["--info-fd".into(), i.to_string()]);
-        let mut args = sandbox_args(&key.rootfs, &key.limits, &confine);
-        args.extend(["--chdir", "/", "--clearenv", "--"].map(String::from));
-        args.extend([
-            format!("/proc/self/fd/{e}"),
-            "--bwrap".into(),
-            e.to_string(),
-            c.to_string(),
-            r.to_string(),
-        ]);
-        let mut cmd = client_command(&self.binary, &args);
+        let mut options = sandbox_args(&key.rootfs, &key.limits, &confine);
+        options.extend(["--chdir", "/", "--clearenv"].map(String::from));
+        let inv = Invocation {
+            options,
+            command: vec![
+                format!("/proc/self/fd/{e}"),
+                "--bwrap".into(),
+                e.to_string(),
+                c.to_string(),
+                r.to_string(),
+            ],
+        };
+        let (mut cmd, options) = client_command(&self.binary, &inv)
+            .map_err(|e| format!("cannot pass bwrap its arguments: {e}"))?;
         confinement.apply(&mut cmd);
         // SAFETY: between fork and exec this only clears close-on-exec (fcntl) on four
         // descriptors opened before the fork.
@@ -364,7 +368,7 @@ impl Warm {
         }
         let spawned = cmd.spawn();
         confinement.started();
-        drop((exe, ctl_r, ready_w, info_w));
+        drop((exe, ctl_r, ready_w, info_w, options));
         let child = spawned.map_err(|e| format!("cannot start {}: {e}", self.binary))?;
         let mut child = child;
         let ready = crate::backend::netns_gate::read_child_pid(info_r).and_then(|pid| {
