@@ -380,6 +380,51 @@ deny contains {"rule": "secret_env_value", "message": msg} if {
 	msg := sprintf("step %v: env `%s` has a value that looks like %s; secrets never go into jobs", [e.id, e.name, kind])
 }
 
+# The job's context (the objective, the plan step, the task and its criteria) reaches
+# the sandbox's agent and its model: a credential in it would too. The message names the
+# field, never the value.
+default context := {}
+
+context := job.context if is_object(job.context)
+
+# Every string of the context down to three levels (`task_context`,
+# `acceptance_criteria[0]`, `preferences.style`, `skills.<id>.description`), with its path.
+context_strings contains {"field": k, "value": v} if {
+	some k, v in context
+	is_string(v)
+}
+
+context_strings contains {"field": sprintf("%v[%v]", [k, i]), "value": v} if {
+	some k, items in context
+	is_array(items)
+	some i, v in items
+	is_string(v)
+}
+
+context_strings contains {"field": sprintf("%v.%v", [k, k2]), "value": v} if {
+	some k, obj in context
+	is_object(obj)
+	some k2, v in obj
+	is_string(v)
+}
+
+context_strings contains {"field": sprintf("%v.%v.%v", [k, k2, k3]), "value": v} if {
+	some k, obj in context
+	is_object(obj)
+	some k2, inner in obj
+	is_object(inner)
+	some k3, v in inner
+	is_string(v)
+}
+
+deny contains {"rule": "secret_in_context", "message": msg} if {
+	some c in context_strings
+	regex.match(any_secret_value, c.value)
+	some kind, pattern in secret_value_shapes
+	regex.match(pattern, c.value)
+	msg := sprintf("context.%s has a value that looks like %s; secrets never go into jobs", [c.field, kind])
+}
+
 # ---------------------------------------------------------------------------
 # Purpose and image allowlists of the tenant (empty list = any).
 # ---------------------------------------------------------------------------

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use cynode_pm::skills::{build_job, BuildError, JobRef, Registry};
+use cynode_pm::skills::{build_job, build_job_in, Brief, BuildError, JobRef, Registry};
 use serde_json::{json, Value};
 
 fn repo() -> PathBuf {
@@ -35,6 +35,7 @@ fn at_least_six_builtin_skills_with_examples() {
     assert_eq!(
         ids,
         [
+            "agent-task",
             "apply-patch-and-test",
             "changeset",
             "go-test",
@@ -47,7 +48,7 @@ fn at_least_six_builtin_skills_with_examples() {
         ]
     );
     assert!(reg.iter().all(|s| !s.examples.is_empty()));
-    assert_eq!(reg.catalog().len(), 9);
+    assert_eq!(reg.catalog().len(), 10);
 }
 
 #[test]
@@ -213,7 +214,7 @@ fn cli_validate_accepts_every_builtin() {
     assert_eq!(code, 0, "{out}{err}");
     assert_eq!(
         out.lines().filter(|l| l.starts_with("ok ")).count(),
-        9,
+        10,
         "{out}"
     );
     let (code, out, _) = pm(&["--output", "json", "skills", "validate"]);
@@ -738,6 +739,59 @@ fn manifest_errors_name_their_line_and_schema_errors_their_pointer() {
     );
 }
 
+/// A schema the meta-schema accepts but that does not compile (a `pattern` that is no
+/// regex) is the manifest's problem: reported on skill.yaml with its JSON pointer, in
+/// text and in JSON, and never on an example that merely exercised it.
+#[test]
+fn an_uncompilable_input_schema_is_blamed_on_the_manifest_with_its_pointer() {
+    let dir = package_with_template("");
+    let pkg = dir.path().join("write-files");
+    let src = repo().join("skills/write-files");
+    let manifest = std::fs::read_to_string(src.join("skill.yaml")).unwrap();
+    let broken = manifest.replacen(r#"pattern: "^0?[0-7]{3}$""#, r#"pattern: "(""#, 1);
+    assert_ne!(broken, manifest, "the manifest has a mode pattern to break");
+    std::fs::write(pkg.join("skill.yaml"), broken).unwrap();
+    std::fs::copy(src.join("job.json.j2"), pkg.join("job.json.j2")).unwrap();
+    let schema_line = manifest
+        .lines()
+        .position(|l| l.starts_with("inputs_schema:"))
+        .unwrap()
+        + 1;
+    let pointer = "inputs_schema/properties/files/items/properties/mode/pattern";
+    let yaml = pkg.join("skill.yaml").display().to_string();
+
+    let (code, out, err) = pm(&["skills", "validate", dir.path().to_str().unwrap()]);
+    assert_eq!(code, 1, "{out}{err}");
+    assert!(
+        out.lines().any(|l| l.starts_with(&format!(
+            "{yaml}:{schema_line}: {pointer} is not a valid JSON Schema: invalid regex \"(\""
+        ))),
+        "{out}"
+    );
+    assert!(!out.contains("basic.json"), "{out}");
+
+    let (code, out, err) = pm(&[
+        "--output",
+        "json",
+        "skills",
+        "validate",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert_eq!(code, 1, "{out}{err}");
+    let report: Value = serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}{err}"));
+    let errors = report["errors"].as_array().unwrap();
+    assert_eq!(errors.len(), 1, "{errors:?}");
+    assert_eq!(errors[0]["file"], json!(yaml), "{errors:?}");
+    assert_eq!(errors[0]["line"], json!(schema_line), "{errors:?}");
+    let message = errors[0]["message"].as_str().unwrap();
+    assert!(
+        message.starts_with(&format!(
+            "{pointer} is not a valid JSON Schema: invalid regex"
+        )),
+        "{message}"
+    );
+}
+
 #[test]
 fn test_skills_end_options_before_model_inputs() {
     let job = build(
@@ -881,4 +935,225 @@ fn python_test_fetches_dependencies_only_when_asked_and_allowed() {
         TenantPolicy::default(),
     ));
     assert!(allowed.deny.is_empty(), "{allowed:?}");
+}
+
+// ---------------------------------------------------------------------------
+// The job's context, and the agent-task skill
+// ---------------------------------------------------------------------------
+
+/// The session the golden agent-task job is built for.
+fn golden_brief() -> Brief {
+    Brief {
+        objective: "Greet the team in the workspace".into(),
+        step: Some(("t1".into(), "Write the greeting file".into())),
+        attempt: Some((1, 3)),
+    }
+}
+
+fn golden_ref() -> JobRef {
+    JobRef {
+        session_id: "s-golden".into(),
+        task_id: "t1".into(),
+        attempt: 0,
+    }
+}
+
+/// The agent-task job of `examples/basic.json` in the golden session, byte for byte as
+/// `pm/tests/golden/agent-task.job.json` holds it (the SBA's tests run that file).
+/// `CYNODE_UPDATE_GOLDEN=1` rewrites the file instead.
+#[test]
+fn the_agent_task_job_is_the_golden_file() {
+    let reg = registry();
+    let skill = reg.get("agent-task").unwrap();
+    let inputs = &skill
+        .examples
+        .iter()
+        .find(|(n, _)| n == "basic.json")
+        .unwrap()
+        .1;
+    let a = build_job_in(skill, inputs, &golden_ref(), &golden_brief()).unwrap();
+    let b = build_job_in(skill, inputs, &golden_ref(), &golden_brief()).unwrap();
+    assert_eq!(a.canonical, b.canonical);
+    let path = repo().join("pm/tests/golden/agent-task.job.json");
+    let mut text = String::from_utf8(a.canonical.clone()).unwrap();
+    text.push('\n');
+    if std::env::var_os("CYNODE_UPDATE_GOLDEN").is_some() {
+        std::fs::write(&path, &text).unwrap();
+    }
+    assert_eq!(
+        std::fs::read_to_string(&path).unwrap(),
+        text,
+        "run with CYNODE_UPDATE_GOLDEN=1 to rewrite {}",
+        path.display()
+    );
+    let v = a.value;
+    assert_eq!(v["execution_mode"], "agent_inference");
+    assert_eq!(v["inference"]["allowed_models"], json!(["smollm2"]));
+    assert_eq!(v["steps"], json!([]));
+    let c = &v["context"];
+    assert_eq!(
+        c["task_context"],
+        "Create hello.txt in the workspace containing the single line: hi"
+    );
+    assert_eq!(
+        c["acceptance_criteria"],
+        json!(["hello.txt exists", "hello.txt contains hi"])
+    );
+    assert_eq!(c["project_context"], "Greet the team in the workspace");
+    assert_eq!(
+        c["additional_context"],
+        "Plan step t1: Write the greeting file"
+    );
+    assert_eq!(c["preferences"], json!({ "attempt": "1 of 3" }));
+    assert_eq!(c["skill_ids"], json!(["agent-task"]));
+    assert_eq!(c["skills"]["agent-task"]["version"], "1.0.0");
+    assert!(c.get("mcp_tools").is_none(), "{c}");
+    assert!(c["baseline_context"]
+        .as_str()
+        .unwrap()
+        .starts_with("You are the sandbox agent"));
+}
+
+#[test]
+fn agent_task_takes_models_and_tools_and_refuses_other_tools() {
+    let reg = registry();
+    let skill = reg.get("agent-task").unwrap();
+    let inputs = json!({ "task": "t", "acceptance_criteria": ["c"],
+                         "allowed_models": ["m1", "m2"], "tools": ["artifact.put"] });
+    let v = build_job(skill, &inputs, &r()).unwrap().value;
+    assert_eq!(v["inference"]["allowed_models"], json!(["m1", "m2"]));
+    assert_eq!(v["context"]["mcp_tools"], json!(["artifact.put"]));
+    // Outside a session the task is the template's and the project empty.
+    assert_eq!(v["context"]["task_context"], "t");
+    assert!(v["context"].get("project_context").is_none());
+    for bad in [
+        json!({ "task": "t", "acceptance_criteria": ["c"], "tools": ["web.fetch"] }),
+        json!({ "task": "t", "acceptance_criteria": [] }),
+        json!({ "task": "t" }),
+        json!({ "task": "t", "acceptance_criteria": ["c"], "allowed_models": ["--x y"] }),
+    ] {
+        assert!(
+            matches!(build_job(skill, &bad, &r()), Err(BuildError::Inputs { .. })),
+            "{bad}"
+        );
+    }
+}
+
+#[test]
+fn every_job_carries_its_session_context_bounded() {
+    let reg = registry();
+    let long = format!("{}é", "o".repeat(5000));
+    let brief = Brief {
+        objective: long.clone(),
+        step: Some(("t-1".into(), "look around".into())),
+        attempt: Some((2, 3)),
+    };
+    let b = build_job_in(reg.get("repo-inspect").unwrap(), &json!({}), &r(), &brief).unwrap();
+    let c = &b.value["context"];
+    assert_eq!(c["task_context"], "t-1: look around");
+    assert_eq!(c["preferences"]["attempt"], "2 of 3");
+    let project = c["project_context"].as_str().unwrap();
+    assert_eq!(
+        project,
+        format!("{}…[cut 906 bytes]", "o".repeat(4096)),
+        "the objective is cut at 4096 bytes and marked"
+    );
+    assert_eq!(
+        c["additional_context"],
+        "[cut by the PM: project_context (906 bytes)]"
+    );
+    // The job still validates, and the typed spec holds the same context.
+    let typed = b.job.context.unwrap();
+    assert_eq!(typed.project_context, project);
+}
+
+#[test]
+fn a_template_may_not_set_the_pms_context_fields() {
+    for field in ["project_context", "skill_ids", "skills"] {
+        let skill = unvalidated(&format!(
+            r#"{{ "context": {{ "{field}": {{{{ inputs.files | length }}}} }}, "steps": [] }}"#
+        ));
+        let e = build_job(
+            &skill,
+            &json!({ "files": [{ "path": "a", "content": "b" }] }),
+            &r(),
+        )
+        .unwrap_err();
+        assert_eq!(
+            e,
+            BuildError::ReservedField {
+                skill: "write-files".into(),
+                field: format!("context.{field}")
+            }
+        );
+    }
+}
+
+/// The policy gate judges the context like any other field of the job: the default
+/// policy's `secret_in_context`, and an operator's own rule on the task.
+#[test]
+fn a_policy_rule_on_the_context_denies_the_job() {
+    use cynode_pm::policy::{LocalGate, Mode, PolicyInput, TenantPolicy};
+    let reg = registry();
+    let skill = reg.get("agent-task").unwrap();
+    let inputs = json!({ "task": "tidy the docs", "acceptance_criteria": ["docs build"] });
+    let judge = |gate: &LocalGate, brief: &Brief| {
+        let b = build_job_in(skill, &inputs, &golden_ref(), brief).unwrap();
+        gate.evaluate_sync(&PolicyInput::for_job(
+            b.value,
+            &skill.manifest,
+            Some("cynode/sandbox:base"),
+            TenantPolicy::default(),
+        ))
+    };
+    let default = LocalGate::from_dir(&repo().join("policies"), Mode::Enforce).unwrap();
+    let clean = judge(&default, &golden_brief());
+    assert!(clean.allowed, "{clean:?}");
+    let token = format!("ghp_{}", "a1B2".repeat(6));
+    let leaky = Brief {
+        objective: format!("push with {token} please"),
+        ..golden_brief()
+    };
+    let d = judge(&default, &leaky);
+    assert!(!d.allowed);
+    assert_eq!(
+        d.deny
+            .iter()
+            .map(|v| (v.rule.as_str(), v.message.as_str()))
+            .collect::<Vec<_>>(),
+        [(
+            "secret_in_context",
+            "context.project_context has a value that looks like a github token; secrets never go into jobs"
+        )]
+    );
+    assert!(!format!("{d:?}").contains(&token));
+
+    // An operator's rule on the plan step the job serves.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(
+        repo().join("policies/cynode.rego"),
+        dir.path().join("cynode.rego"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("release.rego"),
+        r#"package cynode.policy
+import rego.v1
+deny contains {"rule": "no_release_by_agent", "message": "agents do not cut releases"} if {
+	input.job.execution_mode == "agent_inference"
+	contains(lower(input.job.context.additional_context), "release")
+}
+"#,
+    )
+    .unwrap();
+    let own = LocalGate::from_dir(dir.path(), Mode::Enforce).unwrap();
+    assert!(judge(&own, &golden_brief()).allowed);
+    let release = Brief {
+        step: Some(("t1".into(), "Cut the Release".into())),
+        ..golden_brief()
+    };
+    let d = judge(&own, &release);
+    assert!(!d.allowed);
+    assert_eq!(d.deny.len(), 1, "{d:?}");
+    assert_eq!(d.deny[0].rule, "no_release_by_agent");
 }

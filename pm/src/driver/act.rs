@@ -1,8 +1,9 @@
 //! Act: carry out an accepted reply. A plan_update patches the plan and notes; a
-//! job_request is built from its skill, placed on a worker (which fixes the sandbox
-//! image), checked by the policy gate with that image, and journaled before it is
-//! submitted; a message parks the session for an answer; a
-//! final ends it with its verified deliverable.
+//! job_request is built from its skill (its `context` filled from the session's
+//! objective and plan, [`crate::skills::context`]), placed on a worker (which fixes the
+//! sandbox image), checked by the policy gate with that image, and journaled before it is
+//! submitted; a message parks the session for an answer; a final ends it with its
+//! verified deliverable.
 
 use cynode_protocol::llm::{LlmOutput, TypedPayload};
 use cynode_protocol::session::TaskStatus;
@@ -12,7 +13,7 @@ use crate::policy::PolicyInput;
 use crate::session::{
     evidence, Deliverable, Dispatch, FailureKind, Phase, SessionRecord, SessionStatus,
 };
-use crate::skills::{build_job, JobRef};
+use crate::skills::{build_job_in, Brief, JobRef};
 use crate::workers::{PlaceError, Placement};
 
 use crate::llm::contract::apply_state_patch;
@@ -131,7 +132,19 @@ impl Pm {
             task_id: j.task_id.clone(),
             attempt,
         };
-        let built = match build_job(skill, &j.inputs, &r) {
+        // The job's context comes from the session's state, never from the reply itself
+        // (the plan step is model text, but the policy gate below judges it in the job).
+        let brief = Brief {
+            objective: rec.state.objective.clone(),
+            step: rec
+                .state
+                .plan
+                .iter()
+                .find(|p| p.task_id == j.task_id)
+                .map(|p| (p.task_id.clone(), p.description.clone())),
+            attempt: Some((attempt + 1, rec.budgets.max_attempts_per_task)),
+        };
+        let built = match build_job_in(skill, &j.inputs, &r, &brief) {
             Ok(b) => {
                 tracing::Span::current().record("job_id", b.job.job_id.as_str());
                 b

@@ -9,16 +9,20 @@
 //!    inside a string literal produces invalid JSON and fails to build). The render runs
 //!    under a budget of instructions, output bytes and nesting.
 //! 3. The PM's fields are set (`protocol_version`, `job_id`, `task_id`, `skill_id`); a
-//!    template may not set them itself.
+//!    template may not set them itself. The PM fills `context` from the session and the
+//!    skill, and bounds it ([`super::context`]); a template may set only some of its
+//!    fields.
 //! 4. The result is serialised canonically (object keys sorted at every level, no
 //!    whitespace) and validated with the protocol crate.
 //!
-//! Same skill version + same inputs + same (session, task, attempt) ⇒ byte-identical bytes.
+//! Same skill version + same inputs + same (session, task, attempt) + same [`Brief`] ⇒
+//! byte-identical bytes.
 
 use cynode_protocol::job::JobSpec;
 use serde_json::Value;
 use uuid::Uuid;
 
+use super::context::{self, Brief, SkillRef};
 use super::registry::Skill;
 use super::template::TemplateError;
 
@@ -71,8 +75,19 @@ pub enum BuildError {
     Protocol(String),
 }
 
-/// Validates `inputs`, renders, and validates the job.
+/// Validates `inputs`, renders, and validates the job, outside any session: the context
+/// names the skill, and the template's own fields.
 pub fn build_job(skill: &Skill, inputs: &Value, r: &JobRef) -> Result<BuiltJob, BuildError> {
+    build_job_in(skill, inputs, r, &Brief::default())
+}
+
+/// [`build_job`] for a job of a session: `brief` fills the context ([`super::context`]).
+pub fn build_job_in(
+    skill: &Skill,
+    inputs: &Value,
+    r: &JobRef,
+    brief: &Brief,
+) -> Result<BuiltJob, BuildError> {
     check_inputs(skill, inputs)?;
     let id = job_id(&r.session_id, &r.task_id, r.attempt).to_string();
     let ctx = serde_json::json!({
@@ -97,6 +112,31 @@ pub fn build_job(skill: &Skill, inputs: &Value, r: &JobRef) -> Result<BuiltJob, 
             });
         }
     }
+    let template_ctx: cynode_protocol::job::JobContext = match obj.remove("context") {
+        None => Default::default(),
+        Some(v) => {
+            if let Some(field) = context::PM_FIELDS
+                .iter()
+                .find(|f| v.get(**f).is_some_and(|x| !x.is_null()))
+            {
+                return Err(BuildError::ReservedField {
+                    skill: skill.manifest.skill_id.clone(),
+                    field: format!("context.{field}"),
+                });
+            }
+            serde_json::from_value(v).map_err(|e| BuildError::Protocol(format!("context: {e}")))?
+        }
+    };
+    let ctx = context::fill(
+        template_ctx,
+        brief,
+        SkillRef {
+            skill_id: &skill.manifest.skill_id,
+            version: &skill.manifest.version,
+            description: &skill.manifest.description,
+        },
+    );
+    obj.insert("context".into(), context::to_value(&ctx));
     obj.insert(
         "protocol_version".into(),
         cynode_protocol::version::PROTOCOL_VERSION.into(),
