@@ -80,6 +80,12 @@ fn residual(backend: &str, view: &HostView, leak: &Leak) -> Option<&'static str>
         if in_container_dir && f.get(4).is_some_and(|at| engine_files.contains(at)) {
             return Some("the engine's per-container files, bound from its storage");
         }
+        // A session container's init (`--init`): the engine binds the host's binary in.
+        let init_at = ["/run/podman-init", "/usr/sbin/docker-init"];
+        if f.get(4).is_some_and(|at| init_at.contains(at)) && f.get(3) == Some(&leak.what.as_str())
+        {
+            return Some("the engine's init binary, bound from the host into a session");
+        }
     }
     None
 }
