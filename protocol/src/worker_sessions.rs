@@ -44,6 +44,13 @@ pub struct CreateSessionRequest {
     /// `sandbox.egress_allow` (never a widening). Absent: the node's whole list.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress_allow: Option<Vec<String>>,
+    /// The node's models for the session's commands, as a job's `sandbox.use_inference`:
+    /// the node's inference listener at `127.0.0.1:11434` inside the session's network
+    /// namespace (`OPENAI_BASE_URL`, `OPENAI_API_KEY`, `OLLAMA_BASE_URL` set), the node's
+    /// `inference.models` allowed. Refused on a node without an upstream or whose backend
+    /// cannot bind the listener.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub use_inference: Option<bool>,
 }
 
 /// `POST /v1/worker/sessions/{session_id}/exec` request.

@@ -297,18 +297,24 @@ fn fill_ids(result: &mut JobResult, bytes: &[u8]) {
 }
 
 /// The node's egress proxy variables (set only for a job with `network_policy:
-/// restricted`): passed on, so pip, npm, cargo and go in a step find the proxy.
-const PROXY_VARS: [&str; 6] = [
+/// restricted`): passed on, so pip, npm, cargo and go in a step find the proxy. And its
+/// inference listener's (set only for a job with inference): passed on, so the `openai`
+/// and `ollama` clients, curl and a coding agent's CLI in a step find the model.
+const PROXY_VARS: [&str; 9] = [
     "HTTP_PROXY",
     "HTTPS_PROXY",
     "http_proxy",
     "https_proxy",
     "NO_PROXY",
     "no_proxy",
+    "OPENAI_BASE_URL",
+    "OPENAI_API_KEY",
+    "OLLAMA_BASE_URL",
 ];
 
 /// The environment every command starts from: PATH, HOME, LANG from the runner, the
-/// node's CYNODE_* and egress proxy variables, and the job's ids and directories.
+/// node's CYNODE_*, egress proxy and inference listener variables, and the job's ids and
+/// directories.
 /// Nothing else leaks in.
 fn base_env(job: &JobSpec, ws: &Workspace, out: &Workspace) -> Vec<(String, String)> {
     let mut env: Vec<(String, String)> = Vec::new();

@@ -26,6 +26,7 @@ use crate::backend::SandboxBackend;
 use crate::config::{Config, Limits};
 use crate::disk_guard::DiskLimit;
 use crate::egress::Policy;
+use crate::inference::listener::JobInference;
 use crate::job_dir;
 use crate::job_egress::JobEgress;
 use crate::sandbox::{self, SandboxRequest, SandboxSpec};
@@ -92,7 +93,9 @@ pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, Va
 /// `inference.allowed_models` (a command job: the node's list), cut to the models the node
 /// offers. On a node without an upstream the job runs without a proxy, as upstream CyNodeAI
 /// runs it (its prompt-mode tasks always set `use_inference`): a job that really needs a
-/// model then fails on its own. A job left with no model the node offers is refused.
+/// model then fails on its own. A job left with no model the node offers is refused, and
+/// so is every job with inference on a backend that cannot bind the inference listener
+/// inside its sandboxes ([`crate::inference::listener::refusal`]).
 pub fn inference_models(
     cfg: &Config,
     req: &RunJobRequest,
@@ -137,6 +140,9 @@ pub fn inference_models(
                 inf.models.join(", ")
             ),
         ));
+    }
+    if let Some(why) = crate::inference::listener::refusal(cfg) {
+        return Err(ValidationError::new(field, why));
     }
     Ok(Some(models))
 }
@@ -252,13 +258,15 @@ fn make_dirs(paths: &JobPaths, req: &RunJobRequest, host_uid: u32) -> std::io::R
 /// The sandbox spec for `req`: its env (the request's, then the node's job variables;
 /// an SBA job's own `SBA_*` and `INFERENCE_PROXY_URL` come from the node only), the job
 /// directory and workspace mounts, the node's limits, and the workspace's `host_uid`.
-/// `inference` and `egress`: whether the job gets the node's inference and egress proxies.
+/// `inference`: the job's loopback-listener token when it gets the node's inference proxy
+/// (then `OPENAI_BASE_URL`, `OPENAI_API_KEY` and `OLLAMA_BASE_URL` are the node's too);
+/// `egress`: whether it gets the egress proxy.
 fn sandbox_spec(
     cfg: &Config,
     req: &RunJobRequest,
     paths: &JobPaths,
     host_uid: u32,
-    inference: bool,
+    inference: Option<&str>,
     egress: bool,
 ) -> SandboxSpec {
     let is_sba = req.sandbox.job_spec_json.is_some();
@@ -271,8 +279,9 @@ fn sandbox_spec(
     if is_sba {
         node.push((sandbox::ENV_SBA_STATUS_URL, sandbox::STATUS_URL.into()));
     }
-    if inference {
+    if let Some(token) = inference {
         node.push((sandbox::ENV_INFERENCE_PROXY_URL, sandbox::PROXY_URL.into()));
+        node.extend(crate::inference::listener::env(token));
         if let Some(turns) = cfg.inference.as_ref().and_then(|i| i.agent_max_turns) {
             node.push((sandbox::ENV_SBA_AGENT_MAX_TURNS, turns.to_string()));
         }
@@ -280,7 +289,11 @@ fn sandbox_spec(
     node.extend(crate::job_egress::env(egress));
     let env = sandbox::env(
         &req.sandbox.env,
-        |k| k == sandbox::ENV_INFERENCE_PROXY_URL || (is_sba && k.starts_with("SBA_")),
+        |k| {
+            k == sandbox::ENV_INFERENCE_PROXY_URL
+                || (inference.is_some() && crate::inference::listener::ENV_NAMES.contains(&k))
+                || (is_sba && k.starts_with("SBA_"))
+        },
         node,
     );
     let l = &cfg.limits;
@@ -316,8 +329,10 @@ pub struct PreparedJob {
     paths: JobPaths,
     spec: SandboxSpec,
     models: Option<Vec<String>>,
+    inference_token: Option<String>,
     egress_policy: Result<Option<Policy>, ValidationError>,
     egress: Option<JobEgress>,
+    inference: Option<JobInference>,
 }
 
 impl PreparedJob {
@@ -335,13 +350,16 @@ impl PreparedJob {
         let paths = JobPaths::new(cfg, req);
         make_dirs(&paths, req, host_uid)?;
         let models = inference_models(cfg, req).ok().flatten();
+        let inference_token = models
+            .as_ref()
+            .map(|_| crate::inference::listener::new_token());
         let egress_policy = crate::job_egress::policy(cfg, req);
         let spec = sandbox_spec(
             cfg,
             req,
             &paths,
             host_uid,
-            models.is_some(),
+            inference_token.as_deref(),
             matches!(egress_policy, Ok(Some(_))),
         );
         Ok(PreparedJob {
@@ -349,8 +367,10 @@ impl PreparedJob {
             paths,
             spec,
             models,
+            inference_token,
             egress_policy,
             egress: None,
+            inference: None,
         })
     }
 
@@ -368,6 +388,19 @@ impl PreparedJob {
     /// ([`inference_models`]).
     pub fn inference_models(&self) -> Option<&[String]> {
         self.models.as_deref()
+    }
+
+    /// The bearer token of the job's inference listener (its sandbox's `OPENAI_API_KEY`);
+    /// `None` without inference.
+    pub fn inference_token(&self) -> Option<&str> {
+        self.inference_token.as_deref()
+    }
+
+    /// The job's inference listener, bound inside its sandbox before its command runs
+    /// (after the egress proxy, when it has one).
+    pub fn with_inference(mut self, inference: JobInference) -> Self {
+        self.inference = Some(inference);
+        self
     }
 
     /// The job's egress policy ([`crate::job_egress::policy`]): `Ok(None)` for a job
@@ -394,6 +427,7 @@ impl PreparedJob {
             paths,
             spec,
             mut egress,
+            inference,
             ..
         } = self;
         let mut lap = crate::trace::Lap::start();
@@ -406,8 +440,13 @@ impl PreparedJob {
             trip.clone(),
         );
         let guard_start_us = lap.us();
-        let hook = egress.as_mut().map(JobEgress::hook);
+        let hook = crate::backend::netns_gate::chain(
+            egress.as_mut().map(JobEgress::hook),
+            inference.as_ref().map(JobInference::hook),
+        );
         let out = backend.run_with_hook(&spec, &trip, hook).await;
+        // The listener stops with the sandbox.
+        drop(inference);
         let backend_us = lap.us();
         let audit = match egress {
             Some(e) => e.finish().await,

@@ -15,7 +15,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 
-use crate::harness::{env, unique, Server};
+use crate::harness::{assert_field_starts, env, unique, Server};
 
 const KEY: &str = "sk-upstream-secret-7f3a9c";
 
@@ -306,8 +306,9 @@ async fn worker_inference_proxy__listens_on_a_unix_socket_and_rejects_oversized_
     assert_eq!(v["data"], json!([{ "id": "m1" }, { "id": "m2" }]));
     assert_eq!(v["models"], json!([{ "name": "m1", "model": "m1" }]));
 
-    // Upstream CyNodeAI's extras: /healthz, and Ollama's native API with the same checks
-    // (a model the job may not use is refused; no streaming: `stream` goes as false).
+    // Upstream CyNodeAI's extras: /healthz, and Ollama's native API translated to the
+    // OpenAI-compatible upstream with the same checks (a model the job may not use is
+    // refused; the upstream is never asked to stream).
     assert_eq!(
         unix_http(&sock, "GET", "/healthz", None),
         (200, json!("ok"))
@@ -329,10 +330,13 @@ async fn worker_inference_proxy__listens_on_a_unix_socket_and_rejects_oversized_
     );
     assert_eq!(hit.auth.as_deref(), Some(format!("Bearer {KEY}").as_str()));
     let (code, v) = unix_http(&sock, "GET", "/api/tags", None);
-    assert_eq!(
-        (code, v["models"].clone()),
-        (200, json!([{ "name": "m1", "model": "m1" }]))
-    );
+    let names: Vec<&str> = v["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    assert_eq!((code, names), (200, vec!["m1", "m2"]));
 
     // Nothing else is served.
     assert_eq!(unix_http(&sock, "GET", "/v1/embeddings", None).0, 404);
@@ -373,7 +377,11 @@ async fn worker_inference_proxy__listens_on_a_unix_socket_and_rejects_oversized_
         .unwrap()
         .iter()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-        .filter(|v| v["fields"]["message"] == "inference usage")
+        .filter(|v| {
+            v["fields"]["message"] == "inference request"
+                && v["fields"]["status"] == 200
+                && v["fields"]["prompt_tokens"].is_u64()
+        })
         .collect();
     // One line per completion that went through: the OpenAI route's and the native one's.
     assert_eq!(usage.len(), 2, "{log}");
@@ -616,7 +624,9 @@ async fn a_real_model_drives_an_agent_job_through_the_proxy() {
         .iter()
         .filter_map(|l| serde_json::from_str::<Value>(l).ok())
         .filter(|l| {
-            l["fields"]["message"] == "inference usage" && l["fields"]["job_id"] == id.as_str()
+            l["fields"]["message"] == "inference request"
+                && l["fields"]["job_id"] == id.as_str()
+                && l["fields"]["status"] == 200
         })
         .count();
     assert!(usage >= 1, "no inference usage logged");
@@ -683,4 +693,474 @@ async fn the_proxy_refuses_model_selectors_beside_model() {
     let _ = sv
         .post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
         .await;
+}
+
+/// The node's upstream for the listener tests: a forwarder in front of the real
+/// llama-server that wants the node's key (401 without it), so a request that reached the
+/// model carried the key, added by the node.
+async fn keyed_model() -> (String, cynode_testkit::LocalModel) {
+    let port = std::env::var("CYNODE_TEST_LLM_PORT")
+        .ok()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(8097);
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let model = tokio::task::spawn_blocking(move || {
+        cynode_testkit::LocalModel::start(&root, port, Duration::from_secs(120))
+    })
+    .await
+    .unwrap();
+    let base = model.base_url.trim_end_matches("/v1").to_string();
+    let client = reqwest::Client::new();
+    let app = Router::new().fallback(move |req: axum::extract::Request| {
+        let (client, base) = (client.clone(), base.clone());
+        async move {
+            let want = format!("Bearer {KEY}");
+            if req
+                .headers()
+                .get("authorization")
+                .and_then(|v| v.to_str().ok())
+                != Some(&want)
+            {
+                return (
+                    axum::http::StatusCode::UNAUTHORIZED,
+                    "the node's key is wanted".to_string(),
+                );
+            }
+            let method = req.method().clone();
+            let path = req.uri().path().to_string();
+            let body = axum::body::to_bytes(req.into_body(), 1 << 20)
+                .await
+                .unwrap();
+            let r = client
+                .request(method, format!("{base}{path}"))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap();
+            let status = axum::http::StatusCode::from_u16(r.status().as_u16()).unwrap();
+            (status, r.text().await.unwrap())
+        }
+    });
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move {
+        axum::serve(l, app).await.unwrap();
+    });
+    (url, model)
+}
+
+/// What a plain command job runs to reach the model as any client would: the variables,
+/// every process's environment, the OpenAI and Ollama routes with busybox wget, a foreign
+/// model and a request without the job's token (both refused).
+const CLIENT_SCRIPT: &str = r#"
+wget_=wget; [ -n "$WGET_FLAGS" ] && wget_="wget $WGET_FLAGS"
+auth="Authorization: Bearer $OPENAI_API_KEY"
+echo "== env"; env
+echo "== environ"; cat /proc/[0-9]*/environ 2>/dev/null | tr '\0' '\n'
+echo "== models"; $wget_ -qO- --header "$auth" "$OPENAI_BASE_URL/models"; echo
+echo "== chat"; $wget_ -qO- --header "$auth" --header 'Content-Type: application/json' \
+  --post-data '{"model":"smollm2","messages":[{"role":"user","content":"Say hi"}],"max_tokens":8}' \
+  "$OPENAI_BASE_URL/chat/completions"; echo
+echo "== tags"; $wget_ -qO- "$OLLAMA_BASE_URL/api/tags"; echo
+echo "== version"; $wget_ -qO- "$OLLAMA_BASE_URL/api/version"; echo
+echo "== ollama-chat"; $wget_ -qO- --post-data \
+  '{"model":"smollm2","messages":[{"role":"user","content":"Say hi"}],"stream":false,"options":{"num_predict":8}}' \
+  "$OLLAMA_BASE_URL/api/chat"; echo
+echo "== foreign"; $wget_ -qO- --header "$auth" --post-data \
+  '{"model":"other","messages":[{"role":"user","content":"hi"}]}' \
+  "$OPENAI_BASE_URL/chat/completions" 2>&1 || echo "refused"
+echo "== no-token"; $wget_ -qO- "$OPENAI_BASE_URL/models" 2>&1 || echo "refused"
+echo "== end"
+"#;
+
+/// The part of the job's stdout under `== name`.
+fn section<'a>(out: &'a str, name: &str) -> &'a str {
+    let start = out
+        .find(&format!("== {name}\n"))
+        .unwrap_or_else(|| panic!("no section {name}: {out}"));
+    let rest = &out[start + name.len() + 4..];
+    &rest[..rest.find("\n== ").unwrap_or(rest.len())]
+}
+
+/// Checks what [`CLIENT_SCRIPT`] printed, and the node's audit of it.
+fn check_client_output(sv: &Server, id: &str, out: &str) {
+    let env = section(out, "env");
+    assert!(
+        env.contains("OPENAI_BASE_URL=http://127.0.0.1:11434/v1\n"),
+        "{out}"
+    );
+    assert!(
+        env.contains("OLLAMA_BASE_URL=http://127.0.0.1:11434\n"),
+        "{out}"
+    );
+    assert!(env.contains("OPENAI_API_KEY=cynode-"), "{out}");
+    assert!(env.contains("INFERENCE_PROXY_URL="), "{out}");
+    let models: Value = serde_json::from_str(section(out, "models").trim())
+        .unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(models["data"][0]["id"], "smollm2", "{out}");
+    assert_eq!(models["data"].as_array().unwrap().len(), 1, "{out}");
+    let chat: Value =
+        serde_json::from_str(section(out, "chat").trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert!(
+        chat["choices"][0]["message"]["content"].is_string(),
+        "{out}"
+    );
+    let tags: Value =
+        serde_json::from_str(section(out, "tags").trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(tags["models"][0]["name"], "smollm2", "{out}");
+    let version: Value = serde_json::from_str(section(out, "version").trim())
+        .unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert!(version["version"].is_string(), "{out}");
+    let ochat: Value = serde_json::from_str(section(out, "ollama-chat").trim())
+        .unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(
+        (ochat["done"].clone(), ochat["message"]["role"].clone()),
+        (json!(true), json!("assistant")),
+        "{out}"
+    );
+    assert!(ochat["eval_count"].as_u64().is_some_and(|n| n > 0), "{out}");
+    assert!(section(out, "foreign").contains("refused"), "{out}");
+    assert!(section(out, "no-token").contains("refused"), "{out}");
+    // The node's key is in no environment and no answer inside.
+    assert!(
+        !out.contains(KEY),
+        "the node's key reached the sandbox: {out}"
+    );
+    // Every request was audited, with its status.
+    let audit: Vec<Value> = sv
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["fields"]["message"] == "inference request" && l["fields"]["job_id"] == id)
+        .collect();
+    let seen: Vec<(String, u64)> = audit
+        .iter()
+        .map(|l| {
+            (
+                l["fields"]["route"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string(),
+                l["fields"]["status"].as_u64().unwrap_or_default(),
+            )
+        })
+        .collect();
+    for want in [
+        ("/v1/models", 200),
+        ("/v1/chat/completions", 200),
+        ("/api/tags", 200),
+        ("/api/chat", 200),
+        ("/v1/chat/completions", 403),
+    ] {
+        assert!(
+            seen.contains(&(want.0.to_string(), want.1)),
+            "{want:?} not audited: {seen:?}"
+        );
+    }
+    assert!(
+        audit.iter().all(|l| l["fields"]["via"] == "loopback"),
+        "{audit:?}"
+    );
+    assert!(
+        audit.iter().any(|l| l["fields"]["completion_tokens"]
+            .as_u64()
+            .is_some_and(|n| n > 0)),
+        "{audit:?}"
+    );
+    assert!(!log_text(sv).contains(KEY), "the key reached the log");
+}
+
+/// A node whose upstream is `url` (the key in a file), offering `smollm2`, on `backend`.
+fn model_worker(backend: &'static str, url: &str, extra: &str) -> Server {
+    worker_on(
+        backend,
+        url,
+        &format!("  models: [smollm2]\n  timeout_seconds: 60\n{extra}"),
+    )
+}
+
+/// Ordinary clients inside a plain command job reach the model at 127.0.0.1:11434:
+/// OpenAI's and Ollama's routes, the job's token as bearer, never the node's key.
+async fn ordinary_clients_reach_the_model(backend: &'static str) {
+    env();
+    let (url, _model) = keyed_model().await;
+    let sv = model_worker(backend, &url, "");
+    let id = unique("loopback");
+    let body = json!({
+        "version": 1, "task_id": id, "job_id": id,
+        "sandbox": { "image": env().image, "command": ["sh", "-c", CLIENT_SCRIPT],
+                     "use_inference": true, "timeout_seconds": 120,
+                     "env": { "OPENAI_API_KEY": "from-the-request", "OPENAI_BASE_URL": "http://elsewhere" } }
+    });
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 200, "{v}");
+    let out = v["stdout"].as_str().unwrap_or_default();
+    assert_eq!(v["status"], "completed", "{v}");
+    assert!(
+        !out.contains("from-the-request") && !out.contains("elsewhere"),
+        "{out}"
+    );
+    check_client_output(&sv, &id, out);
+
+    // A job without inference has no listener.
+    let (code, v) = sv
+        .run_job(
+            &unique("plain"),
+            "t",
+            &["sh", "-c", "wget -qO- -T 3 http://127.0.0.1:11434/api/version 2>&1 || echo none; env | grep -c OPENAI_ || true"],
+        )
+        .await;
+    assert_eq!(code, 200, "{v}");
+    let out = v["stdout"].as_str().unwrap_or_default();
+    assert!(out.contains("none") && out.ends_with("0\n"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_ordinary_clients_reach_the_model_under_bwrap() {
+    ordinary_clients_reach_the_model("bwrap").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_ordinary_clients_reach_the_model_under_podman() {
+    ordinary_clients_reach_the_model("podman").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_ordinary_clients_reach_the_model_under_docker() {
+    ordinary_clients_reach_the_model("docker").await;
+}
+
+/// A job with both egress and inference: clients that honour `NO_PROXY` (and busybox
+/// wget told `-Y off`) reach the listener directly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_works_beside_the_egress_proxy() {
+    env();
+    let (url, _model) = keyed_model().await;
+    let sv = model_worker("bwrap", &url, "egress:\n  allow: [\"allowed.test\"]\n");
+    let id = unique("both");
+    let body = json!({
+        "version": 1, "task_id": id, "job_id": id,
+        "sandbox": { "image": env().image, "command": ["sh", "-c", CLIENT_SCRIPT],
+                     "use_inference": true, "timeout_seconds": 120,
+                     "network_policy": "restricted", "env": { "WGET_FLAGS": "-Y off" } }
+    });
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 200, "{v}");
+    let out = v["stdout"].as_str().unwrap_or_default();
+    assert!(out.contains("HTTP_PROXY=http://127.0.0.1:3128"), "{out}");
+    check_client_output(&sv, &id, out);
+}
+
+/// gVisor cannot bind the listener inside its sandboxes: a job asking for inference is
+/// refused by name, never run without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_runsc_refuses_inference_jobs_by_name() {
+    env();
+    let (url, _up) = upstream(vec![]).await;
+    let sv = worker_on("runsc", &url, "  models: [m1]\n");
+    let id = unique("runsc");
+    let body = json!({
+        "version": 1, "task_id": id, "job_id": id,
+        "sandbox": { "image": env().image, "command": ["true"], "use_inference": true }
+    });
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 400, "{v}");
+    assert_field_starts(
+        &v,
+        "detail",
+        "sandbox.use_inference: inference_listener_unavailable",
+    );
+    // A session too.
+    let body = json!({
+        "version": 1, "session_id": unique("srunsc"), "task_id": unique("t"),
+        "image": env().image, "use_inference": true
+    });
+    let (code, v) = sv.post("/v1/worker/sessions", &body).await;
+    assert_eq!(code, 400, "{v}");
+    assert_field_starts(
+        &v,
+        "detail",
+        "use_inference: inference_listener_unavailable",
+    );
+}
+
+/// The job's request budget: beyond `max_requests_per_job`, 429, on both transports
+/// together.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_the_request_budget_answers_429() {
+    env();
+    let (url, up) = upstream(vec![]).await;
+    let sv = worker(&url, "  models: [m1]\n  max_requests_per_job: 3\n");
+    let id = unique("budget");
+    let script = "for i in 1 2 3; do wget -qO- --header \"Authorization: Bearer $OPENAI_API_KEY\" \
+                  --post-data '{\"model\":\"m1\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}' \
+                  \"$OPENAI_BASE_URL/chat/completions\" >/dev/null 2>&1 && echo ok || echo no; done";
+    let body = json!({
+        "version": 1, "task_id": id, "job_id": id,
+        "sandbox": { "image": env().image, "command": ["sh", "-c", format!("sleep 1; {script}")], "use_inference": true }
+    });
+    let sock = socket_of(&sv, &id);
+    let run = sv.post("/v1/worker/jobs:run", &body);
+    let poke = async {
+        wait_until(Duration::from_secs(20), || sock.exists()).await;
+        post_chat(&sock, &chat_body("m1", "hi"))
+    };
+    let ((code, v), (first, _)) = tokio::join!(run, poke);
+    assert_eq!(first, 200);
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["stdout"], "ok\nok\nno\n", "{v}");
+    assert_eq!(up.hits.lock().unwrap().len(), 3);
+    let over = sv
+        .log
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .filter(|l| l["fields"]["message"] == "inference request" && l["fields"]["status"] == 429)
+        .count();
+    assert_eq!(over, 1);
+}
+
+/// A session that asks for inference: every exec reaches the model at 127.0.0.1:11434
+/// (bound once in a keep-alive container, per command under bubblewrap) with the session's
+/// token, never the node's key; a session without it has no listener.
+async fn a_session_exec_gets_a_completion(backend: &'static str) {
+    env();
+    let (url, _model) = keyed_model().await;
+    let sv = model_worker(backend, &url, "");
+    let id = unique("sinf");
+    let _guard = crate::harness::session_guard(sv.backend, &id);
+    let body = json!({
+        "version": 1, "session_id": id, "task_id": unique("t"), "image": env().image,
+        "use_inference": true
+    });
+    let (code, info) = sv.post("/v1/worker/sessions", &body).await;
+    assert_eq!(code, 201, "{info}");
+    let exec = format!("/v1/worker/sessions/{id}/exec");
+    for _ in 0..2 {
+        let (code, r) = sv
+            .post(
+                &exec,
+                &json!({ "version": 1, "command": ["sh", "-c", CLIENT_SCRIPT], "timeout_seconds": 120 }),
+            )
+            .await;
+        assert_eq!(code, 200, "{r}");
+        let out = r["stdout"].as_str().unwrap_or_default();
+        let env = section(out, "env");
+        assert!(
+            env.contains("OPENAI_BASE_URL=http://127.0.0.1:11434/v1\n"),
+            "{out}"
+        );
+        let chat: Value = serde_json::from_str(section(out, "chat").trim())
+            .unwrap_or_else(|e| panic!("{e}: {out}"));
+        assert!(
+            chat["choices"][0]["message"]["content"].is_string(),
+            "{out}"
+        );
+        let ochat: Value = serde_json::from_str(section(out, "ollama-chat").trim())
+            .unwrap_or_else(|e| panic!("{e}: {out}"));
+        assert_eq!(ochat["done"], true, "{out}");
+        assert!(section(out, "foreign").contains("refused"), "{out}");
+        assert!(section(out, "no-token").contains("refused"), "{out}");
+        assert!(
+            !out.contains(KEY),
+            "the node's key reached the session: {out}"
+        );
+    }
+    let (code, _) = sv
+        .post(&format!("/v1/worker/sessions/{id}/end"), &json!({}))
+        .await;
+    assert_eq!(code, 200);
+
+    // Without `use_inference`: no listener, no variables.
+    let plain = unique("snoinf");
+    let _guard2 = crate::harness::session_guard(sv.backend, &plain);
+    let body =
+        json!({ "version": 1, "session_id": plain, "task_id": unique("t"), "image": env().image });
+    let (code, info) = sv.post("/v1/worker/sessions", &body).await;
+    assert_eq!(code, 201, "{info}");
+    let (code, r) = sv
+        .post(
+            &format!("/v1/worker/sessions/{plain}/exec"),
+            &json!({ "version": 1, "command": ["sh", "-c",
+                "wget -qO- -T 3 http://127.0.0.1:11434/api/version 2>&1 || echo none; env | grep -c OPENAI_ || true"] }),
+        )
+        .await;
+    assert_eq!(code, 200, "{r}");
+    let out = r["stdout"].as_str().unwrap_or_default();
+    assert!(out.contains("none") && out.ends_with("0\n"), "{out}");
+    sv.post(&format!("/v1/worker/sessions/{plain}/end"), &json!({}))
+        .await;
+    assert!(!log_text(&sv).contains(KEY));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_a_session_exec_gets_a_completion_under_bwrap() {
+    a_session_exec_gets_a_completion("bwrap").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_a_session_exec_gets_a_completion_under_podman() {
+    a_session_exec_gets_a_completion("podman").await;
+}
+
+/// The cost of the loopback listener against the socket, per request (docs/PERFORMANCE.md):
+/// worker/benches/inference_proxy.py run inside a job's network namespace, against the
+/// real llama-server. Run by hand: `--run-ignored only loopback_listener_bench`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, run by hand"]
+async fn loopback_listener_bench() {
+    env();
+    let (url, _model) = keyed_model().await;
+    let sv = model_worker("bwrap", &url, "  max_requests_per_job: 100000\n");
+    let id = unique("bench");
+    let body = json!({
+        "version": 1, "task_id": id, "job_id": id,
+        "sandbox": { "image": env().image, "command": ["sleep", "299"], "use_inference": true, "timeout_seconds": 300 }
+    });
+    let (code, v) = sv.post("/v1/worker/jobs", &body).await;
+    assert!(code == 200 || code == 202, "{v}");
+    let sock = socket_of(&sv, &id);
+    let mut pid = None;
+    wait_until(Duration::from_secs(30), || {
+        pid = std::fs::read_dir("/proc").unwrap().flatten().find_map(|e| {
+            let p = e.path();
+            let comm = std::fs::read_to_string(p.join("comm")).ok()?;
+            let cmd = std::fs::read(p.join("cmdline")).ok()?;
+            (comm.trim() == "sleep" && cmd == b"sleep\0299\0")
+                .then(|| e.file_name().to_string_lossy().to_string())
+        });
+        pid.is_some() && sock.exists()
+    })
+    .await;
+    let pid = pid.unwrap();
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+    let token = String::from_utf8_lossy(&environ)
+        .split('\0')
+        .find_map(|kv| kv.strip_prefix("OPENAI_API_KEY=").map(str::to_string))
+        .unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/inference_proxy.py");
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("nsenter")
+            .args(["-t", &pid, "-n", "python3"])
+            .arg(script)
+            .arg(&sock)
+            .args(["--loopback", &token])
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    eprintln!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    sv.post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
+        .await;
+    sv.wait_terminal(&id).await;
+    assert!(out.status.success());
 }

@@ -1,8 +1,9 @@
 //! Starting a sandbox in two halves ([`super::SandboxBackend::run_gated`]), so the node
 //! can act inside its network namespace before its command runs: the backend creates the
 //! sandbox (its namespaces exist, its command has not started), hands the pid of a process
-//! inside to a [`NetnsHook`] (the egress proxy binds its listener there), and only then
-//! lets the command run. A hook that fails ends the sandbox before its command ever ran.
+//! inside to a [`NetnsHook`] (the egress proxy and the inference listener bind there, see
+//! [`chain`]), and only then lets the command run. A hook that fails ends the sandbox
+//! before its command ever ran.
 //!
 //! - bubblewrap: `--info-fd` reports the sandbox's pid (`{"child-pid": N}`), and
 //!   `--block-fd` holds the sandbox before it executes the command until the node writes
@@ -140,4 +141,20 @@ pub(crate) fn read_child_pid(fd: OwnedFd) -> Result<u32, String> {
         .and_then(serde_json::Value::as_u64)
         .and_then(|p| u32::try_from(p).ok())
         .ok_or_else(|| "bwrap's info has no child-pid".to_string())
+}
+
+/// One hook that runs `first`, then `second` (the egress proxy's and the inference
+/// listener's, in the same sandbox): `None` when neither is given; the first failure is
+/// the reason the sandbox is not started.
+pub fn chain(first: Option<NetnsHook>, second: Option<NetnsHook>) -> Option<NetnsHook> {
+    match (first, second) {
+        (None, None) => None,
+        (Some(h), None) | (None, Some(h)) => Some(h),
+        (Some(a), Some(b)) => Some(Box::new(move |pid: u32| {
+            Box::pin(async move {
+                a(pid).await?;
+                b(pid).await
+            })
+        })),
+    }
 }

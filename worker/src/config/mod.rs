@@ -220,6 +220,14 @@ pub struct InferenceConfig {
     /// SBA's default.
     #[serde(default)]
     pub agent_max_turns: Option<u32>,
+    /// Requests one job (or session) may send to the upstream, model lists included;
+    /// beyond them the proxy answers 429.
+    #[serde(default = "default_inference_requests_per_job")]
+    pub max_requests_per_job: u64,
+}
+
+fn default_inference_requests_per_job() -> u64 {
+    256
 }
 
 fn default_inference_request_bytes() -> usize {

@@ -247,9 +247,19 @@ impl Node {
             in_progress = true;
             None
         };
-        let _proxy = match (job.inference_models(), &self.inference) {
-            (Some(models), Some(upstream)) => {
+        let mut listener = None;
+        let _proxy = match (
+            job.inference_models(),
+            &self.inference,
+            job.inference_token(),
+        ) {
+            (Some(models), Some(upstream), Some(token)) => {
                 let proxy = Proxy::new(&req.job_id, models.to_vec(), Arc::clone(upstream));
+                listener = Some(inference::listener::JobInference::new(
+                    Arc::clone(&proxy),
+                    token.to_string(),
+                    self.job_sockets(),
+                ));
                 match inference::listen(mount, proxy, &self.job_sockets(), host_uid) {
                     Ok(s) => Some(s),
                     Err(e) => {
@@ -296,6 +306,10 @@ impl Node {
         tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, egress = egress.is_some(), "job started");
         let job = match egress {
             Some(e) => job.with_egress(e),
+            None => job,
+        };
+        let job = match listener {
+            Some(l) => job.with_inference(l),
             None => job,
         };
         // `in_progress` is written while the sandbox starts (no early return after this

@@ -164,10 +164,16 @@ impl Node {
         let gateway =
             crate::gateway_forward::client(&cfg.gateway.tls).map_err(StartError::Gateway)?;
         let node = Arc::new(Node {
-            inference,
+            inference: inference.clone(),
             egress: egress.clone(),
             gateway,
-            sessions: Sessions::new(&cfg, backend.clone(), Arc::clone(&uids), egress),
+            sessions: Sessions::new(
+                &cfg,
+                backend.clone(),
+                Arc::clone(&uids),
+                egress,
+                inference.clone(),
+            ),
             uids,
             permits: Arc::new(Semaphore::new(cfg.queue.max_running.max(1))),
             cfg: Arc::new(cfg),

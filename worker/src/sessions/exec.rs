@@ -16,6 +16,7 @@ use super::validate::validate_exec;
 use super::{SessionError, Sessions};
 use crate::backend::{EndReason, SandboxOutcome};
 use crate::disk_guard::{Breach, DiskLimit};
+use crate::inference::listener::JobInference;
 use crate::sandbox::SandboxSpec;
 
 impl Sessions {
@@ -30,47 +31,55 @@ impl Sessions {
         validate_exec(&req)?;
         let cfg = &self.inner.cfg;
         let timeout = Duration::from_secs(cfg.limits.effective_timeout(req.timeout_seconds));
-        let (sandbox, spec, cancel, workspace, net) = self.with_entry(session_id, |e| {
-            let sandbox = match &e.phase {
-                Phase::Running(sb) => sb.clone(),
-                Phase::Starting => {
+        let (sandbox, spec, cancel, workspace, net, inference) =
+            self.with_entry(session_id, |e| {
+                let sandbox = match &e.phase {
+                    Phase::Running(sb) => sb.clone(),
+                    Phase::Starting => {
+                        return Err(SessionError::Conflict(format!(
+                            "session {session_id} is being created; retry"
+                        )))
+                    }
+                    Phase::Ended { .. } => {
+                        let why = e.info.end_reason.map_or("ended", SessionEndReason::as_str);
+                        return Err(SessionError::Conflict(format!(
+                            "session {session_id} has ended ({why})"
+                        )));
+                    }
+                };
+                if e.busy {
                     return Err(SessionError::Conflict(format!(
-                        "session {session_id} is being created; retry"
-                    )))
-                }
-                Phase::Ended { .. } => {
-                    let why = e.info.end_reason.map_or("ended", SessionEndReason::as_str);
-                    return Err(SessionError::Conflict(format!(
-                        "session {session_id} has ended ({why})"
+                        "session {session_id} is running another command"
                     )));
                 }
-            };
-            if e.busy {
-                return Err(SessionError::Conflict(format!(
-                    "session {session_id} is running another command"
-                )));
-            }
-            e.busy = true;
-            e.last_activity = Instant::now();
-            e.seq += 1;
-            let spec = sandbox_spec(
-                cfg,
-                format!("{}-{}", container_name(session_id), e.seq),
-                &e.info,
-                (e.workspace.clone(), e.host_uid),
-                req.command.clone(),
-                sandbox_env(&e.info, &e.env, &req.env, e.net.is_some()),
-                timeout,
-                e.net.is_some(),
-            );
-            Ok((
-                sandbox,
-                spec,
-                e.cancel.clone(),
-                e.workspace.clone(),
-                e.net.clone(),
-            ))
-        })?;
+                e.busy = true;
+                e.last_activity = Instant::now();
+                e.seq += 1;
+                let spec = sandbox_spec(
+                    cfg,
+                    format!("{}-{}", container_name(session_id), e.seq),
+                    &e.info,
+                    (e.workspace.clone(), e.host_uid),
+                    req.command.clone(),
+                    sandbox_env(
+                        &e.info,
+                        &e.env,
+                        &req.env,
+                        e.net.is_some(),
+                        e.inference.as_ref().map(|i| i.token()),
+                    ),
+                    timeout,
+                    e.net.is_some(),
+                );
+                Ok((
+                    sandbox,
+                    spec,
+                    e.cancel.clone(),
+                    e.workspace.clone(),
+                    e.net.clone(),
+                    e.inference.clone(),
+                ))
+            })?;
         let limit = DiskLimit::from_limits(&cfg.limits);
         let this = self.clone();
         let id = session_id.to_string();
@@ -83,10 +92,17 @@ impl Sessions {
             let guard = crate::disk_limit::start(vec![workspace], limit, trip.clone());
             // The session's proxy, or one of the command's own bound in its sandbox.
             let mut share = net.as_ref().map(|n| n.exec_start());
-            let out = match share.as_mut().and_then(ExecNet::hook) {
+            // The session's inference listener, or one of the command's own.
+            let listener = inference.as_ref().and_then(|i| i.exec_listener());
+            let hook = crate::backend::netns_gate::chain(
+                share.as_mut().and_then(ExecNet::hook),
+                listener.as_ref().map(JobInference::hook),
+            );
+            let out = match hook {
                 Some(hook) => sandbox.exec_gated(&spec, &trip, hook).await,
                 None => sandbox.exec(&spec, &trip).await,
             };
+            drop(listener);
             let egress = match (&net, share) {
                 (Some(n), Some(share)) => Some(n.exec_end(share).await),
                 _ => None,

@@ -29,6 +29,10 @@
 //!   keep-alive container, per command under bubblewrap ([`egress`]). Budgets are the
 //!   session's; each exec's response lists that exec's attempts, `GET` the session's
 //!   totals; the proxy closes when the session ends, however it ends.
+//! - Inference: `use_inference: true` gives the session the node's inference listener at
+//!   127.0.0.1:11434 in its own network namespace (`OPENAI_BASE_URL`, `OPENAI_API_KEY`,
+//!   `OLLAMA_BASE_URL`), a command job's models and rules, bound as the egress proxy is
+//!   ([`inference`]).
 //! - Session state is in memory only: sessions do not survive a node restart. Their
 //!   containers carry the node label, so the restarted node's startup reconciliation
 //!   (`remove_all_managed`) removes them, and they stop by themselves a minute after their
@@ -37,6 +41,7 @@
 mod egress;
 mod error;
 mod exec;
+mod inference;
 mod reaper;
 mod spec;
 mod state;
@@ -62,8 +67,10 @@ use validate::validate_create;
 
 use crate::backend::{BackendError, SandboxBackend, SessionSandbox};
 use crate::config::Config;
+use crate::inference::Upstream;
 use crate::job_egress::NodeEgress;
 use egress::SessionNet;
+use inference::SessionInference;
 
 /// Idle timeout when the request gives none.
 pub const DEFAULT_IDLE_TIMEOUT_SECONDS: u64 = 600;
@@ -83,6 +90,8 @@ enum StartError {
     Backend(#[from] BackendError),
     #[error("{0}")]
     Egress(String),
+    #[error("{0}")]
+    Inference(String),
 }
 
 struct Inner {
@@ -91,6 +100,8 @@ struct Inner {
     backend: Arc<dyn SandboxBackend>,
     /// The node's egress (`None`: egress off).
     egress: Option<Arc<NodeEgress>>,
+    /// The node's inference upstream (`None`: none configured).
+    inference: Option<Arc<Upstream>>,
     map: Mutex<HashMap<String, Entry>>,
 }
 
@@ -107,19 +118,22 @@ impl std::fmt::Debug for Sessions {
 }
 
 impl Sessions {
-    /// No sessions yet, on `backend`; workspaces get their host uids from `uids`, and
-    /// sessions with `restricted` network a proxy of `egress`.
+    /// No sessions yet, on `backend`; workspaces get their host uids from `uids`,
+    /// sessions with `restricted` network a proxy of `egress`, and sessions with
+    /// `use_inference` a listener of `inference`.
     pub fn new(
         cfg: &Config,
         backend: Arc<dyn SandboxBackend>,
         uids: Arc<crate::uid_pool::UidPool>,
         egress: Option<Arc<NodeEgress>>,
+        inference: Option<Arc<Upstream>>,
     ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 uids,
                 backend,
                 egress,
+                inference,
                 cfg: cfg.clone(),
                 map: Mutex::new(HashMap::new()),
             }),
@@ -161,6 +175,21 @@ impl Sessions {
             (Some(_), None) => {
                 return Err(SessionError::Internal(
                     "the node's egress proxy is not running".into(),
+                ))
+            }
+        };
+        let inference = match (&v.models, &self.inner.inference) {
+            (None, _) => None,
+            (Some(models), Some(upstream)) => Some(SessionInference::new(
+                &req.session_id,
+                models.clone(),
+                Arc::clone(upstream),
+                cfg.listener
+                    .with_max_connections(cfg.limits.job_socket_connections),
+            )),
+            (Some(_), None) => {
+                return Err(SessionError::Internal(
+                    "the node's inference upstream is not configured".into(),
                 ))
             }
         };
@@ -229,6 +258,7 @@ impl Sessions {
                     cancel: CancellationToken::new(),
                     seq: 0,
                     net: net.clone(),
+                    inference: inference.clone(),
                     network: (req.network_policy, req.egress_allow.clone()),
                 },
             );
@@ -237,7 +267,13 @@ impl Sessions {
         let this = self.clone();
         let task = tokio::spawn(async move {
             let started = this
-                .start_sandbox(&info, &req.env, workspace, host_uid, net.as_deref())
+                .start_sandbox(
+                    &info,
+                    &req.env,
+                    (workspace, host_uid),
+                    net.as_deref(),
+                    inference.as_deref(),
+                )
                 .await;
             let Ok(mut map) = this.inner.map.lock() else {
                 if let Ok(sb) = started {
@@ -271,9 +307,9 @@ impl Sessions {
         &self,
         info: &SessionInfo,
         env: &BTreeMap<String, String>,
-        workspace: PathBuf,
-        host_uid: u32,
+        (workspace, host_uid): (PathBuf, u32),
         net: Option<&SessionNet>,
+        inference: Option<&SessionInference>,
     ) -> Result<Arc<dyn SessionSandbox>, StartError> {
         // Owned by the workspace's uid, as jobs make it; an existing workspace is kept.
         if !workspace.exists() {
@@ -290,7 +326,13 @@ impl Sessions {
             info,
             (workspace, host_uid),
             Vec::new(),
-            sandbox_env(info, env, &BTreeMap::new(), net.is_some()),
+            sandbox_env(
+                info,
+                env,
+                &BTreeMap::new(),
+                net.is_some(),
+                inference.map(SessionInference::token),
+            ),
             Duration::from_secs(info.max_lifetime_seconds),
             net.is_some(),
         );
@@ -301,6 +343,15 @@ impl Sessions {
             if let Err(e) = net.bind_whole(pid).await {
                 sandbox.stop().await;
                 return Err(StartError::Egress(e));
+            }
+        }
+        if let (Some(inference), Some(pid)) = (inference, sandbox.netns_pid()) {
+            if let Err(e) = inference.bind_whole(pid).await {
+                if let Some(net) = net {
+                    net.finish().await;
+                }
+                sandbox.stop().await;
+                return Err(StartError::Inference(e));
             }
         }
         Ok(sandbox)

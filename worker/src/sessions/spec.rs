@@ -15,18 +15,23 @@ use crate::config::Config;
 use crate::sandbox::{self, SandboxRequest, SandboxSpec};
 
 /// The sandbox env: `session` then `exec` (without reserved names), then the node's own
-/// (with the proxy variables when `egress`); sorted by name.
+/// (with the proxy variables when `egress`, and the inference listener's when
+/// `inference`, its token); sorted by name.
 pub(super) fn sandbox_env(
     info: &SessionInfo,
     session: &BTreeMap<String, String>,
     exec: &BTreeMap<String, String>,
     egress: bool,
+    inference: Option<&str>,
 ) -> Vec<(String, String)> {
     let mut merged = session.clone();
     merged.extend(exec.iter().map(|(k, v)| (k.clone(), v.clone())));
     let mut env = sandbox::env(
         &merged,
-        |k| k == sandbox::ENV_SESSION_ID,
+        |k| {
+            k == sandbox::ENV_SESSION_ID
+                || (inference.is_some() && crate::inference::listener::ENV_NAMES.contains(&k))
+        },
         [
             (sandbox::ENV_TASK_ID, info.task_id.clone()),
             (sandbox::ENV_JOB_ID, info.session_id.clone()),
@@ -34,7 +39,12 @@ pub(super) fn sandbox_env(
             (sandbox::ENV_WORKSPACE_DIR, sandbox::WORKSPACE_MOUNT.into()),
         ]
         .into_iter()
-        .chain(crate::job_egress::env(egress)),
+        .chain(crate::job_egress::env(egress))
+        .chain(
+            inference
+                .map(crate::inference::listener::env)
+                .unwrap_or_default(),
+        ),
     );
     env.sort();
     env
@@ -125,7 +135,7 @@ mod tests {
             .into_iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect();
-        let env = sandbox_env(&info, &session, &exec, false);
+        let env = sandbox_env(&info, &session, &exec, false, None);
         let expected: Vec<(String, String)> = [
             ("A", "session"),
             ("B", "exec"),
@@ -152,7 +162,7 @@ mod tests {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-        let with = sandbox_env(&info, &forged, &forged, true);
+        let with = sandbox_env(&info, &forged, &forged, true, None);
         let get = |k: &str| -> Vec<&str> {
             with.iter()
                 .filter(|(n, _)| n == k)
@@ -166,7 +176,7 @@ mod tests {
             get("CYNODE_EGRESS_ROUTES_URL"),
             [crate::job_egress::ROUTES_URL]
         );
-        let without = sandbox_env(&info, &forged, &forged, false);
+        let without = sandbox_env(&info, &forged, &forged, false, None);
         assert!(
             !without
                 .iter()

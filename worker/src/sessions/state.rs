@@ -13,6 +13,7 @@ use cynode_protocol::worker_sessions::{SessionEndReason, SessionInfo, SessionSta
 use tokio_util::sync::CancellationToken;
 
 use super::egress::SessionNet;
+use super::inference::SessionInference;
 use crate::backend::SessionSandbox;
 
 /// Where a session is in its life.
@@ -45,6 +46,8 @@ pub(super) struct Entry {
     /// The session's egress (`restricted` on a node with egress on); kept after the end
     /// for its totals.
     pub(super) net: Option<Arc<SessionNet>>,
+    /// The session's inference listener (`use_inference`).
+    pub(super) inference: Option<Arc<SessionInference>>,
     /// The request's `network_policy` and `egress_allow` (a repeat must ask the same).
     pub(super) network: (
         Option<cynode_protocol::worker_api::NetworkPolicy>,
@@ -93,6 +96,9 @@ impl Entry {
         self.info.ended_at = Some(now_rfc3339());
         self.info.end_reason = Some(reason);
         self.cancel.cancel();
+        if let Some(i) = &self.inference {
+            i.finish();
+        }
         tracing::info!(session_id = %self.info.session_id, task_id = %self.info.task_id, reason = reason.as_str(), "session ended");
         Some(Teardown {
             sandbox,

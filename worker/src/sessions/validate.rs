@@ -1,6 +1,7 @@
 //! Session requests checked before anything is created: the version, ids, image
 //! allowlist and grammar, positive timeouts and env names, the network (a job's rules:
-//! [`network`]); then the defaults and caps (idle timeout, max lifetime) applied.
+//! [`network`]) and inference ([`inference`]); then the defaults and caps (idle timeout,
+//! max lifetime) applied.
 
 use std::collections::BTreeMap;
 
@@ -20,6 +21,9 @@ pub(super) struct Validated {
     pub lifetime: u64,
     /// The session's egress proxy policy; `None`: no network at all.
     pub egress: Option<Policy>,
+    /// The models the session may use through the node's inference listener; `None`:
+    /// no listener.
+    pub models: Option<Vec<String>>,
 }
 
 /// The session's network, by exactly a job's rules and messages: a job request carrying
@@ -102,6 +106,7 @@ pub(super) fn validate_create(
     positive("max_lifetime_seconds", req.max_lifetime_seconds)?;
     check_env("env", &req.env)?;
     let egress = network(cfg, req)?;
+    let models = inference(cfg, req)?;
     let lifetime = req
         .max_lifetime_seconds
         .unwrap_or(DEFAULT_MAX_LIFETIME_SECONDS)
@@ -119,6 +124,47 @@ pub(super) fn validate_create(
         idle,
         lifetime,
         egress,
+        models,
+    })
+}
+
+/// The session's models, by a command job's rules ([`crate::executor::inference_models`]:
+/// the node's `inference.models`, refused on a backend that cannot bind the listener);
+/// unlike a job, a session that asks for inference on a node without an upstream is
+/// refused, never started without it.
+fn inference(
+    cfg: &Config,
+    req: &CreateSessionRequest,
+) -> Result<Option<Vec<String>>, ValidationError> {
+    if req.use_inference != Some(true) {
+        return Ok(None);
+    }
+    if cfg.inference.is_none() {
+        return Err(ValidationError::new(
+            "use_inference",
+            "this node has no inference upstream (config `inference.base_url`)",
+        ));
+    }
+    let job = RunJobRequest {
+        version: API_VERSION,
+        task_id: req.task_id.clone(),
+        job_id: req.session_id.clone(),
+        sandbox: SandboxSpec {
+            image: req.image.clone(),
+            command: vec!["true".into()],
+            use_inference: Some(true),
+            ..SandboxSpec::default()
+        },
+        workspace_id: None,
+        gateway: None,
+    };
+    crate::executor::inference_models(cfg, &job).map_err(|e| {
+        let path = e
+            .path
+            .strip_prefix("sandbox.")
+            .unwrap_or(&e.path)
+            .to_string();
+        ValidationError::new(path, e.message)
     })
 }
 

@@ -1,26 +1,36 @@
-//! The per-job inference proxy: a Unix socket in the job directory (`/job/inference.sock`
-//! inside the sandbox, announced as `INFERENCE_PROXY_URL`), so a sandbox with no network
-//! can still reach the node's configured OpenAI-compatible upstream, and nothing else.
+//! The per-job inference proxy: one set of rules ([`app`]) on two transports. The Unix
+//! socket in the job directory (`/job/inference.sock` inside the sandbox, announced as
+//! `INFERENCE_PROXY_URL`, the SBA's), and a loopback listener at `127.0.0.1:11434` inside
+//! the sandbox's own network namespace ([`listener`]), announced as `OPENAI_BASE_URL`,
+//! `OLLAMA_BASE_URL` and a per-job `OPENAI_API_KEY`, so ordinary clients (the `openai`
+//! and `ollama` libraries, curl, wget, a coding agent's CLI) reach the node's configured
+//! OpenAI-compatible upstream, and nothing else.
 //!
-//! - Only `POST /v1/chat/completions` and `GET /v1/models` exist (other paths 404, other
-//!   methods 405).
-//! - A chat request must name one of the job's allowed models (403 otherwise); it is
-//!   re-serialised from its parsed form, so the upstream sees exactly what was checked.
-//!   Streaming is refused (400), and so is a request carrying any field of
-//!   [`MODEL_SELECTORS`] (400): fields by which routers (OpenRouter, LiteLLM) pick another
-//!   model or upstream than `model` names.
+//! - Served: `POST /v1/chat/completions`, `GET /v1/models`, and Ollama's `POST /api/chat`,
+//!   `POST /api/generate`, `GET /api/tags`, `GET /api/version`, translated to and from the
+//!   OpenAI-compatible upstream ([`ollama`]); other paths 404, other methods 405.
+//! - A chat request must name one of the job's allowed models (403 otherwise); what goes
+//!   upstream is re-serialised from the parsed (or translated) form, so the upstream sees
+//!   exactly what was checked. OpenAI streaming is refused (400); Ollama's `stream: true`
+//!   (its default) is answered as one NDJSON line holding the whole answer. A request
+//!   carrying any field of [`MODEL_SELECTORS`] is refused (400): fields by which routers
+//!   (OpenRouter, LiteLLM) pick another model or upstream than `model` names.
 //! - Request and response bodies are capped (413 / 502: `inference.max_request_bytes`,
 //!   1 MiB by default, and `max_response_bytes`, 4 MiB); a request body must arrive within
-//!   [`BODY_READ_TIMEOUT`] (408); the model list is filtered to the allowed models.
-//! - The job is the only client and may be hostile: the socket is served by the bounded
-//!   accept loop (`cynode_tls::serve_unix`: the node's `listener` timeouts and header
-//!   cap, and `limits.job_socket_connections` connections, 16 by default; beyond them, with
-//!   every connection mid-request, a new one is answered 503 at once). So the node's
-//!   descriptors and memory spent on one job's proxy stay bounded.
+//!   [`BODY_READ_TIMEOUT`] (408); the model list is filtered to the allowed models. A job
+//!   may send `inference.max_requests_per_job` requests upstream (256 by default; 429
+//!   `request_budget_exhausted` beyond), both transports together.
+//! - The job is the only client and may be hostile: both transports are served by the
+//!   node's bounded accept loop (the node's `listener` timeouts and header cap, and
+//!   `limits.job_socket_connections` connections, 16 by default; beyond them, with every
+//!   connection mid-request, a new one is answered 503 at once).
 //! - The upstream API key is added here, on the upstream request only: it never enters
-//!   the sandbox, job.json or a log line.
-//! - Token usage is logged per request and in total per job (`job_id`, `prompt_tokens`,
-//!   `completion_tokens`).
+//!   the sandbox, job.json or a log line. The loopback listener's `/v1` wants the job's
+//!   own random token as its bearer (what `OPENAI_API_KEY` holds inside), never a key of
+//!   the node's.
+//! - Every request is audited: one JSON line `inference request` (`job_id`, `via`,
+//!   `route`, `model`, `status`, `prompt_tokens`, `completion_tokens`), and the totals
+//!   per job when the proxy closes.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -38,6 +48,9 @@ use serde_json::{json, Value};
 use cynode_tls::ListenerLimits;
 
 use crate::config::InferenceConfig;
+
+pub mod listener;
+pub mod ollama;
 use crate::sandbox::{serve_job_socket, JobSocket, INFERENCE_SOCKET as SOCKET_NAME};
 
 /// Why the configured upstream cannot be used.
@@ -66,6 +79,7 @@ pub struct Upstream {
     client: reqwest::Client,
     max_request_bytes: usize,
     max_response_bytes: usize,
+    max_requests: u64,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -119,15 +133,18 @@ impl Upstream {
             client,
             max_request_bytes: cfg.max_request_bytes,
             max_response_bytes: cfg.max_response_bytes,
+            max_requests: cfg.max_requests_per_job,
         })
     }
 }
 
-/// One job's proxy state.
+/// One job's (or session's) proxy state, shared by its two transports: the socket and the
+/// loopback listener ([`listener`]).
 pub struct Proxy {
     job_id: String,
     allowed: Vec<String>,
     upstream: Arc<Upstream>,
+    max_requests: u64,
     prompt_tokens: AtomicU64,
     completion_tokens: AtomicU64,
     requests: AtomicU64,
@@ -138,33 +155,71 @@ impl Proxy {
         Arc::new(Proxy {
             job_id: job_id.to_string(),
             allowed,
+            max_requests: upstream.max_requests,
             upstream,
             prompt_tokens: AtomicU64::new(0),
             completion_tokens: AtomicU64::new(0),
             requests: AtomicU64::new(0),
         })
     }
+
+    /// The job (or session) this proxy serves.
+    pub fn job_id(&self) -> &str {
+        &self.job_id
+    }
 }
 
-/// The proxy's routes.
+/// Which transport a request came by (the audit line's `via`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Via {
+    /// `/job/inference.sock`.
+    Socket,
+    /// The loopback listener at [`listener::ADDR`] in the sandbox's network namespace.
+    Loopback,
+}
+
+impl Via {
+    fn as_str(self) -> &'static str {
+        match self {
+            Via::Socket => "socket",
+            Via::Loopback => "loopback",
+        }
+    }
+}
+
+/// A router's state: the proxy, and the transport it serves.
+#[derive(Clone)]
+struct Ctx {
+    p: Arc<Proxy>,
+    via: Via,
+}
+
+/// The proxy's routes (the same on both transports; the loopback listener adds its bearer
+/// check on `/v1`, [`listener::app`]).
 pub fn app(proxy: Arc<Proxy>) -> Router {
+    routes(proxy, Via::Socket)
+}
+
+fn routes(proxy: Arc<Proxy>, via: Via) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/models", get(models))
-        // Upstream CyNodeAI's proxy answers /healthz, and its SBA and scripts speak
-        // Ollama's native API through OLLAMA_BASE_URL: the same checks apply there.
         .route("/healthz", get(|| async { "ok" }))
+        // Ollama's native API, translated to the OpenAI-compatible upstream
+        // ([`ollama`]): the same checks apply there.
         .route("/api/chat", post(ollama_chat))
         .route("/api/generate", post(ollama_generate))
         .route("/api/tags", get(ollama_tags))
+        .route("/api/version", get(ollama::version))
         .fallback(|| async {
             error(
                 StatusCode::NOT_FOUND,
                 "not_found",
-                "only POST /v1/chat/completions and GET /v1/models are served",
+                "served: POST /v1/chat/completions, GET /v1/models, POST /api/chat, \
+                 POST /api/generate, GET /api/tags, GET /api/version",
             )
         })
-        .with_state(proxy)
+        .with_state(Ctx { p: proxy, via })
 }
 
 /// Request fields other than `model` that choose the model or the upstream a request goes
@@ -243,60 +298,118 @@ fn error(status: StatusCode, kind: &str, message: &str) -> Response {
         .into_response()
 }
 
-async fn chat(State(p): State<Arc<Proxy>>, body: Body) -> Response {
-    forward_completion(p, body, "/v1/chat/completions").await
+/// What the audit line of one request records beside its status.
+#[derive(Debug, Default)]
+struct Audit {
+    model: Option<String>,
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
 }
 
-async fn ollama_chat(State(p): State<Arc<Proxy>>, body: Body) -> Response {
-    forward_completion(p, body, "/api/chat").await
+/// The audit: one JSON line per request, whatever its outcome.
+fn audited(c: &Ctx, route: &'static str, (resp, a): (Response, Audit)) -> Response {
+    tracing::info!(
+        target: "cynode_worker::inference",
+        job_id = %c.p.job_id,
+        via = c.via.as_str(),
+        route,
+        model = a.model.as_deref(),
+        status = resp.status().as_u16(),
+        prompt_tokens = a.prompt_tokens,
+        completion_tokens = a.completion_tokens,
+        "inference request"
+    );
+    resp
 }
 
-async fn ollama_generate(State(p): State<Arc<Proxy>>, body: Body) -> Response {
-    forward_completion(p, body, "/api/generate").await
+async fn chat(State(c): State<Ctx>, body: Body) -> Response {
+    let out = forward_completion(&c.p, body, Shape::OpenAi).await;
+    audited(&c, "/v1/chat/completions", out)
 }
 
-/// Ollama's model list, cut to the job's models like `/v1/models`.
-async fn ollama_tags(State(p): State<Arc<Proxy>>) -> Response {
-    list_models(p, "/api/tags").await
+async fn ollama_chat(State(c): State<Ctx>, body: Body) -> Response {
+    let out = forward_completion(&c.p, body, Shape::OllamaChat).await;
+    audited(&c, "/api/chat", out)
 }
 
-/// One completion request (OpenAI's or Ollama's native shape) forwarded to `path` after
-/// the checks every route shares: the size cap, a JSON object, a model the job may use,
-/// no streaming (Ollama's native routes stream unless told not to: `stream` is set to
-/// false when absent), and usage logged per job.
-async fn forward_completion(p: Arc<Proxy>, body: Body, path: &'static str) -> Response {
+async fn ollama_generate(State(c): State<Ctx>, body: Body) -> Response {
+    let out = forward_completion(&c.p, body, Shape::OllamaGenerate).await;
+    audited(&c, "/api/generate", out)
+}
+
+async fn models(State(c): State<Ctx>) -> Response {
+    let out = list_models(&c.p)
+        .await
+        .map(|v| json_response(StatusCode::OK, v.to_string()));
+    audited(
+        &c,
+        "/v1/models",
+        (out.unwrap_or_else(|r| r), Audit::default()),
+    )
+}
+
+/// Ollama's model list: the upstream's OpenAI list, cut to the job's models.
+async fn ollama_tags(State(c): State<Ctx>) -> Response {
+    let out = list_models(&c.p)
+        .await
+        .map(|v| json_response(StatusCode::OK, ollama::tags(&v).to_string()));
+    audited(
+        &c,
+        "/api/tags",
+        (out.unwrap_or_else(|r| r), Audit::default()),
+    )
+}
+
+/// The request shape a completion route speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    OpenAi,
+    OllamaChat,
+    OllamaGenerate,
+}
+
+/// One completion request (OpenAI's shape, or Ollama's translated to it) forwarded to the
+/// upstream's `/v1/chat/completions` after the checks every route shares: the size cap, a
+/// JSON object, no model selector beside `model`, a model the job may use, the job's
+/// request budget, no OpenAI streaming (Ollama's `stream: true` is answered as one NDJSON
+/// line, [`ollama`]); usage is counted per job.
+async fn forward_completion(p: &Proxy, body: Body, shape: Shape) -> (Response, Audit) {
+    let mut audit = Audit::default();
     let cap = p.upstream.max_request_bytes;
     let read = tokio::time::timeout(BODY_READ_TIMEOUT, axum::body::to_bytes(body, cap)).await;
     let bytes = match read {
         Ok(Ok(b)) => b,
         Ok(Err(_)) => {
-            return error(
+            let r = error(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "request_too_large",
                 &format!("request body over the proxy's cap of {cap} bytes"),
-            )
+            );
+            return (r, audit);
         }
         Err(_) => {
-            return error(
+            let r = error(
                 StatusCode::REQUEST_TIMEOUT,
                 "request_timeout",
                 &format!(
                     "the request body did not arrive within {} s",
                     BODY_READ_TIMEOUT.as_secs()
                 ),
-            )
+            );
+            return (r, audit);
         }
     };
-    let Ok(Value::Object(mut req)) = serde_json::from_slice::<Value>(&bytes) else {
-        return error(
+    let Ok(Value::Object(req)) = serde_json::from_slice::<Value>(&bytes) else {
+        let r = error(
             StatusCode::BAD_REQUEST,
             "invalid_request",
             "the body must be a JSON object",
         );
+        return (r, audit);
     };
     if let Some(field) = MODEL_SELECTORS.iter().find(|f| req.contains_key(**f)) {
         tracing::warn!(job_id = %p.job_id, field = %field, "inference request with a model selector beside `model` refused");
-        return error(
+        let r = error(
             StatusCode::BAD_REQUEST,
             "model_selector_refused",
             &format!(
@@ -304,11 +417,17 @@ async fn forward_completion(p: Arc<Proxy>, body: Body, path: &'static str) -> Re
                 MODEL_SELECTORS.join(", ")
             ),
         );
+        return (r, audit);
     }
-    let model = req.get("model").and_then(Value::as_str).unwrap_or_default();
-    if !p.allowed.iter().any(|m| m == model) {
+    let model = req
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    audit.model = Some(model.clone());
+    if !p.allowed.iter().any(|m| *m == model) {
         tracing::warn!(job_id = %p.job_id, model = %model, "inference request for a model the job may not use");
-        return error(
+        let r = error(
             StatusCode::FORBIDDEN,
             "model_not_allowed",
             &format!(
@@ -316,64 +435,88 @@ async fn forward_completion(p: Arc<Proxy>, body: Body, path: &'static str) -> Re
                 p.allowed.join(", ")
             ),
         );
+        return (r, audit);
     }
-    if req.get("stream").and_then(Value::as_bool) == Some(true) {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request",
-            "streaming is not supported by the inference proxy",
-        );
-    }
-    let model = model.to_string();
-    if path.starts_with("/api/") {
-        req.entry("stream").or_insert(Value::Bool(false));
-    }
-    let Ok(forward) = serde_json::to_vec(&req) else {
-        return error(
+    let (forward, ndjson) = match shape {
+        Shape::OpenAi => {
+            if req.get("stream").and_then(Value::as_bool) == Some(true) {
+                let r = error(
+                    StatusCode::BAD_REQUEST,
+                    "invalid_request",
+                    "streaming is not supported by the inference proxy: send `stream: false`",
+                );
+                return (r, audit);
+            }
+            (req, false)
+        }
+        Shape::OllamaChat | Shape::OllamaGenerate => {
+            let ndjson = ollama::wants_stream(&req);
+            let translated = if shape == Shape::OllamaChat {
+                ollama::chat_request(&req)
+            } else {
+                ollama::generate_request(&req)
+            };
+            match translated {
+                Ok(t) => (t, ndjson),
+                Err(why) => {
+                    return (
+                        error(StatusCode::BAD_REQUEST, "invalid_request", &why),
+                        audit,
+                    )
+                }
+            }
+        }
+    };
+    let Ok(forward) = serde_json::to_vec(&forward) else {
+        let r = error(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
             "cannot encode the request",
         );
+        return (r, audit);
     };
-    p.requests.fetch_add(1, Ordering::Relaxed);
-    let resp = match forward_to(&p, reqwest::Method::POST, path, Some(forward)).await {
+    let (status, body) = match forward_to(
+        p,
+        reqwest::Method::POST,
+        "/v1/chat/completions",
+        Some(forward),
+    )
+    .await
+    {
         Ok(r) => r,
-        Err(r) => return r,
+        Err(r) => return (r, audit),
     };
-    if let (true, Ok(v)) = (
-        resp.0.is_success(),
-        serde_json::from_slice::<Value>(&resp.1),
-    ) {
-        // OpenAI's usage, or Ollama's counts.
-        let prompt = v["usage"]["prompt_tokens"]
-            .as_u64()
-            .or_else(|| v["prompt_eval_count"].as_u64());
-        let completion = v["usage"]["completion_tokens"]
-            .as_u64()
-            .or_else(|| v["eval_count"].as_u64());
+    let parsed = serde_json::from_slice::<Value>(&body).ok();
+    if let (true, Some(v)) = (status.is_success(), parsed.as_ref()) {
+        audit.prompt_tokens = v["usage"]["prompt_tokens"].as_u64();
+        audit.completion_tokens = v["usage"]["completion_tokens"].as_u64();
         p.prompt_tokens
-            .fetch_add(prompt.unwrap_or(0), Ordering::Relaxed);
+            .fetch_add(audit.prompt_tokens.unwrap_or(0), Ordering::Relaxed);
         p.completion_tokens
-            .fetch_add(completion.unwrap_or(0), Ordering::Relaxed);
-        tracing::info!(job_id = %p.job_id, model = %model, prompt_tokens = prompt, completion_tokens = completion, "inference usage");
+            .fetch_add(audit.completion_tokens.unwrap_or(0), Ordering::Relaxed);
     }
-    json_response(resp.0, resp.1)
-}
-
-async fn models(State(p): State<Arc<Proxy>>) -> Response {
-    list_models(p, "/v1/models").await
-}
-
-/// The upstream's model list at `path`, cut to the job's models (OpenAI's `data[].id` and
-/// Ollama's `models[].name`/`model`).
-async fn list_models(p: Arc<Proxy>, path: &'static str) -> Response {
-    let (status, body) = match forward_to(&p, reqwest::Method::GET, path, None).await {
-        Ok(r) => r,
-        Err(r) => return r,
+    let resp = match (shape, status.is_success(), parsed) {
+        (Shape::OpenAi, _, _) | (_, false, _) | (_, true, None) => json_response(status, body),
+        (Shape::OllamaChat, true, Some(v)) => {
+            ollama::answer(ollama::chat_response(&model, &v), ndjson)
+        }
+        (Shape::OllamaGenerate, true, Some(v)) => {
+            ollama::answer(ollama::generate_response(&model, &v), ndjson)
+        }
     };
+    (resp, audit)
+}
+
+/// The upstream's model list (OpenAI's shape), cut to the job's models (`data[].id`, and
+/// `models[].name`/`model` where an upstream adds Ollama's list beside it).
+async fn list_models(p: &Proxy) -> Result<Value, Response> {
+    let (status, body) = forward_to(p, reqwest::Method::GET, "/v1/models", None).await?;
     let Ok(mut v) = serde_json::from_slice::<Value>(&body) else {
-        return json_response(status, body);
+        return Err(json_response(status, body));
     };
+    if !status.is_success() {
+        return Err(json_response(status, body));
+    }
     let allowed = |m: &Value, keys: &[&str]| {
         keys.iter().any(|k| {
             m[*k]
@@ -387,11 +530,16 @@ async fn list_models(p: Arc<Proxy>, path: &'static str) -> Response {
     if let Some(list) = v.get_mut("models").and_then(Value::as_array_mut) {
         list.retain(|m| allowed(m, &["name", "model"]));
     }
-    json_response(status, Bytes::from(v.to_string()))
+    Ok(v)
 }
 
-fn json_response(status: StatusCode, body: Bytes) -> Response {
-    (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
+fn json_response(status: StatusCode, body: impl Into<Body>) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        body.into(),
+    )
+        .into_response()
 }
 
 /// Sends one request upstream (adding the key) and reads the answer within the cap.
@@ -402,6 +550,18 @@ async fn forward_to(
     body: Option<Vec<u8>>,
 ) -> Result<(StatusCode, Bytes), Response> {
     let up = &p.upstream;
+    let sent = p.requests.fetch_add(1, Ordering::Relaxed);
+    if sent >= p.max_requests {
+        tracing::warn!(job_id = %p.job_id, path, budget = p.max_requests, "inference request over the job's budget");
+        return Err(error(
+            StatusCode::TOO_MANY_REQUESTS,
+            "request_budget_exhausted",
+            &format!(
+                "this job has used its {} inference requests (inference.max_requests_per_job)",
+                p.max_requests
+            ),
+        ));
+    }
     let mut rb = up.client.request(method, format!("{}{path}", up.base));
     if let Some(key) = &up.api_key {
         rb = rb.bearer_auth(key);
