@@ -6,6 +6,7 @@ mod harness;
 mod model;
 
 mod agent;
+mod context;
 
 mod escapes;
 mod failures;

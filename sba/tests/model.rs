@@ -1,6 +1,8 @@
 //! A scripted OpenAI-compatible server for the agent loop tests: `/v1/models` lists fixed
 //! ids, each `/v1/chat/completions` gets the next scripted reply. It records every chat
-//! request, and the todo.json on disk at the moment the request arrived.
+//! request, and the todo.json on disk at the moment the request arrived. As a relay
+//! ([`Model::relay`]) it answers nothing itself: every request goes to a real model server
+//! on 127.0.0.1 and its answer comes back unchanged, the chat requests recorded the same way.
 
 #![allow(dead_code)]
 
@@ -47,6 +49,8 @@ struct State {
     seen: Arc<Mutex<Vec<Seen>>>,
     models_calls: Arc<Mutex<u32>>,
     todo_path: Option<PathBuf>,
+    /// `127.0.0.1:PORT` of the model server a relay forwards to.
+    upstream: Option<String>,
 }
 
 /// An action reply: `{"thought", "action": {"type", "arguments"}}`.
@@ -95,6 +99,34 @@ impl Model {
             script,
             todo_path,
         )
+    }
+
+    /// A relay on 127.0.0.1 to the model server at `upstream` (`127.0.0.1:PORT`).
+    pub fn relay(upstream: &str) -> Model {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", l.local_addr().unwrap());
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let calls = Arc::new(Mutex::new(0));
+        let state = Arc::new(State {
+            models: Vec::new(),
+            script: Mutex::new(Vec::new()),
+            seen: Arc::clone(&seen),
+            models_calls: Arc::clone(&calls),
+            todo_path: None,
+            upstream: Some(upstream.to_string()),
+        });
+        std::thread::spawn(move || loop {
+            if let Ok((s, _)) = l.accept() {
+                let st = Arc::clone(&state);
+                std::thread::spawn(move || serve(s, &st));
+            }
+        });
+        Model {
+            url,
+            seen,
+            models_calls: calls,
+            _dir: None,
+        }
     }
 
     /// Serves every connection `accept` yields, each on its own thread, until the test ends.
@@ -149,6 +181,7 @@ fn state(models: &[&str], mut script: Vec<Reply>, todo: Option<&Path>) -> Parts 
             seen: Arc::clone(&seen),
             models_calls: Arc::clone(&calls),
             todo_path: todo.map(Path::to_path_buf),
+            upstream: None,
         }),
         seen,
         calls,
@@ -184,6 +217,16 @@ fn serve<S: Read + Write>(mut s: S, st: &State) {
     }
     let body = &buf[head_end..head_end + len];
     let first = head.lines().next().unwrap_or("").to_string();
+    if let Some(up) = &st.upstream {
+        if first.starts_with("POST /v1/chat/completions") {
+            st.seen.lock().unwrap().push(Seen {
+                body: serde_json::from_slice(body).unwrap_or(Value::Null),
+                todo_json: None,
+            });
+        }
+        let _ = s.write_all(&forward(up, &first, body));
+        return;
+    }
     let (status, text) = if first.starts_with("GET /v1/models") {
         *st.models_calls.lock().unwrap() += 1;
         let data: Vec<Value> = st
@@ -221,6 +264,37 @@ fn serve<S: Read + Write>(mut s: S, st: &State) {
         text.len()
     );
     let _ = s.write_all(resp.as_bytes());
+}
+
+/// `first` (the request line) and `body` sent to `upstream` on a connection of its own;
+/// the whole response, as it came (a 502 when the server cannot be reached).
+fn forward(upstream: &str, first: &str, body: &[u8]) -> Vec<u8> {
+    let bad = |e: std::io::Error| {
+        let text = format!("relay: {upstream}: {e}");
+        format!(
+            "HTTP/1.1 502 X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{text}",
+            text.len()
+        )
+        .into_bytes()
+    };
+    let mut up = match std::net::TcpStream::connect(upstream) {
+        Ok(up) => up,
+        Err(e) => return bad(e),
+    };
+    let _ = up.set_read_timeout(Some(Duration::from_secs(300)));
+    let head = format!(
+        "{first}\r\nHost: {upstream}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    );
+    let mut out = Vec::new();
+    match up
+        .write_all(head.as_bytes())
+        .and_then(|()| up.write_all(body))
+        .and_then(|()| up.read_to_end(&mut out))
+    {
+        Ok(_) => out,
+        Err(e) => bad(e),
+    }
 }
 
 /// OpenAI's exact completion shape (testkit's), as text.
