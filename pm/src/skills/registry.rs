@@ -263,12 +263,11 @@ pub fn load_files(files: &dyn PackageFiles) -> Result<Skill, Vec<SkillError>> {
                 e.to_string(),
             ));
         }
-        if let Err(e) = jsonschema::meta::validate(&m.inputs_schema) {
-            let pointer = e.instance_path().to_string();
+        if let Some((pointer, message)) = schema_problem(&m.inputs_schema) {
             errors.push(SkillError::new(
                 &mpath,
                 key_line(&manifest_text, "inputs_schema"),
-                format!("inputs_schema{pointer} is not a valid JSON Schema: {e}"),
+                format!("inputs_schema{pointer} is not a valid JSON Schema: {message}"),
             ));
         }
         let expected = dir
@@ -393,6 +392,26 @@ fn undeclared(
         }
     }
     out
+}
+
+/// The first problem of an input schema, as (JSON pointer into the schema, message): a
+/// keyword the meta-schema refuses, else one the validator cannot compile though the
+/// meta-schema accepts it (a `pattern` that is no regex: the meta-schema only says it is
+/// a string). Either is the manifest's problem, found before any example runs into it.
+fn schema_problem(schema: &Value) -> Option<(String, String)> {
+    if let Err(e) = jsonschema::meta::validate(schema) {
+        return Some((e.instance_path().to_string(), e.to_string()));
+    }
+    let e = jsonschema::validator_for(schema).err()?;
+    // A compile error's schema path is where in the schema it is.
+    let pointer = e.schema_path().to_string();
+    let message = match e.kind() {
+        jsonschema::error::ValidationErrorKind::Format { format } if format == "regex" => {
+            format!("invalid regex {}", e.instance())
+        }
+        _ => e.to_string(),
+    };
+    Some((pointer, message))
 }
 
 /// The 1-based line of the top-level `key:` in a YAML document, when it has one.
