@@ -22,10 +22,17 @@ use crate::harness::{env, session_guard, unique, Server};
 on_both_backends!(host_paths: no_host_path_in_any_proc_file);
 
 /// The contract-only backend, and bwrap with warm sandboxes (a `bwrap_warm` node's first
-/// job is warm, `bwrap_warm::wait_first_slot`).
+/// job is warm, `bwrap_warm::wait_first_slot`); the changeset sandbox (bwrap on every
+/// backend: one run).
 mod more {
     on_both_backends!(@one host_paths microvm [no_host_path_in_any_proc_file]);
     on_both_backends!(@one host_paths bwrap_warm [no_host_path_in_any_proc_file]);
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn no_host_path_in_the_changeset_sandbox() {
+        crate::cases::setup();
+        crate::host_paths::no_host_path_in_the_changeset_sandbox().await;
+    }
 }
 
 /// Dumps, for every process it can see, each of the four files it can read, NULs as
@@ -354,4 +361,69 @@ fn metric_now(sv: &Server, name: &str) -> Option<u64> {
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
         .and_then(|v| v.trim().parse().ok())
+}
+
+/// A seeded repository's clean filter, which runs in the changeset sandbox (bwrap over the
+/// host's `/usr` and the workspace, on every backend), dumps what it can read as the new
+/// content of a file; the changeset shows it. Nothing in it names the node's directory,
+/// this test's, the image's root filesystem or the build directory (the host's `/usr` is
+/// that sandbox's content by design, so only these are checked).
+pub async fn no_host_path_in_the_changeset_sandbox() {
+    let sv = Server::start("bwrap", "");
+    let view = HostView::for_server(&sv);
+    let src = tempfile::tempdir().unwrap();
+    let r = src.path().join("r");
+    std::fs::create_dir_all(&r).unwrap();
+    std::fs::write(r.join("a.txt"), "one\n").unwrap();
+    crate::workspaces::git(&r, &["init", "-q"]);
+    crate::workspaces::git(&r, &["add", "a.txt"]);
+    crate::workspaces::git(&r, &["commit", "-q", "-m", "init"]);
+    std::fs::create_dir_all(r.join(".git/info")).unwrap();
+    std::fs::write(r.join(".git/info/attributes"), "a.txt filter=dump\n").unwrap();
+    std::fs::write(r.join(".git/dump.sh"), format!("cat >/dev/null\n{DUMP}\n")).unwrap();
+    let mut cfg = std::fs::read_to_string(r.join(".git/config")).unwrap();
+    cfg.push_str("[filter \"dump\"]\n\tclean = sh .git/dump.sh\n");
+    std::fs::write(r.join(".git/config"), cfg).unwrap();
+    std::fs::write(r.join("a.txt"), "two\n").unwrap();
+    let mut tar = tar::Builder::new(Vec::new());
+    tar.follow_symlinks(false);
+    tar.append_dir_all(".", &r).unwrap();
+    let ws = unique("ws");
+    let (code, v) = sv.put_tar(&ws, tar.into_inner().unwrap()).await;
+    assert_eq!(code, 201, "{v}");
+    let resp = sv
+        .client
+        .get(sv.url(&format!("/v1/worker/workspaces/{ws}/changeset")))
+        .bearer_auth(crate::harness::TOKEN)
+        .timeout(Duration::from_secs(120))
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let diff = resp.text().await.unwrap();
+    assert_eq!(status, 200, "{diff}");
+    let dump: String = diff
+        .lines()
+        .filter_map(|l| l.strip_prefix('+'))
+        .filter(|l| !l.starts_with("++"))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(
+        dump.contains("== /proc/1/cmdline\n") && dump.ends_with("== end\n"),
+        "the filter's dump is incomplete:\n{diff}"
+    );
+    let leaks: Vec<String> = dump
+        .lines()
+        .flat_map(|l| {
+            view.needles
+                .iter()
+                .filter(|n| l.contains(n.as_str()))
+                .map(move |n| format!("  {n}: {l}"))
+        })
+        .collect();
+    assert!(
+        leaks.is_empty(),
+        "host paths readable in the changeset sandbox:\n{}",
+        leaks.join("\n")
+    );
 }
