@@ -729,7 +729,7 @@ fn every_builtin_example_is_an_accepted_job_request() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 9);
+    assert_eq!(checked, 11);
 }
 
 #[test]

@@ -346,7 +346,7 @@ fn a_skill_dir_adds_skills_and_overrides_built_ins_by_id() {
     assert_eq!(v["dir"].as_str(), pkg.to_str());
     let (_, out, _) = pm(&["--output", "json", "--skill-dir", d, "skills", "list"]);
     let ids = skill_ids(&out);
-    assert_eq!(ids.len(), 9, "{ids:?}");
+    assert_eq!(ids.len(), 10, "{ids:?}");
     let (_, out, _) = pm(&[
         "--output",
         "json",
