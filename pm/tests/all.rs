@@ -4,6 +4,7 @@
 mod cli;
 mod egress;
 mod gateway_egress;
+mod job_context;
 mod llm;
 mod plan_bounds;
 mod policy;
