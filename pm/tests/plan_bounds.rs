@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 
 /// A PM on `model`, its state in `dir`, a worker that is never reached.
 async fn pm(dir: &std::path::Path, model: &ScriptedModel) -> Pm {
-    let mut m = ModelConfig::new(&model.serve(), "scripted");
+    let mut m = ModelConfig::new(model.serve(), "scripted");
     m.timeout = Duration::from_secs(10);
     let config = PmConfig {
         model: m,

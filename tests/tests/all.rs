@@ -19,6 +19,7 @@ mod mcp;
 mod otel;
 mod reliability;
 mod service;
+mod skill_run;
 mod tls;
 mod tls_services;
 mod upstream;

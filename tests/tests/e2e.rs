@@ -346,7 +346,7 @@ fn report_skill(dir: &Path) -> PathBuf {
     dir.to_path_buf()
 }
 
-async fn tampering_proxy(upstream: String) -> String {
+pub(crate) async fn tampering_proxy(upstream: String) -> String {
     async fn forward(
         State(up): State<String>,
         req: axum::extract::Request,
@@ -588,13 +588,22 @@ fn real_llm_drives_the_loop() {
 #[test]
 fn the_tenants_allowed_images_are_checked_against_the_image_the_job_runs_in() {
     const IMAGE: &str = "localhost/cynode-sba-test:latest";
-    let script = || {
+    // A denied job leaves t1 open: the final closes it as skipped, with its reason.
+    let script = |denied: bool| {
+        let close = if denied {
+            json!([
+                { "op": "replace", "path": "/plan/0/status", "value": "skipped" },
+                { "op": "add", "path": "/plan/0/reason", "value": "the image is not allowed" }
+            ])
+        } else {
+            json!([])
+        };
         vec![
             json!({ "type": "job_request", "state_patch": [
                 { "op": "add", "path": "/plan/-", "value": { "task_id": "t1", "description": "write a file", "status": "pending" } }
             ], "payload": { "task_id": "t1", "skill_id": "write-files",
                 "inputs": { "files": [{ "path": "ok.txt", "content": "x" }] } } }),
-            json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } }),
+            json!({ "type": "final", "state_patch": close, "payload": { "summary": "done" } }),
         ]
     };
     for (allowed, dispatched) in [
@@ -608,7 +617,7 @@ fn the_tenants_allowed_images_are_checked_against_the_image_the_job_runs_in() {
             format!("tenant_id: acme\nallowed_images: [\"{allowed}\"]\n"),
         )
         .unwrap();
-        let (url, model) = model_server(script());
+        let (url, model) = model_server(script(dispatched == 0));
         let tenant_arg = tenant.display().to_string();
         let out = pm(
             state.path(),

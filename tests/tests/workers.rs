@@ -67,6 +67,14 @@ fn fin() -> Value {
     json!({ "type": "final", "state_patch": [], "payload": { "summary": "done" } })
 }
 
+/// A final that closes t1 as skipped (a final is refused while a task is open).
+fn fin_skipping_t1() -> Value {
+    json!({ "type": "final", "state_patch": [
+        { "op": "replace", "path": "/plan/0/status", "value": "skipped" },
+        { "op": "add", "path": "/plan/0/reason", "value": "cannot run here" }
+    ], "payload": { "summary": "t1 could not run" } })
+}
+
 /// Creates a session, waits for it to complete, returns it and its events.
 async fn session(base: &str) -> (Value, Vec<Value>) {
     let done = session_ending(base, json!({ "objective": "route my jobs" })).await;
@@ -155,15 +163,16 @@ async fn jobs_follow_purpose_workspace_and_free_capacity_and_skip_a_dead_worker(
         plan("t1"),
         write("t1"),
         fin(),
-        // s3: python-tools only exists on w2 (the tie-break alone would say w1).
+        // s3: python-tools only exists on w2 (the tie-break alone would say w1). The
+        // workspace has no Python project: the job fails and t1 stays open.
         plan("t1"),
         job("t1", "python-test", json!({})),
-        fin(),
+        fin_skipping_t1(),
         // s4: go-tools is offered by no worker: go-test is not in the model's catalog, so
         // the reply is rejected by the contract and asked again.
         plan("t1"),
         job("t1", "go-test", json!({})),
-        fin(),
+        fin_skipping_t1(),
         // s5: w1 is busy (both run slots taken): more free room on w2 wins although
         // this replica placed more jobs there.
         plan("t1"),

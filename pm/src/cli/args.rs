@@ -249,20 +249,44 @@ impl RunArgs {
         global: &Global,
         seed: Option<PathBuf>,
     ) -> anyhow::Result<LocalWorkerConfig> {
+        self.local.config(
+            global,
+            &self.pm.store,
+            &self.pm.workers,
+            seed,
+            self.egress_ceiling(global)?,
+            self.local_inference(),
+        )
+    }
+}
+
+impl LocalWorkerArgs {
+    /// The local worker these flags describe: its state under `store`'s directory, jobs
+    /// on `workers`' sandbox image, workspaces seeded from `seed`, reaching at most
+    /// `egress_allow`, inference through `inference` (none: agent jobs are refused).
+    pub fn config(
+        &self,
+        global: &Global,
+        store: &StoreArgs,
+        workers: &WorkerArgs,
+        seed: Option<PathBuf>,
+        egress_allow: Vec<String>,
+        inference: Option<LocalInference>,
+    ) -> anyhow::Result<LocalWorkerConfig> {
         use anyhow::Context;
         let exe = std::env::current_exe().context("cannot find the cynode-pm executable")?;
         Ok(LocalWorkerConfig {
             program: exe.with_file_name("cynode-worker"),
-            state_dir: self.pm.store.state_dir.clone(),
-            backend: self.local.local_backend.clone(),
-            bwrap_rootfs: self.local.local_bwrap_rootfs.clone(),
-            image: self.pm.workers.sandbox_image.clone(),
+            state_dir: store.state_dir.clone(),
+            backend: self.local_backend.clone(),
+            bwrap_rootfs: self.local_bwrap_rootfs.clone(),
+            image: workers.sandbox_image.clone(),
             seed,
-            egress_allow: self.egress_ceiling(global)?,
+            egress_allow,
             otlp_endpoint: global.otlp_endpoint.clone(),
-            inference: self.local_inference(),
+            inference,
             keeper: exe.clone(),
-            grace: Duration::from_secs(self.local.local_worker_grace_seconds),
+            grace: Duration::from_secs(self.local_worker_grace_seconds),
         })
     }
 }

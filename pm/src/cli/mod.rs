@@ -1,6 +1,8 @@
 //! `cynode-pm`'s command line: clap types, one module a command, and the exit codes.
 //!
 //! - [`skills`]: `skills list | show ID | validate [DIR…] | contract | render ID --inputs FILE`;
+//! - [`jobs`]: `skills run ID --inputs FILE --workspace DIR` and `jobs run JOB.json
+//!   --workspace DIR`, one job on a worker without the model loop;
 //! - [`policy`]: `policy check JOB.json [--skill ID] [--dry-run]`;
 //! - [`run`]: `run "objective"` and `sessions resume ID [--answer TEXT]`, with [`report`]
 //!   printing their progress;
@@ -16,6 +18,9 @@
 //! Human-readable output by default, `--output json` for scripts. Exit codes: 0 ok,
 //! allowed, or a completed session; 1 invalid, denied, or a failed or canceled session;
 //! 2 usage or load errors; 3 a session waiting for an answer no terminal can give.
+//! `skills run` and `jobs run` tell their failures apart (see [`jobs`]): 1 the job failed,
+//! 4 invalid inputs or job, 5 denied by the policy, 6 an artifact failed verification,
+//! 7 no worker could take or run the job.
 //!
 //! Everything a command prints to stdout goes through [`outln!`] ([`stdout::line`]): a
 //! reader that went away (`cynode-pm … | head`) ends the command quietly with status 0,
@@ -36,6 +41,7 @@ macro_rules! outln {
 }
 
 mod args;
+mod jobs;
 mod mcp;
 mod policy;
 mod report;
@@ -114,6 +120,9 @@ pub enum Command {
     /// Work with the policy gate.
     #[command(subcommand)]
     Policy(policy::PolicyCmd),
+    /// Run single jobs without the model loop.
+    #[command(subcommand)]
+    Jobs(Box<jobs::JobsCmd>),
     /// Run one objective end to end.
     Run(Box<run::RunCmd>),
     /// Work with stored sessions.
@@ -155,6 +164,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<i32> {
             outln!("{}", cynode_pm::service::openapi_json());
             Ok(0)
         }
+        Command::Skills(skills::SkillsCmd::Run(cmd)) => {
+            with_runtime(g, "warn", jobs::skill_run(cmd, g))
+        }
+        Command::Jobs(cmd) => with_runtime(g, "warn", jobs::jobs(cmd, g)),
         Command::Skills(cmd) => skills::skills(cmd, g),
         Command::Policy(cmd) => policy::policy(cmd, g),
     }

@@ -99,29 +99,11 @@ async fn drive_session(
     };
     let json_out = global.output == Output::Json;
     let reporter = Reporter::new(json_out);
-    let local;
-    let workers = match args.pm.workers.config()? {
-        Some(cfg) => bootstrap::workers(&cfg)?,
-        None => {
-            let cfg = args.local_worker(global, seed.clone())?;
-            local = LocalWorker::start(&cfg, &|n| {
-                match n {
-                Notice::Waiting { holder_pid, dir } => reporter.line(format!(
-                    "another cynode-pm's worker (pid {holder_pid}) uses {}; waiting for it to finish",
-                    dir.display()
-                )),
-                Notice::Attached { keeper_pid, dir } => reporter.line(format!(
-                    "using the local worker already running on {} (keeper pid {keeper_pid})",
-                    dir.display()
-                )),
-            }
-            })?;
-            WorkerPool::single(
-                WorkerClient::new(&local.endpoint, &local.token),
-                &args.pm.workers.sandbox_image,
-            )
-        }
-    };
+    let (workers, _local) = worker_pool(
+        &args.pm.workers,
+        || args.local_worker(global, seed.clone()),
+        &|line| reporter.line(line),
+    )?;
     let config = args.pm.config(global);
     super::serve::install_gateway_egress(args.gateway_egress_file.as_deref())?;
     let mut pm = bootstrap::build_pm(&config, workers).await?;
@@ -202,6 +184,36 @@ async fn drive_session(
     };
     reporter.finish();
     Ok(print_outcome(&rec, json_out))
+}
+
+/// The workers `workers` names (`--worker-endpoint`, `--workers-file`), else a local
+/// worker started from `local()`'s settings, returned with the pool: it runs while that
+/// handle lives. `say` gets one line per notice of the local worker (waiting for another
+/// PM's worker, attaching to a running one).
+pub(crate) fn worker_pool(
+    workers: &super::args::WorkerArgs,
+    local: impl FnOnce() -> anyhow::Result<cynode_pm::config::LocalWorkerConfig>,
+    say: &dyn Fn(String),
+) -> anyhow::Result<(WorkerPool, Option<LocalWorker>)> {
+    if let Some(cfg) = workers.config()? {
+        return Ok((bootstrap::workers(&cfg)?, None));
+    }
+    let cfg = local()?;
+    let worker = LocalWorker::start(&cfg, &|n| match n {
+        Notice::Waiting { holder_pid, dir } => say(format!(
+            "another cynode-pm's worker (pid {holder_pid}) uses {}; waiting for it to finish",
+            dir.display()
+        )),
+        Notice::Attached { keeper_pid, dir } => say(format!(
+            "using the local worker already running on {} (keeper pid {keeper_pid})",
+            dir.display()
+        )),
+    })?;
+    let pool = WorkerPool::single(
+        WorkerClient::new(&worker.endpoint, &worker.token),
+        &workers.sandbox_image,
+    );
+    Ok((pool, Some(worker)))
 }
 
 /// Whether `run` hosts the sandbox gateway; an error for flags that would expose it:

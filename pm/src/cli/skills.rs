@@ -1,4 +1,5 @@
-//! `cynode-pm skills …`: list, show, validate, contract and render skill packages.
+//! `cynode-pm skills …`: list, show, validate, contract and render skill packages, and
+//! run one (`skills run`, in [`super::jobs`]).
 
 use std::path::PathBuf;
 
@@ -41,6 +42,9 @@ pub enum SkillsCmd {
         #[arg(long, default_value_t = 0)]
         attempt: u32,
     },
+    /// Render a skill with inputs, check it against the policy, run it on a worker (the
+    /// local one by default), wait, verify every artifact's sha256 and print the result.
+    Run(Box<super::jobs::SkillRunCmd>),
 }
 
 pub fn skills(cmd: &SkillsCmd, g: &Global) -> anyhow::Result<i32> {
@@ -127,6 +131,10 @@ pub fn skills(cmd: &SkillsCmd, g: &Global) -> anyhow::Result<i32> {
                     Ok(1)
                 }
             }
+        }
+        // Dispatched on a runtime by `cli::dispatch`.
+        SkillsCmd::Run(_) => {
+            anyhow::bail!("skills run needs the async runtime of cli::dispatch")
         }
     }
 }
