@@ -52,6 +52,12 @@ pub const ENV_SBA_STATUS_URL: &str = "SBA_JOB_STATUS_URL";
 pub const ENV_SBA_AGENT_MAX_TURNS: &str = "SBA_AGENT_MAX_TURNS";
 /// The PATH a sandbox gets when its request sets none.
 pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// The HOME a sandbox gets when its request sets none: its own tmpfs `/tmp` (sized by
+/// `limits.tmpfs_mb`, charged to its memory limit, gone with the sandbox), the one
+/// directory every backend makes writable for whatever uid the job runs as. The image's home
+/// cannot serve: the root is read-only, and its owner (uid 1000) is not the uid a job has
+/// under Podman, Docker or gVisor (the workspace's host uid, [`engine_user`]).
+pub const DEFAULT_HOME: &str = "/tmp";
 
 /// The lifecycle socket's file name in the job directory.
 pub const STATUS_SOCKET: &str = "status.sock";
@@ -265,7 +271,7 @@ pub fn spec(limits: &Limits, req: SandboxRequest) -> SandboxSpec {
 
 /// A sandbox's env: the requested variables except the reserved names and those `drop`
 /// refuses, then the node's own `node` variables, then [`DEFAULT_PATH`] when no `PATH`
-/// was given.
+/// and [`DEFAULT_HOME`] when no `HOME` was given.
 pub fn env<'a>(
     requested: impl IntoIterator<Item = (&'a String, &'a String)>,
     drop: impl Fn(&str) -> bool,
@@ -279,6 +285,9 @@ pub fn env<'a>(
     env.extend(node.into_iter().map(|(k, v)| (k.to_string(), v)));
     if !env.iter().any(|(k, _)| k == "PATH") {
         env.push(("PATH".into(), DEFAULT_PATH.into()));
+    }
+    if !env.iter().any(|(k, _)| k == "HOME") {
+        env.push(("HOME".into(), DEFAULT_HOME.into()));
     }
     env
 }

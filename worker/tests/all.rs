@@ -91,6 +91,7 @@ mod host_reads;
 mod host_writes;
 mod inference;
 mod janitor;
+mod job_home;
 mod listeners;
 mod microvm;
 mod sandbox_escapes;

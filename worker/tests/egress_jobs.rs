@@ -438,7 +438,7 @@ async fn index_with(wheel: Vec<u8>) -> (u16, std::sync::Arc<std::sync::atomic::A
 /// The offline test image with the host's Debian Python and pip
 /// (deploy/sba/build-python-test-image.sh, built by deploy/test-env.sh) and its root
 /// filesystem for bwrap: (image, rootfs). Built once per test binary.
-fn python_image() -> &'static (String, std::path::PathBuf) {
+pub(crate) fn python_image() -> &'static (String, std::path::PathBuf) {
     static IMAGE: std::sync::OnceLock<(String, std::path::PathBuf)> = std::sync::OnceLock::new();
     IMAGE.get_or_init(|| {
         let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");

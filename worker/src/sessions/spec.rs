@@ -98,7 +98,7 @@ pub(super) fn container_name(session_id: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::sandbox::DEFAULT_PATH;
+    use crate::sandbox::{DEFAULT_HOME, DEFAULT_PATH};
     use cynode_protocol::worker_sessions::SessionStatus;
 
     /// A running session `s` of task `t`.
@@ -143,6 +143,7 @@ mod tests {
             ("CYNODE_SESSION_ID", "s"),
             ("CYNODE_TASK_ID", "t"),
             ("CYNODE_WORKSPACE_DIR", "/workspace"),
+            ("HOME", DEFAULT_HOME),
             ("PATH", DEFAULT_PATH),
         ]
         .into_iter()
