@@ -147,6 +147,14 @@ async fn check(args: NodeArgs) -> anyhow::Result<i32> {
         Ok(v) => println!("ok   backend {}: {v}", cfg.backend.as_str()),
         Err(e) => missing.push(format!("backend {}: {e}", cfg.backend.as_str())),
     }
+    if cfg.inference.is_some() {
+        match cynode_worker::inference::listener::refusal(&cfg) {
+            None => println!("ok   inference: a listener at 127.0.0.1:11434 in each sandbox"),
+            Some(why) => {
+                println!("note inference: jobs and sessions with inference are refused: {why}")
+            }
+        }
+    }
     for image in &cfg.images {
         if backend.has_image(image).await {
             println!("ok   image {image}");

@@ -952,6 +952,21 @@ async fn loopback_listener_works_beside_the_egress_proxy() {
     let out = v["stdout"].as_str().unwrap_or_default();
     assert!(out.contains("HTTP_PROXY=http://127.0.0.1:3128"), "{out}");
     check_client_output(&sv, &id, out);
+
+    // busybox wget ignores NO_PROXY: without `-Y off` it sends the absolute form
+    // `GET http://127.0.0.1:11434/...` to the egress proxy, which judges 127.0.0.1 by its
+    // allowlist (here: not listed, 403) and never reaches the listener.
+    let id = unique("both-plain");
+    let body = json!({
+        "version": 1, "task_id": id, "job_id": id,
+        "sandbox": { "image": env().image, "use_inference": true, "network_policy": "restricted",
+                     "command": ["sh", "-c", "wget -qO- \"$OLLAMA_BASE_URL/api/tags\" 2>&1; echo \"rc=$?\""] }
+    });
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 200, "{v}");
+    let out = v["stdout"].as_str().unwrap_or_default();
+    eprintln!("plain busybox wget beside the egress proxy: {out}");
+    assert!(out.contains("403") && out.contains("rc=1"), "{out}");
 }
 
 /// gVisor cannot bind the listener inside its sandboxes: a job asking for inference is
@@ -1130,7 +1145,7 @@ async fn loopback_listener_bench() {
             let p = e.path();
             let comm = std::fs::read_to_string(p.join("comm")).ok()?;
             let cmd = std::fs::read(p.join("cmdline")).ok()?;
-            (comm.trim() == "sleep" && cmd == b"sleep\0299\0")
+            (comm.trim() == "sleep" && cmd == b"sleep\x00299\x00")
                 .then(|| e.file_name().to_string_lossy().to_string())
         });
         pid.is_some() && sock.exists()

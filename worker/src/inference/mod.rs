@@ -425,7 +425,7 @@ async fn forward_completion(p: &Proxy, body: Body, shape: Shape) -> (Response, A
         .unwrap_or_default()
         .to_string();
     audit.model = Some(model.clone());
-    if !p.allowed.iter().any(|m| *m == model) {
+    if !p.allowed.contains(&model) {
         tracing::warn!(job_id = %p.job_id, model = %model, "inference request for a model the job may not use");
         let r = error(
             StatusCode::FORBIDDEN,

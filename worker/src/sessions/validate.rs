@@ -206,6 +206,7 @@ mod tests {
                 idle: 100,
                 lifetime: 100,
                 egress: None,
+                models: None,
             }
         );
         cfg.limits.max_timeout_seconds = 10800;
@@ -216,6 +217,7 @@ mod tests {
                 idle: 600,
                 lifetime: 3600,
                 egress: None,
+                models: None,
             }
         );
         let req = create_req(serde_json::json!({
@@ -230,6 +232,7 @@ mod tests {
                 idle: 5,
                 lifetime: 10800,
                 egress: None,
+                models: None,
             }
         );
     }
