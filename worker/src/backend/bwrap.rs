@@ -775,3 +775,52 @@ fn become_sandbox_user(id: u32) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn options_go_through_the_descriptor_and_only_the_command_after_it() {
+        let inv = Invocation {
+            options: ["--ro-bind", "/srv/rootfs", "/", "--setenv", "A", ""]
+                .map(String::from)
+                .to_vec(),
+            command: ["sh", "-c", "echo --bind /x /y"].map(String::from).to_vec(),
+        };
+        assert_eq!(
+            inv.options_data().unwrap(),
+            b"--ro-bind\0/srv/rootfs\0/\0--setenv\0A\0\0".to_vec()
+        );
+        assert_eq!(
+            inv.argv(7),
+            ["--args", "7", "--", "sh", "-c", "echo --bind /x /y"].map(String::from)
+        );
+        let nul = Invocation {
+            options: vec!["--chdir".into(), "/a\0b".into()],
+            command: vec!["true".into()],
+        };
+        assert!(nul.options_data().is_err());
+    }
+
+    #[test]
+    fn the_options_memfd_is_sealed_and_read_from_its_start() {
+        use std::io::Read;
+        use std::os::fd::AsRawFd;
+        let inv = Invocation {
+            options: vec!["--unshare-all".into()],
+            command: vec![],
+        };
+        let fd = inv.options_memfd().unwrap();
+        // SAFETY: fcntl on a descriptor this test owns.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        let all = libc::F_SEAL_SEAL | libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_WRITE;
+        assert_eq!(seals & all, all);
+        let mut f = std::fs::File::from(fd);
+        let mut got = Vec::new();
+        f.read_to_end(&mut got).unwrap();
+        assert_eq!(got, b"--unshare-all\0");
+        use std::io::Write;
+        assert!(f.write_all(b"x").is_err());
+    }
+}
