@@ -21,12 +21,15 @@ use crate::harness::{env, session_guard, unique, Server};
 
 on_both_backends!(host_paths: no_host_path_in_any_proc_file);
 
-/// The contract-only backend, and bwrap with warm sandboxes (a `bwrap_warm` node's first
-/// job is warm, `bwrap_warm::wait_first_slot`); the changeset sandbox (bwrap on every
-/// backend: one run).
+/// The contract-only backend, bwrap with warm sandboxes (a `bwrap_warm` node's first job
+/// is warm, `bwrap_warm::wait_first_slot`) and the engines with their warm pools
+/// (`warm_pool.rs`); the changeset sandbox (bwrap on every backend: one run).
 mod more {
     on_both_backends!(@one host_paths microvm [no_host_path_in_any_proc_file]);
     on_both_backends!(@one host_paths bwrap_warm [no_host_path_in_any_proc_file]);
+    on_both_backends!(@one host_paths podman_warm [no_host_path_in_any_proc_file]);
+    on_both_backends!(@one host_paths docker_warm [no_host_path_in_any_proc_file]);
+    on_both_backends!(@one host_paths runsc_warm [no_host_path_in_any_proc_file]);
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn no_host_path_in_the_changeset_sandbox() {
@@ -65,7 +68,9 @@ fn residual(backend: &str, view: &HostView, leak: &Leak) -> Option<&'static str>
     }
     // Podman's and Docker's root is an overlay mount of the engine's image store, whose
     // options name its layer directories on the host.
-    if matches!(backend, "podman" | "docker") && leak.file.ends_with("/mountinfo") {
+    if matches!(backend, "podman" | "docker" | "podman_warm" | "docker_warm")
+        && leak.file.ends_with("/mountinfo")
+    {
         let f: Vec<&str> = leak.line.split(' ').collect();
         let sep = f.iter().position(|x| *x == "-");
         let fstype = sep.and_then(|i| f.get(i + 1));
