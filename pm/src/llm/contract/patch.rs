@@ -311,8 +311,8 @@ pub fn apply_state_patch(rec: &mut SessionRecord, reply: &LlmOutput) -> Result<(
 }
 
 /// A `final` must leave no task open: every plan entry done, failed or `skipped` (with
-/// its `reason`) once the reply's own `state_patch` is applied to `rec`'s state. Any other
-/// reply passes. The refusal names each open task by its JSON pointer and says how to
+/// its `reason`) once the reply's own `state_patch` is applied to `rec`'s state (the state
+/// as it is when that patch does not apply). Any other reply passes. The refusal names each open task by its JSON pointer and says how to
 /// close it, so the model can run it or skip it explicitly on its next attempt.
 pub fn check_final_closes_plan(
     rec: &SessionRecord,
@@ -321,9 +321,13 @@ pub fn check_final_closes_plan(
     if reply.kind != cynode_protocol::llm::LlmOutputType::Final {
         return Ok(());
     }
+    // A patch that does not apply is refused on its own when the reply is acted on (as
+    // for any reply: small models re-add existing tasks); the plan is then judged as it is.
     let mut after = rec.clone();
-    apply_state_patch(&mut after, reply)
-        .map_err(|e| ContractError::Rejected(format!("state_patch: {e}")))?;
+    let unapplied = apply_state_patch(&mut after, reply).err();
+    if unapplied.is_some() {
+        after = rec.clone();
+    }
     let open: Vec<String> = after
         .state
         .plan
@@ -345,8 +349,11 @@ pub fn check_final_closes_plan(
     if open.is_empty() {
         return Ok(());
     }
+    let unapplied = unapplied
+        .map(|e| format!(" (this reply's state_patch does not apply: {e})"))
+        .unwrap_or_default();
     Err(ContractError::Rejected(format!(
-        "final refused: tasks still open at {}. Run them with job_request, or close each one in this reply's state_patch: {{\"op\": \"replace\", \"path\": \"/plan/N/status\", \"value\": \"skipped\"}} and {{\"op\": \"add\", \"path\": \"/plan/N/reason\", \"value\": \"why\"}}",
+        "final refused: tasks still open at {}{unapplied}. Run them with job_request, or close each one in this reply's state_patch: {{\"op\": \"replace\", \"path\": \"/plan/N/status\", \"value\": \"skipped\"}} and {{\"op\": \"add\", \"path\": \"/plan/N/reason\", \"value\": \"why\"}}",
         open.join(", ")
     )))
 }

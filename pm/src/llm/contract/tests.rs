@@ -253,6 +253,19 @@ fn a_final_leaves_no_task_open() {
     assert!(e.contains("/plan/1/reason"), "{e}");
     let both: Vec<_> = skip(1).into_iter().chain(skip(2)).collect();
     check_final_closes_plan(&rec, &final_reply(json!(both))).unwrap();
+    // A patch that does not apply (re-adding t1) is refused on its own when acted on; the
+    // final is judged on the plan as it is.
+    let mut closed = rec.clone();
+    for p in &mut closed.state.plan {
+        p.status = cynode_protocol::session::TaskStatus::Done;
+    }
+    let readd = json!([{ "op": "add", "path": "/plan/-",
+        "value": { "task_id": "t1", "description": "a", "status": "done" } }]);
+    check_final_closes_plan(&closed, &final_reply(readd.clone())).unwrap();
+    let e = check_final_closes_plan(&rec, &final_reply(readd))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("does not apply: duplicate task_id t1"), "{e}");
     // Other replies are not this rule's business.
     let plan: cynode_protocol::llm::LlmOutput =
         serde_json::from_value(json!({ "type": "plan_update", "state_patch": [], "payload": {} }))
