@@ -614,7 +614,7 @@ fn structural_mistakes_are_named_precisely() {
         ),
         (
             json!({ "type": "plan_update", "state_patch": [{ "op": "replace", "path": "/plan/0/status", "value": "finished" }], "payload": {} }),
-            "state_patch[0].value: must be one of pending, in_progress, done, failed, blocked; got \"finished\"",
+            "state_patch[0].value: must be one of pending, in_progress, done, failed, blocked, skipped; got \"finished\"",
         ),
         (
             json!({ "type": "plan_update", "state_patch": vec![json!({ "op": "add", "path": "/notes/-", "value": "n" }); 11], "payload": {} }),
