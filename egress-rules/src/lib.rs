@@ -10,10 +10,13 @@
 //!   connecting only to the returned addresses.
 //! - [`routes`]: credentialed routes; the configured headers, with values read from the
 //!   environment once, are added to requests sent to an `https://` upstream.
+//! - [`redact`]: a route's secrets replaced by `<redacted>` in what its upstream answers,
+//!   a body streamed in pieces included.
 //! - [`Policy`]: one job's allowlist with the special addresses the operator listed.
 
 pub mod addr;
 pub mod allowlist;
+pub mod redact;
 pub mod resolve;
 pub mod routes;
 
@@ -21,6 +24,7 @@ use std::collections::BTreeSet;
 use std::net::IpAddr;
 
 pub use allowlist::{Allowlist, NarrowError, Pattern};
+pub use redact::Redactor;
 pub use resolve::Resolver;
 pub use routes::{RouteConfig, Routes};
 

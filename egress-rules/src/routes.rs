@@ -14,6 +14,7 @@ use reqwest::header::{HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 
 use crate::allowlist::split_authority;
+use crate::redact::Redactor;
 
 /// The path prefix routes are served under.
 pub const ROUTES_PREFIX: &str = "/routes/";
@@ -67,6 +68,8 @@ pub struct Route {
     /// The port the upstream listens on (for the audit).
     pub port: u16,
     headers: Vec<(HeaderName, HeaderValue)>,
+    /// The header values, to be found and replaced in what the upstream answers.
+    redactor: Redactor,
     client: reqwest::Client,
 }
 
@@ -158,6 +161,7 @@ impl Routes {
                     origin: format!("https://{authority}"),
                     base_path: path.trim_end_matches('/').to_string(),
                     port: port.unwrap_or(443),
+                    redactor: Redactor::new(headers.iter().map(|(_, v)| v.as_bytes())),
                     headers,
                     client,
                 },
@@ -226,6 +230,12 @@ impl Route {
     /// The headers this route sets (their names replace any the sandbox sent).
     pub fn headers(&self) -> &[(HeaderName, HeaderValue)] {
         &self.headers
+    }
+
+    /// The route's secrets (its header values), to be replaced in everything its upstream
+    /// answers before any of it goes back to the caller.
+    pub fn redactor(&self) -> &Redactor {
+        &self.redactor
     }
 
     /// The client for this route's upstream: no proxy, no redirects, its CA.

@@ -157,6 +157,9 @@ fn origin_app(hits: Arc<AtomicUsize>) -> axum::Router {
             "/api/echo",
             post(|body: axum::body::Bytes| async move { body }),
         )
+        .route("/api/reflect", get(reflect))
+        .route("/api/split", get(reflect_split))
+        .route("/api/gzip", get(reflect_gzip))
         .route(
             "/headers",
             get(|h: axum::http::HeaderMap| async move {
@@ -169,6 +172,92 @@ fn origin_app(hits: Arc<AtomicUsize>) -> axum::Router {
             }),
         )
         .layer(axum::middleware::from_fn(counted))
+}
+
+/// What an echo service (httpbin, many error pages) gives back of the request's
+/// `Authorization`: (the value, a JSON body holding it).
+fn echoed(h: &axum::http::HeaderMap) -> (String, String) {
+    let auth = h
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let body = format!("{{\"headers\": {{\"Authorization\": \"{auth}\"}}}}\n");
+    (auth, body)
+}
+
+/// The body [`echoed`] gives once the route's secret is redacted.
+pub(crate) const REDACTED_ECHO: &str = "{\"headers\": {\"Authorization\": \"<redacted>\"}}\n";
+
+/// `/api/reflect`: the `Authorization` back in a header and in the body.
+async fn reflect(h: axum::http::HeaderMap) -> impl axum::response::IntoResponse {
+    let (auth, body) = echoed(&h);
+    ([("x-echo-authorization", auth)], body)
+}
+
+/// `/api/split?at=N`: the echoed body in two writes 20 ms apart, split `N` bytes into the
+/// `Authorization` value.
+async fn reflect_split(
+    axum::extract::RawQuery(q): axum::extract::RawQuery,
+    h: axum::http::HeaderMap,
+) -> axum::body::Body {
+    use futures_util::StreamExt;
+    let at: usize = q
+        .as_deref()
+        .and_then(|q| q.strip_prefix("at="))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0);
+    let (auth, body) = echoed(&h);
+    let cut = body.find(&auth).unwrap_or(0) + at.min(auth.len());
+    let (a, b) = body.as_bytes().split_at(cut);
+    let pieces = [a.to_vec(), b.to_vec()];
+    axum::body::Body::from_stream(futures_util::stream::iter(pieces).then(|p| async move {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        Ok::<_, std::io::Error>(p)
+    }))
+}
+
+/// `/api/gzip`: the echoed body gzip-compressed (by gzip(1)), `Content-Encoding: gzip`,
+/// when the request accepts gzip (`?always`: whatever it accepts); plain otherwise.
+async fn reflect_gzip(
+    axum::extract::RawQuery(q): axum::extract::RawQuery,
+    h: axum::http::HeaderMap,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let (_, body) = echoed(&h);
+    let accepts = h
+        .get("accept-encoding")
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("gzip"));
+    if !accepts && q.as_deref() != Some("always") {
+        return body.into_response();
+    }
+    ([("content-encoding", "gzip")], gzip(body.as_bytes())).into_response()
+}
+
+/// `bytes` gzip-compressed by gzip(1).
+pub(crate) fn gzip(bytes: &[u8]) -> Vec<u8> {
+    run_filter("gzip", &["-c", "-n"], bytes)
+}
+
+/// `bytes` decompressed by gzip(1).
+pub(crate) fn gunzip(bytes: &[u8]) -> Vec<u8> {
+    run_filter("gzip", &["-d", "-c"], bytes)
+}
+
+fn run_filter(program: &str, args: &[&str], input: &[u8]) -> Vec<u8> {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let mut child = Command::new(program)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(input).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{program} {args:?}: {out:?}");
+    out.stdout
 }
 
 impl Origin {
@@ -268,12 +357,17 @@ fn client(proxy: &EgressProxy, ca_pem: Option<&str>) -> reqwest::Client {
 
 /// Sends `raw` to the proxy on a new connection and reads until it closes.
 async fn raw(proxy: &EgressProxy, raw: &[u8]) -> String {
+    String::from_utf8_lossy(&raw_bytes(proxy, raw).await).into_owned()
+}
+
+/// [`raw`], the answer as bytes.
+async fn raw_bytes(proxy: &EgressProxy, raw: &[u8]) -> Vec<u8> {
     let mut s = TcpStream::connect(proxy.local_addr()).await.unwrap();
     // The proxy may refuse before it has read everything.
     let _ = s.write_all(raw).await;
     let mut out = Vec::new();
     let _ = s.read_to_end(&mut out).await;
-    String::from_utf8_lossy(&out).into_owned()
+    out
 }
 
 fn find<'a>(audit: &'a EgressAudit, host: &str, method: &str) -> &'a EgressRecord {
@@ -302,11 +396,21 @@ pub(crate) async fn route_server(
     backend: &'static str,
     dir: &std::path::Path,
 ) -> (crate::harness::Server, Origin) {
+    route_server_with(backend, dir, "").await
+}
+
+/// [`route_server`] with `extra` config lines in front of its `egress:` section (e.g. the
+/// continuation of the harness's `bwrap.rootfs` map for another image).
+pub(crate) async fn route_server_with(
+    backend: &'static str,
+    dir: &std::path::Path,
+    extra: &str,
+) -> (crate::harness::Server, Origin) {
     let (origin, ca) = Origin::https(dir, "localhost").await;
     let ca_file = dir.join("route-ca.pem");
     std::fs::write(&ca_file, ca).unwrap();
     let config = format!(
-        "egress:\n  routes:\n    api:\n      upstream: \"https://localhost:{}/api\"\n      headers:\n        Authorization: {{env: ROUTE_TOKEN}}\n      ca_file: {}\n",
+        "{extra}egress:\n  routes:\n    api:\n      upstream: \"https://localhost:{}/api\"\n      headers:\n        Authorization: {{env: ROUTE_TOKEN}}\n      ca_file: {}\n",
         origin.port,
         ca_file.display()
     );
@@ -318,9 +422,10 @@ pub(crate) async fn route_server(
     (server, origin)
 }
 
-/// A call of the route from inside the sandbox.
+/// A call of the route from inside the sandbox (HTTP/1.0: the answer, redacted, comes
+/// close-delimited, without chunk framing).
 pub(crate) const ROUTE_CALL: &str =
-    "printf 'GET /routes/api/whoami HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' | nc -w 10 127.0.0.1 3128; echo; ";
+    "printf 'GET /routes/api/whoami HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n' | nc -w 10 127.0.0.1 3128; echo; ";
 
 /// Searches the sandbox for [`ROUTE_SECRET`] (its environment, every process's environ and
 /// cmdline but the search's own, the job and workspace directories, /tmp and /etc); prints
@@ -931,6 +1036,214 @@ async fn a_route_adds_its_secret_which_never_reaches_the_sandbox_side() {
         assert_eq!((get.port, get.reason.as_str()), (origin.port, "ok"));
         assert!(get.bytes_down > 0);
         denied_because(&audit, "route:nope", "GET", "no such route");
+    })
+    .await
+    .unwrap();
+}
+
+/// A proxy on 127.0.0.1 with one route `api` to an HTTPS origin of the test's own, adding
+/// `Authorization: Bearer <ROUTE_SECRET>`; nothing allowlisted.
+async fn route_proxy(dir: &Path) -> (Origin, EgressProxy, Dns) {
+    use cynode_worker::egress::routes::{HeaderSource, RouteConfig};
+    let (origin, ca) = Origin::https(dir, "localhost").await;
+    let ca_file = dir.join("route-ca.pem");
+    std::fs::write(&ca_file, ca).unwrap();
+    let headers = [(
+        "Authorization".to_string(),
+        HeaderSource {
+            env: "ROUTE_TOKEN".into(),
+        },
+    )]
+    .into();
+    let config = [(
+        "api".to_string(),
+        RouteConfig {
+            upstream: format!("https://localhost:{}/api", origin.port),
+            headers,
+            ca_file: Some(ca_file),
+        },
+    )]
+    .into();
+    let routes = Routes::build(
+        &config,
+        |n| (n == "ROUTE_TOKEN").then(|| format!("Bearer {ROUTE_SECRET}")),
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    let dns = Dns::start(&[]).await;
+    let proxy = start_proxy_with_routes(&[], &dns, EgressLimits::default(), routes);
+    (origin, proxy, dns)
+}
+
+/// An upstream that reflects the request's headers: the secret the node added comes back
+/// as `<redacted>`, in the answer's headers and in its body, and the route's audit holds
+/// no value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_answer_echoing_the_secret_has_it_redacted_in_headers_and_body() {
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (origin, proxy, _dns) = route_proxy(dir.path()).await;
+        let plain = reqwest::Client::builder().no_proxy().build().unwrap();
+        let url = format!("http://{}/routes/api/reflect", proxy.local_addr());
+        let r = plain.get(&url).send().await.unwrap();
+        assert_eq!(r.status(), 200);
+        let shown = format!("{:?}", r.headers());
+        assert!(!shown.contains(ROUTE_SECRET), "{shown}");
+        assert_eq!(r.headers()["x-echo-authorization"], "<redacted>");
+        assert_eq!(r.text().await.unwrap(), REDACTED_ECHO);
+        // HTTP/1.0: no chunked framing, the answer ends with the connection.
+        let resp = raw(
+            &proxy,
+            b"GET /routes/api/reflect HTTP/1.0\r\nHost: x\r\n\r\n",
+        )
+        .await;
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+        assert!(!resp.contains(ROUTE_SECRET), "{resp}");
+        assert!(
+            !resp.to_ascii_lowercase().contains("transfer-encoding"),
+            "{resp}"
+        );
+        assert!(
+            resp.ends_with(&format!("\r\n\r\n{REDACTED_ECHO}")),
+            "{resp}"
+        );
+        assert_eq!(origin.hits(), 2);
+        let audit = proxy.finish().await;
+        let json = serde_json::to_string(&audit).unwrap();
+        assert!(!json.contains(ROUTE_SECRET), "{json}");
+    })
+    .await
+    .unwrap();
+}
+
+/// The echoed secret arrives in two writes, split at every offset of the header value:
+/// each answer has it redacted, whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_answer_with_the_secret_split_across_two_writes_has_it_redacted() {
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (_origin, proxy, _dns) = route_proxy(dir.path()).await;
+        let plain = reqwest::Client::builder().no_proxy().build().unwrap();
+        let value_len = "Bearer ".len() + ROUTE_SECRET.len();
+        for at in 0..=value_len {
+            let url = format!("http://{}/routes/api/split?at={at}", proxy.local_addr());
+            let r = plain.get(&url).send().await.unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(r.text().await.unwrap(), REDACTED_ECHO, "split at {at}");
+        }
+    })
+    .await
+    .unwrap();
+}
+
+/// A compressed answer could carry the secret past the check: the node asks the upstream
+/// for an uncompressed one whatever the sandbox accepts, and refuses a compressed one with
+/// a 502 that holds none of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compressed_route_answer_is_never_passed_unchecked() {
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (_origin, proxy, _dns) = route_proxy(dir.path()).await;
+        // The sandbox accepts gzip; the upstream is asked for identity and answers plain.
+        let resp = raw(
+            &proxy,
+            b"GET /routes/api/gzip HTTP/1.0\r\nHost: x\r\nAccept-Encoding: gzip, br\r\n\r\n",
+        )
+        .await;
+        assert!(resp.starts_with("HTTP/1.1 200"), "{resp}");
+        assert!(
+            !resp.to_ascii_lowercase().contains("content-encoding"),
+            "{resp}"
+        );
+        assert!(resp.ends_with(REDACTED_ECHO), "{resp}");
+        // An upstream that compresses anyway is refused.
+        let resp = raw_bytes(
+            &proxy,
+            b"GET /routes/api/gzip?always HTTP/1.0\r\nHost: x\r\nAccept-Encoding: gzip\r\n\r\n",
+        )
+        .await;
+        let text = String::from_utf8_lossy(&resp);
+        let body_at = text.find("\r\n\r\n").map_or(0, |i| i + 4);
+        if resp[body_at..].starts_with(&[0x1f, 0x8b]) {
+            let plain = gunzip(&resp[body_at..]);
+            panic!(
+                "a compressed answer passed: {text} (decoded: {})",
+                String::from_utf8_lossy(&plain)
+            );
+        }
+        assert!(text.starts_with("HTTP/1.1 502"), "{text}");
+        assert!(
+            text.contains("route answer is compressed and cannot be checked"),
+            "{text}"
+        );
+        assert!(!text.contains(ROUTE_SECRET), "{text}");
+    })
+    .await
+    .unwrap();
+}
+
+/// A client that ignores `NO_PROXY` sends the route request to its proxy in absolute form,
+/// addressed to the proxy itself: it is served as the route (by the listen address or as
+/// `localhost` with the proxy's port). Absolute-form requests to another port of the same
+/// address, or to the proxy's address outside `/routes/`, are still checked against the
+/// allowlist and refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_absolute_form_route_request_to_the_proxy_itself_is_served() {
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (origin, proxy, _dns) = route_proxy(dir.path()).await;
+        let own = proxy.local_addr();
+        let port = own.port();
+        // reqwest through the proxy: absolute form, as busybox wget sends it.
+        let via = client(&proxy, None);
+        let r = via
+            .get(format!("http://{own}/routes/api/whoami"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.text().await.unwrap(), "authorized");
+        let r = via
+            .get(format!("http://localhost:{port}/routes/api/reflect?x=1"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.text().await.unwrap(), REDACTED_ECHO);
+        assert_eq!(origin.hits(), 2);
+        // Anything else is checked as before: nothing is allowlisted here.
+        for (tag, target) in [
+            (
+                "other port",
+                format!("http://127.0.0.1:{}/routes/api/whoami", origin.port),
+            ),
+            ("outside /routes", format!("http://{own}/api/whoami")),
+            ("no route prefix", format!("http://{own}/routesapi/whoami")),
+            (
+                "another address",
+                format!("http://127.0.0.2:{port}/routes/api/whoami"),
+            ),
+        ] {
+            let resp = raw(&proxy, format!("GET {target} HTTP/1.1\r\n\r\n").as_bytes()).await;
+            assert!(resp.starts_with("HTTP/1.1 403"), "{tag}: {resp}");
+        }
+        // Traversal out of the route's base is refused in absolute form too.
+        let resp = raw(
+            &proxy,
+            format!("GET http://{own}/routes/api/../headers HTTP/1.1\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert!(resp.starts_with("HTTP/1.1 400"), "{resp}");
+        assert_eq!(origin.hits(), 2);
+        let audit = proxy.finish().await;
+        let routed = audit
+            .records
+            .iter()
+            .filter(|r| r.host == "route:api")
+            .count();
+        assert_eq!(routed, 2, "{audit:#?}");
+        denied_because(&audit, "127.0.0.1", "GET", "IP literal not listed");
+        denied_because(&audit, "route", "GET", "may not contain");
     })
     .await
     .unwrap();

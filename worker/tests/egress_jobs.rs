@@ -15,7 +15,10 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::egress::{route_server, Dns, Origin, ROUTE_CALL, ROUTE_SECRET, SECRET_SEARCH};
+use crate::egress::{
+    route_server, route_server_with, Dns, Origin, REDACTED_ECHO, ROUTE_CALL, ROUTE_SECRET,
+    SECRET_SEARCH,
+};
 use crate::harness::{env, gates_egress, unique, Server};
 
 /// Every test's bound.
@@ -279,10 +282,104 @@ pub async fn egress_route_secret_never_enters_the_sandbox(backend: &'static str)
     .unwrap();
 }
 
+/// A route whose upstream reflects the request's headers (`/api/reflect`, as httpbin
+/// does): the sandbox reads `<redacted>` where the secret was, in the answer's header and
+/// body (raw, chunked, through nc), and in a body that brought it in two writes (through
+/// busybox wget, which decodes the chunks); a gzip answer is refused with a 502. (No
+/// `wget -T`: the test image's static busybox crashes with it; the job's timeout bounds.)
+pub async fn egress_route_answers_never_carry_the_secret(backend: &'static str) {
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, origin) = route_server(backend, dir.path()).await;
+        let script = "printf 'GET /routes/api/reflect HTTP/1.1\\r\\nHost: x\\r\\n\\r\\n' | nc -w 10 127.0.0.1 3128; echo; \
+             printf 'split '; wget -q -Y off -O - 'http://127.0.0.1:3128/routes/api/split?at=12'; \
+             printf 'gzip '; printf 'GET /routes/api/gzip?always HTTP/1.1\\r\\nHost: x\\r\\nAccept-Encoding: gzip\\r\\n\\r\\n' | nc -w 10 127.0.0.1 3128 | head -n 1; echo";
+        let req = restricted_job(&unique("egx"), script, None, json!({}));
+        let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
+        if !gates_egress(backend) {
+            assert_eq!(code, 400, "{resp}");
+            return;
+        }
+        assert_eq!(code, 200, "{resp}");
+        let out = resp["stdout"].as_str().unwrap();
+        assert!(!out.contains(ROUTE_SECRET), "the secret came back: {out}");
+        assert!(!out.contains("s3cret-route"), "part of the secret came back: {out}");
+        assert!(
+            out.contains("x-echo-authorization: <redacted>\r\n"),
+            "{out}"
+        );
+        assert!(out.contains("Transfer-Encoding: chunked\r\n"), "{out}");
+        assert!(
+            out.contains(&format!("split {}", REDACTED_ECHO)),
+            "{out}"
+        );
+        let gzip = out.lines().find(|l| l.starts_with("gzip ")).unwrap_or("");
+        assert!(gzip.contains(" 502"), "{out}");
+        assert_eq!(out.matches("<redacted>").count(), 3, "{out}");
+        assert!(origin.hits() >= 3);
+        assert!(!resp.to_string().contains(ROUTE_SECRET));
+    })
+    .await
+    .unwrap();
+}
+
+/// busybox wget ignores `NO_PROXY`: asked for `$CYNODE_EGRESS_ROUTES_URL/api/whoami`, it
+/// sends the request to the proxy in absolute form (`GET http://127.0.0.1:3128/routes/…`),
+/// which serves it as the route. An absolute-form request to another port of 127.0.0.1,
+/// or to the proxy's address outside `/routes/`, is refused as before.
+pub async fn egress_route_reached_in_absolute_form_by_busybox_wget(backend: &'static str) {
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let (server, origin) = route_server(backend, dir.path()).await;
+        let mut script = String::from(
+            "printf 'wget '; wget -q -O - \"$CYNODE_EGRESS_ROUTES_URL/api/whoami\"; echo; ",
+        );
+        script += &ask(
+            "other-port",
+            &format!(
+                "GET http://127.0.0.1:{}/api/whoami HTTP/1.1\\r\\n\\r\\n",
+                origin.port
+            ),
+        );
+        script += &ask(
+            "outside",
+            "GET http://127.0.0.1:3128/api/whoami HTTP/1.1\\r\\n\\r\\n",
+        );
+        let req = restricted_job(&unique("egw"), &script, None, json!({}));
+        let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
+        if !gates_egress(backend) {
+            assert_eq!(code, 400, "{resp}");
+            return;
+        }
+        assert_eq!(code, 200, "{resp}");
+        let out = resp["stdout"].as_str().unwrap();
+        assert!(out.lines().any(|l| l == "wget authorized"), "{resp}");
+        for tag in ["other-port", "outside"] {
+            let line = out
+                .lines()
+                .find(|l| l.starts_with(&format!("{tag} ")))
+                .unwrap_or_else(|| panic!("no {tag} line in {out}"));
+            assert!(line.contains(" 403"), "{tag}: {out}");
+        }
+        assert_eq!(origin.hits(), 1, "{out}");
+        assert_eq!(
+            records(&resp, "route:api", "GET").len(),
+            1,
+            "{}",
+            resp["egress"]
+        );
+        assert_denied(&resp, "127.0.0.1", "GET", "IP literal not listed");
+    })
+    .await
+    .unwrap();
+}
+
 on_both_backends!(egress_jobs:
     egress_restricted_job_reaches_only_its_allowlist,
     egress_flood_keeps_the_node_answering_and_the_audit_bounded,
     egress_route_secret_never_enters_the_sandbox,
+    egress_route_answers_never_carry_the_secret,
+    egress_route_reached_in_absolute_form_by_busybox_wget,
 );
 
 /// The attack case on Podman and Docker with their warm pools on (`warm_pool.rs`).
@@ -550,6 +647,91 @@ async fn bwrap_pip_installs_a_wheel_and_curl_reaches_https_through_the_proxy() {
         req["sandbox"]["image"] = host_image.into();
         let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
         assert_fetched(code, &resp, &downloads, &secure);
+    })
+    .await
+    .unwrap();
+}
+
+/// Python's urllib reaches a route honouring `NO_PROXY` (straight to the proxy's listener,
+/// origin form) and, with `NO_PROXY` unset as by a runtime that ignores it, through the
+/// proxy in absolute form; the echoed secret comes back redacted. The Python test image,
+/// on bwrap, Podman and Docker (loaded into its daemon here).
+async fn python_urllib_reaches_a_route_either_way(backend: &'static str) {
+    crate::cases::setup();
+    let (image, rootfs) = python_image();
+    if backend == "docker" {
+        crate::harness::docker_ready();
+        let root = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+        cynode_testkit::setup_script(&root, &["deploy/docker/start.sh", image]);
+    }
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        // Continues the harness's `bwrap.rootfs` map (the engines run the image itself).
+        let extra = format!("    \"{image}\": {}\n", rootfs.display());
+        let (server, origin) = route_server_with(backend, dir.path(), &extra).await;
+        let fetch = "import os, sys, urllib.request as u; \
+print(sys.argv[1], u.urlopen(os.environ[\"CYNODE_EGRESS_ROUTES_URL\"] + sys.argv[2], timeout=20).read().decode())";
+        let script = format!(
+            "set -e; python3 -c '{fetch}' direct /api/whoami; \
+             env -u NO_PROXY -u no_proxy python3 -c '{fetch}' proxied /api/reflect"
+        );
+        let mut req = restricted_job(&unique("egp"), &script, None, json!({}));
+        req["sandbox"]["image"] = image.as_str().into();
+        let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
+        assert_eq!(code, 200, "{resp}");
+        assert_eq!(resp["status"], "completed", "{resp}");
+        assert_eq!(
+            resp["stdout"],
+            format!("direct authorized\nproxied {REDACTED_ECHO}\n"),
+            "{resp}"
+        );
+        assert_eq!(origin.hits(), 2);
+        assert_eq!(records(&resp, "route:api", "GET").len(), 2, "{}", resp["egress"]);
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bwrap_python_urllib_reaches_a_route_either_way() {
+    python_urllib_reaches_a_route_either_way("bwrap").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn podman_python_urllib_reaches_a_route_either_way() {
+    python_urllib_reaches_a_route_either_way("podman").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn docker_python_urllib_reaches_a_route_either_way() {
+    python_urllib_reaches_a_route_either_way("docker").await;
+}
+
+/// curl (the host's, bwrap with the host's root filesystem as the image: the busybox and
+/// Python test images have none) reaches a route honouring `NO_PROXY` and, with it unset,
+/// through the proxy in absolute form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bwrap_curl_reaches_a_route_either_way() {
+    crate::cases::setup();
+    tokio::time::timeout(TEST_TIME, async {
+        let dir = tempfile::tempdir().unwrap();
+        let host_image = "localhost/cynode-host-root:latest";
+        let root = HostRoot::mount();
+        let extra = format!("    \"{host_image}\": {}\n", root.merged().display());
+        let (server, origin) = route_server_with("bwrap", dir.path(), &extra).await;
+        let script = "set -e; printf 'direct '; curl -sS --max-time 20 \"$CYNODE_EGRESS_ROUTES_URL/api/whoami\"; echo; \
+             printf 'proxied '; env -u NO_PROXY -u no_proxy curl -sS --max-time 20 \"$CYNODE_EGRESS_ROUTES_URL/api/reflect\"";
+        let mut req = restricted_job(&unique("egc"), script, None, json!({}));
+        req["sandbox"]["image"] = host_image.into();
+        let (code, resp) = server.post("/v1/worker/jobs:run", &req).await;
+        assert_eq!(code, 200, "{resp}");
+        assert_eq!(
+            resp["stdout"],
+            format!("direct authorized\nproxied {REDACTED_ECHO}"),
+            "{resp}"
+        );
+        assert_eq!(origin.hits(), 2);
+        assert_eq!(records(&resp, "route:api", "GET").len(), 2, "{}", resp["egress"]);
     })
     .await
     .unwrap();

@@ -3,6 +3,7 @@
 //! one request: plain HTTP is forwarded with `Connection: close`, CONNECT becomes a tunnel.
 //! Every connection ends in exactly one audit record.
 
+use std::borrow::Cow;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -42,6 +43,8 @@ struct Shared {
     /// Bytes carried so far, both ways, all connections.
     budget: Budget,
     connections: Arc<Semaphore>,
+    /// The proxy's own listen address: an absolute-form request to it names a route.
+    local_addr: SocketAddr,
 }
 
 /// A running proxy for one job.
@@ -83,6 +86,7 @@ impl EgressProxy {
             resolver,
             routes,
             limits,
+            local_addr,
         });
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
@@ -298,8 +302,10 @@ async fn handle(
     };
     attempt.method = request.method.clone();
     let is_connect = request.method.eq_ignore_ascii_case("CONNECT");
-    if !is_connect && request.target.starts_with(ROUTES_PREFIX) && !shared.routes.is_empty() {
-        return route(shared, client, &request, attempt).await;
+    if !is_connect && !shared.routes.is_empty() {
+        if let Some(path) = route_path(shared, &request.target) {
+            return route(shared, client, &request, &path, attempt).await;
+        }
     }
     let target = if is_connect {
         http1::connect_target(&request.target).map(|(host, port)| http1::Target {
@@ -342,6 +348,26 @@ async fn handle(
     } else {
         forward(shared, client, upstream, &request, &target, attempt).await
     }
+}
+
+/// The route path (`/routes/<name>/…`) a request target names: the origin form, or the
+/// absolute form addressed to the proxy itself, as clients that ignore `NO_PROXY` send a
+/// request for `$CYNODE_EGRESS_ROUTES_URL` (`http://127.0.0.1:3128/routes/…`) to their
+/// proxy. The proxy itself is exactly its listen address (`127.0.0.1:3128` in a
+/// sandbox), or `localhost` with its port when it listens on a loopback address. `None`:
+/// not a route request; the target goes through the allowlist like any other.
+fn route_path<'t>(shared: &Shared, target: &'t str) -> Option<Cow<'t, str>> {
+    if target.starts_with(ROUTES_PREFIX) {
+        return Some(Cow::Borrowed(target));
+    }
+    let t = http1::absolute_target(target).ok()?;
+    let own = shared.local_addr;
+    let to_self = t.port == own.port()
+        && match &t.host {
+            Host::Ip(ip) => *ip == own.ip(),
+            Host::Name(name) => name == "localhost" && own.ip().is_loopback(),
+        };
+    (to_self && t.path.starts_with(ROUTES_PREFIX)).then_some(Cow::Owned(t.path))
 }
 
 /// Resolves once and connects to one of the checked addresses: the connection is pinned to
@@ -607,7 +633,7 @@ async fn relay_body(
 }
 
 /// Hop-by-hop headers, and those the node decides, that a route never takes from the
-/// sandbox or passes back to it.
+/// sandbox or passes back to it (`accept-encoding`: the node asks for `identity`).
 fn route_skips(name: &str) -> bool {
     matches!(
         name,
@@ -620,18 +646,52 @@ fn route_skips(name: &str) -> bool {
             | "expect"
             | "content-length"
             | "transfer-encoding"
+            | "accept-encoding"
     ) || name.starts_with("proxy-")
 }
 
-/// A request on a credentialed route: read whole (bounded), sent upstream over TLS with the
-/// route's headers, the answer streamed back. The audit names the route, never a value.
+/// Whether a route answer's `Content-Encoding` is anything but `identity`: a compressed
+/// body could carry a secret past the redactor, and is refused.
+fn is_compressed(headers: &reqwest::header::HeaderMap) -> bool {
+    headers
+        .get_all(reqwest::header::CONTENT_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
+}
+
+/// Room left in front of a chunk for its size line (eight hex digits and CRLF; leading
+/// zeros are valid chunk-size syntax).
+const CHUNK_HEAD: usize = 10;
+
+/// Frames `out[CHUNK_HEAD..]` as one chunk in place; empties `out` when there is no data
+/// (a zero-size chunk would end the body).
+fn frame_chunk(out: &mut Vec<u8>) {
+    let len = out.len() - CHUNK_HEAD;
+    if len == 0 {
+        out.clear();
+        return;
+    }
+    let size = format!("{len:08x}\r\n");
+    out[..CHUNK_HEAD].copy_from_slice(size.as_bytes());
+    out.extend_from_slice(b"\r\n");
+}
+
+/// A request on a credentialed route (`target`, its `/routes/…` path): read whole
+/// (bounded), sent upstream over TLS with the route's headers and `Accept-Encoding:
+/// identity`, the answer streamed back with every secret of the route replaced by
+/// `<redacted>` in its headers and body (a compressed body is refused: it could not be
+/// checked). A body being redacted goes back chunked (close-delimited to an HTTP/1.0
+/// client): its length can change. The audit names the route, never a value.
 async fn route(
     shared: &Shared,
     client: &mut BufConn<TcpStream>,
     request: &http1::RequestHead,
+    target: &str,
     attempt: &mut Attempt,
 ) -> Outcome {
-    let (name, rest) = match routes::split_route_path(&request.target) {
+    let (name, rest) = match routes::split_route_path(target) {
         Ok(p) => p,
         Err(e) => {
             attempt.host = "route".into();
@@ -675,6 +735,11 @@ async fn route(
     for (h, v) in route.headers() {
         headers.insert(h.clone(), v.clone());
     }
+    headers.insert(
+        reqwest::header::ACCEPT_ENCODING,
+        reqwest::header::HeaderValue::from_static("identity"),
+    );
+    let is_head = method == reqwest::Method::HEAD;
     let upstream_call = route
         .client()
         .request(method, route.url(rest))
@@ -688,6 +753,15 @@ async fn route(
         Ok(Ok(r)) => r,
     };
     let status = response.status();
+    let redactor = route.redactor();
+    let has_body = !is_head && !status.is_informational() && status != 204 && status != 304;
+    if has_body && is_compressed(response.headers()) {
+        return denied(502, "route answer is compressed and cannot be checked");
+    }
+    // A body being redacted may change length: no Content-Length, chunked to an HTTP/1.1
+    // client, close-delimited to an HTTP/1.0 one.
+    let redacting = has_body && !redactor.is_empty();
+    let chunked = redacting && request.version >= 1;
     let mut head = format!(
         "HTTP/1.1 {} {}\r\n",
         status.as_u16(),
@@ -695,27 +769,66 @@ async fn route(
     )
     .into_bytes();
     for (n, v) in response.headers() {
-        if route_skips(n.as_str()) && n.as_str() != "content-length" {
+        let name = n.as_str();
+        if (route_skips(name) && name != "content-length")
+            || (name == "content-length" && redacting)
+            // A header named by a secret goes nowhere: `<redacted>` is no header name.
+            || matches!(redactor.redact(name.as_bytes()), Cow::Owned(_))
+        {
             continue;
         }
-        head.extend_from_slice(n.as_str().as_bytes());
+        head.extend_from_slice(name.as_bytes());
         head.extend_from_slice(b": ");
-        head.extend_from_slice(v.as_bytes());
+        head.extend_from_slice(&redactor.redact(v.as_bytes()));
         head.extend_from_slice(b"\r\n");
+    }
+    if chunked {
+        head.extend_from_slice(b"Transfer-Encoding: chunked\r\n");
     }
     head.extend_from_slice(b"Connection: close\r\n\r\n");
     if let Err(stop) = send(shared, &mut client.stream, &head, &attempt.down).await {
         return Outcome::Allowed(stop.reason());
     }
+    let mut stream = redactor.stream();
+    let mut out = Vec::new();
+    let room = if chunked { CHUNK_HEAD } else { 0 };
     loop {
         let chunk = match tokio::time::timeout(shared.limits.idle_timeout, response.chunk()).await {
             Err(_) => return Outcome::Allowed(Stop::Idle.reason()),
             Ok(Err(e)) => return Outcome::Allowed(format!("route upstream failed: {e}")),
-            Ok(Ok(None)) => break,
-            Ok(Ok(Some(c))) => c,
+            Ok(Ok(c)) => c,
         };
-        if let Err(stop) = send(shared, &mut client.stream, &chunk, &attempt.down).await {
+        out.clear();
+        out.resize(room, 0);
+        let done = match &chunk {
+            Some(c) if !redacting => {
+                // Nothing to look for: the piece goes as it came.
+                if let Err(stop) = send(shared, &mut client.stream, c, &attempt.down).await {
+                    return Outcome::Allowed(stop.reason());
+                }
+                continue;
+            }
+            Some(c) => {
+                stream.push(c, &mut out);
+                false
+            }
+            None if !redacting => break,
+            None => {
+                stream.finish(&mut out);
+                true
+            }
+        };
+        if chunked {
+            frame_chunk(&mut out);
+            if done {
+                out.extend_from_slice(b"0\r\n\r\n");
+            }
+        }
+        if let Err(stop) = send(shared, &mut client.stream, &out, &attempt.down).await {
             return Outcome::Allowed(stop.reason());
+        }
+        if done {
+            break;
         }
     }
     let _ = client.stream.shutdown().await;
