@@ -11,7 +11,8 @@
 //! the one scripted OpenAI-compatible server of the tests, and [`TestCa`]
 //! makes the certificates of the TLS tests; [`flood`] opens the stalled connections of the
 //! listener tests and reads what the flooded process holds; [`mod@tar`] writes hostile
-//! tar archives raw. [`postgres_url`] starts the test PostgreSQL.
+//! tar archives raw; [`mounts`] finds what a worker left mounted beneath a directory.
+//! [`postgres_url`] starts the test PostgreSQL.
 //! [`upstream`] mirrors upstream CyNodeAI's
 //! contract types with Go's JSON semantics, for the interoperability tests.
 //!
@@ -21,6 +22,7 @@
 pub mod certs;
 pub mod flood;
 pub mod model;
+pub mod mounts;
 pub mod postgres;
 pub mod proc;
 pub mod scripted_model;

@@ -2,8 +2,9 @@
 //! workspace (see ARCHITECTURE.md, "tests/"). The library is their one harness: where the
 //! workspace, the built binaries and the test image's root filesystem are ([`bin`],
 //! [`rootfs`]); the scripted model ([`model`]); an OTLP trace collector ([`otlp`]); running the PM ([`pm`]) and a worker
-//! ([`worker`]); serving a test's own app ([`serve`]); temporary directories that let go of
-//! a worker's disk volumes ([`temp`]). Every process it starts is owned by
+//! ([`worker`]); serving a test's own app ([`serve`]); temporary directories that fail a
+//! test whose worker left a mount beneath them, and a workspace's files read after its
+//! worker let go of its volume ([`temp`]). Every process it starts is owned by
 //! the test (killed on drop, pass or panic).
 
 // A harness: what cannot go on fails the test at once, with its message.
@@ -22,7 +23,7 @@ pub use pm::{
     plan_statuses, pm_with, session_id, write_then_search,
 };
 pub use serve::{serve_https_in_background, serve_in_background};
-pub use temp::{tempdir, TempDir};
+pub use temp::{tempdir, workspace_file, TempDir};
 pub use worker::{serve_worker, start_worker, Worker, TOKEN};
 
 use std::path::{Path, PathBuf};

@@ -84,13 +84,11 @@ fn seeded_workspace_is_created_where_the_first_job_runs() {
     );
     let v = completed(&out);
     assert_eq!(v["worker_id"], "default");
-    let ws = state
-        .path()
-        .join("worker/state/workspaces")
-        .join(session_id(&out));
+    // The local worker let go of the workspace's volume when the run ended: its image
+    // holds the seed.
     assert_eq!(
-        std::fs::read_to_string(ws.join("notes.txt")).unwrap(),
-        "a seeded line\n"
+        cynode_tests::workspace_file(state.path(), &session_id(&out), "notes.txt").as_deref(),
+        Some("a seeded line\n")
     );
     let changeset = v["deliverable"]["changeset"].as_str().unwrap_or("");
     assert!(

@@ -12,7 +12,9 @@ use axum::routing::post;
 use axum::Router;
 use serde_json::{json, Value};
 
-use cynode_tests::{model_server, rootfs, serve_in_background, start_worker, workspace_root};
+use cynode_tests::{
+    model_server, rootfs, serve_in_background, start_worker, workspace_file, workspace_root,
+};
 
 /// One `cynode-pm` process; killed (SIGKILL) and reaped on drop.
 struct Pm {
@@ -351,9 +353,13 @@ fn a_job_survives_its_pm_and_resume_takes_its_result(stop: Stop) {
         "{}",
         resumed.stderr()
     );
-    // The job ran once, to its end, and its result was used.
-    assert_eq!(std::fs::read_to_string(&runs).unwrap(), "run\n");
-    assert!(workspace(state.path(), &id).join("done.txt").is_file());
+    // The job ran once, to its end, and its result was used (read from the workspace's
+    // image: the worker let go of its volume when it stopped).
+    assert_eq!(
+        workspace_file(state.path(), &id, "runs.txt").as_deref(),
+        Some("run\n")
+    );
+    assert!(workspace_file(state.path(), &id, "done.txt").is_some());
     assert_eq!(v["state"]["plan"][0]["status"], "done", "{v}");
     assert_eq!(v["jobs_dispatched"], 1, "{v}");
     let kinds = history_kinds(&v);
@@ -437,7 +443,48 @@ fn an_orphaned_local_worker_stops_after_its_grace_period() {
         killed.elapsed().as_millis()
     );
     assert!(!state.path().join("worker/keeper.sock").exists());
-    assert!(!workspace(state.path(), &id).join("done.txt").exists());
+    assert!(workspace_file(state.path(), &id, "runs.txt").is_some());
+    assert!(workspace_file(state.path(), &id, "done.txt").is_none());
+    // Nor does its volume: nothing is mounted beneath the state directory.
+    if let Err(left) =
+        cynode_testkit::mounts::wait_nothing_left(state.path(), Duration::from_secs(5))
+    {
+        panic!("the orphaned local worker left {left:#?}");
+    }
+}
+
+/// `cynode-pm run` with its local worker leaves nothing mounted when it exits: no mount
+/// beneath its state directory and no loop device on one of its files (the worker's clean
+/// stop unmounts its volumes); what the job wrote is in the workspace's image.
+#[test]
+fn run_with_its_local_worker_leaves_nothing_mounted() {
+    let logs = cynode_tests::tempdir().unwrap();
+    let skills = cynode_tests::tempdir().unwrap();
+    slow_skill(skills.path());
+    let skill_dir = skills.path().display().to_string();
+    let state = cynode_tests::tempdir().unwrap();
+    let (url, _model) = model_server(slow_script(0));
+    let mut pm = spawn_pm(
+        logs.path(),
+        "mounts",
+        state.path(),
+        &url,
+        &["--skill-dir", &skill_dir, "run", "run the job"],
+        &[],
+    );
+    let (code, v) = pm.finish(Duration::from_secs(180));
+    assert_eq!(code, Some(0), "{v} {}", pm.stderr());
+    assert_eq!(v["state"]["plan"][0]["status"], "done", "{v}");
+    if let Err(left) =
+        cynode_testkit::mounts::wait_nothing_left(state.path(), Duration::from_secs(5))
+    {
+        panic!("cynode-pm run left {left:#?}");
+    }
+    let id = v["state"]["session_id"].as_str().unwrap();
+    assert_eq!(
+        workspace_file(state.path(), id, "done.txt").as_deref(),
+        Some("done\n")
+    );
 }
 
 /// Issue 14 item 3: a second `run` on the same state directory uses the first one's
@@ -486,15 +533,15 @@ fn two_runs_on_one_state_dir_never_break_each_other() {
         job_results(state.path()),
         b.stderr()
     );
-    assert!(workspace(state.path(), &id_a).join("done.txt").is_file());
+    assert!(workspace_file(state.path(), &id_a, "done.txt").is_some());
     let (code_b, v_b) = b.finish(Duration::from_secs(180));
     assert_eq!(code_b, Some(0), "run B: {v_b} {}", b.stderr());
     assert_eq!(v_b["status"], "completed", "{v_b}");
     assert_eq!(v_b["state"]["plan"][0]["status"], "done", "{v_b}");
     let id_b = v_b["state"]["session_id"].as_str().unwrap();
     for id in [id_a.as_str(), id_b] {
-        let runs = std::fs::read_to_string(workspace(state.path(), id).join("runs.txt")).unwrap();
-        assert_eq!(runs, "run\n", "session {id}");
+        let runs = workspace_file(state.path(), id, "runs.txt");
+        assert_eq!(runs.as_deref(), Some("run\n"), "session {id}");
     }
     wait_for(
         Duration::from_secs(30),

@@ -306,6 +306,8 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
     }
     cynode_worker::backend::bwrap::starter::drain();
     cynode_worker::backend::engine::pool::unmount_slots(&state_dir);
+    cynode_worker::loopfs::close_pool();
+    // The janitor removes the sandboxes, then unmounts the node's volumes.
     if let Some(j) = janitor {
         if !tokio::task::spawn_blocking(move || j.finish())
             .await
@@ -314,9 +316,19 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
             tracing::warn!("the janitor did not finish its sweep within 70 s");
         }
     }
-    // The disk volumes stay mounted: a stopped node's workspaces and retained results are
-    // read on the host (`cynode-pm run` leaves its deliverable there).
-    tracing::info!("cynode-worker stopped");
+    // Volumes never outlive their node: whatever is still mounted beneath the state
+    // directory (no janitor, or one that ran out of time) goes now. Their images keep
+    // the content; the next start mounts them again.
+    let released =
+        tokio::task::spawn_blocking(move || cynode_worker::loopfs::release_node(&state_dir))
+            .await
+            .unwrap_or_default();
+    tracing::info!(
+        unmounted = released.unmounted,
+        detached = released.detached,
+        left_mounted = released.left,
+        "cynode-worker stopped"
+    );
     Ok(())
 }
 

@@ -10,7 +10,11 @@
 //! end-of-file means the node has exited, and the janitor then does what a restart's
 //! reconciliation does, without making anything again: it kills and removes the node's
 //! sandbox cgroups ([`remove_node_cgroups`]), then the backend's sandboxes that outlive
-//! their node ([`SandboxBackend::remove_orphans`]: an engine's containers), and exits.
+//! their node ([`SandboxBackend::remove_orphans`]: an engine's containers), then unmounts
+//! every mount the node left beneath its state directory (its workspaces' and job
+//! directories' disk volumes: [`crate::loopfs::release_node`]), so their loop devices let
+//! go, and exits. A node that stops cleanly closes the pipe too: its janitor sweeps then
+//! as well.
 //!
 //! Invariants:
 //! - It shares the node's state-directory lock (the same open file description, inherited),
@@ -24,7 +28,9 @@
 //! - Its configuration is the node's (the same flags, read when it starts, right after the
 //!   node read them); its environment is only the clients' ([`client_vars`]): never the
 //!   node's bearer token. It reads nothing a sandbox wrote (`cgroup.procs` is the
-//!   kernel's; the engine's container list is filtered by the node's label).
+//!   kernel's; the engine's container list is filtered by the node's label; the mounts
+//!   come from the kernel's mountinfo, and are unmounted by their place without following
+//!   a link or entering a volume).
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -115,8 +121,9 @@ impl Janitor {
 }
 
 /// The janitor itself, for the node configured by `cfg`: waits for end-of-file on stdin
-/// (the node's pipe), then removes the node's sandbox cgroups and its backend's orphans.
-/// Returns how many sandboxes it removed.
+/// (the node's pipe), then removes the node's sandbox cgroups and its backend's orphans,
+/// then unmounts what the node left mounted beneath its state directory. Returns how many
+/// sandboxes it removed.
 pub fn run(cfg: &Config) -> Result<usize, JanitorError> {
     let stdin = std::io::stdin();
     let st = rustix::fs::fstat(&stdin).map_err(|_| JanitorError::NotAPipe)?;
@@ -146,11 +153,16 @@ pub fn run(cfg: &Config) -> Result<usize, JanitorError> {
     let started = Instant::now();
     let cgroups = remove_node_cgroups(&node);
     let orphans = remove_orphans(backend.as_ref());
+    // Last: a sandbox gone lets go of its copies of the volumes.
+    let volumes = crate::loopfs::release_node(&cfg.state_dir);
     tracing::info!(
         node,
         removed = cgroups + orphans,
         cgroups,
         orphans,
+        unmounted = volumes.unmounted,
+        detached = volumes.detached,
+        left_mounted = volumes.left,
         sweep_ms = started.elapsed().as_millis() as u64,
         "the node is gone; its janitor removed its sandboxes"
     );

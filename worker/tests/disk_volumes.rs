@@ -5,7 +5,9 @@
 //! sandbox's mountinfo does not show the state directory; `:ack` gives the volume back.
 //! A session's workspace is a volume too: a command writing at full speed stops there; and
 //! so is a workspace seeded through the API (staged on its own volume, which is moved onto
-//! the workspace): a seed larger than the limit is refused and leaves nothing.
+//! the workspace): a seed larger than the limit is refused and leaves nothing. Volumes
+//! never outlive their node: its clean stop and its janitor (after a kill) unmount them,
+//! and its next start mounts them again with their content.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
@@ -13,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::harness::{unique, Server};
+use crate::harness::{command_job, eventually, unique, wait_janitor_done, Server};
 use crate::workspaces::tar_of;
 
 on_both_backends!(
@@ -22,6 +24,7 @@ on_both_backends!(
     disk_volume_bounds_the_file_count,
     disk_volume_hides_the_state_dir_from_mountinfo_and_goes_with_ack,
     disk_volume_holds_a_sessions_workspace,
+    disk_volumes_go_with_their_node,
 );
 
 const MIB: u64 = 1024 * 1024;
@@ -452,13 +455,12 @@ async fn a_seed_and_a_job_racing_on_a_new_workspace_lose_nothing() {
     );
 }
 
-/// A stopped node leaves its volumes mounted (its workspaces' files stay readable on the
-/// host). Volumes unmounted while it is down (an operator's clean-up, a reboot) are
-/// mounted again at its next start: a retained job's directory, a workspace holding a
-/// `lost+found` of the sandbox's own, and a workspace still held from outside the node (an
-/// open directory, as a sandbox that outlived the node would hold it). That image stays
-/// attached to its loop device, and the restarted node mounts the same device, so both
-/// see one filesystem.
+/// A stopped node leaves nothing mounted; a volume still in use then (an open directory on
+/// it, as a sandbox that outlived the node would hold it) is detached, and the node says
+/// so. Its next start mounts the volumes again: a retained job's directory, a workspace
+/// holding a `lost+found` of the sandbox's own, and the held workspace, whose image stays
+/// attached to its loop device: the restarted node mounts the same device, so both see
+/// one filesystem.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn volumes_unmounted_while_the_node_is_down_are_mounted_again() {
     crate::cases::setup();
@@ -494,16 +496,15 @@ async fn volumes_unmounted_while_the_node_is_down_are_mounted_again() {
     .await;
 
     sv.terminate();
-    let ws_dir = state.join("workspaces").join(&plain);
+    let mounts = cynode_testkit::mounts::mounts_beneath(&state);
+    assert!(mounts.is_empty(), "a stopped node left {mounts:?}");
+    let held_dir = state.join("workspaces").join(&held).display().to_string();
+    let log = sv.log.lock().unwrap().clone();
     assert!(
-        is_loop_mount(&ws_dir),
-        "a stopped node's workspace is readable"
+        log.iter()
+            .any(|l| l.contains("still in use: detached") && l.contains(&held_dir)),
+        "no log line of the held volume's detach: {log:#?}"
     );
-    assert_eq!(
-        std::fs::read_to_string(ws_dir.join("plain.txt")).unwrap(),
-        "plain\n"
-    );
-    unmount_volumes(&state);
     let held_image = state.join("volumes").join(format!("ws-{held}.img"));
     assert!(
         attached(&held_image),
@@ -586,7 +587,6 @@ async fn a_volume_that_cannot_be_mounted_again_is_kept_and_its_workspace_refused
     };
     completed(&sv, &job("echo mine > mine.txt")).await;
     sv.terminate();
-    unmount_volumes(&state);
     let dir = state.join("workspaces").join(&ws);
     let image = state.join("volumes").join(format!("ws-{ws}.img"));
     assert!(!is_loop_mount(&dir));
@@ -618,35 +618,67 @@ async fn a_volume_that_cannot_be_mounted_again_is_kept_and_its_workspace_refused
     assert_eq!(v["stdout"], "mine\n", "{v}");
 }
 
-/// Unmounts (detached) every volume under `state`, deepest first, as an operator cleaning
-/// up a stopped node would; the images stay.
-fn unmount_volumes(state: &Path) {
-    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    let prefix = format!("{}/", state.display());
-    let mut points: Vec<&str> = text
-        .lines()
-        .filter(|l| l.contains(" - ext4 /dev/loop"))
-        .filter_map(|l| l.split(' ').nth(4))
-        .filter(|p| p.starts_with(&prefix))
-        .collect();
-    points.sort_by_key(|p| std::cmp::Reverse(p.len()));
-    for p in points {
-        let out = cynode_testkit::output_bounded(
-            {
-                let mut c = std::process::Command::new("umount");
-                c.args(["-l", p]);
-                c
-            },
-            Duration::from_secs(30),
-        );
-        assert!(out.status.success(), "umount -l {p}: {out:?}");
-    }
-}
-
 /// Runs `job` and checks that it completed; its response.
 async fn completed(sv: &Server, job: &serde_json::Value) -> serde_json::Value {
     let (code, v) = sv.post("/v1/worker/jobs:run", job).await;
     assert_eq!(code, 200, "{v}");
     assert_eq!(v["status"], "completed", "{v}");
     v
+}
+
+/// Volumes never outlive their node: after a clean stop (SIGTERM), and after a kill -9
+/// with a job running and its janitor's sweep, nothing is mounted beneath the state
+/// directory and no loop device holds one of its files. Each next start mounts the
+/// workspace again, with what the jobs before wrote.
+pub async fn disk_volumes_go_with_their_node(backend: &'static str) {
+    let mut sv = Server::start(backend, "limits:\n  disk_mb: 64\n");
+    let state = sv.state_dir();
+    let ws = unique("ws");
+    let job = |id: &str, script: &str| {
+        let mut j = command_job(id, "t-gone", &["sh", "-c", script]);
+        j["workspace_id"] = serde_json::json!(ws);
+        j
+    };
+    completed(&sv, &job(&unique("j"), "echo before > before.txt")).await;
+    let ws_dir = state.join("workspaces").join(&ws);
+    assert!(is_loop_mount(&ws_dir), "the test's premise: a volume");
+
+    sv.terminate();
+    assert_nothing_left(backend, &state, "SIGTERM");
+
+    sv.restart();
+    let v = completed(
+        &sv,
+        &job(&unique("j"), "cat before.txt; echo after > after.txt"),
+    )
+    .await;
+    assert_eq!(v["stdout"], "before\n", "{backend}: {v}");
+    // Killed while a job runs: its sandbox holds the volumes too.
+    let running = unique("j");
+    let (code, v) = sv
+        .post(
+            "/v1/worker/jobs",
+            &job(&running, "echo up > up.txt; sleep 60"),
+        )
+        .await;
+    assert_eq!(code, 202, "{v}");
+    eventually("the job to start", Duration::from_secs(60), || {
+        ws_dir.join("up.txt").exists()
+    })
+    .await;
+    sv.kill9();
+    wait_janitor_done(&state, Duration::from_secs(75));
+    assert_nothing_left(backend, &state, "kill -9 and the janitor's sweep");
+
+    sv.restart();
+    let v = completed(&sv, &job(&unique("j"), "cat before.txt after.txt up.txt")).await;
+    assert_eq!(v["stdout"], "before\nafter\nup\n", "{backend}: {v}");
+}
+
+/// Nothing mounted beneath `state`, no loop device on a file beneath it (a loop device
+/// lets go of its file a moment after its last mount went: waited for, at most 10 s).
+fn assert_nothing_left(backend: &str, state: &Path, after: &str) {
+    if let Err(left) = cynode_testkit::mounts::wait_nothing_left(state, Duration::from_secs(10)) {
+        panic!("{backend}: after {after}, the node left {left:#?}");
+    }
 }

@@ -405,11 +405,38 @@ impl Drop for Server {
         if let Some(cli) = engine_cli(self.backend) {
             remove_engine_containers(cli, &self.state_dir());
         }
-        // The node's disk volumes outlive a killed node (mounts are the kernel's): they
-        // go before the state directory does.
-        cynode_worker::loopfs::unmount_all_beneath(self.dir.path());
-        // So do a gVisor pool slot's staging mounts (a killed node's, or an idle slot's).
-        cynode_worker::backend::engine::pool::unmount_beneath(self.dir.path());
+        // The janitor unmounts the node's disk volumes (and any other mount it left
+        // beneath its state directory) last: once it let go of the state directory's
+        // lock, nothing of the node's may be left mounted. The harness unmounts nothing
+        // itself; a leak fails the test.
+        wait_janitor_done(&self.state_dir(), Duration::from_secs(75));
+        if let Err(left) =
+            cynode_testkit::mounts::wait_nothing_left(self.dir.path(), Duration::from_secs(10))
+        {
+            if !std::thread::panicking() {
+                panic!(
+                    "the killed node left these beneath its state directory: {left:#?}\nlog: {:?}",
+                    self.log.lock().map(|g| g.clone()).unwrap_or_default()
+                );
+            }
+        }
+    }
+}
+
+/// Waits (at most `within`) until nothing holds the state directory's lock of the node at
+/// `state`: the node and its janitor (which shares the lock) are done.
+pub fn wait_janitor_done(state: &Path, within: Duration) {
+    use std::os::fd::AsRawFd;
+    let Ok(lock) = std::fs::File::open(state.join("worker.lock")) else {
+        return;
+    };
+    let until = Instant::now() + within;
+    // SAFETY: flock on a descriptor `lock` owns, alive for each call.
+    while unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } != 0 {
+        if Instant::now() >= until {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

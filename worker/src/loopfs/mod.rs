@@ -15,9 +15,12 @@
 //!   cannot be mounted again is kept and logged, and its workspace refused
 //!   ([`unmounted_image`]) rather than used empty. A volume still held by a loop device
 //!   (a sandbox that outlived the node keeps a copy of its mount) is mounted through that
-//!   device, never a second one. A node that stops leaves its volumes mounted: the files
-//!   of its workspaces and retained jobs stay readable on the host (`cynode-pm run`
-//!   leaves its deliverable there).
+//!   device, never a second one.
+//! - Volumes never outlive their node: when it stops (SIGTERM, SIGINT) its pool is
+//!   emptied ([`close_pool`]) and, once its sandboxes are gone, every mount beneath its
+//!   state directory is unmounted ([`release_node`], found in mountinfo, detached when
+//!   still in use), so the loop devices let go of the images; after a kill, its janitor
+//!   does the same. The images keep the content: the next start mounts them again.
 //! - [`release_beneath`] unmounts (detached) the volumes under a directory about to be
 //!   removed and deletes their images; the loop device lets go of the image when its
 //!   last mount goes (autoclear). `remove_tree_async` calls it, so `:ack`, the retention
@@ -33,12 +36,13 @@
 mod image;
 mod loopdev;
 pub mod mountinfo;
+mod release;
 
 use std::collections::VecDeque;
 use std::ffi::OsStr;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -46,6 +50,7 @@ use rustix::fs::{self as rfs, Mode, OFlags};
 use rustix::mount::{self as rmount, MoveMountFlags, UnmountFlags};
 
 pub use image::{MakeError, Shape};
+pub use release::{release_node, Released};
 
 /// The loop block devices' major number.
 const LOOP_MAJOR: u32 = 7;
@@ -94,6 +99,8 @@ pub struct Volumes {
     wake: Condvar,
     seq: AtomicU64,
     stats: Counters,
+    /// Set when the node stops: the filler ends and the pool stays empty.
+    closed: AtomicBool,
 }
 
 /// A formatted volume, mounted detached, and its image.
@@ -101,6 +108,31 @@ pub struct Volumes {
 struct Ready {
     mnt: OwnedFd,
     image: PathBuf,
+}
+
+impl Ready {
+    /// Unmounts it (its mount goes with its last fd, and its loop device with the mount)
+    /// and deletes its image.
+    fn discard(self) {
+        drop(self.mnt);
+        let _ = std::fs::remove_file(&self.image);
+    }
+}
+
+/// For a node that stops: ends the pool's filler and discards the ready volumes (their
+/// loop devices let go, their images are deleted). A no-op without volumes.
+pub fn close_pool() {
+    let Some(v) = VOLUMES.get() else { return };
+    v.closed.store(true, Ordering::Release);
+    let ready: Vec<Ready> = v
+        .pool
+        .lock()
+        .map(|mut p| p.drain(..).collect())
+        .unwrap_or_default();
+    v.wake.notify_all();
+    for r in ready {
+        r.discard();
+    }
 }
 
 #[derive(Debug, Default)]
@@ -233,6 +265,7 @@ pub fn init(layout: Layout, shape: Shape, pool: usize) -> Enforcement {
                 wake: Condvar::new(),
                 seq: AtomicU64::new(0),
                 stats: Counters::default(),
+                closed: AtomicBool::new(false),
             });
             v.reclaim();
             let filler = Arc::clone(&v);
@@ -293,17 +326,25 @@ impl Volumes {
         loop {
             {
                 let Ok(mut p) = self.pool.lock() else { return };
-                while p.len() >= self.target {
+                while p.len() >= self.target && !self.closed.load(Ordering::Acquire) {
                     p = match self.wake.wait(p) {
                         Ok(p) => p,
                         Err(_) => return,
                     };
+                }
+                if self.closed.load(Ordering::Acquire) {
+                    return;
                 }
             }
             match self.make(&self.pool_name()) {
                 Ok(r) => {
                     backoff = Duration::from_millis(500);
                     if let Ok(mut p) = self.pool.lock() {
+                        if self.closed.load(Ordering::Acquire) {
+                            drop(p);
+                            r.discard();
+                            return;
+                        }
                         p.push_back(r);
                     }
                 }
@@ -681,27 +722,4 @@ pub fn plan(cfg: &crate::config::Config) -> (Layout, Shape, usize) {
         ),
         cfg.queue.max_running.saturating_mul(2).clamp(2, 16),
     )
-}
-
-/// Unmounts (detached) every loop-device filesystem mounted at or beneath `dir` and
-/// deletes its image when that lies beneath `dir` too: what a node killed without its
-/// clean-up leaves in a state directory about to be deleted (tests, `dir` a temporary
-/// state directory). Returns how many were unmounted.
-pub fn unmount_all_beneath(dir: &Path) -> usize {
-    let Ok(mounts) = mountinfo::read() else {
-        return 0;
-    };
-    let mut n = 0;
-    for m in mountinfo::beneath(&mounts, dir) {
-        let Some(image) = backing_file(&m.source) else {
-            continue;
-        };
-        if image.starts_with(dir) {
-            let _ = std::fs::remove_file(&image);
-        }
-        if rmount::unmount(&m.point, UnmountFlags::DETACH | UnmountFlags::NOFOLLOW).is_ok() {
-            n += 1;
-        }
-    }
-    n
 }

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 /// One line of mountinfo: what the node needs of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mount {
+    /// Field 1: the mount's id (`statx`'s `STATX_MNT_ID`).
+    pub id: u64,
     /// Field 4: the root of the mount within its filesystem.
     pub root: PathBuf,
     /// Field 5: where it is mounted.
@@ -44,6 +46,7 @@ pub fn parse(text: &str) -> Vec<Mount> {
             let f: Vec<&str> = left.split(' ').collect();
             let r: Vec<&str> = right.split(' ').collect();
             Some(Mount {
+                id: f.first()?.parse().ok()?,
                 root: unescape(f.get(3)?),
                 point: unescape(f.get(4)?),
                 fstype: (*r.first()?).to_string(),
@@ -82,6 +85,7 @@ mod tests {
         assert_eq!(m[0].source, "/dev/loop0");
         assert_eq!(m[0].fstype, "ext4");
         assert_eq!(m[0].root, Path::new("/"));
+        assert_eq!((m[0].id, m[1].id), (42, 27));
         let b = beneath(&m, Path::new("/var/lib/a b/jobs"));
         assert_eq!(b.len(), 1);
         assert!(beneath(&m, Path::new("/var/lib/a b/job")).is_empty());
