@@ -267,7 +267,11 @@ fn pm_completes_a_session_on_a_worker_that_speaks_only_the_upstream_api() {
             "write-files",
             json!({ "files": [{ "path": "run.sh", "content": "echo hi\n", "mode": "0755" }] }),
         ),
-        json!({ "type": "final", "state_patch": [], "payload": { "summary": "done on upstream" } }),
+        // t3 stays open: the final closes it as skipped, with why.
+        json!({ "type": "final", "state_patch": [
+            { "op": "replace", "path": "/plan/2/status", "value": "skipped" },
+            { "op": "add", "path": "/plan/2/reason", "value": "upstream cannot set a file mode" }
+        ], "payload": { "summary": "done on upstream" } }),
     ]);
     let state = cynode_tests::tempdir().unwrap();
     let token = state.path().join("worker-token");
@@ -296,7 +300,7 @@ fn pm_completes_a_session_on_a_worker_that_speaks_only_the_upstream_api() {
         [
             ("t1".to_string(), "done".to_string()),
             ("t2".to_string(), "done".to_string()),
-            ("t3".to_string(), "pending".to_string())
+            ("t3".to_string(), "skipped".to_string())
         ]
     );
     // Only upstream's endpoints answered: the capacity probe's 404 switched the PM to
