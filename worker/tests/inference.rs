@@ -795,7 +795,6 @@ fn check_client_output(sv: &Server, id: &str, out: &str) {
         "{out}"
     );
     assert!(env.contains("OPENAI_API_KEY=cynode-"), "{out}");
-    assert!(env.contains("INFERENCE_PROXY_URL="), "{out}");
     let models: Value = serde_json::from_str(section(out, "models").trim())
         .unwrap_or_else(|e| panic!("{e}: {out}"));
     assert_eq!(models["data"][0]["id"], "smollm2", "{out}");
@@ -901,6 +900,10 @@ async fn ordinary_clients_reach_the_model(backend: &'static str) {
     assert_eq!(v["status"], "completed", "{v}");
     assert!(
         !out.contains("from-the-request") && !out.contains("elsewhere"),
+        "{out}"
+    );
+    assert!(
+        section(out, "env").contains("INFERENCE_PROXY_URL="),
         "{out}"
     );
     check_client_output(&sv, &id, out);
@@ -1120,6 +1123,35 @@ async fn loopback_listener_a_session_exec_gets_a_completion_under_bwrap() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn loopback_listener_a_session_exec_gets_a_completion_under_podman() {
     a_session_exec_gets_a_completion("podman").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_a_session_exec_gets_a_completion_under_docker() {
+    a_session_exec_gets_a_completion("docker").await;
+}
+
+/// An SBA job's `run_command` step gets the listener's variables from the runner, as it
+/// gets the egress proxy's: the same clients reach the model from a step.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_a_run_command_step_reaches_the_model() {
+    env();
+    let (url, _model) = keyed_model().await;
+    let sv = model_worker("bwrap", &url, "");
+    let id = unique("step");
+    let mut body = crate::harness::sba_job(
+        &id,
+        &id,
+        json!([{ "id": "s", "type": "run_command",
+                 "arguments": { "command": "sh", "args": ["-c", CLIENT_SCRIPT] } }]),
+        json!([]),
+    );
+    body["sandbox"]["use_inference"] = json!(true);
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 200, "{v}");
+    let out = v["sba_result"]["steps"][0]["result"]["stdout"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{v}"));
+    check_client_output(&sv, &id, out);
 }
 
 /// The cost of the loopback listener against the socket, per request (docs/PERFORMANCE.md):
