@@ -645,6 +645,12 @@ pub async fn disk_volumes_go_with_their_node(backend: &'static str) {
 
     sv.terminate();
     assert_nothing_left(backend, &state, "SIGTERM");
+    // Nothing of the node's held them: each was unmounted, none only detached.
+    let log = sv.log.lock().unwrap().clone();
+    assert!(
+        !log.iter().any(|l| l.contains("still in use: detached")),
+        "{backend}: {log:#?}"
+    );
 
     sv.restart();
     let v = completed(
