@@ -1093,6 +1093,25 @@ async fn a_session_exec_gets_a_completion(backend: &'static str) {
         .await;
     assert_eq!(code, 200);
 
+    // The session's totals, once it ended: both execs' requests, under the session's id.
+    crate::harness::eventually(
+        "the session's inference totals",
+        Duration::from_secs(10),
+        || {
+            sv.log
+                .lock()
+                .unwrap()
+                .iter()
+                .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+                .any(|l| {
+                    l["fields"]["message"] == "inference proxy closed"
+                        && l["fields"]["job_id"] == id.as_str()
+                        && l["fields"]["requests"].as_u64().is_some_and(|n| n >= 8)
+                })
+        },
+    )
+    .await;
+
     // Without `use_inference`: no listener, no variables.
     let plain = unique("snoinf");
     let _guard2 = crate::harness::session_guard(sv.backend, &plain);

@@ -261,12 +261,18 @@ pub struct ProxyServer {
 
 impl Drop for ProxyServer {
     fn drop(&mut self) {
-        let p = &self.proxy;
+        self.proxy.log_totals();
+    }
+}
+
+impl Proxy {
+    /// The job's (or session's) totals, logged once its proxy closes.
+    pub fn log_totals(&self) {
         tracing::info!(
-            job_id = %p.job_id,
-            requests = p.requests.load(Ordering::Relaxed),
-            prompt_tokens = p.prompt_tokens.load(Ordering::Relaxed),
-            completion_tokens = p.completion_tokens.load(Ordering::Relaxed),
+            job_id = %self.job_id,
+            requests = self.requests.load(Ordering::Relaxed),
+            prompt_tokens = self.prompt_tokens.load(Ordering::Relaxed),
+            completion_tokens = self.completion_tokens.load(Ordering::Relaxed),
             "inference proxy closed"
         );
     }

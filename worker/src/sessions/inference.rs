@@ -93,13 +93,18 @@ impl SessionInference {
         (!s.is_whole && !s.ended).then(|| self.listener())
     }
 
-    /// The session ended: the session-long listener stops (closing its connections).
+    /// The session ended: the session-long listener stops (closing its connections) and
+    /// the session's totals are logged, once.
     pub(super) fn finish(&self) {
-        let whole = {
+        let (whole, first) = {
             let mut s = self.state();
+            let first = !s.ended;
             s.ended = true;
-            s.whole.take()
+            (s.whole.take(), first)
         };
         drop(whole);
+        if first {
+            self.proxy.log_totals();
+        }
     }
 }
