@@ -24,6 +24,17 @@ pub const REDACTED: &[u8] = b"<redacted>";
 /// The shortest credential part (after a `<scheme> `) redacted on its own.
 pub const MIN_PART: usize = 8;
 
+/// Whether a route answer's `Content-Encoding` is anything but `identity`: a compressed
+/// body could carry a secret past the redactor, and is refused.
+pub fn is_compressed(headers: &reqwest::header::HeaderMap) -> bool {
+    headers
+        .get_all(reqwest::header::CONTENT_ENCODING)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
+        .map(<[u8]>::trim_ascii)
+        .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
+}
+
 /// The secrets of one route (or none), ready to be searched for.
 #[derive(Clone, Default)]
 pub struct Redactor {

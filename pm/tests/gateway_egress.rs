@@ -21,6 +21,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
+use axum::extract::RawQuery;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -236,6 +237,25 @@ async fn start() -> Fixture {
                     .map(|v| v.to_str().unwrap().to_string())
                     .unwrap_or_default();
                 ([("etag", auth.clone())], format!("you sent: {auth}")).into_response()
+            }),
+        )
+        .route(
+            "/api/gzip",
+            get(|q: RawQuery, h: HeaderMap| async move {
+                // The same echo, gzip-compressed when the caller accepts gzip (`?always`:
+                // whatever it accepts), where a text scan would not see the credential.
+                let auth = h
+                    .get("authorization")
+                    .map(|v| v.to_str().unwrap().to_string())
+                    .unwrap_or_default();
+                let accepts = h
+                    .get("accept-encoding")
+                    .is_some_and(|v| v.to_str().unwrap().contains("gzip"));
+                let body = format!("you sent: {auth}");
+                if !accepts && q.0.as_deref() != Some("always") {
+                    return body.into_response();
+                }
+                ([("content-encoding", "gzip")], gzip(body.as_bytes())).into_response()
             }),
         );
     serve(la, api_app, Some(tls));
@@ -634,6 +654,61 @@ async fn web_fetch_gets_allowed_http_and_https_origins() {
             assert!(!seen.contains(&h.to_string()), "{h} reached the origin: {seen:?}");
         }
         gateway::tokens().revoke_job(&job);
+    })
+    .await
+    .unwrap();
+}
+
+/// `bytes` gzip-compressed by gzip(1).
+fn gzip(bytes: &[u8]) -> Vec<u8> {
+    let mut child = std::process::Command::new("gzip")
+        .args(["-c", "-n"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(bytes).unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "gzip: {out:?}");
+    out.stdout
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn api_call_never_passes_a_compressed_echo_of_the_secret() {
+    tokio::time::timeout(LIMIT, async {
+        let f = fixture();
+        // The caller asks for gzip: the route asks its upstream for identity, so the echo
+        // comes back plain and is redacted.
+        let (tok, _) = token("none", &["api.call"]);
+        let reply = call(
+            &f.gw_listed,
+            &tok,
+            "api.call",
+            json!({ "route": "vault", "method": "GET", "path": "/gzip",
+                    "headers": { "Accept-Encoding": "gzip" } }),
+        )
+        .await;
+        let (v, is_error) = result(&reply);
+        assert!(!is_error, "{reply}");
+        assert_eq!(v["body"], "you sent: <redacted>", "{reply}");
+        // An upstream that compresses whatever it is asked: refused, never passed on.
+        let (tok, job) = token("none", &["api.call"]);
+        let reply = call(
+            &f.gw_listed,
+            &tok,
+            "api.call",
+            json!({ "route": "vault", "method": "GET", "path": "/gzip?always" }),
+        )
+        .await;
+        let (v, is_error) = result(&reply);
+        assert!(is_error, "{reply}");
+        assert!(
+            v.to_string().contains("compressed"),
+            "the refusal names the reason: {reply}"
+        );
+        // Audited as refused, and nothing of the secret in the reply.
+        assert_eq!(audit_of(&job).decision.as_deref(), Some("denied"));
+        assert!(!reply.to_string().contains(SECRET), "{reply}");
     })
     .await
     .unwrap();

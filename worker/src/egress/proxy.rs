@@ -650,17 +650,6 @@ fn route_skips(name: &str) -> bool {
     ) || name.starts_with("proxy-")
 }
 
-/// Whether a route answer's `Content-Encoding` is anything but `identity`: a compressed
-/// body could carry a secret past the redactor, and is refused.
-fn is_compressed(headers: &reqwest::header::HeaderMap) -> bool {
-    headers
-        .get_all(reqwest::header::CONTENT_ENCODING)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|b| *b == b','))
-        .map(<[u8]>::trim_ascii)
-        .any(|c| !c.is_empty() && !c.eq_ignore_ascii_case(b"identity"))
-}
-
 /// Room left in front of a chunk for its size line (eight hex digits and CRLF; leading
 /// zeros are valid chunk-size syntax).
 const CHUNK_HEAD: usize = 10;
@@ -755,7 +744,7 @@ async fn route(
     let status = response.status();
     let redactor = route.redactor();
     let has_body = !is_head && !status.is_informational() && status != 204 && status != 304;
-    if has_body && is_compressed(response.headers()) {
+    if has_body && cynode_egress::redact::is_compressed(response.headers()) {
         return denied(502, "route answer is compressed and cannot be checked");
     }
     // A body being redacted may change length: no Content-Length, chunked to an HTTP/1.1
