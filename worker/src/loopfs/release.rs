@@ -146,3 +146,49 @@ fn unmount_one(state: BorrowedFd<'_>, root: &Path, m: &Mount) -> Outcome {
         Err(e) => Outcome::Failed(e.into()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mount_tmpfs(at: &Path) {
+        std::fs::create_dir_all(at).unwrap();
+        rmount::mount("tmpfs", at, "tmpfs", rmount::MountFlags::empty(), None).unwrap();
+    }
+
+    /// Beneath a state directory that is itself a mount: a mount, one nested in it, and one
+    /// held open. The nested and the plain one are unmounted, the held one detached, and the
+    /// state directory's own mount stays.
+    #[test]
+    fn every_mount_beneath_goes_and_the_state_directory_stays() {
+        if !rustix::process::geteuid().is_root() {
+            eprintln!("skipped: mounting needs root");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let state = tmp.path().join("state");
+        mount_tmpfs(&state);
+        let (outer, nested, held) = (state.join("a"), state.join("a/b"), state.join("c"));
+        mount_tmpfs(&outer);
+        mount_tmpfs(&nested);
+        mount_tmpfs(&held);
+        let holder = std::fs::File::open(&held).unwrap();
+        let r = release_node(&state);
+        assert_eq!(
+            r,
+            Released {
+                unmounted: 2,
+                detached: 1,
+                left: 0
+            }
+        );
+        let all = mountinfo::read().unwrap();
+        let real = std::fs::canonicalize(&state).unwrap();
+        assert!(
+            all.iter().any(|m| m.point == real),
+            "the state directory's own mount went"
+        );
+        drop(holder);
+        rmount::unmount(&state, UnmountFlags::DETACH).unwrap();
+    }
+}
