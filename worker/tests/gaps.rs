@@ -29,12 +29,6 @@ const GAPS: &[(&str, &str, &str, &str)] = &[
         "gVisor refuses the very deep mkdir the case needs to plant its tree",
     ),
     (
-        "podman_warm",
-        "host_paths",
-        "no_host_path_in_any_proc_file",
-        "a pooled Podman container's claim binds the job uid's /etc/passwd and /etc/group from the node's state directory (state/pool/<container>/passwd): mountinfo shows that path as their root",
-    ),
-    (
         "microvm",
         "cases",
         "in_progress_is_reported_from_the_sandbox",

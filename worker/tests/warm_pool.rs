@@ -184,7 +184,9 @@ exit 7
 }
 
 /// The same probe sees the same sandbox cold and warm: uid, groups and their names (Podman adds a passwd/group entry for the uid; the claim adds the same), working directory,
-/// environment (but the host name), capabilities, limits, the job's mounts' options.
+/// environment (but the host name), capabilities, limits, the job's mounts' options, and
+/// the mount options of /etc/passwd and /etc/group (not their filesystem's: Podman's come
+/// from its storage, the claim's from a tmpfs of its own).
 pub async fn warm_and_cold_jobs_see_the_same_sandbox(engine: &'static str) {
     let probe = r#"
 id; pwd; env | grep -v '^HOSTNAME=' | sort
@@ -192,7 +194,7 @@ ulimit -n; ulimit -u
 grep -E '^(Cap|NoNewPrivs|Seccomp)' /proc/self/status
 grep -E ' /(job|workspace|tmp) ' /proc/self/mounts | cut -d' ' -f2,3,4 | sort
 touch /x 2>&1 | sed 's/.*: //'; ls -ld /job /workspace | cut -c1-10
-tail -n 2 /etc/passwd /etc/group; grep -E ' /etc/(passwd|group) ' /proc/self/mounts | cut -d' ' -f2,4 | sort
+tail -n 2 /etc/passwd /etc/group; grep -E ' /etc/(passwd|group) ' /proc/self/mountinfo | cut -d' ' -f5,6 | sort
 "#;
     let cold = Server::start(engine, "");
     let (_, c) = cold

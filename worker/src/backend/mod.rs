@@ -114,10 +114,12 @@ pub fn record_node_pid() {
     );
 }
 
-/// Variables a sandbox client (bwrap, podman, docker) may inherit from the node: what the
-/// client itself needs to find its binaries, its configuration and its runtime directory.
-/// Nothing else of the node's environment (its bearer token, API keys) reaches a client,
-/// and so none reaches a sandbox, not even as bwrap's own `/proc/1/environ`.
+/// Variables a client the node runs (podman, docker, the microVM's tools, `bwrap
+/// --version`) may inherit from the node: what the client itself needs to find its
+/// binaries, its configuration and its runtime directory. Nothing else of the node's
+/// environment (its bearer token, API keys) reaches a client, and so none reaches a
+/// sandbox. A sandbox's bwrap inherits none of these: it starts with an empty environment
+/// and takes its options through `--args` ([`bwrap`]).
 const CLIENT_ENV: &[&str] = &[
     "PATH",
     "HOME",

@@ -24,13 +24,24 @@ pub fn ctx(what: &'static str) -> impl Fn(rustix::io::Errno) -> std::io::Error {
 /// A detached clone of the mount tree at `host` (recursive when `recursive`), with `set`
 /// mount attributes on all of it.
 pub fn clone_tree(host: &Path, recursive: bool, set: u64) -> std::io::Result<OwnedFd> {
+    clone_tree_at(CWD, host, recursive, set)
+}
+
+/// [`clone_tree`] of `path` beneath the directory `dir` (a detached mount of the caller's
+/// own included).
+pub fn clone_tree_at<P: rustix::path::Arg>(
+    dir: impl AsFd,
+    path: P,
+    recursive: bool,
+    set: u64,
+) -> std::io::Result<OwnedFd> {
     let mut flags = OpenTreeFlags::OPEN_TREE_CLONE
         | OpenTreeFlags::OPEN_TREE_CLOEXEC
         | OpenTreeFlags::AT_SYMLINK_NOFOLLOW;
     if recursive {
         flags |= OpenTreeFlags::AT_RECURSIVE;
     }
-    let tree = rmount::open_tree(CWD, host, flags).map_err(ctx("open_tree"))?;
+    let tree = rmount::open_tree(dir, path, flags).map_err(ctx("open_tree"))?;
     set_attrs(&tree, set)?;
     Ok(tree)
 }

@@ -875,7 +875,6 @@ impl Slot {
                 let identity = args.podman.then(|| Identity {
                     uid: spec.host_uid,
                     workdir: spec.workdir.clone(),
-                    dir: dir.clone(),
                 });
                 let injected =
                     tokio::task::spawn_blocking(move || inject(&pidfd, &mounts, identity)).await;
