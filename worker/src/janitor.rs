@@ -11,9 +11,9 @@
 //! reconciliation does, without making anything again: it kills and removes the node's
 //! sandbox cgroups ([`remove_node_cgroups`]), then the backend's sandboxes that outlive
 //! their node ([`SandboxBackend::remove_orphans`]: an engine's containers), then unmounts
-//! every mount the node left beneath its state directory (its workspaces' and job
-//! directories' disk volumes: [`crate::loopfs::release_node`]), so their loop devices let
-//! go, and exits. A node that stops cleanly closes the pipe too: its janitor sweeps then
+//! the mounts the node left beneath its state directory (its workspaces' and job
+//! directories' disk volumes, a gVisor slot's staging mounts:
+//! [`crate::loopfs::release_node`]), so their loop devices let go, and exits. A node that stops cleanly closes the pipe too: its janitor sweeps then
 //! as well.
 //!
 //! Invariants:

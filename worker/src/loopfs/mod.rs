@@ -17,8 +17,8 @@
 //!   (a sandbox that outlived the node keeps a copy of its mount) is mounted through that
 //!   device, never a second one.
 //! - Volumes never outlive their node: when it stops (SIGTERM, SIGINT) its pool is
-//!   emptied ([`close_pool`]) and, once its sandboxes are gone, every mount beneath its
-//!   state directory is unmounted ([`release_node`], found in mountinfo, detached when
+//!   emptied ([`close_pool`]) and, once its sandboxes are gone, its mounts beneath its
+//!   state directory are unmounted ([`release_node`], found in mountinfo, detached when
 //!   still in use), so the loop devices let go of the images; after a kill, its janitor
 //!   does the same. The images keep the content: the next start mounts them again.
 //! - [`release_beneath`] unmounts (detached) the volumes under a directory about to be
@@ -523,7 +523,7 @@ fn attached_images() -> std::collections::HashMap<PathBuf, PathBuf> {
 }
 
 /// The image behind `/dev/loopN`, from sysfs.
-fn backing_file(source: &str) -> Option<PathBuf> {
+pub(super) fn backing_file(source: &str) -> Option<PathBuf> {
     let n = source.strip_prefix("/dev/loop")?;
     if n.is_empty() || !n.bytes().all(|b| b.is_ascii_digit()) {
         return None;

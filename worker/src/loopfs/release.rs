@@ -1,11 +1,14 @@
 //! Letting go of a node's mounts when it is gone: its workspaces' and job directories'
-//! volumes (and any other mount the node made beneath its state directory) are unmounted,
-//! so their loop devices let go of their images (autoclear) and no later mount namespace
-//! of the host copies them. The images stay: a node that starts again mounts what it
-//! needs (`Volumes::reclaim`).
+//! volumes (and a gVisor pool slot's staging mounts) are unmounted, so their loop devices
+//! let go of their images (autoclear) and no later mount namespace of the host copies
+//! them. The images stay: a node that starts again mounts what it needs
+//! (`Volumes::reclaim`).
 //!
 //! The mounts are found in `/proc/self/mountinfo`, strictly beneath the state directory,
-//! never by walking the state directory (a workspace's content is the sandbox's). Each is
+//! never by walking the state directory (a workspace's content is the sandbox's), and
+//! only the node's: a filesystem on a loop device whose image is in `<state>/volumes/`, or
+//! a mount beneath `<state>/pool/` (the engine pool's slots). A mount an operator made
+//! there (a disk for the workspaces) stays. Each is
 //! unmounted by its place: its parent directory opened from the state directory with
 //! `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)`, then
 //! `umount2("/proc/self/fd/<parent>/<name>", UMOUNT_NOFOLLOW)`, after `statx` showed that
@@ -26,6 +29,9 @@ use super::mountinfo::{self, Mount};
 /// How many times the mount table is read again (mounts stacked on one directory go one
 /// a pass).
 const PASSES: usize = 8;
+/// The engine pool's directory under the state directory (`backend::engine::pool`),
+/// where a gVisor slot's staging mounts are.
+const POOL_DIR: &str = "pool";
 
 /// What [`release_node`] did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -34,7 +40,7 @@ pub struct Released {
     pub unmounted: usize,
     /// Mounts in use, detached (they go when their last user lets go).
     pub detached: usize,
-    /// Mounts still beneath the state directory afterwards.
+    /// The node's mounts still beneath the state directory afterwards.
     pub left: usize,
 }
 
@@ -47,8 +53,8 @@ enum Outcome {
     Failed(std::io::Error),
 }
 
-/// Unmounts every mount strictly beneath `state_dir` (deepest first; detached when in
-/// use). Blocking; a no-op when nothing is mounted there.
+/// Unmounts every mount of the node's strictly beneath `state_dir` (deepest first;
+/// detached when in use). Blocking; a no-op when nothing of the node's is mounted there.
 pub fn release_node(state_dir: &Path) -> Released {
     let mut out = Released::default();
     let Ok(root) = std::fs::canonicalize(state_dir) else {
@@ -91,14 +97,19 @@ pub fn release_node(state_dir: &Path) -> Released {
     out
 }
 
-/// The mounts strictly beneath `root`, deepest first.
+/// The node's mounts strictly beneath `root`, deepest first.
 fn mounts_beneath(root: &Path) -> Vec<Mount> {
     let Ok(all) = mountinfo::read() else {
         return Vec::new();
     };
+    let (volumes, pool) = (root.join(super::VOLUMES_DIR), root.join(POOL_DIR));
     mountinfo::beneath(&all, root)
         .into_iter()
         .filter(|m| m.point != root)
+        .filter(|m| {
+            m.point.starts_with(&pool)
+                || super::backing_file(&m.source).is_some_and(|image| image.starts_with(&volumes))
+        })
         .collect()
 }
 
@@ -156,11 +167,12 @@ mod tests {
         rmount::mount("tmpfs", at, "tmpfs", rmount::MountFlags::empty(), None).unwrap();
     }
 
-    /// Beneath a state directory that is itself a mount: a mount, one nested in it, and one
-    /// held open. The nested and the plain one are unmounted, the held one detached, and the
-    /// state directory's own mount stays.
+    /// Beneath a state directory that is itself a mount: the node's (here in the pool's
+    /// directory) a mount, one nested in it, and one held open, and an operator's mount on
+    /// the workspaces' directory. The nested and the plain one are unmounted, the held one
+    /// detached; the state directory's own mount and the operator's stay.
     #[test]
-    fn every_mount_beneath_goes_and_the_state_directory_stays() {
+    fn the_nodes_mounts_beneath_go_and_the_others_stay() {
         if !rustix::process::geteuid().is_root() {
             eprintln!("skipped: mounting needs root");
             return;
@@ -168,7 +180,10 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let state = tmp.path().join("state");
         mount_tmpfs(&state);
-        let (outer, nested, held) = (state.join("a"), state.join("a/b"), state.join("c"));
+        let operators = state.join("workspaces");
+        mount_tmpfs(&operators);
+        let pool = state.join(POOL_DIR);
+        let (outer, nested, held) = (pool.join("a"), pool.join("a/b"), pool.join("c"));
         mount_tmpfs(&outer);
         mount_tmpfs(&nested);
         mount_tmpfs(&held);
@@ -188,7 +203,12 @@ mod tests {
             all.iter().any(|m| m.point == real),
             "the state directory's own mount went"
         );
+        assert!(
+            all.iter().any(|m| m.point == real.join("workspaces")),
+            "the operator's mount went"
+        );
         drop(holder);
+        rmount::unmount(&operators, UnmountFlags::DETACH).unwrap();
         rmount::unmount(&state, UnmountFlags::DETACH).unwrap();
     }
 }
