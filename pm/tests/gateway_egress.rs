@@ -27,6 +27,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use cynode_pm::gateway::{self, AuditEntry, Grant};
+use cynode_testkit::gzip::gzip;
 use serde_json::{json, Value};
 
 /// The route's secret: it must reach the API origin and nothing else.
@@ -657,20 +658,6 @@ async fn web_fetch_gets_allowed_http_and_https_origins() {
     })
     .await
     .unwrap();
-}
-
-/// `bytes` gzip-compressed by gzip(1).
-fn gzip(bytes: &[u8]) -> Vec<u8> {
-    let mut child = std::process::Command::new("gzip")
-        .args(["-c", "-n"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(bytes).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "gzip: {out:?}");
-    out.stdout
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -12,7 +12,7 @@
 //! makes the certificates of the TLS tests; [`flood`] opens the stalled connections of the
 //! listener tests and reads what the flooded process holds; [`mod@tar`] writes hostile
 //! tar archives raw; [`mounts`] finds what a worker left mounted beneath a directory.
-//! [`postgres_url`] starts the test PostgreSQL.
+//! [`postgres_url`] starts the test PostgreSQL; [`gzip`] compresses as gzip(1) does.
 //! [`upstream`] mirrors upstream CyNodeAI's
 //! contract types with Go's JSON semantics, for the interoperability tests.
 //!
@@ -21,6 +21,7 @@
 
 pub mod certs;
 pub mod flood;
+pub mod gzip;
 pub mod model;
 pub mod mounts;
 pub mod postgres;

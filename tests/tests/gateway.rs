@@ -645,9 +645,15 @@ async fn serve_session(
 
 /// A bwrap worker whose inference upstream is `model` (serving `smollm2`); its directory
 /// goes with the returned guard.
-fn worker_with_inference(
-    model: &str,
-) -> (cynode_testkit::OwnedChild, String, cynode_tests::TempDir) {
+/// A worker and its directory. The fields drop in order: the worker stops before its
+/// directory checks that it left nothing mounted.
+struct InferenceWorker {
+    _child: cynode_testkit::OwnedChild,
+    addr: String,
+    _dir: cynode_tests::TempDir,
+}
+
+fn worker_with_inference(model: &str) -> InferenceWorker {
     use std::os::unix::fs::PermissionsExt;
     let dir = cynode_tests::tempdir().unwrap();
     std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
@@ -660,7 +666,11 @@ fn worker_with_inference(
     );
     std::fs::write(dir.path().join("w.yaml"), &cfg).unwrap();
     let (child, addr) = cynode_tests::worker::serve_worker(&dir.path().join("w.yaml"));
-    (child, addr, dir)
+    InferenceWorker {
+        _child: child,
+        addr,
+        _dir: dir,
+    }
 }
 
 /// What the agent of [`agent_model`] puts as `agent/note.txt`.
@@ -746,7 +756,8 @@ async fn an_agent_job_calls_its_listed_tools_and_an_unlisted_one_never_reaches_t
     let dir = cynode_tests::tempdir().unwrap();
     let note = NOTE;
     let (sba_model_url, sba_model) = agent_model();
-    let (_w, worker_addr, _wdir) = worker_with_inference(&sba_model_url);
+    let worker = worker_with_inference(&sba_model_url);
+    let worker_addr = worker.addr.clone();
     let skills = dir.path().join("skills");
     agent_skill(&skills);
     let (pm_model, pm_model_handle) = agent_pm_model();
@@ -1011,7 +1022,8 @@ async fn a_token_is_refused_once_its_worker_dies_and_the_job_fails() {
 fn run_hosts_the_gateway_for_its_own_session() {
     let dir = cynode_tests::tempdir().unwrap();
     let (sba_model_url, _sba_model) = agent_model();
-    let (_w, worker_addr, _wdir) = worker_with_inference(&sba_model_url);
+    let worker = worker_with_inference(&sba_model_url);
+    let worker_addr = worker.addr.clone();
     let skills = dir.path().join("skills");
     agent_skill(&skills);
     let (pm_model, _pm_model) = agent_pm_model();

@@ -11,6 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use cynode_protocol::egress::{EgressAudit, EgressDecision, EgressRecord};
+use cynode_testkit::gzip::{gunzip, gzip};
 use cynode_worker::egress::{Allowlist, EgressLimits, EgressProxy, Policy, Resolver, Routes};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
@@ -233,31 +234,6 @@ async fn reflect_gzip(
         return body.into_response();
     }
     ([("content-encoding", "gzip")], gzip(body.as_bytes())).into_response()
-}
-
-/// `bytes` gzip-compressed by gzip(1).
-pub(crate) fn gzip(bytes: &[u8]) -> Vec<u8> {
-    run_filter("gzip", &["-c", "-n"], bytes)
-}
-
-/// `bytes` decompressed by gzip(1).
-pub(crate) fn gunzip(bytes: &[u8]) -> Vec<u8> {
-    run_filter("gzip", &["-d", "-c"], bytes)
-}
-
-fn run_filter(program: &str, args: &[&str], input: &[u8]) -> Vec<u8> {
-    use std::io::Write;
-    use std::process::{Command, Stdio};
-    let mut child = Command::new(program)
-        .args(args)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(input).unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(out.status.success(), "{program} {args:?}: {out:?}");
-    out.stdout
 }
 
 impl Origin {
