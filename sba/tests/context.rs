@@ -12,9 +12,6 @@ use serde_json::{json, Value};
 use crate::harness::Sandbox;
 use crate::model::{act, finish, Model};
 
-/// The port of this test's own model server (the worker's and the e2e tests' are others).
-const LLM_PORT: u16 = 8095;
-
 fn repo() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
@@ -90,7 +87,11 @@ fn the_agent_task_context_reaches_the_prompt_in_the_seeds_order() {
 /// code and a message); the tiny model is not expected to do the task, only to be asked.
 #[test]
 fn a_real_model_is_asked_with_the_agent_task_context_and_the_job_ends_cleanly() {
-    let model = cynode_testkit::LocalModel::start(&repo(), LLM_PORT, Duration::from_secs(120));
+    let model = cynode_testkit::LocalModel::start(
+        &repo(),
+        cynode_testkit::model::free_port(),
+        Duration::from_secs(120),
+    );
     let upstream = model
         .base_url
         .trim_start_matches("http://")

@@ -25,6 +25,19 @@ fn cache_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("/var/cache/cynode/llm"))
 }
 
+/// A port on 127.0.0.1 that nothing listens on now, for a test's own model server: tests
+/// that each started a server on one fixed port would share it, and the first to end would
+/// stop it under the others.
+///
+/// # Panics
+/// When no port can be had.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("no free port on 127.0.0.1: {e}"))
+}
+
 impl LocalModel {
     /// Starts (or finds) the server on `port` through the project's own script, run from
     /// `repo`; the first call may build llama-server, so `limit` bounds the whole set-up.

@@ -15,12 +15,13 @@ use cynode_pm::skills::Registry;
 use cynode_testkit::LocalModel;
 use cynode_tests::workspace_root;
 
-/// This test's own port for the model server.
-const PORT: u16 = 8097;
-
 #[test]
 fn the_real_model_server_takes_the_penalized_retry_of_a_babbling_reply() {
-    let model = LocalModel::start(&workspace_root(), PORT, Duration::from_secs(120));
+    let model = LocalModel::start(
+        &workspace_root(),
+        cynode_testkit::model::free_port(),
+        Duration::from_secs(120),
+    );
     let registry = Registry::load(&[workspace_root().join("skills/repo-inspect")]).unwrap();
     let catalog = registry.catalog();
     let schema = response_schema(&catalog, &[]);

@@ -450,8 +450,6 @@ fn worker_down_then_back_is_retried_without_duplicates() {
     assert_eq!(v["jobs_dispatched"], 2);
 }
 
-/// This test's own model server port (the demo uses 8089, the worker's test 8097).
-const REAL_LLM_PORT: u16 = 8099;
 /// The whole test's budget: the model server's start and every PM run within it, well
 /// under nextest's 300 s backstop.
 const REAL_LLM_BUDGET: Duration = Duration::from_secs(230);
@@ -520,7 +518,11 @@ fn real_pm(model: &LocalModel, state: &Path, args: &[&str], deadline: Instant) -
 #[test]
 fn real_llm_drives_the_loop() {
     let deadline = Instant::now() + REAL_LLM_BUDGET;
-    let model = LocalModel::start(&workspace_root(), REAL_LLM_PORT, Duration::from_secs(120));
+    let model = LocalModel::start(
+        &workspace_root(),
+        cynode_testkit::model::free_port(),
+        Duration::from_secs(120),
+    );
     let state = cynode_tests::tempdir().unwrap();
     let common = [
         "--no-builtin-skills",

@@ -545,7 +545,7 @@ async fn a_real_model_drives_an_agent_job_through_the_proxy() {
     let port = std::env::var("CYNODE_TEST_LLM_PORT")
         .ok()
         .and_then(|p| p.parse().ok())
-        .unwrap_or(8097);
+        .unwrap_or_else(cynode_testkit::model::free_port);
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     // This test's own server: stopped when the test ends, pass or fail.
     let model = cynode_testkit::LocalModel::start(&root, port, std::time::Duration::from_secs(120));
@@ -702,7 +702,7 @@ async fn keyed_model() -> (String, cynode_testkit::LocalModel) {
     let port = std::env::var("CYNODE_TEST_LLM_PORT")
         .ok()
         .and_then(|p| p.parse().ok())
-        .unwrap_or(8097);
+        .unwrap_or_else(cynode_testkit::model::free_port);
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
     let model = tokio::task::spawn_blocking(move || {
         cynode_testkit::LocalModel::start(&root, port, Duration::from_secs(120))
