@@ -23,11 +23,21 @@ fn assert_no_leaks(sv: &Server, job_id: &str, marker: Option<&str>) {
     }
     // A live gVisor pool slot keeps its staging directory bound on itself (empty once
     // idle: a job's directories go onto it at the claim and are unmounted at its end).
-    let mounts: Vec<String> = mounts_with(&sv.state_dir().display().to_string())
-        .into_iter()
-        .filter(|l| !live_gvisor_slot(sv, l))
-        .collect();
-    assert_eq!(mounts, Vec::<String>::new());
+    // The pool refills in the background: a new slot's staging mount comes just before its
+    // container, and a spent slot's goes just after its container, so such a mount is
+    // given a few seconds to get its container or go; a leaked one stays.
+    let until = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mounts: Vec<String> = mounts_with(&sv.state_dir().display().to_string())
+            .into_iter()
+            .filter(|l| !live_gvisor_slot(sv, l))
+            .collect();
+        if mounts.is_empty() || Instant::now() >= until {
+            assert_eq!(mounts, Vec::<String>::new());
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Whether a mountinfo line is a gVisor slot's staging mount (mount point
