@@ -1173,12 +1173,13 @@ async fn loopback_listener_a_run_command_step_reaches_the_model() {
     check_client_output(&sv, &id, out);
 }
 
-/// The cost of the loopback listener against the socket, per request (docs/PERFORMANCE.md):
-/// worker/benches/inference_proxy.py run inside a job's network namespace, against the
-/// real llama-server. Run by hand: `--run-ignored only loopback_listener_bench`.
+/// The bench of the loopback listener against the socket (worker/benches/inference_proxy.py,
+/// run inside a job's network namespace against the real llama-server) answers every request
+/// on both transports. Quick here (`CYNODE_BENCH_QUICK=1`: a few requests, nothing timed);
+/// the figures in docs/PERFORMANCE.md come from a run with `CYNODE_BENCH_QUICK=0`, whose
+/// output this test prints.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "a measurement, run by hand"]
-async fn loopback_listener_bench() {
+async fn loopback_listener_bench_serves_both_transports() {
     env();
     let (url, _model) = keyed_model().await;
     let sv = model_worker("bwrap", &url, "  max_requests_per_job: 100000\n");
@@ -1211,6 +1212,10 @@ async fn loopback_listener_bench() {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/inference_proxy.py");
     let out = tokio::task::spawn_blocking(move || {
         std::process::Command::new("nsenter")
+            .env(
+                "CYNODE_BENCH_QUICK",
+                std::env::var("CYNODE_BENCH_QUICK").unwrap_or_else(|_| "1".into()),
+            )
             .args(["-t", &pid, "-n", "python3"])
             .arg(script)
             .arg(&sock)
@@ -1228,5 +1233,5 @@ async fn loopback_listener_bench() {
     sv.post(&format!("/v1/worker/jobs/{id}:stop"), &json!({}))
         .await;
     sv.wait_terminal(&id).await;
-    assert!(out.status.success());
+    assert!(out.status.success(), "the bench failed: {out:?}");
 }
