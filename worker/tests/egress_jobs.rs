@@ -443,36 +443,6 @@ impl Drop for HostRoot {
     }
 }
 
-/// A wheel of package `egresspkg` 0.1 (built with the host's python3 and its standard
-/// zipfile module, RECORD hashes included).
-fn build_wheel(dir: &std::path::Path) -> Vec<u8> {
-    let path = dir.join("egresspkg-0.1-py3-none-any.whl");
-    let script = r#"
-import base64, hashlib, sys, zipfile
-files = {
-    "egresspkg/__init__.py": b'VALUE = "fetched through the egress proxy"\n',
-    "egresspkg-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: egresspkg\nVersion: 0.1\n",
-    "egresspkg-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: cynode-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-}
-record = ""
-for name, data in files.items():
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    record += f"{name},sha256={digest},{len(data)}\n"
-record += "egresspkg-0.1.dist-info/RECORD,,\n"
-with zipfile.ZipFile(sys.argv[1], "w") as z:
-    for name, data in files.items():
-        z.writestr(name, data)
-    z.writestr("egresspkg-0.1.dist-info/RECORD", record)
-"#;
-    let out = std::process::Command::new("python3")
-        .args(["-c", script])
-        .arg(&path)
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{out:?}");
-    std::fs::read(&path).unwrap()
-}
-
 /// What a pip job's answer must show: completed, the wheel fetched once from the index
 /// and the HTTPS origin reached once, each through the proxy and audited as allowed.
 fn assert_fetched(
@@ -560,7 +530,7 @@ async fn pip_installs_a_wheel_through_the_proxy(backend: &'static str) {
     let (image, rootfs) = python_image();
     tokio::time::timeout(TEST_TIME, async {
         let dir = tempfile::tempdir().unwrap();
-        let (index_port, downloads) = index_with(build_wheel(dir.path())).await;
+        let (index_port, downloads) = index_with(crate::harness::wheel("egresspkg", "fetched through the egress proxy")).await;
         let (secure, ca) = Origin::https(dir.path(), "secure.test").await;
         let dns = Dns::start(&[
             ("pypi.test", &[Ipv4Addr::LOCALHOST]),
@@ -617,7 +587,7 @@ async fn bwrap_pip_installs_a_wheel_and_curl_reaches_https_through_the_proxy() {
     crate::cases::setup();
     tokio::time::timeout(TEST_TIME, async {
         let dir = tempfile::tempdir().unwrap();
-        let (index_port, downloads) = index_with(build_wheel(dir.path())).await;
+        let (index_port, downloads) = index_with(crate::harness::wheel("egresspkg", "fetched through the egress proxy")).await;
         let (secure, ca) = Origin::https(dir.path(), "secure.test").await;
         let dns = Dns::start(&[
             ("pypi.test", &[Ipv4Addr::LOCALHOST]),

@@ -807,3 +807,35 @@ pub fn sha256_hex(bytes: &[u8]) -> String {
 pub fn seed_config(root: &std::path::Path) -> String {
     format!("seed_roots:\n  - {}\n", root.display())
 }
+
+/// A pure-Python wheel of `package` 0.1 whose `__init__` sets `VALUE = value`, written
+/// with the host's python3 and its standard zipfile module (RECORD hashes included, as pip
+/// checks them). Its file name is `<package>-0.1-py3-none-any.whl`.
+pub fn wheel(package: &str, value: &str) -> Vec<u8> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join(format!("{package}-0.1-py3-none-any.whl"));
+    let script = r#"
+import base64, hashlib, sys, zipfile
+pkg, value = sys.argv[2], sys.argv[3]
+info = f"{pkg}-0.1.dist-info"
+files = {
+    f"{pkg}/__init__.py": f"VALUE = {value!r}\n".encode(),
+    f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {pkg}\nVersion: 0.1\n".encode(),
+    f"{info}/WHEEL": b"Wheel-Version: 1.0\nGenerator: cynode-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+}
+record = ""
+for name, data in files.items():
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    record += f"{name},sha256={digest},{len(data)}\n"
+record += f"{info}/RECORD,,\n"
+with zipfile.ZipFile(sys.argv[1], "w") as z:
+    for name, data in files.items():
+        z.writestr(name, data)
+    z.writestr(f"{info}/RECORD", record)
+"#;
+    let mut cmd = Command::new("python3");
+    cmd.args(["-c", script]).arg(&path).args([package, value]);
+    let out = output_bounded(cmd, Duration::from_secs(30));
+    assert!(out.status.success(), "{out:?}");
+    std::fs::read(&path).unwrap()
+}

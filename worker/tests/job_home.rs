@@ -21,35 +21,6 @@ on_every_backend!(
 /// The wheel's file name: package `homepkg` 0.1, pure Python.
 const WHEEL: &str = "homepkg-0.1-py3-none-any.whl";
 
-/// A wheel of package `homepkg` 0.1, written with the host's python3 and its standard
-/// zipfile module (RECORD hashes included, as pip checks them).
-fn wheel() -> Vec<u8> {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join(WHEEL);
-    let script = r#"
-import base64, hashlib, sys, zipfile
-files = {
-    "homepkg/__init__.py": b'VALUE = "installed into HOME"\n',
-    "homepkg-0.1.dist-info/METADATA": b"Metadata-Version: 2.1\nName: homepkg\nVersion: 0.1\n",
-    "homepkg-0.1.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: cynode-test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-}
-record = ""
-for name, data in files.items():
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    record += f"{name},sha256={digest},{len(data)}\n"
-record += "homepkg-0.1.dist-info/RECORD,,\n"
-with zipfile.ZipFile(sys.argv[1], "w") as z:
-    for name, data in files.items():
-        z.writestr(name, data)
-    z.writestr("homepkg-0.1.dist-info/RECORD", record)
-"#;
-    let mut cmd = std::process::Command::new("python3");
-    cmd.args(["-c", script]).arg(&path);
-    let out = cynode_testkit::output_bounded(cmd, Duration::from_secs(30));
-    assert!(out.status.success(), "{out:?}");
-    std::fs::read(&path).unwrap()
-}
-
 /// What the job and the session's command run: their uid, `HOME`, a file written there,
 /// then `pip install --user` of the workspace's wheel and the import from a fresh
 /// interpreter, from `/` (so the workspace is not on its path). The image's Debian Python
@@ -114,7 +85,7 @@ pub async fn home_is_writable_and_pip_user_installs(backend: &'static str) {
         // the engines run the image itself).
         let sv = Server::start(backend, &format!("    \"{image}\": {}\n", rootfs.display()));
         let ws = unique("ws");
-        let wheel = wheel();
+        let wheel = crate::harness::wheel("homepkg", "installed into HOME");
         let (code, v) = sv
             .put_tar(&ws, crate::workspaces::tar_of(&[(WHEEL, &wheel)]))
             .await;
