@@ -1,4 +1,5 @@
-# deploy/lib.sh - sourced by the image builders (deploy/sba/build-*-image.sh): `usage`
+# deploy/lib.sh - sourced by the image builders (deploy/sba/build-*-image.sh) and the
+# session-state bench (worker/benches/session_state.sh): `usage`
 # prints the calling script's header comment (line 2 up to `set -euo`), `log` and `die`
 # write to stderr prefixed with the script's name, `elapsed` is the time since it was
 # sourced, `exit_if_image_current` and `finish_image` skip an up-to-date image and remove

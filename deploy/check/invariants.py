@@ -191,7 +191,7 @@ def check_k8s(path):
                 if isinstance(port, str) and port not in names:
                     problem(f"{key(w)}: {probe} port {port!r} is no container port name")
 
-    # The PM: what issue 7 and design.md ask of it.
+    # The PM: what design.md asks of its Deployment.
     pm = [d for d in by_kind.get("Deployment", []) if d["metadata"]["name"] == "cynode-pm"]
     if len(pm) != 1:
         problem("Deployment cynode-pm: missing")

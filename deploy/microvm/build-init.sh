@@ -16,9 +16,11 @@ if ldd "$bin" 2>&1 | grep -q '=>'; then
 fi
 mkdir -p "$CACHE"
 if ! cmp -s "$bin" "$CACHE/cynode-vminit"; then
-  cp "$bin" "$CACHE/.cynode-vminit.tmp"
-  chmod 0755 "$CACHE/.cynode-vminit.tmp"
-  mv -f "$CACHE/.cynode-vminit.tmp" "$CACHE/cynode-vminit"
+  # A temporary name of this run's own: two concurrent runs never share one.
+  tmp=$(mktemp "$CACHE/.cynode-vminit.XXXXXX")
+  cp "$bin" "$tmp"
+  chmod 0755 "$tmp"
+  mv -f "$tmp" "$CACHE/cynode-vminit"
 fi
 echo "build-init: $CACHE/cynode-vminit: static, $(stat -c %s "$bin") bytes" >&2
 echo "$CACHE/cynode-vminit"

@@ -1,4 +1,4 @@
-//! The egress rules (issue 25), one copy for every place that lets a sandbox's request out:
+//! The egress rules, one copy for every place that lets a sandbox's request out:
 //! the worker's per-job proxy and the PM's MCP gateway (`web.fetch`, `api.call`). Pure
 //! policy only; the servers that apply it live in their crates.
 //!

@@ -117,9 +117,10 @@ pub struct LocalWorkerConfig {
     pub egress_allow: Vec<String>,
     /// Where it exports traces.
     pub otlp_endpoint: Option<String>,
-    /// Its inference upstream, for agent jobs: this run's model, when that model needs no
-    /// key (the key would be a secret of the PM, and none reaches the worker). `None`:
-    /// agent jobs on it are refused for want of inference.
+    /// Its inference upstream, for agent jobs: this run's model when that model needs no
+    /// key, else the run's [`crate::inference_relay`] (the key stays in the PM; the
+    /// worker gets a key per job). `None`: agent jobs on it are refused for
+    /// want of inference.
     pub inference: Option<LocalInference>,
     /// The program that keeps the worker (`cynode-pm` itself, run as
     /// `local_worker::keeper::KEEPER_ARG`).
@@ -130,9 +131,14 @@ pub struct LocalWorkerConfig {
 }
 
 /// The local worker's inference upstream (its worker.yaml `inference`): an
-/// OpenAI-compatible base URL and the extra CA its TLS trusts. No key, ever.
+/// OpenAI-compatible base URL and the extra CA its TLS trusts. No model key, ever, and no
+/// standing credential: when `base_url` is the run's inference relay, each job carries a
+/// key of its own, minted at dispatch and revoked when it ends (`key_per_job`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LocalInference {
     pub base_url: String,
     pub ca_file: Option<PathBuf>,
+    /// `base_url` is the run's inference relay: the worker takes each job's key from
+    /// the job's request (worker.yaml `inference.key_per_job`).
+    pub key_per_job: bool,
 }

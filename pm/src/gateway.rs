@@ -9,10 +9,10 @@
 //!   a token by nothing that could be replayed. [`JobToken`] is the one place the secret
 //!   lives; its `Debug` and `Display` are redacted.
 //! - [`decide`] is the allowlist: `artifact.put|get|list`, `skills.list|get`,
-//!   `web.fetch`, `api.call`, `help.*`; never `db.*`, `node.*`, `sandbox.*` or a skill
-//!   write, whatever the job's context asks for.
-//! - Calls are audited per job ([`AuditEntry`]: tool, outcome, bytes; for `web.fetch`
-//!   and `api.call` also host, port and decision) and handed to the
+//!   `web.fetch`, `web.search`, `api.call`, `help.*`; never `db.*`, `node.*`,
+//!   `sandbox.*` or a skill write, whatever the job's context asks for.
+//! - Calls are audited per job ([`AuditEntry`]: tool, outcome, bytes; for `web.fetch`,
+//!   `web.search` and `api.call` also host, port and decision) and handed to the
 //!   driver with the revocation, which records them in the session's history (the driver
 //!   owns the session record while its job runs; a second writer would break its
 //!   optimistic versions).
@@ -286,6 +286,7 @@ pub const TOOLS: &[&str] = &[
     "skills.list",
     "skills.get",
     "web.fetch",
+    "web.search",
     "api.call",
     "help.tools",
 ];

@@ -58,6 +58,10 @@ pub struct LocalWorker {
     conn: Option<UnixStream>,
     /// The keeper, when this PM started it (reaped once it stopped).
     keeper: Option<Child>,
+    /// The inference relay of an earlier PM that this already running worker still
+    /// calls (its base URL), when it is not this run's: this PM serves it
+    /// ([`crate::inference_relay::Relay::also_serve`]).
+    pub previous_relay: Option<String>,
 }
 
 impl Drop for LocalWorker {
@@ -130,7 +134,7 @@ impl LocalWorker {
         let deadline = Instant::now() + Duration::from_secs(60);
         let mut delay = Duration::from_millis(20);
         loop {
-            if let Some((mut w, hello)) = attach(&dir) {
+            if let Some((mut w, mut hello)) = attach(&dir) {
                 // Its egress ceiling must be this run's exactly: a wider one would let
                 // this run's jobs go where it does not allow, a narrower one would stop
                 // them. Its model need not be: a resume after kill -9 must reach the job
@@ -140,10 +144,16 @@ impl LocalWorker {
                     && hello.egress_allow == cfg.egress_allow
                 {
                     if hello.inference != inference_url(cfg) {
-                        tracing::warn!(
+                        let relays =
+                            hello.relay && cfg.inference.as_ref().is_some_and(|i| i.key_per_job);
+                        if let Some(url) = hello.inference.take().filter(|_| relays) {
+                            w.previous_relay = Some(url);
+                        } else {
+                            tracing::warn!(
                             worker_inference = hello.inference.as_deref().unwrap_or("none"),
                             "the local worker already running keeps its own inference upstream; this run's agent jobs use it"
                         );
+                        }
                     }
                     notice(Notice::Attached {
                         keeper_pid: w.keeper_pid,
@@ -211,6 +221,7 @@ fn attach(dir: &Path) -> Option<(LocalWorker, Hello)> {
         keeper_pid: hello.keeper_pid,
         conn: Some(conn),
         keeper: None,
+        previous_relay: None,
     };
     Some((w, hello))
 }
@@ -242,6 +253,7 @@ fn spawn_keeper(
         seed: cfg.seed.clone(),
         egress_allow: cfg.egress_allow.clone(),
         inference: inference_url(cfg),
+        relay: cfg.inference.as_ref().is_some_and(|i| i.key_per_job),
     };
     let log = std::fs::OpenOptions::new()
         .create(true)
@@ -378,14 +390,18 @@ fn inference_url(cfg: &LocalWorkerConfig) -> Option<String> {
 }
 
 /// The worker.yaml `inference` section: the model's base URL and its extra CA, each a
-/// JSON string (a YAML double-quoted scalar, so no value can add a key); no key and no
-/// model list (the node offers whatever model a job allows; the upstream is the run's).
+/// JSON string (a YAML double-quoted scalar, so no value can add a key), and, for the
+/// run's inference relay, `key_per_job`; no key and no model list (the node offers
+/// whatever model a job allows; the upstream is the run's).
 fn inference_yaml(inference: Option<&LocalInference>) -> String {
     let Some(i) = inference else {
         return String::new();
     };
     let quote = |s: &str| serde_json::Value::String(s.to_string()).to_string();
     let mut yaml = format!("inference:\n  base_url: {}\n", quote(&i.base_url));
+    if i.key_per_job {
+        yaml.push_str("  key_per_job: true\n");
+    }
     if let Some(ca) = &i.ca_file {
         yaml.push_str(&format!(
             "  tls:\n    ca_file: {}\n",
@@ -434,6 +450,7 @@ mod tests {
         let i = LocalInference {
             base_url: "http://127.0.0.1:8089/v1\"\nlisten: 0.0.0.0:1".into(),
             ca_file: Some("/etc/ca\n  api_key_env: HOME.pem".into()),
+            key_per_job: false,
         };
         let yaml = format!("listen: 127.0.0.1:0\n{}", inference_yaml(Some(&i)));
         let v: serde_yaml::Value = serde_yaml::from_str(&yaml).unwrap();
@@ -444,5 +461,13 @@ mod tests {
             "/etc/ca\n  api_key_env: HOME.pem"
         );
         assert_eq!(v["inference"].as_mapping().unwrap().len(), 2, "{yaml}");
+        // The run's relay: a key per job, and no key file at all.
+        let i = LocalInference {
+            key_per_job: true,
+            ..i
+        };
+        let v: serde_yaml::Value = serde_yaml::from_str(&inference_yaml(Some(&i))).unwrap();
+        assert_eq!(v["inference"]["key_per_job"], true);
+        assert_eq!(v["inference"].as_mapping().unwrap().len(), 3);
     }
 }

@@ -51,13 +51,17 @@ pub enum FailureKind {
     ModelContractViolation,
     /// The model endpoint could not be reached.
     ModelUnavailable,
-    /// A job was denied by policy (fed back to the model; fatal only past the budget).
+    /// A task ran out of attempts and its last one was denied by the policy (each denial
+    /// is fed back to the model first).
     PolicyViolation,
-    /// An artifact's bytes did not match its sha256.
+    /// A task ran out of attempts and its last job's artifacts did not match their
+    /// sha256 (each such job is fed back to the model first).
     ArtifactIntegrityFailure,
-    /// The worker could not be reached after retries.
+    /// The worker could not be reached after retries. The PM seed's `worker_failure` is
+    /// read as this.
+    #[serde(alias = "worker_failure")]
     WorkerUnavailable,
-    /// A task failed more times than allowed.
+    /// A task ran out of attempts for any other reason (its jobs failed).
     TaskFailed,
     /// Turns, jobs or wall-clock ran out.
     BudgetExhausted,
@@ -155,8 +159,12 @@ pub struct Budgets {
     pub max_plan_only_streak: u32,
 }
 
+/// After this many `plan_update` replies in a row, the next turn must act (the default of
+/// [`Budgets::max_plan_only_streak`]; the guard is in `llm::turn`).
+pub const MAX_PLAN_ONLY_STREAK: u32 = 3;
+
 fn default_plan_only_streak() -> u32 {
-    crate::llm::MAX_PLAN_ONLY_STREAK
+    MAX_PLAN_ONLY_STREAK
 }
 
 impl Default for Budgets {

@@ -8,6 +8,8 @@ mod job_context;
 mod llm;
 mod plan_bounds;
 mod policy;
+mod seed_words;
 mod skills;
 mod skills_fetch;
 mod store;
+mod web_search;

@@ -98,11 +98,12 @@ async fn a_credential_in_the_objective_reaches_the_jobs_context_and_the_policy_d
             "{d}"
         );
     }
-    // Every attempt was denied and the task failed; nothing was submitted.
+    // Every attempt was denied and the session failed as a policy violation; nothing
+    // was submitted.
     assert_eq!(rec.status, SessionStatus::Failed);
     assert_eq!(
         rec.failure.as_ref().map(|f| f.kind),
-        Some(FailureKind::TaskFailed)
+        Some(FailureKind::PolicyViolation)
     );
     assert_eq!(denials.len() as u32, rec.budgets.max_attempts_per_task);
     assert_eq!(submitted.load(Ordering::SeqCst), 0);

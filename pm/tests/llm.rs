@@ -729,7 +729,7 @@ fn every_builtin_example_is_an_accepted_job_request() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 11);
+    assert_eq!(checked, 12);
 }
 
 #[test]
@@ -895,7 +895,7 @@ fn context_is_system_then_objective_state_and_event_in_order() {
     assert!(first[1].content.contains("this is the first turn"));
 }
 
-/// Issue 27 #2: a reply whose summary repeats a clause is refused as babble, the model is
+/// A reply whose summary repeats a clause is refused as babble, the model is
 /// told why, and the retry (only the retry) carries frequency_penalty, presence_penalty
 /// and llama.cpp's repeat_penalty.
 #[tokio::test]

@@ -8,7 +8,9 @@
 //! - [`result`]: result.json, the SBA's output, and the stable [`result::FailureCode`]s.
 //! - [`worker_api`]: the Worker API v1 job and capacity bodies (upstream CyNodeAI compatible).
 //! - [`worker_sessions`], [`worker_workspaces`], [`worker_health`]: the Worker API's
-//!   session, workspace and readiness bodies.
+//!   session, workspace and readiness bodies; [`worker_session_io`] a session's files and
+//!   streamed execs.
+//! - [`worker_session_state`]: a session's suspend and resume, snapshots and forks.
 //! - [`problem`]: the one problem+json error body of every HTTP API, and its `type` scheme.
 //! - [`pm_api`]: the PM's HTTP API bodies (what an orchestrator sends and reads).
 //! - [`llm`]: the PM's LLM output contract.
@@ -31,6 +33,8 @@ pub mod time;
 pub mod version;
 pub mod worker_api;
 pub mod worker_health;
+pub mod worker_session_io;
+pub mod worker_session_state;
 pub mod worker_sessions;
 pub mod worker_workspaces;
 

@@ -40,6 +40,8 @@ pub enum StepStatus {
 #[serde(rename_all = "snake_case")]
 pub enum FailureCode {
     /// job.json did not parse or validate.
+    // Read also as the seeds' `schema_error` (docs/INTEROP.md, "The seeds' words").
+    #[serde(alias = "schema_error")]
     SchemaValidation,
     /// A path escaped the workspace, or an allowlist refused a command or path.
     PolicyViolation,

@@ -17,7 +17,11 @@ use crate::result::ArtifactRecord;
 #[serde(rename_all = "snake_case")]
 pub enum TaskStatus {
     Pending,
+    // Read also as the seeds' `running` (docs/INTEROP.md, "The seeds' words").
+    #[serde(alias = "running")]
     InProgress,
+    // Read also as the seeds' `completed` (docs/INTEROP.md, "The seeds' words").
+    #[serde(alias = "completed")]
     Done,
     Failed,
     Blocked,

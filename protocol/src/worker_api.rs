@@ -121,6 +121,45 @@ pub struct RunJobRequest {
     /// the job, never part of its idempotency digest, and never enters the sandbox.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gateway: Option<GatewayGrant>,
+    /// Extension: the key the node presents to its inference upstream for this job's
+    /// requests, when that upstream takes a key per job (`inference.key_per_job`, as the
+    /// PM's inference relay does). The PM mints it per job and revokes it when the job
+    /// ends; the node keeps it in memory only, as the gateway's token: never stored with
+    /// the job, never part of its digest, never in the sandbox.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub inference_key: Option<JobKey>,
+}
+
+/// A key of one job's (`Debug` never shows it).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(transparent)]
+pub struct JobKey(pub String);
+
+impl std::fmt::Debug for JobKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JobKey(<redacted>)")
+    }
+}
+
+impl JobKey {
+    /// 1-[`MAX_GATEWAY_TOKEN_LEN`] visible ASCII characters; the error names `field` and
+    /// never echoes the key.
+    pub fn validate(&self, field: &str) -> Result<(), ValidationError> {
+        check_token(field, &self.0)
+    }
+}
+
+/// A bearer token of 1-[`MAX_GATEWAY_TOKEN_LEN`] visible ASCII characters; the error
+/// names `field` and never echoes the token.
+fn check_token(field: &str, token: &str) -> Result<(), ValidationError> {
+    let t = token.as_bytes();
+    if t.is_empty() || t.len() > MAX_GATEWAY_TOKEN_LEN || t.iter().any(|b| !b.is_ascii_graphic()) {
+        return Err(ValidationError::new(
+            field,
+            format!("must be 1-{MAX_GATEWAY_TOKEN_LEN} visible ASCII characters"),
+        ));
+    }
+    Ok(())
 }
 
 /// Longest gateway URL a request may carry.
@@ -160,17 +199,7 @@ impl GatewayGrant {
                 format!("must be an http:// or https:// URL of at most {MAX_GATEWAY_URL_LEN} visible ASCII characters"),
             ));
         }
-        let t = self.token.as_bytes();
-        if t.is_empty()
-            || t.len() > MAX_GATEWAY_TOKEN_LEN
-            || t.iter().any(|b| !b.is_ascii_graphic())
-        {
-            return Err(ValidationError::new(
-                "gateway.token",
-                format!("must be 1-{MAX_GATEWAY_TOKEN_LEN} visible ASCII characters"),
-            ));
-        }
-        Ok(())
+        check_token("gateway.token", &self.token)
     }
 }
 
@@ -195,6 +224,7 @@ impl RunJobRequest {
             },
             workspace_id,
             gateway: None,
+            inference_key: None,
         }
     }
 
@@ -232,6 +262,9 @@ impl RunJobRequest {
         self.validate_network()?;
         if let Some(g) = &self.gateway {
             g.validate()?;
+        }
+        if let Some(k) = &self.inference_key {
+            k.validate("inference_key")?;
         }
         for key in self.sandbox.env.keys() {
             if key.is_empty() || key.contains('=') || key.contains('\0') {
@@ -584,6 +617,31 @@ mod tests {
         assert!(serde_json::from_value::<RunJobRequest>(v).is_err());
         let plain: RunJobRequest = serde_json::from_value(req()).unwrap();
         assert!(!serde_json::to_string(&plain).unwrap().contains("gateway"));
+    }
+
+    /// The per-job inference key: optional, validated, and never in `Debug` nor in a
+    /// validation error.
+    #[test]
+    fn inference_key_is_optional_checked_and_redacted() {
+        let secret = "cik_0123456789abcdef";
+        let mut v = req();
+        v["inference_key"] = secret.into();
+        let r: RunJobRequest = serde_json::from_value(v.clone()).unwrap();
+        r.validate().unwrap();
+        assert!(!format!("{r:?}").contains(secret), "{r:?}");
+        for bad in ["", "cik_with space", &"k".repeat(MAX_GATEWAY_TOKEN_LEN + 1)] {
+            v["inference_key"] = bad.into();
+            let e = serde_json::from_value::<RunJobRequest>(v.clone())
+                .unwrap()
+                .validate()
+                .unwrap_err();
+            assert!(e.to_string().starts_with("inference_key:"), "{e}");
+            assert!(!e.to_string().contains("cik_"), "{e}");
+        }
+        let plain: RunJobRequest = serde_json::from_value(req()).unwrap();
+        assert!(!serde_json::to_string(&plain)
+            .unwrap()
+            .contains("inference_key"));
     }
 
     /// Upstream CyNodeAI sends `"command": null` on every SBA dispatch (its field has no

@@ -51,6 +51,13 @@ pub struct CreateSessionRequest {
     /// cannot bind the listener.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub use_inference: Option<bool>,
+    /// What the node does once the session is idle: `end` (the default) or `suspend`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_idle: Option<crate::worker_session_state::OnIdle>,
+    /// Start from this snapshot of one of the task's sessions: the new workspace
+    /// (`workspace_id`, which must not exist yet) is a copy of the snapshot's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_snapshot: Option<String>,
 }
 
 /// `POST /v1/worker/sessions/{session_id}/exec` request.
@@ -66,6 +73,14 @@ pub struct ExecRequest {
     /// Added to the session's env for this command.
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Answer an `ExecStarted` at once and keep the output for `…/execs/{exec_id}/output`
+    /// (see `worker_session_io`), instead of the `ExecResponse` once the command ended.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stream: bool,
+    /// Give the command a standard input written through `…/execs/{exec_id}/stdin`
+    /// (streamed execs only); without it the command's stdin is closed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stdin: bool,
 }
 
 /// Whether a session can still run commands.
@@ -73,6 +88,8 @@ pub struct ExecRequest {
 #[serde(rename_all = "snake_case")]
 pub enum SessionStatus {
     Running,
+    /// Its sandbox is stopped; workspace and settings are kept for `:resume`.
+    Suspended,
     Ended,
 }
 
@@ -123,6 +140,9 @@ pub struct SessionInfo {
     /// The session's egress so far; absent when it has no proxy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub egress: Option<SessionEgress>,
+    /// A session started `from_snapshot`: how its workspace was made from the snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workspace_copy: Option<crate::worker_session_state::WorkspaceCopy>,
 }
 
 /// A session's egress over its life: its attempts through the node's proxy, up to the

@@ -2,6 +2,7 @@
 //! upstream CyNodeAI's shapes ([`upstream`]).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod seed_words;
 mod upstream;
 
 use std::path::PathBuf;

@@ -1,7 +1,7 @@
 //! Upstream CyNodeAI's shapes (fixtures/upstream/, copied field for field from its Go
 //! types at the commit its README names) read with this project's types: its requests
 //! and job.json are accepted as documented second forms, its responses are read
-//! tolerantly (item 12 of issue 17), and the job.json this project sends an upstream
+//! tolerantly, and the job.json this project sends an upstream
 //! worker passes upstream's own strict decoder (cynode_testkit::upstream). Tests named
 //! `<feature>__<scenario>` follow upstream's BDD features.
 #![allow(non_snake_case)]

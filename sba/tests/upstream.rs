@@ -149,7 +149,7 @@ fn sba_runner__runner_reads_job_from_stdin_and_writes_result_to_stdout() {
     );
 }
 
-/// The bug of issue 17 item 6: a failed step's `error` was an object, which upstream's
+/// A failed step's `error` was an object, which upstream's
 /// decoder refuses, so the whole result was lost.
 #[test]
 fn sba_contract__sba_result_contract_has_required_shape_for_orchestrator_storage() {

@@ -20,7 +20,7 @@ pub mod worker;
 pub use model::{model_app, model_server, Model};
 pub use pm::{
     completed, final_state, happy_script, history_count, history_kinds, one_job_script,
-    plan_statuses, pm_with, session_id, write_then_search,
+    plan_statuses, pm_on, pm_with, session_id, write_then_search,
 };
 pub use serve::{serve_https_in_background, serve_in_background};
 pub use temp::{tempdir, workspace_file, TempDir};

@@ -18,9 +18,32 @@ pub fn pm_with(state: &Path, model: &str, args: &[&str], envs: &[(&str, &str)]) 
     output_bounded(pm_command(state, model, args, envs), PM_LIMIT)
 }
 
+/// [`pm_with`] with a local worker on `backend` (`bwrap`, `podman` or `docker`).
+pub fn pm_on(
+    backend: &str,
+    state: &Path,
+    model: &str,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> Output {
+    output_bounded(pm_command_on(backend, state, model, args, envs), PM_LIMIT)
+}
+
 /// The `cynode-pm` command line of these tests: JSON output, the state directory, a local
 /// bwrap worker on the test image, the model at `model`.
 pub fn pm_command(state: &Path, model: &str, args: &[&str], envs: &[(&str, &str)]) -> Command {
+    pm_command_on("bwrap", state, model, args, envs)
+}
+
+/// [`pm_command`] with a local worker on `backend`: bwrap on the test image's root
+/// filesystem, or an engine on the test image itself.
+pub fn pm_command_on(
+    backend: &str,
+    state: &Path,
+    model: &str,
+    args: &[&str],
+    envs: &[(&str, &str)],
+) -> Command {
     let mut c = Command::new(bin("cynode-pm"));
     // A failpoint only where the test sets one (`CYNODE_PM_FAILPOINT` in `envs`).
     c.env_remove("CYNODE_PM_FAILPOINT");
@@ -36,9 +59,11 @@ pub fn pm_command(state: &Path, model: &str, args: &[&str], envs: &[(&str, &str)
     }
     c.arg("--state-dir")
         .arg(state)
-        .args(["--local-backend", "bwrap", "--local-bwrap-rootfs"])
-        .arg(rootfs())
-        .args(["--model-base-url", model])
+        .args(["--local-backend", backend]);
+    if backend == "bwrap" {
+        c.arg("--local-bwrap-rootfs").arg(rootfs());
+    }
+    c.args(["--model-base-url", model])
         .current_dir(workspace_root());
     c
 }

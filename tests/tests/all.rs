@@ -4,6 +4,7 @@
 //! `cynode_tests` library (binaries, scripted model, processes).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod agent_task;
 mod api_input;
 mod architecture;
 mod babble;
@@ -14,6 +15,7 @@ mod egress_e2e;
 mod evidence;
 mod gateway;
 mod gateway_egress_e2e;
+mod hosted_model;
 mod listeners;
 mod mcp;
 mod otel;

@@ -1,6 +1,6 @@
 //! `cynode-pm serve` refuses what it does not understand, always as problem+json: bodies
 //! that are not JSON objects, any Content-Type but application/json (or none), and bodies
-//! over `--max-body-bytes` with and without Content-Length (issue 14, items 8–10).
+//! over `--max-body-bytes` with and without Content-Length.
 
 use std::io::{Read, Write};
 use std::time::Duration;

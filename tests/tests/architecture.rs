@@ -163,8 +163,9 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
                 "llm",
                 "dispatch",
                 "workers",
+                "inference_relay",
             ],
-            &["config", "driver"],
+            &["config", "driver", "job_run", "app"],
             &["local_worker", "bootstrap", "service", "mcp"],
         ],
     ),
@@ -182,6 +183,7 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
                 "remove_tree",
                 "disk_usage",
                 "loopfs",
+                "job_grants",
             ],
             &[
                 "backend",
@@ -351,4 +353,270 @@ fn only_the_protocol_spells_a_problem_type() {
         .collect();
     spellers.sort();
     assert_eq!(spellers, ["protocol/src/problem.rs"]);
+}
+
+mod imports;
+
+/// The crate roots whose module trees the import-cycle check reads.
+fn crate_roots() -> Vec<(String, std::path::PathBuf)> {
+    let root = workspace_root();
+    let mut out = Vec::new();
+    for krate in CRATES.iter().chain(&["vminit", "poolwaiter"]) {
+        for file in ["lib.rs", "main.rs"] {
+            let p = root.join(krate).join("src").join(file);
+            if p.is_file() {
+                out.push((format!("{krate}/src/{file}"), p));
+            }
+        }
+    }
+    out
+}
+
+/// The import cycles between the files of every crate (see `imports.rs` for what counts),
+/// as `root: parent: a <-> b`.
+fn import_cycles() -> (Vec<String>, Vec<String>) {
+    let root = workspace_root();
+    let (mut cycles, mut detail) = (Vec::new(), Vec::new());
+    let mut files = 0;
+    for (name, path) in crate_roots() {
+        let tree = imports::module_tree(&root, &path);
+        files += tree.len();
+        for c in imports::cycles(&imports::sibling_edges(&tree)) {
+            let short = c.split(" (").next().unwrap_or(&c).to_string();
+            cycles.push(format!("{name}: {short}"));
+            detail.push(format!("{name}: {c}"));
+        }
+    }
+    assert!(
+        files > 200,
+        "only {files} files in the module trees: is the walk still right?"
+    );
+    (cycles, detail)
+}
+
+#[test]
+fn no_import_cycle_between_the_files_of_a_crate() {
+    let (cycles, detail) = import_cycles();
+    assert!(
+        cycles.is_empty(),
+        "import cycles between sibling modules: {cycles:?}\n(each with the imports that \
+         make it):\n{}\nBreak a cycle by moving what both sides use below both.",
+        detail.join("\n")
+    );
+}
+
+#[test]
+fn the_cycle_check_sees_use_trees_inline_paths_and_nothing_in_comments_or_strings() {
+    let src = "//! [`crate::x`]\nuse super::{a::X, b::{self, Y}};\nuse crate::c::*;\nfn f() { let s = \"crate::d\"; super::e::g(); '{'; }\n#[cfg(test)]\nmod tests { use crate::t; }\n";
+    let code = imports::without_test_modules(&imports::code_only(src));
+    let paths: Vec<String> = imports::relative_paths(&code)
+        .iter()
+        .map(|p| p.join("::"))
+        .collect();
+    assert_eq!(
+        paths,
+        [
+            "super::a::X",
+            "super::b",
+            "super::b::Y",
+            "crate::c",
+            "super::e::g"
+        ]
+    );
+    let module: Vec<String> = vec!["m".into(), "n".into()];
+    let resolved = imports::resolve(&module, &["super".into(), "super".into(), "k".into()]);
+    assert_eq!(resolved, Some(vec!["k".to_string()]));
+}
+
+/// The shapes the three broken cycles had: `use super::sibling::*` both ways, a
+/// `crate::` path one way and `super::` the other, and a cycle through a directory module
+/// (its files seen as one sibling); a child naming its parent's items is no cycle.
+#[test]
+fn the_cycle_check_finds_sibling_cycles_and_not_the_tree() {
+    let dir = cynode_tests::tempdir().unwrap();
+    let src = dir.path().join("src");
+    for (file, text) in [
+        (
+            "lib.rs",
+            "pub mod a;\npub mod b;\npub mod c;\npub mod d;\npub struct Top;\n",
+        ),
+        (
+            "a/mod.rs",
+            "mod p;\nmod v;\npub use p::X;\npub struct E;\nfn h() { crate::d::inner::k() }\n",
+        ),
+        ("a/p.rs", "use super::v::*;\nuse super::E;\npub struct X;\n"),
+        ("a/v.rs", "use super::p::*;\n"),
+        ("b.rs", "pub fn f() { super::c::g() }\n"),
+        ("c.rs", "use crate::{b, Top};\npub fn g() {}\n"),
+        ("d/mod.rs", "pub mod inner;\n"),
+        ("d/inner.rs", "use crate::a::X;\n"),
+    ] {
+        let p = src.join(file);
+        fs::create_dir_all(p.parent().unwrap()).unwrap();
+        fs::write(p, text).unwrap();
+    }
+    let tree = imports::module_tree(dir.path(), &src.join("lib.rs"));
+    assert_eq!(tree.len(), 8);
+    let found: Vec<String> = imports::cycles(&imports::sibling_edges(&tree))
+        .iter()
+        .map(|c| c.split(" (").next().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        found,
+        ["crate: a <-> d", "crate: b <-> c", "crate::a: p <-> v"]
+    );
+}
+
+/// The workspace crates a manifest's `[section]` names (`cynode-…`).
+fn sibling_deps(krate: &str, section: &str) -> Vec<String> {
+    let manifest = fs::read_to_string(workspace_root().join(krate).join("Cargo.toml")).unwrap();
+    let mut out: Vec<String> = manifest
+        .lines()
+        .skip_while(|l| l.trim() != format!("[{section}]"))
+        .skip(1)
+        .take_while(|l| !l.starts_with('['))
+        .filter_map(|l| l.split(['=', '.', ' ']).next())
+        .filter(|n| n.starts_with("cynode-"))
+        .map(String::from)
+        .collect();
+    out.sort();
+    out
+}
+
+/// ARCHITECTURE.md ("tests/"): besides cynode-tests, only the worker dev-depends on a
+/// sibling binary crate (cynode-pm, for its skill builder).
+#[test]
+fn only_the_listed_crates_dev_depend_on_a_binary_crate() {
+    let binaries = ["cynode-pm", "cynode-worker", "cynode-sba"];
+    let mut found = Vec::new();
+    for krate in CRATES.iter().chain(&["vminit", "poolwaiter"]) {
+        for d in sibling_deps(krate, "dev-dependencies") {
+            if binaries.contains(&d.as_str()) {
+                found.push(format!("{krate} -> {d}"));
+            }
+        }
+    }
+    assert_eq!(
+        found,
+        ["worker -> cynode-pm", "tests -> cynode-pm", "tests -> cynode-worker"],
+        "a new dev-dependency on a binary crate: move the test to tests/ or update ARCHITECTURE.md and this list"
+    );
+}
+
+/// ARCHITECTURE.md ("Observability"): the crates both binaries depend on.
+#[test]
+fn the_crates_both_binaries_share_are_the_listed_ones() {
+    let pm = sibling_deps("pm", "dependencies");
+    let shared: Vec<String> = sibling_deps("worker", "dependencies")
+        .into_iter()
+        .filter(|d| pm.contains(d))
+        .collect();
+    assert_eq!(shared, ["cynode-egress", "cynode-protocol", "cynode-tls"]);
+}
+
+/// ARCHITECTURE.md (`config/`, the worker's layers): `config` imports nothing of the node
+/// but `image_ref` and `egress`, and `sandbox` nothing but `config`.
+#[test]
+fn worker_config_and_sandbox_import_only_their_leaves() {
+    let src = workspace_root().join("worker/src");
+    let imports_of = |files: Vec<std::path::PathBuf>, own: &str| {
+        let mut used: Vec<String> = files
+            .iter()
+            .flat_map(|f| crate_imports(&fs::read_to_string(f).unwrap()))
+            .filter(|m| m != own)
+            .collect();
+        used.sort();
+        used.dedup();
+        used
+    };
+    let mut config = Vec::new();
+    sources(&src.join("config"), &mut config);
+    assert!(config.len() > 2, "config/ has {} files", config.len());
+    assert_eq!(imports_of(config, "config"), ["egress", "image_ref"]);
+    assert_eq!(
+        imports_of(vec![src.join("sandbox.rs")], "sandbox"),
+        ["config"]
+    );
+}
+
+/// ARCHITECTURE.md ("Adding a sandbox backend") lists every file outside
+/// `worker/src/backend/` whose code names a backend: its module (`backend::bwrap`) or its
+/// `BackendKind` variant. A backend is a module of `backend/` with an
+/// `impl SandboxBackend for`.
+#[test]
+fn the_files_that_name_a_backend_are_the_ones_listed() {
+    let root = workspace_root();
+    let backend_dir = root.join("worker/src/backend");
+    let mut backend_files = Vec::new();
+    sources(&backend_dir, &mut backend_files);
+    let mut backends: Vec<String> = backend_files
+        .iter()
+        .filter(|f| {
+            fs::read_to_string(f)
+                .unwrap()
+                .contains("impl SandboxBackend for")
+        })
+        .filter_map(|f| {
+            let rel = f.strip_prefix(&backend_dir).ok()?;
+            let first = rel.components().next()?.as_os_str().to_str()?;
+            Some(first.trim_end_matches(".rs").to_string())
+        })
+        .filter(|m| m != "mod")
+        .collect();
+    backends.sort();
+    backends.dedup();
+    assert!(backends.len() >= 3, "backends found: {backends:?}");
+    let config = fs::read_to_string(root.join("worker/src/config/mod.rs")).unwrap();
+    let variants: Vec<String> = config
+        .split("pub enum BackendKind")
+        .nth(1)
+        .and_then(|t| t.split('}').next())
+        .map(|body| {
+            imports::code_only(body)
+                .lines()
+                .map(|l| l.trim().trim_end_matches(','))
+                .filter(|l| !l.is_empty() && !l.starts_with('#') && !l.starts_with('{'))
+                .map(String::from)
+                .collect()
+        })
+        .unwrap_or_default();
+    assert!(variants.len() >= 4, "BackendKind variants: {variants:?}");
+    let mut needles: Vec<String> = backends.iter().map(|b| format!("backend::{b}")).collect();
+    needles.extend(variants.iter().map(|v| format!("BackendKind::{v}")));
+
+    let map = fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let section = map
+        .split("## Adding a sandbox backend")
+        .nth(1)
+        .and_then(|t| t.split("\n## ").next())
+        .expect("an \"Adding a sandbox backend\" section");
+    let listed: Vec<&str> = section.split('`').skip(1).step_by(2).collect();
+    let mut files = Vec::new();
+    sources(&root.join("worker/src"), &mut files);
+    let mut unlisted = Vec::new();
+    let mut naming = 0;
+    for f in files.iter().filter(|f| !f.starts_with(&backend_dir)) {
+        let code =
+            imports::without_test_modules(&imports::code_only(&fs::read_to_string(f).unwrap()));
+        let names = needles.iter().any(|n| {
+            code.match_indices(n.as_str()).any(|(i, _)| {
+                !code[i + n.len()..].starts_with(|c: char| c.is_alphanumeric() || c == '_')
+            })
+        });
+        if names {
+            naming += 1;
+            let rel = f.strip_prefix(&root).unwrap().display().to_string();
+            if !listed.contains(&rel.as_str()) {
+                unlisted.push(rel);
+            }
+        }
+    }
+    assert!(
+        naming >= 1,
+        "no file names a backend: is the search still right?"
+    );
+    assert!(
+        unlisted.is_empty(),
+        "files that name a backend ({needles:?}) but are not in ARCHITECTURE.md's \"Adding a sandbox backend\": {unlisted:?}"
+    );
 }

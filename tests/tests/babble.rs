@@ -1,4 +1,4 @@
-//! Babble is a contract violation (issue 27 #2), against the real local model server
+//! Babble is a contract violation, against the real local model server
 //! (llama-server + SmolLM2, deploy/llm/): a reply refused as babble is asked again with
 //! `frequency_penalty`, `presence_penalty` and llama.cpp's `repeat_penalty`, and the real
 //! server takes that request and answers it with a reply that passes the contract.

@@ -575,7 +575,10 @@ fn real_llm_drives_the_loop() {
         assert!(
             matches!(
                 kind,
-                "budget_exhausted" | "model_contract_violation" | "task_failed"
+                "budget_exhausted"
+                    | "model_contract_violation"
+                    | "task_failed"
+                    | "policy_violation"
             ),
             "the loop broke for a reason other than the small model's limits: {report}; state {v}"
         );

@@ -1,4 +1,4 @@
-//! Egress end to end (issue 25): the real `cynode-pm` (scripted model) and a real
+//! Egress end to end: the real `cynode-pm` (scripted model) and a real
 //! `cynode-worker` on bwrap with an egress ceiling naming an HTTP origin of the test's own
 //! on 127.0.0.1 as an exact IP. A skill that declares that egress gets a job with
 //! `network_policy: restricted` and its `egress_allow`; its step (busybox wget, which goes

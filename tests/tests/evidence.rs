@@ -1,4 +1,4 @@
-//! The deliverable is the PM's evidence report (issue 27 #1): the real `cynode-pm`, a real
+//! The deliverable is the PM's evidence report: the real `cynode-pm`, a real
 //! local `cynode-worker` (bwrap) running the real SBA, and a scripted model. The report
 //! lists each task's jobs with their skill, each step's outcome (exit code, first lines,
 //! tree entries, matches) and the verified artifacts, then the model's summary; `run`

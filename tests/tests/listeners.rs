@@ -1,4 +1,4 @@
-//! `cynode-pm serve` under floods from clients without a token (issue 24, item 5): 64
+//! `cynode-pm serve` under floods from clients without a token: 64
 //! slowloris heads, silent connections and unfinished 400 KB heads against a cap of 32
 //! connections and two-second timeouts, over plain HTTP and over HTTPS. `/healthz` keeps
 //! answering, the replica's descriptors and resident memory stay bounded, and every

@@ -110,6 +110,8 @@ async fn session_to_a_verified_artifact(c: &Client) -> String {
         .unwrap()
         .into_iter()
         .map(|t| t.name.to_string())
+        // `skills.run` is offered on stdio only (checked by each transport's test).
+        .filter(|t| t != "skills.run")
         .collect();
     assert_eq!(
         tools,
@@ -121,7 +123,8 @@ async fn session_to_a_verified_artifact(c: &Client) -> String {
             "sessions.cancel",
             "skills.list",
             "skills.show",
-            "artifacts.get"
+            "artifacts.get",
+            "sessions.report"
         ]
     );
     let created = call(
@@ -360,6 +363,17 @@ async fn mcp_over_http_in_serve_behind_the_api_tokens() {
     };
     let a = client(TENANT_A).await;
     let id = session_to_a_verified_artifact(&a).await;
+    // `skills.run` runs on this machine's paths: not offered over HTTP, refused by name.
+    let listed = a.list_all_tools().await.unwrap();
+    assert!(!listed.iter().any(|t| t.name == "skills.run"));
+    let (code, _) = protocol_error(&a, "skills.run", json!({ "skill_id": "write-files" })).await;
+    assert_eq!(code, ErrorCode::INVALID_PARAMS);
+    let report = call(&a, "sessions.report", json!({ "session_id": id })).await;
+    assert_eq!(report["status"], "completed", "{report}");
+    assert!(
+        report["text"].as_str().unwrap().contains("README.md"),
+        "{report}"
+    );
     let b = client(crate::service::TENANT_B).await;
     let p = refused(&b, "sessions.get", json!({ "session_id": id })).await;
     assert_eq!(p["type"], "urn:cynodeai:error:not_found", "{p}");
@@ -430,4 +444,116 @@ async fn gateway_refuses_absent_forged_and_api_tokens() {
     drop(r);
     let log = std::fs::read_to_string(dir.path().join("g1.log")).unwrap();
     assert!(!log.contains(&forged[4..]), "a token reached the log");
+}
+
+/// `cynode-pm mcp` with no worker flags starts its own local worker (bwrap on the test
+/// image), offers `sessions.report` and `skills.run`, runs a built-in skill on a copy of
+/// a workspace to a verified artifact, and stops the worker when the client closes stdin:
+/// the worker's process is gone and nothing is left mounted (the temporary directory's
+/// drop checks that).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_stdio_without_worker_flags_runs_a_skill_on_its_own_local_worker() {
+    let dir = cynode_tests::tempdir().unwrap();
+    let project = dir.path().join("project");
+    std::fs::create_dir_all(&project).unwrap();
+    std::fs::write(project.join("README.md"), README).unwrap();
+    let (model, _script) = model_server(vec![]);
+    let state = dir.path().join("state");
+    let log = std::fs::File::create(dir.path().join("mcp-local.log")).unwrap();
+    let mut cmd = tokio::process::Command::new(cynode_tests::bin("cynode-pm"));
+    cmd.arg("mcp")
+        .args(["--local-backend", "bwrap", "--local-bwrap-rootfs"])
+        .arg(cynode_tests::rootfs())
+        .arg("--workspace-root")
+        .arg(&project)
+        .args(["--model-base-url", &model])
+        .arg("--state-dir")
+        .arg(&state)
+        .env_remove("CYNODE_WORKER_ENDPOINT")
+        .env_remove("CYNODE_WORKERS_FILE")
+        .env("CYNODE_LOCAL_WORKER_GRACE_SECONDS", "30")
+        .current_dir(workspace_root())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::from(log))
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().unwrap();
+    let stdin = child.stdin.take().unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let c = tokio::time::timeout(Duration::from_secs(90), ().serve((stdout, stdin)))
+        .await
+        .expect("cynode-pm mcp did not initialize within 90 s")
+        .unwrap();
+    let tools: Vec<String> = c
+        .list_all_tools()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|t| t.name.to_string())
+        .collect();
+    for t in ["sessions.create", "sessions.report", "skills.run"] {
+        assert!(tools.iter().any(|n| n == t), "{t} missing: {tools:?}");
+    }
+    let keeper: Value = serde_json::from_str(
+        &std::fs::read_to_string(state.join("worker").join("keeper.json")).unwrap(),
+    )
+    .unwrap();
+    let worker_pid = keeper["worker_pid"].as_u64().unwrap();
+
+    let ran = call(
+        &c,
+        "skills.run",
+        json!({ "skill_id": "repo-inspect", "inputs": { "files": ["README.md"] },
+                "workspace": project.display().to_string() }),
+    )
+    .await;
+    assert_eq!(ran["ok"], true, "{ran}");
+    assert_eq!(ran["job"]["status"], "completed", "{ran}");
+    let art = ran["job"]["artifacts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["path"] == "README.md")
+        .unwrap_or_else(|| panic!("no README.md artifact: {ran}"))
+        .clone();
+    let stored = std::fs::read(art["location"].as_str().unwrap()).unwrap();
+    assert_eq!(stored, README.as_bytes());
+    assert_eq!(
+        art["sha256"].as_str().unwrap(),
+        hex::encode(Sha256::digest(README.as_bytes()))
+    );
+    // Bad inputs: a failed run, named; a relative workspace: a protocol error.
+    let bad = refused(
+        &c,
+        "skills.run",
+        json!({ "skill_id": "repo-inspect", "inputs": { "nope": 1 } }),
+    )
+    .await;
+    assert_eq!(bad["error"]["kind"], "invalid_inputs", "{bad}");
+    let (code, _) = protocol_error(
+        &c,
+        "skills.run",
+        json!({ "skill_id": "repo-inspect", "inputs": {}, "workspace": "project" }),
+    )
+    .await;
+    assert_eq!(code, ErrorCode::INVALID_PARAMS);
+    let p = refused(&c, "sessions.report", json!({ "session_id": "s-missing" })).await;
+    assert_eq!(p["type"], "urn:cynodeai:error:not_found", "{p}");
+
+    // The client goes away (stdin closed): the server stops its worker and exits.
+    drop(c);
+    let status = tokio::time::timeout(Duration::from_secs(90), child.wait())
+        .await
+        .expect("cynode-pm mcp did not exit within 90 s of stdin closing")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    let proc_dir = std::path::PathBuf::from(format!("/proc/{worker_pid}"));
+    let t = Instant::now();
+    while proc_dir.exists() && t.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        !proc_dir.exists(),
+        "the local worker {worker_pid} outlived cynode-pm mcp"
+    );
 }

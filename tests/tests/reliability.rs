@@ -1,6 +1,6 @@
 //! `cynode-pm run` keeps its promises when killed, run twice, or handed odd names
-//! (issue 14, items 1–7, and issue 13 item 3): real `cynode-pm` processes, real local
-//! bwrap workers, a scripted model. Every wait is bounded here, with its own message.
+//! (real `cynode-pm` processes, real local
+//! bwrap workers, a scripted model). Every wait is bounded here, with its own message.
 
 use std::io::Read;
 use std::os::unix::process::CommandExt;
@@ -17,8 +17,8 @@ use cynode_tests::{
 };
 
 /// One `cynode-pm` process; killed (SIGKILL) and reaped on drop.
-struct Pm {
-    child: Child,
+pub(crate) struct Pm {
+    pub(crate) child: Child,
     out: PathBuf,
     err: PathBuf,
 }
@@ -31,16 +31,16 @@ impl Drop for Pm {
 }
 
 impl Pm {
-    fn pid(&self) -> u32 {
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
-    fn stderr(&self) -> String {
+    pub(crate) fn stderr(&self) -> String {
         std::fs::read_to_string(&self.err).unwrap_or_default()
     }
 
     /// Waits (at most `within`) for the exit; returns the code and the JSON on stdout.
-    fn finish(&mut self, within: Duration) -> (Option<i32>, Value) {
+    pub(crate) fn finish(&mut self, within: Duration) -> (Option<i32>, Value) {
         let t = Instant::now();
         let status = loop {
             if let Some(s) = self.child.try_wait().unwrap() {
@@ -64,7 +64,7 @@ impl Pm {
     }
 
     /// The session id the PM printed.
-    fn session_id(&self, within: Duration) -> String {
+    pub(crate) fn session_id(&self, within: Duration) -> String {
         let mut found = None;
         wait_for(within, "the session id on stderr", || {
             found = self.stderr().lines().find_map(|l| {
@@ -79,7 +79,7 @@ impl Pm {
 
 /// Starts `cynode-pm --output json ARGS --state-dir STATE` with a local bwrap worker and
 /// the model at `model`; its output goes to files under `logs`.
-fn spawn_pm(
+pub(crate) fn spawn_pm(
     logs: &Path,
     name: &str,
     state: &Path,
@@ -115,7 +115,7 @@ fn spawn_pm(
 }
 
 /// Polls `ok` every 50 ms until it holds; fails naming `what` after `within`.
-fn wait_for(within: Duration, what: &str, mut ok: impl FnMut() -> bool) {
+pub(crate) fn wait_for(within: Duration, what: &str, mut ok: impl FnMut() -> bool) {
     let t = Instant::now();
     while !ok() {
         assert!(t.elapsed() < within, "{what}: not within {within:?}");
@@ -152,7 +152,7 @@ fn children(pid: u32) -> Vec<u32> {
 
 /// A test-only skill `slow-mark`: appends a line to `runs.txt` in the workspace (one per
 /// run of the job), sleeps `seconds`, then writes `done.txt`.
-fn slow_skill(dir: &Path) {
+pub(crate) fn slow_skill(dir: &Path) {
     cynode_tests::write_skill(
         &dir.join("slow-mark"),
         "skill_id: slow-mark\nversion: 1.0.0\ndescription: mark a run, wait, mark done\npurpose: base-tools\nallowed_commands: [sh]\nlimits:\n  max_runtime_seconds: 120\n  max_output_bytes: 65536\ninputs_schema:\n  type: object\n  additionalProperties: false\n  required: [seconds]\n  properties:\n    seconds: { type: integer, minimum: 0, maximum: 60 }\n",
@@ -209,7 +209,7 @@ fn job_results(state: &Path) -> String {
     out
 }
 
-fn workspace(state: &Path, session: &str) -> PathBuf {
+pub(crate) fn workspace(state: &Path, session: &str) -> PathBuf {
     state.join("worker/state/workspaces").join(session)
 }
 
@@ -217,13 +217,13 @@ const SECRET: &str = "sk-model-key-that-must-not-leak-0123456789";
 
 /// The keeper of a state directory's local worker, from its lease (`keeper.json`);
 /// on drop (a failed test too) its process group (keeper, worker) is killed.
-struct Keeper {
+pub(crate) struct Keeper {
     keeper: u32,
     worker: u32,
 }
 
 impl Keeper {
-    fn of(state: &Path, within: Duration) -> Keeper {
+    pub(crate) fn of(state: &Path, within: Duration) -> Keeper {
         let lease = state.join("worker/keeper.json");
         let mut found = None;
         wait_for(within, "the local worker's lease (keeper.json)", || {
@@ -239,7 +239,7 @@ impl Keeper {
         }
     }
 
-    fn alive(&self) -> bool {
+    pub(crate) fn alive(&self) -> bool {
         alive(self.keeper) || alive(self.worker)
     }
 }
@@ -283,12 +283,11 @@ enum Stop {
     CtrlC,
 }
 
-/// Issue 27 #3 (and issue 14 items 1–2): the local worker outlives its killed
-/// `cynode-pm run`: its keeper holds the state directory's lease, the job runs to its
-/// end, and `sessions resume` attaches to the same worker and takes the job's result. The
-/// job ran once, completed, and the model is never told to redo it. Keeper and worker
-/// start from a cleared environment (never the model key), and both are gone once the
-/// resumed PM ends.
+/// The local worker outlives its killed `cynode-pm run`: its keeper holds the state
+/// directory's lease, the job runs to its end, and `sessions resume` attaches to the same
+/// worker and takes the job's result. The job ran once, completed, and the model is never
+/// told to redo it. Keeper and worker start from a cleared environment (never the model
+/// key), and both are gone once the resumed PM ends.
 fn a_job_survives_its_pm_and_resume_takes_its_result(stop: Stop) {
     let logs = cynode_tests::tempdir().unwrap();
     let skills = cynode_tests::tempdir().unwrap();
@@ -393,7 +392,7 @@ fn ctrl_c_of_run_mid_job_then_resume_takes_the_jobs_result() {
     a_job_survives_its_pm_and_resume_takes_its_result(Stop::CtrlC);
 }
 
-/// Issue 27 #3: nothing outlives the grace period. With a grace of 2 s and no PM coming
+/// Nothing outlives the grace period. With a grace of 2 s and no PM coming
 /// back, the keeper stops the worker (and its sandbox) and exits; the job's sandbox is
 /// gone too.
 #[test]
@@ -487,8 +486,8 @@ fn run_with_its_local_worker_leaves_nothing_mounted() {
     );
 }
 
-/// Issue 14 item 3: a second `run` on the same state directory uses the first one's
-/// worker (issue 27 #3: through its keeper) instead of starting a rival that reconciles
+/// A second `run` on the same state directory uses the first one's
+/// worker instead of starting a rival that reconciles
 /// the first one's job away; both sessions complete and each job ran once.
 #[test]
 fn two_runs_on_one_state_dir_never_break_each_other() {
@@ -557,7 +556,7 @@ fn two_runs_on_one_state_dir_never_break_each_other() {
     );
 }
 
-/// Issue 14 item 4: several processes opening a new state directory's database at once
+/// Several processes opening a new state directory's database at once
 /// all succeed (no `UNIQUE constraint failed: _sqlx_migrations.version`, no `database
 /// is locked`).
 #[test]
@@ -596,7 +595,7 @@ fn processes_opening_a_fresh_state_dir_at_once_all_succeed() {
     }
 }
 
-/// Issue 14 item 5: artifacts whose names hold spaces, `#`, `?`, `%`, `&`, `+` and
+/// Artifacts whose names hold spaces, `#`, `?`, `%`, `&`, `+` and
 /// non-ASCII characters are fetched, verified and stored.
 #[test]
 fn odd_artifact_names_arrive_end_to_end() {
@@ -646,7 +645,7 @@ fn odd_artifact_names_arrive_end_to_end() {
     }
 }
 
-/// Issue 14 item 6: a worker that refuses the token fails the session at once with an
+/// A worker that refuses the token fails the session at once with an
 /// authentication error naming the worker, not after `--worker-wait-seconds`.
 #[test]
 fn a_wrong_worker_token_fails_at_once_naming_the_worker() {
@@ -701,10 +700,10 @@ fn silent_model() -> String {
     format!("http://{}/v1", serve_in_background(app))
 }
 
-/// Issue 14 item 7: `--model-timeout-seconds` (and `CYNODE_MODEL_TIMEOUT_SECONDS`) bounds
+/// `--model-timeout-seconds` (and `CYNODE_MODEL_TIMEOUT_SECONDS`) bounds
 /// how long a model that never answers can hold a turn: each of the 3 transport tries
-/// waits that long, so 3 s gives about 10 s, where the fixed 120 s per try of before
-/// gave 6 minutes (the upper bound leaves room for a loaded machine).
+/// waits that long, so 3 s gives about 10 s, where the default 120 s per try gives
+/// 6 minutes (the upper bound leaves room for a loaded machine).
 #[test]
 fn a_model_that_never_answers_fails_within_the_model_timeout() {
     let url = silent_model();
@@ -749,7 +748,7 @@ fn a_model_that_never_answers_fails_within_the_model_timeout() {
     }
 }
 
-/// Issue 14 item 4 on PostgreSQL: replicas opening a new database at once all migrate it
+/// On PostgreSQL: replicas opening a new database at once all migrate it
 /// without error (the migration, including sqlx's creation of its own table, runs under
 /// `pg_advisory_lock`).
 #[test]

@@ -32,14 +32,6 @@ impl Replica {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn start_replica(
     dir: &Path,
     name: &str,
@@ -74,12 +66,11 @@ pub(crate) fn start_replica_with(
         format!("{TENANT_A} acme\n{TENANT_B} globex\n"),
     )
     .unwrap();
-    let port = free_port();
     let state = dir.join(name);
     let log = std::fs::File::create(dir.join(format!("{name}.log"))).unwrap();
     let mut cmd = Command::new(cynode_tests::bin("cynode-pm"));
     cmd.arg("serve")
-        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .args(["--listen", "127.0.0.1:0"])
         .arg("--api-tokens-file")
         .arg(dir.join("tokens"))
         .args(["--replica-id", name, "--datastore-endpoint", db])
@@ -93,17 +84,29 @@ pub(crate) fn start_replica_with(
         .stdout(Stdio::null())
         .stderr(log);
     let mut child = OwnedChild::spawn(cmd);
-    let base = format!("http://127.0.0.1:{port}");
+    // The port it bound, from its `cynode-pm listening` log line.
+    let log = dir.join(format!("{name}.log"));
     let t = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+    let addr = loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let addr = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+            .find(|v| v["fields"]["message"] == "cynode-pm listening")
+            .and_then(|v| v["fields"]["addr"].as_str().map(str::to_string));
+        if let Some(a) = addr {
+            break a;
+        }
         assert!(
             t.elapsed() < Duration::from_secs(60) && child.try_wait().is_none(),
-            "replica {name} did not start within 60 s, or exited: {}",
-            std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap_or_default()
+            "replica {name} did not start within 60 s, or exited: {text}"
         );
         std::thread::sleep(Duration::from_millis(50));
+    };
+    Replica {
+        child,
+        base: format!("http://{addr}"),
     }
-    Replica { child, base }
 }
 
 fn client() -> reqwest::Client {
@@ -718,6 +721,12 @@ async fn a_terminated_replica_hands_its_session_over_at_once() {
     );
     let log = m.log(m.owner);
     assert!(log.contains("handing sessions back"), "{log}");
+    // The survivor saves the completed session, then lets go of its lease: a second
+    // write, so the release is awaited (bounded), not read at once.
+    let until = Instant::now() + Duration::from_secs(10);
+    while lease_owner(&m.db, &id).await.is_some() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     assert_eq!(lease_owner(&m.db, &id).await, None, "released once done");
 }
 

@@ -175,6 +175,9 @@ fn a_policy_denial_exits_5_with_the_rules() {
     assert_eq!(code, 5, "{v} {stderr}");
     assert_eq!(v["error"]["kind"], "policy_denied", "{v}");
     assert!(!v["error"]["deny"].as_array().unwrap().is_empty(), "{v}");
+    // The PM seed's shape of a policy error, beside ours.
+    assert_eq!(v["error"]["type"], "error", "{v}");
+    assert_eq!(v["error"]["reason"], "policy_violation", "{v}");
 }
 
 /// Artifact bytes that do not match the sha256 the sandbox reported (a proxy between the

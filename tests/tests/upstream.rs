@@ -1,6 +1,6 @@
-//! Our PM against a worker that speaks only upstream CyNodeAI's Worker API (issue 17,
-//! item 11): an in-process stand-in serving exactly upstream's endpoint set over real
-//! HTTP (`GET /healthz`, `GET /readyz`, synchronous `POST /v1/worker/jobs:run`; anything
+//! Our PM against a worker that speaks only upstream CyNodeAI's Worker API: an
+//! in-process stand-in serving exactly upstream's endpoint set over real HTTP
+//! (`GET /healthz`, `GET /readyz`, synchronous `POST /v1/worker/jobs:run`; anything
 //! else 404 as Go's mux answers), which decodes requests and job.json with the mirrors
 //! of upstream's types (cynode_testkit::upstream: Go's JSON semantics, the job spec
 //! strict as `ParseAndValidateJobSpec`), runs the real static cynode-sba on a fresh

@@ -10,6 +10,8 @@
 //!   sniffing before either); a connection with no request in flight for `idle_timeout`
 //!   is closed; heads are capped at `max_header_bytes` (431 above).
 //! - A TLS handshake must finish within `tls_handshake_timeout`.
+//! - A response sent before its request's body was read closes its HTTP/1 connection and
+//!   says so ([`crate::unread_body`]).
 //! - Shutdown stops accepting, lets in-flight requests finish for `grace`, then closes
 //!   what is left; dropping the serving future closes every connection at once.
 
@@ -31,6 +33,7 @@ use tower::ServiceExt;
 
 use crate::limits::ListenerLimits;
 use crate::slots::{Slot, Slots};
+use crate::unread_body;
 
 /// The TLS config a listener uses for its next handshake (replaced on reload).
 pub(crate) type TlsConfig = Arc<RwLock<Arc<ServerConfig>>>;
@@ -205,7 +208,10 @@ impl Conn {
             let in_flight = activity.request();
             let app = app.clone();
             async move {
-                let resp = app.oneshot(req.map(Body::new)).await?;
+                let version = req.version();
+                let (req, seen) = unread_body::track(req.map(Body::new));
+                let mut resp = app.oneshot(req).await?;
+                unread_body::close_if_unread(version, &seen, &mut resp);
                 // In flight until the response body is done (or dropped): a stream of
                 // events keeps its connection busy, not idle.
                 Ok::<_, std::convert::Infallible>(resp.map(|b| {

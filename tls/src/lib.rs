@@ -15,6 +15,7 @@ mod client;
 mod limits;
 mod server;
 mod slots;
+mod unread_body;
 
 pub use client::ClientTls;
 pub use limits::ListenerLimits;

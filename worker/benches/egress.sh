@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# worker/benches/egress.sh - what the egress proxy (issue 25) costs a job.
+# worker/benches/egress.sh - what the egress proxy costs a job.
 #
 # Usage:  bash worker/benches/egress.sh          (as root, from anywhere in the repository)
 #

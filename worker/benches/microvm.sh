@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# worker/benches/microvm.sh - what a job costs on the microvm backend (issue 29).
+# worker/benches/microvm.sh - what a job costs on the microvm backend.
 #
 # Usage:  bash worker/benches/microvm.sh          (as root, from anywhere in the repository)
 #

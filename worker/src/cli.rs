@@ -155,12 +155,23 @@ async fn check(args: NodeArgs) -> anyhow::Result<i32> {
             }
         }
     }
-    for image in &cfg.images {
+    let mut images = cfg.images.clone();
+    if let Some(d) = cfg.default_image.as_ref().filter(|d| !images.contains(d)) {
+        images.push(d.clone());
+    }
+    for image in &images {
         if backend.has_image(image).await {
-            println!("ok   image {image}");
+            let label = cynode_worker::backend::image_labels::describe(&cfg, image).await;
+            println!("ok   image {image}: {label}");
         } else {
             missing.push(format!("image {image}: not available locally"));
         }
+    }
+    if cfg.allow_unlabelled_agent_images {
+        println!(
+            "note images: allow_unlabelled_agent_images is on: agent jobs run on images without {}=true",
+            cynode_worker::backend::image_labels::AGENT_COMPATIBLE
+        );
     }
     if let Err(e) = std::fs::create_dir_all(&cfg.state_dir) {
         missing.push(format!("state dir {}: {e}", cfg.state_dir.display()));

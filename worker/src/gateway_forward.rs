@@ -4,7 +4,7 @@
 //!
 //! - The PM hands the node the gateway's URL and the job's token in the Worker API
 //!   request (`gateway`, never in job.json). The node keeps them in memory only
-//!   ([`grants`]): they are taken out of the request before it is digested or stored, so
+//!   ([`crate::job_grants`]): they are taken out of the request before it is digested or stored, so
 //!   neither the job store nor a log line ever holds the token, and a PM that re-submits
 //!   the same job (after a restart, with a new token) is the same request and updates the
 //!   grant in place.
@@ -26,10 +26,9 @@
 //!   memory.
 //! - Only `POST /` (and `POST /mcp`) exist; other paths 404, other methods 405.
 
-use std::collections::HashMap;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
@@ -38,7 +37,6 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
-use cynode_protocol::worker_api::GatewayGrant;
 use cynode_tls::ListenerLimits;
 use serde_json::json;
 use tokio::sync::Semaphore;
@@ -60,51 +58,6 @@ pub const QUEUE_WAIT: Duration = Duration::from_secs(10);
 pub const BODY_READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// The PM must answer within this time (504 otherwise).
 pub const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// The gateway grants of this node's running jobs, by job id. Memory only.
-#[derive(Default)]
-pub struct Grants {
-    by_job: Mutex<HashMap<String, GatewayGrant>>,
-}
-
-impl std::fmt::Debug for Grants {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grants")
-            .field("jobs", &self.lock().len())
-            .finish()
-    }
-}
-
-/// The node's grants.
-pub fn grants() -> &'static Grants {
-    static G: OnceLock<Grants> = OnceLock::new();
-    G.get_or_init(Grants::default)
-}
-
-impl Grants {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, GatewayGrant>> {
-        self.by_job.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Sets (or replaces: a re-submission carries a fresh token) `job_id`'s grant.
-    pub fn put(&self, job_id: &str, grant: GatewayGrant) {
-        self.lock().insert(job_id.to_string(), grant);
-    }
-
-    /// Whether `job_id` has a grant.
-    pub fn has(&self, job_id: &str) -> bool {
-        self.lock().contains_key(job_id)
-    }
-
-    fn get(&self, job_id: &str) -> Option<GatewayGrant> {
-        self.lock().get(job_id).cloned()
-    }
-
-    /// Forgets `job_id`'s grant (its job ended).
-    pub fn remove(&self, job_id: &str) {
-        self.lock().remove(job_id);
-    }
-}
 
 /// One job's forwarder.
 pub struct Forwarder {
@@ -238,7 +191,7 @@ async fn forward(State(f): State<Arc<Forwarder>>, headers: HeaderMap, body: Body
             &format!("{IN_FLIGHT} gateway requests of this job are already in flight"),
         );
     };
-    let Some(grant) = grants().get(&f.job_id) else {
+    let Some(grant) = crate::job_grants::gateway().get(&f.job_id) else {
         return refuse(
             StatusCode::GONE,
             "job_ended",

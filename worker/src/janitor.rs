@@ -31,6 +31,9 @@
 //!   kernel's; the engine's container list is filtered by the node's label; the mounts
 //!   come from the kernel's mountinfo, and are unmounted by their place without following
 //!   a link or entering a volume).
+//! - It removes no workspace and no snapshot: a volume is only unmounted (its image, with a
+//!   suspended session's workspace in it, stays for the next start to mount again), and
+//!   snapshot images (`<state>/snapshots/`) are plain files the node's reaper expires.
 
 use std::io::Read;
 use std::os::fd::{AsRawFd, BorrowedFd};

@@ -36,6 +36,7 @@ pub mod inference;
 pub mod janitor;
 pub mod job_dir;
 pub mod job_egress;
+pub mod job_grants;
 pub mod loopfs;
 pub mod node;
 pub mod open_unlinked;

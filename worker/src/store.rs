@@ -1,11 +1,14 @@
 //! Node-local durable job records in SQLite (sqlx, migrations under
-//! `migrations/worker/`). A record is written before a job starts and updated before any
+//! `migrations/worker/`), with the suspended sessions and workspace snapshots that outlive
+//! a node restart. A record is written before a job starts and updated before any
 //! answer is given, so a node killed at any point knows every job it accepted.
 
 use std::path::Path;
 use std::str::FromStr;
 
 use cynode_protocol::worker_api::{AsyncJobState, RunJobRequest, RunJobResponse};
+use cynode_protocol::worker_session_state::SnapshotInfo;
+use cynode_protocol::worker_sessions::{CreateSessionRequest, SessionInfo};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Row, SqlitePool};
 
@@ -321,6 +324,140 @@ impl Store {
             .iter()
             .filter_map(|r| Some((r.get(0), u32::try_from(r.get::<i64, _>(1)).ok()?)))
             .collect())
+    }
+
+    /// Records (or replaces) a suspended session: its create request, its info and the
+    /// seconds of lifetime it has left.
+    pub async fn put_suspended(
+        &self,
+        req: &CreateSessionRequest,
+        info: &SessionInfo,
+        remaining_seconds: u64,
+    ) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO suspended_sessions (session_id, task_id, request_json, info_json, \
+             remaining_seconds, suspended_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6) \
+             ON CONFLICT (session_id) DO UPDATE SET request_json = ?3, info_json = ?4, \
+             remaining_seconds = ?5, suspended_at = ?6",
+        )
+        .bind(&req.session_id)
+        .bind(&req.task_id)
+        .bind(serde_json::to_string(req)?)
+        .bind(serde_json::to_string(info)?)
+        .bind(i64::try_from(remaining_seconds).unwrap_or(i64::MAX))
+        .bind(now())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Forgets a suspended session (resumed or ended).
+    pub async fn delete_suspended(&self, session_id: &str) -> Result<()> {
+        sqlx::query("DELETE FROM suspended_sessions WHERE session_id = ?1")
+            .bind(session_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Every suspended session: request, info and seconds of lifetime left.
+    pub async fn suspended(&self) -> Result<Vec<(CreateSessionRequest, SessionInfo, u64)>> {
+        let rows = sqlx::query(
+            "SELECT request_json, info_json, remaining_seconds FROM suspended_sessions \
+             ORDER BY suspended_at",
+        )
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| {
+                Ok((
+                    serde_json::from_str(&r.get::<String, _>(0))?,
+                    serde_json::from_str(&r.get::<String, _>(1))?,
+                    u64::try_from(r.get::<i64, _>(2)).unwrap_or(0),
+                ))
+            })
+            .collect()
+    }
+
+    /// Records a snapshot.
+    pub async fn insert_snapshot(&self, s: &SnapshotInfo) -> Result<()> {
+        sqlx::query(
+            "INSERT INTO session_snapshots (snapshot_id, task_id, session_id, info_json, bytes, \
+             expires_at) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        )
+        .bind(&s.snapshot_id)
+        .bind(&s.task_id)
+        .bind(&s.session_id)
+        .bind(serde_json::to_string(s)?)
+        .bind(i64::try_from(s.bytes).unwrap_or(i64::MAX))
+        .bind(&s.expires_at)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// One snapshot, if known.
+    pub async fn snapshot(&self, snapshot_id: &str) -> Result<Option<SnapshotInfo>> {
+        let row = sqlx::query("SELECT info_json FROM session_snapshots WHERE snapshot_id = ?1")
+            .bind(snapshot_id)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row
+            .map(|r| serde_json::from_str(&r.get::<String, _>(0)))
+            .transpose()?)
+    }
+
+    /// The snapshots of a session, oldest first.
+    pub async fn snapshots_of(&self, session_id: &str) -> Result<Vec<SnapshotInfo>> {
+        let rows = sqlx::query(
+            "SELECT info_json FROM session_snapshots WHERE session_id = ?1 ORDER BY rowid",
+        )
+        .bind(session_id)
+        .fetch_all(&self.pool)
+        .await?;
+        rows.iter()
+            .map(|r| Ok(serde_json::from_str(&r.get::<String, _>(0))?))
+            .collect()
+    }
+
+    /// How many snapshots a task holds, and their bytes.
+    pub async fn snapshot_usage_of_task(&self, task_id: &str) -> Result<(u64, u64)> {
+        let row = sqlx::query(
+            "SELECT COUNT(*), COALESCE(SUM(bytes), 0) FROM session_snapshots WHERE task_id = ?1",
+        )
+        .bind(task_id)
+        .fetch_one(&self.pool)
+        .await?;
+        Ok((
+            u64::try_from(row.get::<i64, _>(0)).unwrap_or(0),
+            u64::try_from(row.get::<i64, _>(1)).unwrap_or(0),
+        ))
+    }
+
+    /// Snapshots whose `expires_at` (RFC 3339) is before `now`.
+    pub async fn expired_snapshots(&self, now: &str) -> Result<Vec<String>> {
+        let rows = sqlx::query("SELECT snapshot_id FROM session_snapshots WHERE expires_at < ?1")
+            .bind(now)
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
+    }
+
+    /// Every snapshot id recorded.
+    pub async fn snapshot_ids(&self) -> Result<Vec<String>> {
+        let rows = sqlx::query("SELECT snapshot_id FROM session_snapshots")
+            .fetch_all(&self.pool)
+            .await?;
+        Ok(rows.iter().map(|r| r.get::<String, _>(0)).collect())
+    }
+
+    /// Forgets a snapshot; whether it was known.
+    pub async fn delete_snapshot(&self, snapshot_id: &str) -> Result<bool> {
+        let res = sqlx::query("DELETE FROM session_snapshots WHERE snapshot_id = ?1")
+            .bind(snapshot_id)
+            .execute(&self.pool)
+            .await?;
+        Ok(res.rows_affected() == 1)
     }
 
     /// The database answers.

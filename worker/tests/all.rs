@@ -71,6 +71,7 @@ macro_rules! on_every_backend {
     };
 }
 
+mod agent_images;
 mod backends;
 mod bwrap_starters;
 mod bwrap_warm;
@@ -96,6 +97,11 @@ mod listeners;
 mod microvm;
 mod sandbox_escapes;
 mod session_egress;
+mod session_files;
+mod session_snapshots;
+mod session_stdin;
+mod session_streams;
+mod session_suspend;
 mod sessions;
 mod syscall_probe;
 mod tenant_uids;

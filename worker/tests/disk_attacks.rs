@@ -1,4 +1,4 @@
-//! Disk-limit attacks (issue 24, item 3): a session command writing past `disk_mb` is
+//! Disk-limit attacks: a session command writing past `disk_mb` is
 //! stopped like a job, on both backends.
 
 use serde_json::json;

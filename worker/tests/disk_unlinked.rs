@@ -1,4 +1,4 @@
-//! A file unlinked while still open (issue 24, item 3): its blocks stay allocated while a
+//! A file unlinked while still open: its blocks stay allocated while a
 //! process holds it, though no walk of the tree can see it. The disk guard counts the
 //! open descriptors of the sandbox's processes, so it is a breach like a linked file. On
 //! both backends, for a job and for a session command.

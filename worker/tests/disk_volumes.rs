@@ -1,4 +1,4 @@
-//! Kernel-enforced disk limits (issue 26, item 4): a job's /workspace and /job are ext4
+//! Kernel-enforced disk limits: a job's /workspace and /job are ext4
 //! volumes of `limits.disk_mb` on loop devices. Jobs writing as fast as they can (dd,
 //! fallocate, a file unlinked while held open, a flood of small files) stop at the
 //! volume's size on the host, fail `resource_limit_exceeded`, and the node stays up; the

@@ -1,4 +1,4 @@
-//! Jobs with `network_policy: restricted` on the real node (issue 25), on every backend:
+//! Jobs with `network_policy: restricted` on the real node, on every backend:
 //! bwrap, Podman and Docker bind the egress proxy inside the sandbox's own network
 //! namespace at 127.0.0.1:3128 and the job reaches allowlisted origins through it; every
 //! attack is denied with an audit record in the job's response; a direct connection fails;

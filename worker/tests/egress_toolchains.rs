@@ -1,5 +1,5 @@
 //! The dependency steps of node-test (`npm ci`), rust-test (`cargo fetch`) and go-test
-//! (`go mod download`), for real, through the node's egress proxy (issue 25), on bwrap
+//! (`go mod download`), for real, through the node's egress proxy, on bwrap
 //! and Podman, in the toolchain test image (deploy/sba/build-toolchain-test-image.sh: the
 //! host's Debian node, npm, go, cargo and rustc on the busybox test image).
 //!

@@ -1,4 +1,4 @@
-//! Attacks on the sandbox walls (issue 24): vsock and the x32 ABI in a job's sandbox, and
+//! Attacks on the sandbox walls: vsock and the x32 ABI in a job's sandbox, and
 //! a workspace's git clean filter escaping the changeset sandbox's limits. Each runs in a
 //! real sandbox, with raw syscalls from [`crate::syscall_probe`], on both backends.
 

@@ -386,6 +386,14 @@ impl Drop for Server {
     /// label, before the state directory goes.
     fn drop(&mut self) {
         self.child.kill();
+        // A failing test shows what its node logged.
+        if std::thread::panicking() {
+            let log = self.log.lock().map(|g| g.clone()).unwrap_or_default();
+            eprintln!("harness: the node's log ({} lines):", log.len());
+            for line in log.iter().rev().take(200).rev() {
+                eprintln!("  {line}");
+            }
+        }
         // The node's janitor kills what its sandbox cgroups hold and removes them (a
         // setup bwrap was still doing when the node died included): waited for here, so
         // the test's processes are gone when it ends. Should it not come (`janitor.rs`

@@ -58,9 +58,13 @@ fn residual(backend: &str, view: &HostView, leak: &Leak) -> Option<&'static str>
     {
         return Some("bwrap's own binary and libraries in its PID 1's maps");
     }
-    // The root of the `/` mount is the root filesystem directory, a path in the
-    // filesystem that holds it (a bind mount's root is a path in its source filesystem).
-    if bwrap && leak.file.ends_with("/mountinfo") {
+    // A node that is not root binds the root filesystem directory itself as `/`: the
+    // root of that mount is the directory's path in the filesystem that holds it (a bind
+    // mount's root is a path in its source filesystem). A root node binds an overlay view
+    // of it, whose root is `/` (`backend::bwrap::root_view`).
+    // SAFETY: geteuid has no preconditions.
+    let node_is_root = unsafe { libc::geteuid() } == 0;
+    if bwrap && !node_is_root && leak.file.ends_with("/mountinfo") {
         let f: Vec<&str> = leak.line.split(' ').collect();
         if f.get(4) == Some(&"/") && f.get(3) == Some(&view.rootfs_root.as_str()) {
             return Some("the root filesystem's directory as the root of `/` in mountinfo");

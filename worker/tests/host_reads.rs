@@ -1,8 +1,9 @@
-//! Attacks on what the node reads back from a sandbox, and on its idempotency (issue 13,
-//! findings 4–8 and 13). A real job in a real sandbox does each attack, on every backend;
-//! the tests assert that nothing reached the host: no host file read through a link, the
-//! node answering while a FIFO sits at result.json, no RSS growth from a huge result, no
-//! unbounded hashing, no unbounded disk use, no stored result handed to another request.
+//! Attacks on what the node reads back from a sandbox, and on its idempotency (links out
+//! of the sandbox, FIFOs, huge results, stored results). A real job in a real sandbox
+//! does each attack, on every backend; the tests assert that nothing reached the host: no
+//! host file read through a link, the node answering while a FIFO sits at result.json, no
+//! RSS growth from a huge result, no unbounded hashing, no unbounded disk use, no stored
+//! result handed to another request.
 
 use std::os::unix::fs::MetadataExt;
 use std::time::{Duration, Instant};

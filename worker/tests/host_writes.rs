@@ -1,5 +1,5 @@
 //! Attacks on what the node creates, chowns and removes on the host in a job's directory
-//! (issue 24, findings 1, 2 and 10). A real job in a real sandbox plants each trap, on
+//!. A real job in a real sandbox plants each trap, on
 //! podman and bwrap; the tests assert that the host is untouched: no host directory or file
 //! re-owned or overwritten through a planted link, no worker crash on a deep tree, no
 //! artifact listed under another file's name.

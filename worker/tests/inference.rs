@@ -632,7 +632,7 @@ async fn a_real_model_drives_an_agent_job_through_the_proxy() {
     assert!(usage >= 1, "no inference usage logged");
 }
 
-/// Issue 24, item 9: the job's model allowlist is checked on `model`, so a request that
+/// The job's model allowlist is checked on `model`, so a request that
 /// names a model (or an upstream) in another field is refused (400) and never reaches the
 /// upstream: OpenRouter's `models`, `route: fallback` and `provider`, LiteLLM's
 /// `fallbacks` and its client-side `api_base`, on the OpenAI and the Ollama routes.
@@ -1005,6 +1005,12 @@ async fn loopback_listener_runsc_refuses_inference_jobs_by_name() {
     );
 }
 
+/// One chat completion for `m1` through the loopback listener with the job's token, as a
+/// shell command inside the sandbox: prints `ok` when it succeeds, `no` when refused.
+const CHAT_M1: &str = "wget -qO- --header \"Authorization: Bearer $OPENAI_API_KEY\" \
+    --post-data '{\"model\":\"m1\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}' \
+    \"$OPENAI_BASE_URL/chat/completions\" >/dev/null 2>&1 && echo ok || echo no";
+
 /// The job's request budget: beyond `max_requests_per_job`, 429, on both transports
 /// together.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1013,9 +1019,7 @@ async fn loopback_listener_the_request_budget_answers_429() {
     let (url, up) = upstream(vec![]).await;
     let sv = worker(&url, "  models: [m1]\n  max_requests_per_job: 3\n");
     let id = unique("budget");
-    let script = "for i in 1 2 3; do wget -qO- --header \"Authorization: Bearer $OPENAI_API_KEY\" \
-                  --post-data '{\"model\":\"m1\",\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}' \
-                  \"$OPENAI_BASE_URL/chat/completions\" >/dev/null 2>&1 && echo ok || echo no; done";
+    let script = format!("for i in 1 2 3; do {CHAT_M1}; done");
     let body = json!({
         "version": 1, "task_id": id, "job_id": id,
         "sandbox": { "image": env().image, "command": ["sh", "-c", format!("sleep 1; {script}")], "use_inference": true }
@@ -1234,4 +1238,82 @@ async fn loopback_listener_bench_serves_both_transports() {
         .await;
     sv.wait_terminal(&id).await;
     assert!(out.status.success(), "the bench failed: {out:?}");
+}
+
+/// A node whose upstream takes a key per job (`inference.key_per_job`, as the PM's
+/// local worker is): a job given no key is answered 401 `no_job_key` with no call
+/// upstream; a job given one reaches the upstream with that key and no other; a
+/// session, which is never given one, cannot ask for models.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_a_key_per_job_node_sends_each_jobs_own_key() {
+    env();
+    let (url, up) = upstream(vec![]).await;
+    let sv = Server::start(
+        "bwrap",
+        &format!("inference:\n  base_url: {url}/v1\n  key_per_job: true\n  models: [m1]\n"),
+    );
+    let script = format!("sleep 1; {CHAT_M1}");
+    let job = |id: &str, key: Option<&str>| {
+        let mut b = json!({
+            "version": 1, "task_id": id, "job_id": id,
+            "sandbox": { "image": env().image, "command": ["sh", "-c", &script], "use_inference": true }
+        });
+        if let Some(k) = key {
+            b["inference_key"] = json!(k);
+        }
+        b
+    };
+    let bound = Duration::from_secs(90);
+
+    // No key: refused on the node, nothing upstream.
+    let bare = unique("nokey");
+    let (code, v) = tokio::time::timeout(bound, sv.post("/v1/worker/jobs:run", &job(&bare, None)))
+        .await
+        .expect("the keyless job ends");
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["stdout"], "no\n", "{v}");
+    assert!(up.hits.lock().unwrap().is_empty());
+    assert!(
+        log_text(&sv).contains("no inference key for this job; refused"),
+        "{}",
+        log_text(&sv)
+    );
+
+    // Its own key: the upstream sees that key, and the job never sees it.
+    let keyed = unique("withkey");
+    let job_key = "jk-0123456789abcdef-own-key";
+    let (code, v) = tokio::time::timeout(
+        bound,
+        sv.post("/v1/worker/jobs:run", &job(&keyed, Some(job_key))),
+    )
+    .await
+    .expect("the keyed job ends");
+    assert_eq!(code, 200, "{v}");
+    assert_eq!(v["stdout"], "ok\n", "{v}");
+    let hits = up.hits.lock().unwrap().clone();
+    assert_eq!(hits.len(), 1, "{hits:?}");
+    assert_eq!(
+        hits[0].auth.as_deref(),
+        Some(format!("Bearer {job_key}").as_str())
+    );
+    assert!(!v.to_string().contains(job_key), "the key came back: {v}");
+    assert!(
+        !log_text(&sv).contains(job_key),
+        "a log line holds the job's key"
+    );
+
+    // A session cannot be given a key, so it cannot ask for models here.
+    let sid = unique("skey");
+    let (code, e) = tokio::time::timeout(
+        bound,
+        sv.post(
+            "/v1/worker/sessions",
+            &json!({ "version": 1, "session_id": sid, "task_id": unique("t"),
+                     "image": env().image, "use_inference": true }),
+        ),
+    )
+    .await
+    .expect("the session create answers");
+    assert_eq!(code, 400, "{e}");
+    assert!(e.to_string().contains("key_per_job"), "{e}");
 }

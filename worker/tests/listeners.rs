@@ -1,5 +1,5 @@
 //! The node's listeners under floods, on the real worker: a job flooding its own
-//! inference and status sockets (issue 24, item 4), and clients without a token flooding
+//! inference and status sockets, and clients without a token flooding
 //! the Worker API over HTTP and HTTPS with slowloris heads, silent connections and huge
 //! heads (item 5). The node's `/healthz` keeps answering, its descriptors and resident
 //! memory stay bounded, and stalled connections are closed.
@@ -106,7 +106,7 @@ async fn settled_descriptors(pid: u32) -> usize {
     last
 }
 
-/// Issue 24, item 4: a job that floods its own `/job/inference.sock` with connections and
+/// A job that floods its own `/job/inference.sock` with connections and
 /// `/job/status.sock` with unfinished 30 MiB bodies. The node (given the common soft limit
 /// of 1024 descriptors) keeps answering `/healthz`, holds at most the per-socket cap of
 /// connections, refuses the connection beyond a full set of requests in flight with a 503
@@ -267,7 +267,7 @@ async fn a_job_cannot_starve_the_node_through_its_sockets() {
 /// two-second timeouts.
 const TIGHT_LISTENER: &str = "listener:\n  max_connections: 32\n  header_read_timeout_seconds: 2\n  idle_timeout_seconds: 2\n  tls_handshake_timeout_seconds: 2\n  max_header_bytes: 65536\n";
 
-/// Issue 24, item 5, over plain HTTP: 64 slowloris heads and 8 unfinished 400 KB heads
+/// Over plain HTTP: 64 slowloris heads and 8 unfinished 400 KB heads
 /// against a cap of 32. `/healthz` keeps answering, descriptors and memory stay bounded,
 /// huge heads are answered 431 and closed, stalled and idle connections are closed after
 /// the two-second timeouts.

@@ -1,4 +1,4 @@
-//! The microvm backend (issue 29): attacks on the guest kernel itself: a kernel panic the
+//! The microvm backend: attacks on the guest kernel itself: a kernel panic the
 //! job provokes, a timeout, the pool's one-job-per-VM rule. The backend contract's cases
 //! run on it with every other backend's (`backends.rs`, `backends::microvm::<case>`).
 

@@ -362,7 +362,7 @@ pub async fn escape_runner_cannot_be_traced(backend: &'static str) {
     }
 }
 
-/// Issue 12: a Podman node whose init binary is missing says so, naming the binary and the
+/// A Podman node whose init binary is missing says so, naming the binary and the
 /// package, in `/readyz` and in `cynode-worker check`.
 pub async fn missing_init_binary_is_named() {
     let missing = "/nonexistent/cynode-test/catatonit";

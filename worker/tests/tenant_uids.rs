@@ -1,4 +1,4 @@
-//! Per-uid kernel budgets (issue 24, item 8): the kernel keeps some counts per user (inotify
+//! Per-uid kernel budgets: the kernel keeps some counts per user (inotify
 //! instances, `fs.inotify.max_user_instances`, 128 here), so tenants that share a host uid
 //! share those budgets, and one job could take them all. Each workspace runs as a host uid
 //! of its own (`sandbox_uids`): a job holding every inotify instance its uid may have

@@ -52,7 +52,7 @@ async fn an_empty_image_without_a_default_is_refused_by_field() {
     );
 }
 
-/// The same dispatch with no `image` at all: read as an empty one (issue 27 #6).
+/// The same dispatch with no `image` at all: read as an empty one.
 fn dispatch_without_image(id: &str) -> Value {
     let mut req = upstream_dispatch(id);
     req["sandbox"].as_object_mut().unwrap().remove("image");
@@ -192,7 +192,7 @@ async fn worker_node_sba__sba_result_contract_from_task_result_is_validated_only
     );
 }
 
-/// Issue 17, item 6: a job whose step failed still reaches an upstream orchestrator with
+/// A job whose step failed still reaches an upstream orchestrator with
 /// its result (a step's `error` is a string).
 #[tokio::test]
 async fn worker_node_sba__a_failed_step_decodes_with_upstreams_result_type() {

@@ -48,6 +48,34 @@ pub struct ModelArgs {
     pub ca_file: Option<PathBuf>,
 }
 
+impl ModelArgs {
+    /// The local worker's inference upstream for this model: the model itself when it
+    /// takes no key, else `relay` (see [`RunArgs::local_inference`]).
+    pub fn local_inference(
+        &self,
+        relay: Option<&cynode_pm::inference_relay::Relay>,
+    ) -> Option<LocalInference> {
+        if ModelConfig::api_key_from_env().is_none() {
+            return Some(LocalInference {
+                base_url: self.model_base_url.clone(),
+                ca_file: self.ca_file.clone(),
+                key_per_job: false,
+            });
+        }
+        let Some(relay) = relay else {
+            tracing::info!(
+                "the local worker gets no inference upstream: the model takes a key, which does not leave the PM, and no relay runs; agent jobs on it are refused"
+            );
+            return None;
+        };
+        Some(LocalInference {
+            base_url: relay.url().to_string(),
+            ca_file: None,
+            key_per_job: true,
+        })
+    }
+}
+
 /// The workers jobs go to.
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Worker")]
@@ -194,7 +222,8 @@ pub struct RunArgs {
     #[arg(long, requires = "gateway_tls_cert", help_heading = "Session")]
     pub gateway_tls_key: Option<PathBuf>,
     /// The gateway's egress settings (as `serve`'s --gateway-egress-file): `api.call`'s
-    /// credentialed routes, `web.fetch`'s name servers, extra CA and bounds.
+    /// credentialed routes, `web.fetch`'s name servers, extra CA and bounds, `web.search`'s
+    /// route.
     #[arg(long, env = "CYNODE_RUN_GATEWAY_EGRESS_FILE", help_heading = "Session")]
     pub gateway_egress_file: Option<PathBuf>,
     /// Host no sandbox gateway: no job of this run gets a token, whatever it lists.
@@ -227,19 +256,15 @@ impl RunArgs {
         Ok(all.into_iter().collect())
     }
 
-    /// The local worker's inference upstream: this run's model, unless that model takes a
-    /// key (`CYNODE_MODEL_API_KEY`), which stays the PM's alone.
-    pub fn local_inference(&self) -> Option<LocalInference> {
-        if ModelConfig::api_key_from_env().is_some() {
-            tracing::info!(
-                "the local worker gets no inference upstream: the model takes a key, which does not leave the PM; agent jobs on it are refused"
-            );
-            return None;
-        }
-        Some(LocalInference {
-            base_url: self.pm.model.model_base_url.clone(),
-            ca_file: self.pm.model.ca_file.clone(),
-        })
+    /// The local worker's inference upstream: this run's model, or, when that model takes
+    /// a key (`CYNODE_MODEL_API_KEY`), the run's inference `relay` (the key stays the
+    /// PM's; the worker gets the relay's URL and token). A keyed model without a relay:
+    /// none (agent jobs on the worker are refused).
+    pub fn local_inference(
+        &self,
+        relay: Option<&cynode_pm::inference_relay::Relay>,
+    ) -> Option<LocalInference> {
+        self.pm.model.local_inference(relay)
     }
 
     /// The local worker of this run, its workspaces seeded from `seed`, its egress
@@ -248,6 +273,7 @@ impl RunArgs {
         &self,
         global: &Global,
         seed: Option<PathBuf>,
+        relay: Option<&cynode_pm::inference_relay::Relay>,
     ) -> anyhow::Result<LocalWorkerConfig> {
         self.local.config(
             global,
@@ -255,7 +281,7 @@ impl RunArgs {
             &self.pm.workers,
             seed,
             self.egress_ceiling(global)?,
-            self.local_inference(),
+            self.local_inference(relay),
         )
     }
 }

@@ -1,5 +1,9 @@
 //! `cynode-pm mcp`: the PM as an MCP server on stdin/stdout (see [`cynode_pm::mcp`]), for
-//! one tenant, on the workers of a workers file or one `--worker-endpoint` (as `serve`).
+//! one tenant, on the workers of a workers file or one `--worker-endpoint` (as `serve`),
+//! or, with neither, on a local worker it starts and stops as `run` does (its workspaces
+//! seeded from under `--workspace-root`; a keyed model's agent jobs through the
+//! inference relay). One line in an MCP client's configuration is then enough:
+//! `cynode-pm mcp --workspace-root /path/to/project`.
 
 use std::time::Duration;
 
@@ -8,7 +12,7 @@ use clap::Args;
 use cynode_pm::bootstrap;
 use cynode_pm::mcp::stdio::{serve_stdio, StdioConfig};
 
-use super::args::PmArgs;
+use super::args::{LocalWorkerArgs, PmArgs};
 use super::Global;
 
 /// Flags of `cynode-pm mcp` (plus the model, worker and state flags).
@@ -31,18 +35,48 @@ pub struct McpArgs {
     /// When stdin closes, how long sessions may take to finish their current step.
     #[arg(long, default_value_t = 10)]
     pub shutdown_grace_seconds: u64,
+    /// Without worker flags: the directory under which the local worker may seed
+    /// workspaces (`skills.run`'s `workspace`, `sessions.create`'s `workspace.seed_path`).
+    /// Without it, jobs start in empty workspaces.
+    #[arg(long, env = "CYNODE_MCP_WORKSPACE_ROOT")]
+    pub workspace_root: Option<std::path::PathBuf>,
     #[command(flatten)]
     pub pm: PmArgs,
+    #[command(flatten)]
+    pub local: LocalWorkerArgs,
 }
 
 /// Serves MCP on stdio until the client closes it.
 pub async fn mcp(args: &McpArgs, g: &Global) -> anyhow::Result<i32> {
-    let workers = args.pm.workers.config()?.context(
-        "mcp needs --workers-file (CYNODE_WORKERS_FILE) or --worker-endpoint (CYNODE_WORKER_ENDPOINT)",
+    let seed = match &args.workspace_root {
+        Some(w) => Some(
+            std::fs::canonicalize(w)
+                .with_context(|| format!("--workspace-root {}", w.display()))?,
+        ),
+        None => None,
+    };
+    std::fs::create_dir_all(&args.pm.store.state_dir)?;
+    // Declared before the local worker: dropped after it.
+    let relay = super::run::inference_relay(&args.pm)?;
+    let (workers, local) = super::run::worker_pool(
+        &args.pm.workers,
+        || {
+            let tenant = bootstrap::tenant(g.tenant.as_deref())?;
+            args.local.config(
+                g,
+                &args.pm.store,
+                &args.pm.workers,
+                seed.clone(),
+                tenant.egress.allow,
+                args.pm.model.local_inference(relay.as_ref()),
+            )
+        },
+        relay.as_ref(),
+        // stdout carries MCP messages only.
+        &|line| eprintln!("{line}"),
     )?;
-    let workers = bootstrap::workers(&workers)?;
     let pm = bootstrap::build_pm(&args.pm.config(g), workers).await?;
-    serve_stdio(
+    let served = serve_stdio(
         pm,
         StdioConfig {
             tenant: args.tenant_id.clone(),
@@ -52,6 +86,10 @@ pub async fn mcp(args: &McpArgs, g: &Global) -> anyhow::Result<i32> {
             shutdown_grace: Duration::from_secs(args.shutdown_grace_seconds),
         },
     )
-    .await?;
+    .await;
+    // The local worker stops now (its keeper's release), not at a later drop.
+    drop(local);
+    drop(relay);
+    served?;
     Ok(0)
 }

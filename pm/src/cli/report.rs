@@ -58,10 +58,20 @@ impl Reporter {
                 skill_id,
                 worker_id,
                 image,
-            } => self.line(format!(
-                "job {job_id}: skill {skill_id} for task {task_id}, on worker {worker_id} in \
-                 sandbox {image}"
-            )),
+                context,
+                model,
+            } => {
+                self.line(format!(
+                    "job {job_id}: skill {skill_id} for task {task_id}, on worker {worker_id} in \
+                     sandbox {image}"
+                ));
+                if let Some(c) = context {
+                    self.line(format!("  context: {c}"));
+                }
+                if let Some(m) = model {
+                    self.line(format!("  model: {m}"));
+                }
+            }
             Progress::JobState { job_id, state } => self.status(format!("job {job_id}: {state:?}")),
             Progress::JobDone {
                 job_id,

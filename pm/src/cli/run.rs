@@ -99,9 +99,12 @@ async fn drive_session(
     };
     let json_out = global.output == Output::Json;
     let reporter = Reporter::new(json_out);
+    // Declared before the local worker: dropped after it.
+    let relay = inference_relay(&args.pm)?;
     let (workers, _local) = worker_pool(
         &args.pm.workers,
-        || args.local_worker(global, seed.clone()),
+        || args.local_worker(global, seed.clone(), relay.as_ref()),
+        relay.as_ref(),
         &|line| reporter.line(line),
     )?;
     let config = args.pm.config(global);
@@ -193,6 +196,7 @@ async fn drive_session(
 pub(crate) fn worker_pool(
     workers: &super::args::WorkerArgs,
     local: impl FnOnce() -> anyhow::Result<cynode_pm::config::LocalWorkerConfig>,
+    relay: Option<&cynode_pm::inference_relay::Relay>,
     say: &dyn Fn(String),
 ) -> anyhow::Result<(WorkerPool, Option<LocalWorker>)> {
     if let Some(cfg) = workers.config()? {
@@ -209,11 +213,55 @@ pub(crate) fn worker_pool(
             dir.display()
         )),
     })?;
+    // A worker that outlived its PM calls that PM's relay: serve it there too, or its
+    // agent jobs could reach no model (the address stays its PM's until it restarts).
+    if let (Some(relay), Some(url)) = (relay, worker.previous_relay.clone()) {
+        match relay.also_serve(&url) {
+            Ok(()) => say(format!(
+                "serving the inference relay the local worker calls at {url}"
+            )),
+            Err(e) => say(format!(
+                "cannot serve the inference relay the local worker calls at {url} ({e}); its agent jobs cannot reach the model"
+            )),
+        }
+    }
     let pool = WorkerPool::single(
         WorkerClient::new(&worker.endpoint, &worker.token),
         &workers.sandbox_image,
     );
     Ok((pool, Some(worker)))
+}
+
+/// The inference relay of a run on a local worker whose model takes a key
+/// (`CYNODE_MODEL_API_KEY`): on a fresh loopback port, forwarding to the model with the
+/// key added here, so the local worker's agent jobs reach the model without the key
+/// leaving this process. None when the model takes no key or the workers are configured
+/// (`--worker-endpoint`, `--workers-file`: their own upstream serves their agent jobs).
+pub(crate) fn inference_relay(
+    pm: &super::args::PmArgs,
+) -> anyhow::Result<Option<cynode_pm::inference_relay::Relay>> {
+    use cynode_pm::inference_relay::{self, RelaySettings};
+    if pm.workers.config()?.is_some() {
+        return Ok(None);
+    }
+    let Some(key) = cynode_pm::llm::ModelConfig::api_key_from_env() else {
+        return Ok(None);
+    };
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0))
+        .context("cannot listen for the inference relay on 127.0.0.1")?;
+    let relay = inference_relay::start(
+        listener,
+        RelaySettings {
+            base_url: pm.model.model_base_url.clone(),
+            api_key: key.into(),
+            ca_file: pm.model.ca_file.clone(),
+            max_request_bytes: inference_relay::MAX_REQUEST_BYTES,
+            max_response_bytes: inference_relay::MAX_RESPONSE_BYTES,
+            timeout: std::time::Duration::from_secs(pm.model.model_timeout_seconds),
+        },
+    )
+    .context("the inference relay")?;
+    Ok(Some(relay))
 }
 
 /// Whether `run` hosts the sandbox gateway; an error for flags that would expose it:

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use cynode_pm::app::auth::Tokens;
 use cynode_pm::bootstrap;
-use cynode_pm::service::auth::Tokens;
 use cynode_pm::service::ServeConfig;
 
 use super::args::PmArgs;
@@ -82,7 +82,8 @@ pub struct ServeArgs {
     /// The sandbox gateway's egress settings (YAML or JSON, `egress:` at the top): the
     /// credentialed routes of `api.call` (`routes.<name>: {upstream, headers: {H: {env:
     /// VAR}}, ca_file?}`, values read from this process's environment at start), and
-    /// for `web.fetch` `nameservers`, `ca_file`, `max_body_bytes`, `timeout_seconds`.
+    /// for `web.fetch` `nameservers`, `ca_file`, `max_body_bytes`, `timeout_seconds`;
+    /// `web.search`'s route `search: {base_url, max_results?, max_response_bytes?}`.
     #[arg(long, env = "CYNODE_PM_GATEWAY_EGRESS_FILE")]
     pub gateway_egress_file: Option<PathBuf>,
     #[command(flatten)]
@@ -113,15 +114,14 @@ pub async fn serve(args: &ServeArgs, g: &Global) -> anyhow::Result<i32> {
     let config = args.pm.config(g);
     install_gateway_egress(args.gateway_egress_file.as_deref())?;
     let mut pm = bootstrap::build_pm(&config, workers).await?;
-    pm.gateway_url = args.gateway_url.clone().or_else(|| {
-        let scheme = if args.tls_cert_file.is_some() {
-            "https"
-        } else {
-            "http"
-        };
-        (args.listen.ip().is_loopback() && args.listen.port() != 0)
-            .then(|| format!("{scheme}://{}/v1/gateway", args.listen))
-    });
+    // Bound first: the gateway's default URL names the bound port (`--listen …:0` too).
+    let listener = std::net::TcpListener::bind(args.listen)
+        .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let bound = listener.local_addr().context("the bound address")?;
+    pm.gateway_url = args
+        .gateway_url
+        .clone()
+        .or_else(|| default_gateway_url(bound, args.tls_cert_file.is_some()));
     let cfg = ServeConfig {
         listen: args.listen,
         tokens,
@@ -141,8 +141,19 @@ pub async fn serve(args: &ServeArgs, g: &Global) -> anyhow::Result<i32> {
             tls_handshake_timeout_seconds: args.tls_handshake_timeout_seconds,
         },
     };
-    cynode_pm::service::serve(pm, cfg).await?;
+    cynode_pm::service::serve_on(pm, cfg, listener).await?;
     Ok(0)
+}
+
+/// The gateway's URL as workers reach it when `--gateway-url` is not given: the bound
+/// address's `/v1/gateway`, when it is a loopback one (a worker elsewhere could not
+/// reach it; jobs then get no gateway).
+fn default_gateway_url(bound: SocketAddr, tls: bool) -> Option<String> {
+    let scheme = if tls { "https" } else { "http" };
+    bound
+        .ip()
+        .is_loopback()
+        .then(|| format!("{scheme}://{bound}/v1/gateway"))
 }
 
 /// Sets up the gateway's `web.fetch` and `api.call` from `file` (or the defaults: the
@@ -161,6 +172,27 @@ pub(crate) fn install_gateway_egress(file: Option<&std::path::Path>) -> anyhow::
 #[cfg(test)]
 mod tests {
     use clap::Parser;
+
+    /// The default gateway URL names the bound port, so `--listen 127.0.0.1:0` offers
+    /// one; a non-loopback address offers none.
+    #[test]
+    fn the_default_gateway_url_is_the_bound_loopback_address() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let bound = l.local_addr().unwrap();
+        assert_ne!(bound.port(), 0);
+        assert_eq!(
+            super::default_gateway_url(bound, false),
+            Some(format!("http://127.0.0.1:{}/v1/gateway", bound.port()))
+        );
+        assert_eq!(
+            super::default_gateway_url("[::1]:8443".parse().unwrap(), true).as_deref(),
+            Some("https://[::1]:8443/v1/gateway")
+        );
+        assert_eq!(
+            super::default_gateway_url("0.0.0.0:8080".parse().unwrap(), false),
+            None
+        );
+    }
 
     /// `serve` never starts a local worker, so it has no local-worker flags to ignore.
     #[test]

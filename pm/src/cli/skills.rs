@@ -44,6 +44,8 @@ pub enum SkillsCmd {
     },
     /// Render a skill with inputs, check it against the policy, run it on a worker (the
     /// local one by default), wait, verify every artifact's sha256 and print the result.
+    /// The local worker reaches the model at --model-base-url (through a relay that keeps
+    /// CYNODE_MODEL_API_KEY in this process when it is set), so agent skills run on it.
     Run(Box<super::jobs::SkillRunCmd>),
 }
 

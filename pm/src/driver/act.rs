@@ -115,9 +115,20 @@ impl Pm {
         let attempt = rec.attempts.get(&j.task_id).copied().unwrap_or(0);
         if attempt >= rec.budgets.max_attempts_per_task {
             set_task_status(rec, &j.task_id, TaskStatus::Failed);
+            let (kind, why) = match last_attempt_end(rec, &j.task_id) {
+                Some("policy_denied") => (
+                    FailureKind::PolicyViolation,
+                    ", the last denied by the policy",
+                ),
+                Some("artifact_integrity_failure") => (
+                    FailureKind::ArtifactIntegrityFailure,
+                    ", the last with artifacts that did not match their sha256",
+                ),
+                _ => (FailureKind::TaskFailed, ""),
+            };
             rec.fail(
-                FailureKind::TaskFailed,
-                format!("task {} failed after {attempt} attempts", j.task_id),
+                kind,
+                format!("task {} failed after {attempt} attempts{why}", j.task_id),
             );
             self.store.save(rec, version, &[]).await?;
             return Ok(());
@@ -317,4 +328,21 @@ pub(super) fn set_task_status(rec: &mut SessionRecord, task_id: &str, status: Ta
             p.version += 1;
         }
     }
+}
+
+/// How the last attempt at `task_id` ended, as the kind of its newest event:
+/// `policy_denied` (refused before dispatch), `artifact_integrity_failure` (its job's
+/// artifacts did not verify) or `job_dispatched` (anything else); `None` without one.
+fn last_attempt_end<'a>(rec: &'a SessionRecord, task_id: &str) -> Option<&'a str> {
+    const ENDS: [&str; 3] = [
+        "policy_denied",
+        "artifact_integrity_failure",
+        "job_dispatched",
+    ];
+    rec.state
+        .history
+        .iter()
+        .rev()
+        .find(|e| ENDS.contains(&e.kind.as_str()) && e.data["task_id"] == task_id)
+        .map(|e| e.kind.as_str())
 }

@@ -102,12 +102,15 @@ impl Pm {
         d: Dispatch,
         progress: &mut (dyn FnMut(Progress) + Send),
     ) -> Result<(), DriverError> {
+        let (context, model) = super::job_brief(&d.job_json);
         progress(Progress::Dispatched {
             job_id: d.job_id.clone(),
             task_id: d.task_id.clone(),
             skill_id: d.skill_id.clone(),
             worker_id: d.worker_id.clone(),
             image: d.image.clone(),
+            context,
+            model,
         });
         let Some(worker) = self.workers.client(&d.worker_id) else {
             rec.fail(
@@ -126,6 +129,9 @@ impl Pm {
         );
         self.egress_for(&d, &mut req);
         let token = self.gateway_token(rec, &d, &mut req);
+        // A key of its own for the run's inference relay, when one serves here; revoked
+        // when the job is over for this driver (dropped below, or with the future).
+        let inference_key = crate::inference_relay::job_keys::for_request(&d.job_json, &mut req);
         let mut version = version;
         let outcome = match self.prepare_workspace(worker, rec, &d).await {
             Ok(()) => match worker.submit(&req).await {
@@ -142,6 +148,7 @@ impl Pm {
         if let Some(t) = token {
             record_gateway(rec, &d, t.revoke());
         }
+        drop(inference_key);
         let resp = match outcome {
             Ok(r) => r,
             Err(WatchError::Store(e)) => return Err(e.into()),

@@ -76,7 +76,7 @@ impl Pm {
             ok = false;
             rec.event(
                 "artifact_integrity_failure",
-                json!({ "job_id": d.job_id, "errors": integrity }),
+                json!({ "job_id": d.job_id, "task_id": d.task_id, "errors": integrity }),
             );
             rec.feedback.push(format!(
                 "artifact_integrity_failure: artifacts of job {} were rejected: {}",

@@ -57,6 +57,11 @@ pub enum Progress {
         skill_id: String,
         worker_id: String,
         image: String,
+        /// What the job tells the sandbox of the work, in one line ([`job_brief`]).
+        context: Option<String>,
+        /// The models the job may reach and how, in one line ([`job_brief`]); `None`
+        /// for a job without inference.
+        model: Option<String>,
     },
     JobState {
         job_id: String,
@@ -216,5 +221,81 @@ impl Pm {
             return Some(format!("wall clock of {}s reached", b.wall_clock_seconds));
         }
         None
+    }
+}
+
+/// The context and model lines of a job's progress: from its job.json, the task it is
+/// given (`task_context`, cut to 120 characters) and how many acceptance criteria and
+/// requirements it carries; and, for a job that may use inference, its mode, the models
+/// it allows and the endpoints the sandbox reaches them at (the node's inference proxy;
+/// the node's upstream and key never enter the sandbox).
+pub fn job_brief(job_json: &str) -> (Option<String>, Option<String>) {
+    let Ok(job) = serde_json::from_str::<serde_json::Value>(job_json) else {
+        return (None, None);
+    };
+    let ctx = &job["context"];
+    let context = ctx["task_context"].as_str().map(|task| {
+        let mut t: String = task.chars().take(120).collect();
+        if t.len() < task.len() {
+            t.push('…');
+        }
+        let count = |k: &str| ctx[k].as_array().map_or(0, Vec::len);
+        format!(
+            "\"{t}\", {} acceptance criteria, {} requirements",
+            count("acceptance_criteria"),
+            count("requirements")
+        )
+    });
+    let models: Vec<&str> = job["inference"]["allowed_models"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|m| m.as_str()).collect())
+        .unwrap_or_default();
+    let mode = job["execution_mode"].as_str().unwrap_or("basic");
+    let model = (!models.is_empty()).then(|| {
+        format!(
+            "{mode}, models {} through the node's inference proxy (OPENAI_BASE_URL \
+             http://127.0.0.1:11434/v1, OLLAMA_BASE_URL http://127.0.0.1:11434)",
+            models.join(", ")
+        )
+    });
+    (context, model)
+}
+
+#[cfg(test)]
+mod brief_tests {
+    use super::job_brief;
+
+    #[test]
+    fn the_brief_names_the_task_its_checks_and_the_models() {
+        let job = serde_json::json!({
+            "execution_mode": "agent_inference",
+            "inference": { "allowed_models": ["smollm2", "m2"] },
+            "context": { "task_context": "x".repeat(200), "acceptance_criteria": ["a", "b"] }
+        });
+        let (context, model) = job_brief(&job.to_string());
+        let context = context.unwrap();
+        assert!(
+            context.starts_with(&format!("\"{}…\"", "x".repeat(120))),
+            "{context}"
+        );
+        assert!(
+            context.ends_with("2 acceptance criteria, 0 requirements"),
+            "{context}"
+        );
+        let model = model.unwrap();
+        assert!(
+            model.starts_with("agent_inference, models smollm2, m2 through"),
+            "{model}"
+        );
+        assert!(
+            model.contains("OPENAI_BASE_URL http://127.0.0.1:11434/v1"),
+            "{model}"
+        );
+    }
+
+    #[test]
+    fn a_job_without_inference_or_context_has_no_lines() {
+        assert_eq!(job_brief(r#"{"steps": []}"#), (None, None));
+        assert_eq!(job_brief("not json"), (None, None));
     }
 }

@@ -25,9 +25,7 @@ use super::ReplyValidator;
 use crate::session::SessionRecord;
 use crate::skills::registry::CatalogEntry;
 
-/// After this many `plan_update` replies in a row, the next turn must act (the default of
-/// `Budgets::max_plan_only_streak`).
-pub const MAX_PLAN_ONLY_STREAK: u32 = 3;
+pub use crate::session::MAX_PLAN_ONLY_STREAK;
 
 /// The catalog-dependent parts of the contract, compiled once.
 #[derive(Debug)]

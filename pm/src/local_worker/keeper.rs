@@ -71,6 +71,10 @@ pub struct Hello {
     /// The worker's inference upstream (its base URL), if it has one.
     #[serde(default)]
     pub inference: Option<String>,
+    /// That upstream is a PM's inference relay (`key_per_job`): a PM that attaches after
+    /// that PM died serves its relay where the worker calls it.
+    #[serde(default)]
+    pub relay: bool,
 }
 
 /// The keeper's settings, from its command line.
@@ -87,6 +91,8 @@ pub struct KeeperArgs {
     pub egress_allow: Vec<String>,
     /// The worker's inference upstream (as its config says), told to attaching PMs.
     pub inference: Option<String>,
+    /// That upstream is its PM's inference relay (`key_per_job`), told to attaching PMs.
+    pub relay: bool,
 }
 
 impl KeeperArgs {
@@ -120,6 +126,12 @@ impl KeeperArgs {
                 .iter()
                 .flat_map(|u| ["--inference".into(), u.into()]),
         )
+        .chain(
+            self.relay
+                .then(|| ["--relay".into(), "true".into()])
+                .into_iter()
+                .flatten(),
+        )
         .collect()
     }
 
@@ -129,6 +141,7 @@ impl KeeperArgs {
             (None, None, None, None, None, None);
         let mut egress_allow = Vec::new();
         let mut inference = None;
+        let mut relay = false;
         while let Some(k) = it.next() {
             let v = it.next()?;
             match k.to_str()? {
@@ -140,6 +153,7 @@ impl KeeperArgs {
                 "--seed" => seed = Some(PathBuf::from(v)),
                 "--egress-allow" => egress_allow.push(v.to_str()?.to_string()),
                 "--inference" => inference = Some(v.to_str()?.to_string()),
+                "--relay" => relay = v.to_str()? == "true",
                 _ => return None,
             }
         }
@@ -152,6 +166,7 @@ impl KeeperArgs {
             seed,
             egress_allow,
             inference,
+            relay,
         })
     }
 }
@@ -297,6 +312,7 @@ fn serve(k: &KeeperArgs) -> i32 {
         seed: k.seed.clone(),
         egress_allow: k.egress_allow.clone(),
         inference: k.inference.clone(),
+        relay: k.relay,
     })
     .unwrap_or_default();
     accept_in_background(listener, hello, tx);
@@ -504,6 +520,7 @@ mod tests {
             seed: Some("/src/tree".into()),
             egress_allow: vec!["127.0.0.1:8080".into(), "*.pythonhosted.org".into()],
             inference: Some("http://127.0.0.1:8089/v1".into()),
+            relay: true,
         };
         let back = KeeperArgs::parse(&k.to_args()).unwrap();
         assert_eq!(back.grace, k.grace);
@@ -511,6 +528,12 @@ mod tests {
         assert_eq!(back.seed, k.seed);
         assert_eq!(back.egress_allow, k.egress_allow);
         assert_eq!(back.inference, k.inference);
+        assert!(back.relay);
+        assert!(
+            !KeeperArgs::parse(&KeeperArgs { relay: false, ..k }.to_args())
+                .unwrap()
+                .relay
+        );
         assert!(KeeperArgs::parse(&["--dir".into()]).is_none());
     }
 }

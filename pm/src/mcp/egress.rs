@@ -1,5 +1,5 @@
-//! The gateway's way out: `web.fetch` and `api.call`, under the egress rules the worker's
-//! proxy applies (the `cynode-egress` crate, one copy for both).
+//! The gateway's way out: `web.fetch`, `web.search` and `api.call`, under the egress
+//! rules the worker's proxy applies (the `cynode-egress` crate, one copy for both).
 //!
 //! - `web.fetch {url, method?: GET|HEAD, headers?}` reaches only a destination the job's
 //!   [`Policy`] allows (the tenant's `egress.allow`, narrowed by the skill's declared
@@ -13,7 +13,14 @@
 //!   `egress.routes_allowed` names it; the route's headers (values from the PM's
 //!   environment, read once at start) are added here and never leave in a reply, the
 //!   audit or a log line: a reply that echoes one has it replaced by `<redacted>`.
-//! - Both: hop-by-hop and credential headers of the caller are dropped, at most
+//! - `web.search {query, max_results?}` asks the PM's search route (`egress.search`: a
+//!   SearxNG-compatible JSON API, `GET {base_url}/search?q=…&format=json`) exactly as
+//!   `web.fetch` would fetch that URL (the route's host must be in the job's egress),
+//!   with the query and result count bounded and the answer read to
+//!   `search.max_response_bytes` at most; it gives back `[{title, url, snippet}]`. No
+//!   route: `search_not_configured`; an answer over the bound or off the API:
+//!   `search_upstream_invalid`.
+//! - All: hop-by-hop and credential headers of the caller are dropped, at most
 //!   [`MAX_REQUEST_HEADERS`] kept; the reply is bounded in time ([`Settings`]'s
 //!   `timeout_seconds`) and size (`max_body_bytes`: the rest is dropped, `truncated`), and
 //!   carries only a safe subset of the origin's headers, each cut.
@@ -54,6 +61,44 @@ pub struct Settings {
     pub max_body_bytes: usize,
     /// Bound on one call, connect to last byte.
     pub timeout_seconds: u64,
+    /// `web.search`'s route: a SearxNG-compatible JSON API. Unset: `web.search` is
+    /// refused as `search_not_configured`.
+    pub search: Option<SearchSettings>,
+}
+
+/// `web.search`'s route: `GET {base_url}/search?q=…&format=json` (SearxNG's API), reached
+/// as `web.fetch` reaches a URL: the search host must be in the job's egress, resolved
+/// and pinned, no redirect followed, bounded in time by `timeout_seconds`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SearchSettings {
+    /// `http(s)://host[:port][/path]`, without query or fragment.
+    pub base_url: String,
+    /// Most results given back (at most [`MAX_SEARCH_RESULTS`]; a call may ask fewer).
+    #[serde(default = "default_search_results")]
+    pub max_results: usize,
+    /// Largest answer read from the search API; a longer one is refused, not cut.
+    #[serde(default = "default_search_bytes")]
+    pub max_response_bytes: usize,
+}
+
+/// The most results `web.search` ever gives back.
+pub const MAX_SEARCH_RESULTS: usize = 50;
+/// The longest query `web.search` takes, in bytes.
+pub const MAX_QUERY_BYTES: usize = 512;
+/// The longest title, URL and snippet of one result given back (each is cut, marked).
+pub const MAX_RESULT_FIELD: usize = 2048;
+/// The name a `web.search` refused for want of a route starts with.
+pub const SEARCH_NOT_CONFIGURED: &str = "search_not_configured";
+/// The name a `web.search` whose upstream answered off the API starts with.
+pub const SEARCH_BAD_ANSWER: &str = "search_upstream_invalid";
+
+fn default_search_results() -> usize {
+    10
+}
+
+fn default_search_bytes() -> usize {
+    1 << 20
 }
 
 impl Default for Settings {
@@ -64,6 +109,7 @@ impl Default for Settings {
             ca_file: None,
             max_body_bytes: 4 << 20,
             timeout_seconds: 30,
+            search: None,
         }
     }
 }
@@ -104,6 +150,7 @@ pub struct Egress {
     tls: cynode_tls::ClientTls,
     max_body: usize,
     timeout: Duration,
+    search: Option<SearchSettings>,
 }
 
 impl std::fmt::Debug for Egress {
@@ -112,6 +159,7 @@ impl std::fmt::Debug for Egress {
             .field("routes", &self.routes)
             .field("max_body", &self.max_body)
             .field("timeout", &self.timeout)
+            .field("search", &self.search)
             .finish()
     }
 }
@@ -123,6 +171,9 @@ impl Egress {
     pub fn build(s: &Settings, env: impl Fn(&str) -> Option<String>) -> Result<Egress, SetupError> {
         let timeout = Duration::from_secs(s.timeout_seconds.max(1));
         let routes = Routes::build(&s.routes, env, timeout)?;
+        if let Some(search) = &s.search {
+            check_search_base(&search.base_url).map_err(SetupError::File)?;
+        }
         let resolver = if s.nameservers.is_empty() {
             Resolver::system()?
         } else {
@@ -137,6 +188,7 @@ impl Egress {
             },
             max_body: s.max_body_bytes.max(1),
             timeout,
+            search: s.search.clone(),
         })
     }
 }
@@ -397,6 +449,17 @@ pub async fn web_fetch(
     dest: &mut Option<Dest>,
 ) -> Result<(Value, u64), Denied> {
     let e = egress().map_err(|r| denied(axum::http::StatusCode::SERVICE_UNAVAILABLE, r))?;
+    fetch(e, policy, a, dest, e.max_body).await
+}
+
+/// [`web_fetch`] with the reply's body cut at `max_body`.
+async fn fetch(
+    e: &Egress,
+    policy: &Policy,
+    a: FetchArgs,
+    dest: &mut Option<Dest>,
+    max_body: usize,
+) -> Result<(Value, u64), Denied> {
     let method = match a.method.as_deref().unwrap_or("GET") {
         "GET" => reqwest::Method::GET,
         "HEAD" => reqwest::Method::HEAD,
@@ -476,7 +539,7 @@ pub async fn web_fetch(
             .send()
             .await
             .map_err(|x| denied(axum::http::StatusCode::BAD_GATEWAY, without_url(&x)))?;
-        read_reply(resp, e.max_body, &Redactor::default()).await
+        read_reply(resp, max_body, &Redactor::default()).await
     };
     tokio::time::timeout(e.timeout, call)
         .await
@@ -486,6 +549,157 @@ pub async fn web_fetch(
                 format!("no whole reply within {} s", e.timeout.as_secs()),
             ))
         })
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SearchArgs {
+    pub query: String,
+    #[serde(default)]
+    pub max_results: Option<usize>,
+}
+
+/// A search base URL the PM accepts: http(s), a host, no user, query or fragment.
+fn check_search_base(base: &str) -> Result<(), String> {
+    let why = |w: &str| format!("egress.search.base_url `{base}`: {w}");
+    let u = url::Url::parse(base).map_err(|_| why("not a URL"))?;
+    if !matches!(u.scheme(), "http" | "https") {
+        return Err(why("only http:// and https://"));
+    }
+    if u.host_str().is_none_or(str::is_empty) {
+        return Err(why("no host"));
+    }
+    if !u.username().is_empty() || u.password().is_some() {
+        return Err(why("user information is not accepted"));
+    }
+    if u.query().is_some() || u.fragment().is_some() {
+        return Err(why("no query or fragment"));
+    }
+    Ok(())
+}
+
+/// The search URL for `query`: `{base}/search?q=<query>&format=json`.
+fn search_url(base: &str, query: &str) -> Result<url::Url, Denied> {
+    let mut u = url::Url::parse(base.trim_end_matches('/'))
+        .map_err(|_| bad("the search route's base_url is not a URL"))?;
+    let path = format!("{}/search", u.path().trim_end_matches('/'));
+    u.set_path(&path);
+    u.query_pairs_mut()
+        .append_pair("q", query)
+        .append_pair("format", "json");
+    Ok(u)
+}
+
+/// `s` cut to [`MAX_RESULT_FIELD`] bytes on a character boundary, and whether it was.
+fn cut_field(s: &str) -> (String, bool) {
+    if s.len() <= MAX_RESULT_FIELD {
+        return (s.to_string(), false);
+    }
+    let mut end = MAX_RESULT_FIELD;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    (s[..end].to_string(), true)
+}
+
+/// SearxNG's answer as the normalised list `[{title, url, snippet}]` (`content` is the
+/// snippet), at most `max` results; a result without a string `url` is skipped, each
+/// field cut to [`MAX_RESULT_FIELD`] (the result then says `truncated`).
+fn normalise_results(answer: &Value, max: usize) -> Result<Vec<Value>, String> {
+    let list = answer
+        .get("results")
+        .and_then(Value::as_array)
+        .ok_or("the answer has no `results` list")?;
+    let text = |r: &Value, k: &str| r.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+    let mut out = Vec::new();
+    for r in list {
+        if out.len() >= max {
+            break;
+        }
+        let Some(url) = r.get("url").and_then(Value::as_str) else {
+            continue;
+        };
+        let snippet = match r.get("content").and_then(Value::as_str) {
+            Some(c) => c.to_string(),
+            None => text(r, "snippet"),
+        };
+        let (title, t1) = cut_field(&text(r, "title"));
+        let (url, t2) = cut_field(url);
+        let (snippet, t3) = cut_field(&snippet);
+        let mut v = json!({ "title": title, "url": url, "snippet": snippet });
+        if t1 || t2 || t3 {
+            v["truncated"] = json!(true);
+        }
+        out.push(v);
+    }
+    Ok(out)
+}
+
+/// `web.search {query, max_results?}` through the PM's search route, for a job whose
+/// destinations are `policy` (the route's host must be among them): `{query, results:
+/// [{title, url, snippet}], count}`.
+pub async fn web_search(
+    policy: &Policy,
+    a: SearchArgs,
+    dest: &mut Option<Dest>,
+) -> Result<(Value, u64), Denied> {
+    let e = egress().map_err(|r| denied(axum::http::StatusCode::SERVICE_UNAVAILABLE, r))?;
+    let Some(search) = &e.search else {
+        return Err(denied(
+            axum::http::StatusCode::SERVICE_UNAVAILABLE,
+            format!(
+                "{SEARCH_NOT_CONFIGURED}: this PM has no search route \
+                 (gateway egress file: egress.search.base_url)"
+            ),
+        ));
+    };
+    let query = a.query.trim();
+    if query.is_empty() {
+        return Err(bad("query: must not be empty"));
+    }
+    if query.len() > MAX_QUERY_BYTES {
+        return Err(bad(format!("query: longer than {MAX_QUERY_BYTES} bytes")));
+    }
+    if query.chars().any(char::is_control) {
+        return Err(bad("query: control characters are not accepted"));
+    }
+    let ceiling = search.max_results.clamp(1, MAX_SEARCH_RESULTS);
+    let max = match a.max_results {
+        Some(0) => return Err(bad("max_results: must be positive")),
+        Some(n) => n.min(ceiling),
+        None => ceiling,
+    };
+    let url = search_url(&search.base_url, query)?;
+    let cap = search.max_response_bytes.max(1);
+    let fetched = FetchArgs {
+        url: url.to_string(),
+        method: None,
+        headers: BTreeMap::from([("accept".to_string(), "application/json".to_string())]),
+    };
+    let (reply, n) = fetch(e, policy, fetched, dest, cap).await?;
+    let upstream = |why: String| {
+        denied(
+            axum::http::StatusCode::BAD_GATEWAY,
+            format!("{SEARCH_BAD_ANSWER}: {why}"),
+        )
+    };
+    if reply["truncated"] == true {
+        return Err(upstream(format!("the answer is over {cap} bytes")));
+    }
+    let status = reply["status"].as_u64().unwrap_or(0);
+    if status != 200 {
+        return Err(upstream(format!("the search API answered {status}")));
+    }
+    if reply["encoding"] != "text" {
+        return Err(upstream("the answer is not UTF-8 text".into()));
+    }
+    let answer: Value = serde_json::from_str(reply["body"].as_str().unwrap_or_default())
+        .map_err(|x| upstream(format!("the answer is not JSON: {x}")))?;
+    let results = normalise_results(&answer, max).map_err(|w| upstream(w.to_string()))?;
+    Ok((
+        json!({ "query": query, "count": results.len(), "results": results }),
+        n,
+    ))
 }
 
 /// `api.call` through route `a.route`, which `allowed` (the tenant's

@@ -14,6 +14,9 @@
 //!   egress allows: the tenant's `egress.allow` narrowed by the skill's declared `egress`
 //!   (the lists the worker's proxy gets for the job), resolved and pinned, special
 //!   addresses only when listed, no redirect followed, the reply bounded;
+//! - `web.search` asks the PM's search route (a SearxNG-compatible JSON API) by the same
+//!   rules as `web.fetch` (the route's host must be in the job's egress), bounded, and
+//!   gives back `[{title, url, snippet}]`;
 //! - `api.call` goes to one of the PM's credentialed routes that the tenant's
 //!   `egress.routes_allowed` names; the PM adds the route's secret headers;
 //! - `help.tools` lists the tools, `help.<tool>` describes one.
@@ -47,11 +50,11 @@ use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
 
 use super::egress;
+use crate::app::auth::Tenant;
+use crate::app::ops;
+use crate::app::problem::Problem;
+use crate::app::AppState;
 use crate::gateway::{self, AuditEntry, Decision, Grant, PutArtifact};
-use crate::service::auth::Tenant;
-use crate::service::ops;
-use crate::service::problem::Problem;
-use crate::service::AppState;
 
 /// Where `serve` mounts the gateway.
 pub const PATH: &str = "/v1/gateway";
@@ -67,6 +70,7 @@ fn describe(tool: &str) -> &'static str {
         "skills.list" => "The skill catalog (read-only).",
         "skills.get" => "One skill's manifest: {skill_id} (read-only).",
         "web.fetch" => "Fetch a URL the task's egress allows: {url, method?: GET|HEAD, headers?} -> {status, headers, body, encoding: text|base64, truncated}; no redirect is followed.",
+        "web.search" => "Search the web through the PM's search route (a SearxNG-compatible API the task's egress allows): {query, max_results?} -> {query, count, results: [{title, url, snippet}]}.",
         "api.call" => "Call a credentialed route the tenant allows: {route, method, path, body?, headers?} -> {status, headers, body, encoding, truncated}; the PM adds the route's credentials.",
         "help.tools" => "The gateway's tools and what they do.",
         _ => "",
@@ -402,6 +406,14 @@ impl Gateway {
                     .await
                     .map_err(|d| egress_refusal(tool, d))
             }
+            "web.search" => {
+                let a: egress::SearchArgs = parse(tool, args)?;
+                *dest = Some(egress::Dest::default());
+                let policy = self.job_policy(g)?;
+                egress::web_search(&policy, a, dest)
+                    .await
+                    .map_err(|d| egress_refusal(tool, d))
+            }
             "api.call" => {
                 let a: egress::CallArgs = parse(tool, args)?;
                 *dest = Some(egress::Dest::default());
@@ -592,7 +604,7 @@ pub fn host(
     let stop = tokio_util::sync::CancellationToken::new();
     let st = Arc::new(AppState {
         pm,
-        tokens: crate::service::auth::Tokens::default(),
+        tokens: crate::app::auth::Tokens::default(),
         wake: Arc::new(tokio::sync::Notify::new()),
         stop: stop.clone(),
     });

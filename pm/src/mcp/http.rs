@@ -14,9 +14,9 @@ use rmcp::transport::streamable_http_server::session::never::NeverSessionManager
 use rmcp::transport::streamable_http_server::{StreamableHttpServerConfig, StreamableHttpService};
 
 use super::server::PmMcp;
-use crate::service::auth::Tenant;
-use crate::service::problem::Problem;
-use crate::service::AppState;
+use crate::app::auth::Tenant;
+use crate::app::problem::Problem;
+use crate::app::AppState;
 
 /// Where `serve` mounts the MCP endpoint.
 pub const PATH: &str = "/v1/mcp";

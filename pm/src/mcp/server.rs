@@ -22,8 +22,8 @@ use rmcp::ServerHandler;
 use serde_json::json;
 
 use super::tools::{self, ToolError};
-use crate::service::auth::Tenant;
-use crate::service::AppState;
+use crate::app::auth::Tenant;
+use crate::app::AppState;
 
 /// The PM's MCP tools for one caller.
 #[derive(Clone)]
@@ -45,6 +45,11 @@ impl PmMcp {
     /// The tools for the tenant each HTTP request was authenticated as.
     pub fn per_request(st: Arc<AppState>) -> Self {
         PmMcp { st, tenant: None }
+    }
+
+    /// Whether `name` is offered here: [`tools::LOCAL_ONLY`] only to the local caller.
+    fn offers(&self, name: &str) -> bool {
+        self.tenant.is_some() || !tools::LOCAL_ONLY.contains(&name)
     }
 
     fn tenant(&self, ctx: &RequestContext<RoleServer>) -> Option<Tenant> {
@@ -76,6 +81,7 @@ pub fn error_response(e: ToolError) -> Result<CallToolResponse, ErrorData> {
             Some(json!({ "type": ProblemKind::Validation.type_uri(), "detail": detail })),
         )),
         ToolError::Problem(p) => Ok(CallToolResult::structured_error(json!(p.0)).into()),
+        ToolError::Failed(v) => Ok(CallToolResult::structured_error(v).into()),
     }
 }
 
@@ -95,14 +101,18 @@ impl ServerHandler for PmMcp {
         _context: RequestContext<RoleServer>,
     ) -> Result<ListToolsResult, ErrorData> {
         Ok(ListToolsResult::with_all_items(
-            tools::catalog().into_iter().map(tool).collect(),
+            tools::catalog()
+                .into_iter()
+                .filter(|t| self.offers(t.name))
+                .map(tool)
+                .collect(),
         ))
     }
 
     fn get_tool(&self, name: &str) -> Option<Tool> {
         tools::catalog()
             .into_iter()
-            .find(|t| t.name == name)
+            .find(|t| t.name == name && self.offers(t.name))
             .map(tool)
     }
 
@@ -119,6 +129,9 @@ impl ServerHandler for PmMcp {
                 Some(json!({ "type": ProblemKind::Authentication.type_uri() })),
             ));
         };
+        if !self.offers(&request.name) {
+            return error_response(ToolError::UnknownTool(request.name.to_string()));
+        }
         let args = request.arguments.unwrap_or_default();
         match tools::call(&self.st, &tenant, &request.name, &args).await {
             Ok(v) => Ok(CallToolResult::structured(v).into()),

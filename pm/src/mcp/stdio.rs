@@ -13,9 +13,9 @@ use tokio::sync::Notify;
 use tokio_util::sync::CancellationToken;
 
 use super::server::PmMcp;
+use crate::app::auth::{Tenant, Tokens};
+use crate::app::{scheduler, AppState};
 use crate::driver::Pm;
-use crate::service::auth::{Tenant, Tokens};
-use crate::service::{scheduler, AppState};
 
 /// How `cynode-pm mcp` runs.
 #[derive(Debug, Clone)]

@@ -1,6 +1,6 @@
 //! The tools of `cynode-pm mcp`: what each one takes (a closed JSON Schema, generated
 //! from the same types that parse the arguments) and what it calls in the service layer
-//! ([`crate::service::ops`]), so MCP clients get the HTTP API's tenant check, policy and
+//! ([`crate::app::ops`]), so MCP clients get the HTTP API's tenant check, policy and
 //! limits, not a second copy of them.
 //!
 //! | tool | arguments | result |
@@ -13,6 +13,8 @@
 //! | `skills.list` | – | the catalog |
 //! | `skills.show` | skill_id | the skill's manifest |
 //! | `artifacts.get` | session_id, sha256 | the verified bytes (base64), their sha256 and size |
+//! | `sessions.report` | session_id | the evidence report the PM verified, and its text |
+//! | `skills.run` | skill_id, inputs, workspace? | one job without the loop ([`crate::job_run`]): its result, every artifact verified (stdio only: [`LOCAL_ONLY`]) |
 
 use std::time::Duration;
 
@@ -24,11 +26,11 @@ use serde_json::{json, Map, Value};
 
 use cynode_protocol::pm_api::{Constraints, CreateSession, WorkspaceSpec};
 
-use crate::service::api::session_view;
-use crate::service::auth::Tenant;
-use crate::service::ops;
-use crate::service::problem::Problem;
-use crate::service::AppState;
+use crate::app::auth::Tenant;
+use crate::app::ops;
+use crate::app::ops::session_view;
+use crate::app::problem::Problem;
+use crate::app::AppState;
 
 /// How long `sessions.events` may wait for a new event, at most.
 pub const MAX_WAIT_SECONDS: u64 = 30;
@@ -51,7 +53,15 @@ pub enum ToolError {
     /// a tool result with `isError` and the problem as its structured content.
     #[error("{}", .0 .0.detail.clone().unwrap_or_default())]
     Problem(Problem),
+    /// A job that ran (or was refused) without success: a tool result with `isError`
+    /// and `{"ok": false, "error": {kind, message, exit_code, path?, job?}}`.
+    #[error("{0}")]
+    Failed(Value),
 }
+
+/// Tools only `cynode-pm mcp` on stdio offers (they run on this machine's workers and
+/// read this machine's paths; `/v1/mcp` of `serve` does not list them).
+pub const LOCAL_ONLY: &[&str] = &["skills.run"];
 
 impl From<Problem> for ToolError {
     fn from(p: Problem) -> Self {
@@ -129,6 +139,20 @@ pub struct ArtifactArgs {
     pub sha256: String,
 }
 
+/// `skills.run`.
+#[derive(Debug, Deserialize, JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct SkillRunArgs {
+    pub skill_id: String,
+    /// The skill's inputs (checked against its inputs schema).
+    #[serde(default)]
+    pub inputs: Value,
+    /// An absolute directory the job's workspace is seeded from (a copy; the directory is
+    /// not changed). It must be under the worker's seed root (`mcp --workspace-root`).
+    #[serde(default)]
+    pub workspace: Option<String>,
+}
+
 /// One tool as `tools/list` shows it.
 pub struct ToolSpec {
     pub name: &'static str,
@@ -166,6 +190,8 @@ pub fn catalog() -> Vec<ToolSpec> {
         t("skills.list", "The skill catalog: id, version, description and inputs schema of each skill.", schema::<NoArgs>(), true),
         t("skills.show", "One skill's manifest.", schema::<SkillArgs>(), true),
         t("artifacts.get", "The bytes of one of the session's artifacts (base64), verified against their sha256.", schema::<ArtifactArgs>(), true),
+        t("sessions.report", "The session's evidence report: per task, its jobs and what each verifiably found (steps, verified artifacts), then the model's summary; and the same as text.", schema::<SessionArgs>(), true),
+        t("skills.run", "Run one skill as a single job without the model loop: inputs checked, policy-checked, run in a sandbox on a copy of `workspace`, every artifact verified against its sha256.", schema::<SkillRunArgs>(), false),
     ]
 }
 
@@ -256,8 +282,66 @@ pub async fn call(
                 "content_base64": base64::engine::general_purpose::STANDARD.encode(&bytes),
             }))
         }
+        "sessions.report" => {
+            let a: SessionArgs = parse(tool, args)?;
+            let (rec, _) = ops::owned(st, tenant, &a.session_id).await?;
+            let report = rec.report();
+            let text = format!(
+                "{}\n{}",
+                report.evidence_text().trim_end(),
+                report.summary_line()
+            );
+            Ok(json!({
+                "session_id": a.session_id,
+                "status": rec.status.as_str(),
+                "report": report,
+                "text": text,
+            }))
+        }
+        "skills.run" => {
+            let a: SkillRunArgs = parse(tool, args)?;
+            skill_run(st, a).await
+        }
         other => Err(ToolError::UnknownTool(other.to_string())),
     }
+}
+
+/// `skills.run`: [`crate::job_run`] on the PM's workers, gate and tenant settings.
+async fn skill_run(st: &AppState, a: SkillRunArgs) -> Result<Value, ToolError> {
+    let failed =
+        |f: crate::job_run::Failure| ToolError::Failed(json!({ "ok": false, "error": f.json() }));
+    let Some(skill) = st.pm.registry.get(&a.skill_id) else {
+        return Err(Problem::not_found(format!("skill {}", a.skill_id)).into());
+    };
+    let seed = match &a.workspace {
+        None => None,
+        Some(w) => {
+            let p = std::path::Path::new(w);
+            if !p.is_absolute() {
+                return Err(ToolError::BadArguments(
+                    "skills.run: workspace: must be an absolute path".into(),
+                ));
+            }
+            match std::fs::canonicalize(p) {
+                Ok(c) if c.is_dir() => Some(c),
+                _ => {
+                    return Err(
+                        Problem::bad_request(format!("workspace {w}: not a directory")).into(),
+                    )
+                }
+            }
+        }
+    };
+    let job = crate::job_run::render(skill, &a.inputs).map_err(failed)?;
+    let env = crate::job_run::Env {
+        pool: &st.pm.workers,
+        gate: &st.pm.gate,
+        tenant: &st.pm.tenant,
+        seed: seed.as_deref(),
+        artifacts_dir: &st.pm.artifacts_dir,
+    };
+    let job = crate::job_run::execute(job, &env).await.map_err(failed)?;
+    Ok(json!({ "ok": true, "job": job }))
 }
 
 /// `sessions.events`: the events after `after`, waiting up to `wait_seconds` for one.

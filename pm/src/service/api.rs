@@ -19,38 +19,14 @@ pub use cynode_protocol::pm_api::{
     WorkspaceSpec,
 };
 
-use super::auth::Tenant;
 use super::extract::ApiJson;
-use super::ops;
-use super::problem::Problem;
-use super::AppState;
+use crate::app::auth::Tenant;
+use crate::app::ops::{self, session_view};
+use crate::app::problem::Problem;
+use crate::app::AppState;
 use crate::policy::PolicyInput;
 pub use crate::session::evidence::{EvidenceReport, JobEvidence, StepEvidence, TaskEvidence};
-use crate::session::SessionRecord;
 use crate::skills::{build_job, JobRef};
-
-/// A session as the API shows it.
-pub fn session_view(rec: &SessionRecord) -> SessionView {
-    SessionView {
-        session_id: rec.state.session_id.clone(),
-        tenant: rec.tenant_id.clone(),
-        status: rec.status.as_str().to_string(),
-        objective: rec.state.objective.clone(),
-        plan: json!(rec.state.plan),
-        active_job_id: rec.state.active_job_id.clone(),
-        artifacts: json!(rec.state.artifacts),
-        question: match &rec.phase {
-            crate::session::Phase::AwaitInput { question } => Some(question.clone()),
-            _ => None,
-        },
-        deliverable: json!(rec.deliverable),
-        failure: json!(rec.failure),
-        turn: rec.turn,
-        jobs_dispatched: rec.jobs_dispatched,
-        workspace_id: rec.workspace_id.clone(),
-        worker_id: rec.worker_id.clone(),
-    }
-}
 
 /// Filters and paging of `GET /v1/sessions`.
 #[derive(Debug, Deserialize, IntoParams)]

@@ -18,10 +18,10 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
 
-use super::auth::Tenant;
-use super::ops::owned;
-use super::problem::Problem;
-use super::AppState;
+use crate::app::auth::Tenant;
+use crate::app::ops::owned;
+use crate::app::problem::Problem;
+use crate::app::AppState;
 
 /// How often an open stream looks for new events.
 const POLL: Duration = Duration::from_millis(200);

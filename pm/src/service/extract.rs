@@ -13,7 +13,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 
-use super::problem::Problem;
+use crate::app::problem::Problem;
 
 /// A JSON-object request body deserialised as `T` (closed types: unknown fields are a 400
 /// naming them).

@@ -3,13 +3,12 @@
 //! - [`api`]: the `/v1` handlers (sessions, messages, cancel, artifacts, skills,
 //!   jobs:validate) with their OpenAPI description;
 //! - [`events`]: the Server-Sent Events stream of a session;
-//! - [`auth`]: bearer tokens mapped to tenants;
-//! - [`problem`]: RFC 9457 errors;
 //! - [`extract`]: the one request-body extractor and the layer making every rejection
-//!   problem+json;
-//! - [`scheduler`]: leases and drives the sessions of this replica;
-//! - [`ops`]: the operations behind the handlers, shared with the MCP tools
-//!   ([`crate::mcp`]), so both front ends keep one tenant check and one policy.
+//!   problem+json.
+//!
+//! What the handlers share with the MCP tools (the state, tokens, operations, errors and
+//! the scheduler) is [`crate::app`], below both; [`router`] mounts the API and MCP's
+//! routers (`/v1/mcp`, `/v1/gateway`) on one listener.
 //!
 //! Stateless replicas share one database: any replica answers any request, and sessions
 //! are driven by whichever replica holds their lease. `/healthz` is liveness, `/readyz`
@@ -18,12 +17,8 @@
 //! `docs/openapi.json`, drift-tested).
 
 pub mod api;
-pub mod auth;
 pub mod events;
 pub mod extract;
-pub mod ops;
-pub mod problem;
-pub mod scheduler;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -40,9 +35,10 @@ use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::timeout::TimeoutLayer;
 use utoipa::OpenApi;
 
+use crate::app::auth::Tokens;
+use crate::app::problem::Problem;
+use crate::app::{scheduler, AppState};
 use crate::driver::Pm;
-use auth::Tokens;
-use problem::Problem;
 
 /// How the service runs: its address, limits, leases and HTTPS (the binary's `serve`
 /// command fills it from flags and environment).
@@ -85,17 +81,6 @@ pub enum ServeError {
     },
     #[error("server: {0}")]
     Server(String),
-}
-
-/// What every handler shares.
-pub struct AppState {
-    pub pm: Arc<Pm>,
-    pub tokens: Tokens,
-    /// Wakes this replica's scheduler when a session became runnable here.
-    pub wake: Arc<Notify>,
-    /// Cancelled when the replica shuts down: event streams end (clients resume on
-    /// another replica with `Last-Event-ID`) and the scheduler hands sessions back.
-    pub stop: CancellationToken,
 }
 
 /// The OpenAPI description of the API.
@@ -257,6 +242,20 @@ async fn shutdown_signal(stop: CancellationToken) {
 /// end event streams and finish in-flight requests, let sessions finish their step (up
 /// to the grace), release every lease, exit.
 pub async fn serve(pm: Pm, cfg: ServeConfig) -> Result<(), ServeError> {
+    let listener = std::net::TcpListener::bind(cfg.listen).map_err(|cause| ServeError::Listen {
+        addr: cfg.listen,
+        cause,
+    })?;
+    serve_on(pm, cfg, listener).await
+}
+
+/// [`serve`] on a listener the caller bound (`cfg.listen` is then only its name in
+/// errors): the caller knows the bound address first, e.g. for a `:0` port.
+pub async fn serve_on(
+    pm: Pm,
+    cfg: ServeConfig,
+    listener: std::net::TcpListener,
+) -> Result<(), ServeError> {
     let pm = Arc::new(pm);
     let wake = Arc::new(Notify::new());
     let owner = cfg.replica_id.clone().unwrap_or_else(|| {
@@ -297,7 +296,6 @@ pub async fn serve(pm: Pm, cfg: ServeConfig) -> Result<(), ServeError> {
         addr: cfg.listen,
         cause,
     };
-    let listener = std::net::TcpListener::bind(cfg.listen).map_err(listen_error)?;
     let addr = listener.local_addr().map_err(listen_error)?;
     let scheme = if cfg.tls.is_some() { "https" } else { "http" };
     tracing::info!(addr = %addr, scheme, replica = %owner, "cynode-pm listening");

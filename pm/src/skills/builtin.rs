@@ -64,6 +64,17 @@ pub fn registry() -> Result<Registry, Vec<SkillError>> {
     Registry::from_packages(packages.into_iter().map(|d| load_files(&Embedded(d))))
 }
 
+impl Registry {
+    /// The built-in skills (embedded in the binary) with the packages under `dirs` on top:
+    /// a package of `dirs` adds a skill, or replaces the built-in one with its id. Two
+    /// packages of `dirs` with one id are still an error.
+    pub fn builtin_with(dirs: &[PathBuf]) -> Result<Registry, Vec<SkillError>> {
+        let mut reg = registry()?;
+        reg.overlay(Registry::load(dirs)?);
+        Ok(reg)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

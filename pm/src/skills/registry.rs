@@ -112,14 +112,10 @@ impl Registry {
         }
     }
 
-    /// The built-in skills (embedded in the binary) with the packages under `dirs` on top:
-    /// a package of `dirs` adds a skill, or replaces the built-in one with its id. Two
-    /// packages of `dirs` with one id are still an error.
-    pub fn builtin_with(dirs: &[PathBuf]) -> Result<Registry, Vec<SkillError>> {
-        let mut reg = super::builtin::registry()?;
-        let user = Registry::load(dirs)?;
-        reg.skills.extend(user.skills);
-        Ok(reg)
+    /// Puts `other`'s skills on top: a skill of `other` is added, or replaces the one with
+    /// its id.
+    pub fn overlay(&mut self, other: Registry) {
+        self.skills.extend(other.skills);
     }
 
     /// The skill with `id`.

@@ -4,6 +4,7 @@
 //! - [`client`]: endpoint discovery, the served model list, chat completions.
 //! - [`contract`]: the JSON action contract (`response_format` schema and strict parser).
 //! - [`prompt`]: system prompt, job message, observations.
+//! - [`text`]: the byte bound of every text the agent sends or shows.
 //! - [`todo`]: the todo list, persisted to todo.json after every change.
 //! - [`tools`]: gateway tools (`tool_call`), limited to the job's `context.mcp_tools`.
 //!
@@ -20,6 +21,7 @@
 pub mod client;
 pub mod contract;
 pub mod prompt;
+pub mod text;
 pub mod todo;
 pub mod tools;
 
@@ -252,7 +254,7 @@ impl Agent<'_, '_> {
                 "model turn"
             );
             self.messages.push(
-                json!({ "role": "assistant", "content": prompt::cut(&reply.content, 8 * 1024) }),
+                json!({ "role": "assistant", "content": text::cut(&reply.content, 8 * 1024) }),
             );
             let reply = match parsed {
                 Ok(r) => {

@@ -6,6 +6,8 @@
 use cynode_protocol::job::JobSpec;
 use cynode_protocol::result::{StepOutput, StepRecord, StepStatus};
 
+use super::text::cut;
+
 /// Cap on one context section, in bytes.
 pub const MAX_SECTION_BYTES: usize = 8 * 1024;
 /// Cap on one observation fed back to the model, in bytes.
@@ -43,19 +45,6 @@ Rules: paths are relative to the workspace {workspace} and may not leave it. Wor
 the todo list, mark items complete when done, and finish with success only when every item \
 is done. After each action you get its result."
     )
-}
-
-/// `s` cut to `max` bytes on a character boundary, with a note of what was cut (the one
-/// cut of the agent's prompt text).
-pub(crate) fn cut(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut end = max;
-    while !s.is_char_boundary(end) {
-        end -= 1;
-    }
-    format!("{}\n[... {} bytes cut]", &s[..end], s.len() - end)
 }
 
 fn list(items: &[String]) -> String {
@@ -256,11 +245,6 @@ mod tests {
         assert!(m.contains("remaining time: 59 s"), "{m}");
         assert!(m.contains("at most 100 bytes"), "{m}");
         assert!(m.contains("\"style\": \"terse\""), "{m}");
-    }
-
-    #[test]
-    fn cut_keeps_char_boundaries() {
-        assert_eq!(cut("héllo", 2), "h\n[... 5 bytes cut]");
     }
 
     #[test]

@@ -24,7 +24,7 @@ use cynode_protocol::FailureCode;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use super::prompt::cut;
+use super::text::cut;
 use crate::http::{self, HttpError, Limits, Target};
 
 /// Where the node serves the gateway socket inside the sandbox.

@@ -20,12 +20,13 @@
 //! memfd it reads through `--args` ([`Invocation`]), so its command line is
 //! `bwrap --args N -- <the sandbox's command>`.
 //!
-//! Residuals (`worker/tests/host_paths.rs` matches exactly these): `/proc/self/mountinfo`
-//! inside shows, as the root of the `/` mount, the root filesystem directory's path in the
-//! filesystem that holds it, and as the root of a `/job` or `/workspace` that is not a
-//! volume of its own, its path in the filesystem of the state directory (a bind mount's
-//! root is a path in its source filesystem; no bind trick hides it): put the root
-//! filesystem directories (and `state_dir`) on filesystems of their own to show `/`. And
+//! `/` is a read-only overlay view of the root filesystem directory ([`root_view`]) when
+//! the node is root, so mountinfo inside shows `/` as its root and no layer's path.
+//! Residuals (`worker/tests/host_paths.rs` matches exactly these): a node that is not root
+//! binds the directory, and mountinfo then shows its path in the filesystem that holds it
+//! as the root of `/`; as the root of a `/job` or `/workspace` that is not a volume of its
+//! own, mountinfo shows its path in the filesystem of the state directory (a bind mount's
+//! root is a path in its source filesystem). And
 //! `/proc/1/maps` names bwrap's binary and the shared libraries it loads.
 //!
 //! When the node runs as root, bwrap itself is started as the workspace's host uid/gid
@@ -45,14 +46,16 @@ use tokio_util::sync::CancellationToken;
 
 use super::netns_gate::{Gate, NetnsHook};
 use super::{
-    capture, seccomp, BackendError, IsolatedError, IsolatedOutput, IsolatedRun, PerCommand,
-    ResourceLimits, SandboxBackend, SandboxOutcome, SandboxSpec, SessionSandbox,
+    capture, exec_io, seccomp, BackendError, IsolatedError, IsolatedOutput, IsolatedRun,
+    PerCommand, ResourceLimits, SandboxBackend, SandboxOutcome, SandboxSpec, SessionSandbox,
 };
 use crate::config::{BackendKind, BwrapConfig};
 use crate::sandbox::SANDBOX_UID_TEXT;
 
 pub mod cgroup;
 mod isolated;
+pub mod root_view;
+mod signal;
 pub mod starter;
 pub mod warm;
 use cgroup::{join_cgroups, Cgroup, CgroupLayout};
@@ -75,6 +78,9 @@ pub struct BwrapBackend {
     /// The node's `sandbox_uids` (warm sandboxes are made for these uids only) and its
     /// limits (those of the slots made ahead of any job, [`SandboxBackend::expect_uid`]).
     node_limits: Option<(crate::uid_pool::UidRange, ResourceLimits)>,
+    /// The overlays bound as `/` in place of the root filesystem directories
+    /// ([`root_view`]); `None` binds the directories themselves.
+    root_views: Option<Arc<root_view::RootViews>>,
 }
 
 /// The compiled seccomp programs, built once.
@@ -294,6 +300,15 @@ impl Confinement {
     pub fn kill_all(&self) {
         self.cgroup.kill_all();
     }
+
+    /// A signaller of the sandbox's command, through its cgroup ([`signal`]).
+    fn signaller(&self) -> Option<signal::CgroupSignaller> {
+        use std::os::unix::ffi::OsStrExt;
+        let procs = self.cgroup.procs_files().into_iter().next()?;
+        Some(signal::CgroupSignaller {
+            procs: PathBuf::from(std::ffi::OsStr::from_bytes(procs.as_bytes())),
+        })
+    }
 }
 
 impl Drop for Confinement {
@@ -315,7 +330,15 @@ impl BwrapBackend {
             starters: Arc::default(),
             warm: Arc::default(),
             node_limits: None,
+            root_views: None,
         }
+    }
+
+    /// Binds, as each sandbox's `/`, a read-only overlay view of its root filesystem
+    /// directory attached beneath `state_dir` ([`root_view`]) instead of the directory.
+    pub fn with_root_views(mut self, state_dir: &Path) -> Self {
+        self.root_views = Some(Arc::new(root_view::RootViews::new(state_dir)));
+        self
     }
 
     /// The node's `sandbox_uids`, the only uids warm sandboxes are made for (none
@@ -351,12 +374,25 @@ impl BwrapBackend {
     }
 
     /// The root filesystem directory configured for `image`.
-    pub fn rootfs_for(&self, image: &str) -> Option<&Path> {
+    fn rootfs_dir(&self, image: &str) -> Option<&Path> {
         self.cfg
             .rootfs
             .get(image)
             .map(PathBuf::as_path)
             .filter(|p| p.is_dir())
+    }
+
+    /// What bwrap binds as `/` for `image`: the view of its root filesystem directory
+    /// ([`root_view`]), or the directory itself.
+    pub fn rootfs_for(&self, image: &str) -> Option<PathBuf> {
+        self.rootfs_dir(image).map(|dir| self.root_of(dir))
+    }
+
+    fn root_of(&self, dir: &Path) -> PathBuf {
+        match &self.root_views {
+            Some(views) => views.root_for(dir),
+            None => dir.to_path_buf(),
+        }
     }
 
     /// The bwrap invocation for `spec` with `rootfs` as `/`, confined by `confinement` (its
@@ -426,6 +462,10 @@ impl BwrapBackend {
         let (mut cmd, options) =
             client_command(self.binary(), &self.invocation(spec, rootfs, &args))
                 .map_err(|e| format!("cannot pass bwrap its arguments: {e}"))?;
+        // A streamed exec with a stdin: a pipe, fed by [`exec_io::feed`].
+        if exec_io::wants_stdin() {
+            cmd.stdin(Stdio::piped());
+        }
         confinement.apply(&mut cmd);
         if let Some(g) = &gate {
             g.apply(&mut cmd);
@@ -483,19 +523,20 @@ impl BwrapBackend {
             ));
         };
         // A warm sandbox of the workspace's uid, else a pre-spawned starter (already in
-        // its cgroup), when the job needs no gate.
-        let from_slot = match hook {
-            None => self.claim_slot(spec, rootfs).await,
-            Some(_) => None,
+        // its cgroup), when the job needs no gate and no stdin (theirs is `/dev/null`).
+        let cold_only = hook.is_some() || exec_io::wants_stdin();
+        let from_slot = match cold_only {
+            false => self.claim_slot(spec, &rootfs).await,
+            true => None,
         };
         let warm_slot = from_slot.is_some();
-        let warm = match (&hook, &from_slot) {
-            (None, None) => self.starters(spec).and_then(|p| p.take(&spec.limits)),
+        let warm = match (cold_only, &from_slot) {
+            (false, None) => self.starters(spec).and_then(|p| p.take(&spec.limits)),
             _ => None,
         };
         let started_warm = match warm {
             Some(t) => {
-                let inv = self.invocation(spec, rootfs, &t.confinement_args());
+                let inv = self.invocation(spec, &rootfs, &t.confinement_args());
                 match t.start(&spec.name, &inv, spec.host_uid) {
                     Ok(c) => Some(c),
                     Err(e) => {
@@ -509,7 +550,7 @@ impl BwrapBackend {
         let (mut child, mut confinement, gate) = match (from_slot, started_warm) {
             (Some((child, confinement)), _) => (child, confinement, None),
             (None, Some(c)) => (c.child, c.confinement, None),
-            (None, None) => match self.spawn_cold(spec, rootfs, hook.is_some()) {
+            (None, None) => match self.spawn_cold(spec, &rootfs, hook.is_some()) {
                 Ok(x) => x,
                 Err(e) => return fail(e),
             },
@@ -546,8 +587,13 @@ impl BwrapBackend {
             }
         }
         let hook_us = lap.us();
-        let out = capture::spawn(child.stdout.take(), spec.output_cap);
-        let err = capture::spawn(child.stderr.take(), spec.output_cap);
+        // A streamed exec: its stdin and signals ([`exec_io`]).
+        exec_io::feed(child.stdin.take());
+        if let Some(s) = confinement.signaller().filter(|_| exec_io::in_scope()) {
+            exec_io::attach(Arc::new(s)).await;
+        }
+        let out = capture::spawn_stdout(child.stdout.take(), spec.output_cap);
+        let err = capture::spawn_stderr(child.stderr.take(), spec.output_cap);
         let (status, end) = super::wait_or_stop(&mut child, spec.timeout, cancel).await;
         let wait_us = lap.us();
         let status = match status {
@@ -627,7 +673,7 @@ impl SandboxBackend for BwrapBackend {
     }
 
     async fn has_image(&self, image: &str) -> bool {
-        self.rootfs_for(image).is_some()
+        self.rootfs_dir(image).is_some()
     }
 
     /// Runs the sandbox to the end.
@@ -650,8 +696,8 @@ impl SandboxBackend for BwrapBackend {
         let (Some(w), Some((_, limits))) = (self.warm(), self.node_limits) else {
             return;
         };
-        for rootfs in self.cfg.rootfs.values().filter(|p| p.is_dir()) {
-            w.expect(uid, rootfs, limits);
+        for dir in self.cfg.rootfs.values().filter(|p| p.is_dir()) {
+            w.expect(uid, &self.root_of(dir), limits);
         }
     }
 

@@ -1,6 +1,11 @@
 //! Capturing a sandbox's stdout/stderr concurrently from the start: the first `cap` bytes
 //! are kept (cut back to a UTF-8 boundary), the rest is drained and counted so the
 //! sandbox never blocks on a full pipe.
+//!
+//! A streamed session exec also sees every byte as it is read: it runs the backend's exec
+//! within [`tapped`], and the backends drain their client's output with
+//! [`spawn_stdout`] and [`spawn_stderr`], which hand each read to the [`Tap`] in scope
+//! (none outside a streamed exec).
 
 use std::time::Duration;
 
@@ -20,8 +25,61 @@ pub struct Captured {
     pub truncated: bool,
 }
 
+/// Which output stream of a sandbox.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Which {
+    Stdout,
+    Stderr,
+}
+
+/// Where a streamed exec's output goes as it is read (besides the capture).
+pub trait Tap: Send + Sync {
+    fn write(&self, which: Which, bytes: &[u8]);
+}
+
+tokio::task_local! {
+    static TAP: std::sync::Arc<dyn Tap>;
+}
+
+/// Runs `f` (a backend's exec) with `tap` receiving its output.
+pub async fn tapped<F: std::future::Future>(tap: std::sync::Arc<dyn Tap>, f: F) -> F::Output {
+    TAP.scope(tap, f).await
+}
+
+/// [`spawn`] of a sandbox's stdout, handed to the [`Tap`] in scope as well.
+pub fn spawn_stdout<R: AsyncRead + Unpin + Send + 'static>(
+    stream: Option<R>,
+    cap: usize,
+) -> Pending {
+    spawn_tapped(
+        stream,
+        cap,
+        TAP.try_with(|t| (t.clone(), Which::Stdout)).ok(),
+    )
+}
+
+/// [`spawn`] of a sandbox's stderr, handed to the [`Tap`] in scope as well.
+pub fn spawn_stderr<R: AsyncRead + Unpin + Send + 'static>(
+    stream: Option<R>,
+    cap: usize,
+) -> Pending {
+    spawn_tapped(
+        stream,
+        cap,
+        TAP.try_with(|t| (t.clone(), Which::Stderr)).ok(),
+    )
+}
+
 /// Starts draining `stream` in the background.
 pub fn spawn<R: AsyncRead + Unpin + Send + 'static>(stream: Option<R>, cap: usize) -> Pending {
+    spawn_tapped(stream, cap, None)
+}
+
+fn spawn_tapped<R: AsyncRead + Unpin + Send + 'static>(
+    stream: Option<R>,
+    cap: usize,
+    tap: Option<(std::sync::Arc<dyn Tap>, Which)>,
+) -> Pending {
     tokio::spawn(async move {
         let Some(mut stream) = stream else {
             return Captured::default();
@@ -33,6 +91,9 @@ pub fn spawn<R: AsyncRead + Unpin + Send + 'static>(stream: Option<R>, cap: usiz
             match stream.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
+                    if let Some((tap, which)) = &tap {
+                        tap.write(*which, &buf[..n]);
+                    }
                     total += n;
                     if kept.len() < cap {
                         let take = n.min(cap - kept.len());

@@ -795,8 +795,8 @@ impl EngineBackend {
             exec_failed,
             "warm job started"
         );
-        let out = capture::spawn(Some(stdout), spec.output_cap);
-        let err = capture::spawn(Some(stderr), spec.output_cap);
+        let out = capture::spawn_stdout(Some(stdout), spec.output_cap);
+        let err = capture::spawn_stderr(Some(stderr), spec.output_cap);
         let (code, end) = tokio::select! {
             c = pool::Running::exit_code(&mut sock) => match c {
                 Some(c) => (Some(Some(c)), EndReason::Exited),
@@ -857,8 +857,8 @@ pub(super) fn spawn_client(
     let mut child = cmd
         .spawn()
         .map_err(|e| format!("cannot start {binary}: {e}"))?;
-    let out = capture::spawn(child.stdout.take(), output_cap);
-    let err = capture::spawn(child.stderr.take(), output_cap);
+    let out = capture::spawn_stdout(child.stdout.take(), output_cap);
+    let err = capture::spawn_stderr(child.stderr.take(), output_cap);
     Ok((child, out, err))
 }
 
@@ -875,6 +875,7 @@ pub(super) fn engine_refused(mut o: SandboxOutcome, binary: &str, what: &str) ->
 }
 
 mod exec_filter;
+mod exec_signal;
 pub mod pool;
 pub mod session;
 

@@ -19,6 +19,8 @@ use crate::config::{BackendKind, Config};
 pub mod bwrap;
 pub mod capture;
 pub mod engine;
+pub mod exec_io;
+pub mod image_labels;
 pub mod isolated;
 pub mod microvm;
 pub mod mount_tree;
@@ -226,6 +228,12 @@ pub trait SandboxBackend: Send + Sync + std::fmt::Debug {
     /// missing.
     async fn check(&self) -> Result<String, BackendError>;
 
+    /// Whether a streamed session command can take a stdin and signals
+    /// ([`exec_io`]); a backend that cannot answers `false` and both are refused by name.
+    fn exec_io(&self) -> bool {
+        true
+    }
+
     /// Whether `image` can be run by this backend (exists locally / has a rootfs).
     async fn has_image(&self, image: &str) -> bool;
 
@@ -399,6 +407,7 @@ pub fn from_config(cfg: &Config) -> Arc<dyn SandboxBackend> {
         ),
         BackendKind::Bwrap => Arc::new(
             bwrap::BwrapBackend::new(cfg.bwrap.clone(), node)
+                .with_root_views(&cfg.state_dir)
                 .with_node_limits(cfg.sandbox_uids, ResourceLimits::from_limits(&cfg.limits)),
         ),
         BackendKind::Microvm => Arc::new(microvm::MicrovmBackend::new(

@@ -4,6 +4,7 @@
 
 pub mod microvm;
 pub mod sandbox_uids;
+pub mod session_state;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -66,6 +67,11 @@ pub struct Config {
     /// falls back to a default image); still subject to `images`. Unset: such a request
     /// is refused.
     pub default_image: Option<String>,
+    /// Run agent jobs (`execution_mode: agent_inference`) and sessions with inference on
+    /// images without the label `io.cynodeai.sandbox.agent-compatible=true`. Off (the
+    /// default): such a request is refused as `image_not_agent_compatible`
+    /// (`backend::image_labels`). Basic jobs never need the label.
+    pub allow_unlabelled_agent_images: bool,
     pub limits: Limits,
     pub queue: QueueConfig,
     /// Host directories a workspace may be seeded from.
@@ -97,6 +103,8 @@ pub struct Config {
     /// The PM's tool gateway, which jobs reach through `/job/gateway.sock`: what the
     /// node trusts when the gateway URL a PM hands it is `https://`.
     pub gateway: GatewayConfig,
+    /// Suspended sessions' and workspace snapshots' retention and budget.
+    pub session_state: session_state::SessionStateConfig,
 }
 
 /// The forwarder to the PM's tool gateway ([`crate::gateway_forward`]).
@@ -205,6 +213,13 @@ pub struct InferenceConfig {
     pub api_key_file: Option<PathBuf>,
     #[serde(default)]
     pub api_key_env: Option<String>,
+    /// The upstream takes a key per job, not one of the node's: each job's requests carry
+    /// the key its dispatcher gave with the job (the request's `inference_key`, as
+    /// `cynode-pm` gives its local worker for the PM's inference relay). A job without
+    /// one is answered 401 `no_job_key` without a call upstream, and a session cannot ask
+    /// for models. Excludes `api_key_file` and `api_key_env`.
+    #[serde(default)]
+    pub key_per_job: bool,
     /// Models this node offers; a job may use only those it allows and the node offers.
     /// Empty: whatever the job allows.
     #[serde(default)]
@@ -394,6 +409,10 @@ pub struct Limits {
     /// Connections each per-job socket (`/job/status.sock`, `/job/inference.sock`) holds
     /// at once.
     pub job_socket_connections: usize,
+    /// The output a streamed session exec keeps, per stream (stdout, stderr): the newest
+    /// bytes; older ones are cut and named as cut to a reader
+    /// ([`crate::sessions::stream`]).
+    pub exec_output_ring_bytes: usize,
 }
 
 /// Async job backpressure.
@@ -447,11 +466,13 @@ impl Default for Config {
             inference: None,
             tls: None,
             default_image: None,
+            allow_unlabelled_agent_images: false,
             allow_plain_http: false,
             listener: cynode_tls::ListenerLimits::default(),
             egress: EgressConfig::default(),
             sandbox_uids: sandbox_uids::UidRange::default(),
             gateway: GatewayConfig::default(),
+            session_state: session_state::SessionStateConfig::default(),
         }
     }
 }
@@ -524,6 +545,7 @@ impl Default for Limits {
             artifact_max_total_mb: 2048,
             artifact_hash_seconds: 60,
             job_socket_connections: 16,
+            exec_output_ring_bytes: 1024 * 1024,
         }
     }
 }
@@ -608,6 +630,11 @@ impl Config {
     /// Pristine copies of seeded workspaces without git, for changesets.
     pub fn baselines_dir(&self) -> PathBuf {
         self.state_dir.join("baselines")
+    }
+
+    /// Where workspace snapshots' images are kept (no sandbox mounts it).
+    pub fn snapshots_dir(&self) -> PathBuf {
+        self.state_dir.join("snapshots")
     }
 
     /// The node's SQLite database.

@@ -1,4 +1,4 @@
-//! The node-local egress proxy (issue 25): the only way out of a sandbox that may use the
+//! The node-local egress proxy: the only way out of a sandbox that may use the
 //! network. One proxy per job, served on a listener the node binds inside the sandbox's
 //! own network namespace; the sandbox reaches it through `HTTP_PROXY`/`HTTPS_PROXY`.
 //!

@@ -9,7 +9,9 @@ use axum::routing::{get, post};
 use axum::Router;
 
 use super::extract::BodyLimit;
-use super::{auth, capacity, health, jobs, metrics, sessions, workspaces};
+use super::{
+    auth, capacity, health, jobs, metrics, session_execs, session_files, sessions, workspaces,
+};
 use crate::node::Node;
 
 /// The router for `node`.
@@ -30,6 +32,8 @@ pub fn app(node: Arc<Node>) -> Router {
         .route("/metrics", get(metrics::metrics))
         .merge(workspaces::routes())
         .merge(sessions::routes())
+        .merge(session_files::routes())
+        .merge(session_execs::routes())
         .route_layer(middleware::from_fn_with_state(
             Arc::clone(&node),
             auth::auth,

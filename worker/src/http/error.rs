@@ -114,7 +114,10 @@ impl From<SessionError> for ApiError {
             SessionError::Invalid(v) => ApiError::Invalid(v),
             SessionError::TooMany => ApiError::Busy,
             e @ SessionError::NotFound { .. } => ApiError::NotFound(e.to_string()),
+            e @ SessionError::SnapshotNotFound { .. } => ApiError::NotFound(e.to_string()),
+            e @ SessionError::FileNotFound { .. } => ApiError::NotFound(e.to_string()),
             SessionError::Conflict(m) => ApiError::Conflict(m),
+            SessionError::TooLarge(n) => ApiError::TooLarge(n),
             SessionError::Uid(e) => e.into(),
             SessionError::Internal(m) => ApiError::Internal(m),
         }

@@ -15,6 +15,9 @@ pub mod extract;
 mod health;
 mod jobs;
 mod metrics;
+pub mod session_execs;
+pub mod session_files;
+pub mod session_state;
 pub mod sessions;
 pub mod workspaces;
 

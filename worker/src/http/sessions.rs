@@ -19,9 +19,13 @@ use crate::node::Node;
 pub fn routes() -> Router<Arc<Node>> {
     Router::new()
         .route("/v1/worker/sessions", post(create))
-        .route("/v1/worker/sessions/{session_id}", get(show))
+        .route(
+            "/v1/worker/sessions/{session_id}",
+            get(show).post(super::session_state::action),
+        )
         .route("/v1/worker/sessions/{session_id}/exec", post(exec))
         .route("/v1/worker/sessions/{session_id}/end", post(end))
+        .merge(super::session_state::routes())
 }
 
 async fn create(
@@ -44,6 +48,11 @@ async fn exec(
     Path(session_id): Path<String>,
     StrictJson(req): StrictJson<ExecRequest>,
 ) -> Result<Response, ApiError> {
+    // Streamed: 202 with the exec id at once (`super::session_execs` reads it).
+    if req.stream {
+        let started = node.sessions.exec_streamed(&session_id, req)?;
+        return Ok((StatusCode::ACCEPTED, Json(started)).into_response());
+    }
     Ok(Json(node.sessions.exec(&session_id, req).await?).into_response())
 }
 

@@ -25,7 +25,9 @@
 //!   `limits.job_socket_connections` connections, 16 by default; beyond them, with every
 //!   connection mid-request, a new one is answered 503 at once).
 //! - The upstream API key is added here, on the upstream request only: it never enters
-//!   the sandbox, job.json or a log line. The loopback listener's `/v1` wants the job's
+//!   the sandbox, job.json or a log line. With `inference.key_per_job` it is the key the
+//!   job's dispatcher gave with the job ([`crate::job_grants`]), and a job given none is
+//!   answered 401 `no_job_key` without a call upstream. The loopback listener's `/v1` wants the job's
 //!   own random token as its bearer (what `OPENAI_API_KEY` holds inside), never a key of
 //!   the node's.
 //! - Every request is audited: one JSON line `inference request` (`job_id`, `via`,
@@ -70,12 +72,17 @@ pub enum UpstreamError {
     Tls(#[source] cynode_tls::TlsError),
     #[error("cannot build the inference http client")]
     Client(#[source] reqwest::Error),
+    #[error("inference.key_per_job excludes inference.api_key_file and inference.api_key_env")]
+    KeyPerJob,
 }
 
 /// The node's upstream: where requests go and the key they carry.
 pub struct Upstream {
     base: String,
     api_key: Option<String>,
+    /// Each job's requests carry the key its dispatcher gave with the job
+    /// ([`crate::job_grants::inference_keys`]), never the node's.
+    key_per_job: bool,
     client: reqwest::Client,
     max_request_bytes: usize,
     max_response_bytes: usize,
@@ -98,6 +105,9 @@ impl Upstream {
         let base = base.strip_suffix("/v1").unwrap_or(base).to_string();
         if !base.starts_with("http://") && !base.starts_with("https://") {
             return Err(UpstreamError::BaseUrl(cfg.base_url.clone()));
+        }
+        if cfg.key_per_job && (cfg.api_key_file.is_some() || cfg.api_key_env.is_some()) {
+            return Err(UpstreamError::KeyPerJob);
         }
         let api_key = match (&cfg.api_key_file, &cfg.api_key_env) {
             (Some(p), _) => Some(
@@ -130,11 +140,19 @@ impl Upstream {
         Ok(Upstream {
             base,
             api_key,
+            key_per_job: cfg.key_per_job,
             client,
             max_request_bytes: cfg.max_request_bytes,
             max_response_bytes: cfg.max_response_bytes,
             max_requests: cfg.max_requests_per_job,
         })
+    }
+}
+
+impl Upstream {
+    /// Whether each job's requests carry a key of their own (sessions have none).
+    pub fn key_per_job(&self) -> bool {
+        self.key_per_job
     }
 }
 
@@ -568,8 +586,21 @@ async fn forward_to(
             ),
         ));
     }
+    let key = if up.key_per_job {
+        let Some(k) = crate::job_grants::inference_keys().get(&p.job_id) else {
+            tracing::warn!(job_id = %p.job_id, path, "no inference key for this job; refused");
+            return Err(error(
+                StatusCode::UNAUTHORIZED,
+                "no_job_key",
+                "the node's inference upstream takes a key per job, and this job was given none",
+            ));
+        };
+        Some(k.0)
+    } else {
+        up.api_key.clone()
+    };
     let mut rb = up.client.request(method, format!("{}{path}", up.base));
-    if let Some(key) = &up.api_key {
+    if let Some(key) = key {
         rb = rb.bearer_auth(key);
     }
     if let Some(b) = body {

@@ -37,6 +37,7 @@ mod image;
 mod loopdev;
 pub mod mountinfo;
 mod release;
+pub mod snapshot;
 
 use std::collections::VecDeque;
 use std::ffi::OsStr;
@@ -56,6 +57,9 @@ pub use release::{release_node, Released};
 const LOOP_MAJOR: u32 = 7;
 /// The volumes directory under the state directory.
 pub const VOLUMES_DIR: &str = "volumes";
+/// The directory beneath the state directory where bwrap's read-only views of the root
+/// filesystems are attached (`backend::bwrap::root_view`); [`release_node`] unmounts them.
+pub const ROOTS_DIR: &str = "roots";
 /// Pool images' name prefix.
 const POOL_PREFIX: &str = "pool-";
 /// The node's environment variable that, set to `off`, makes it use the poller (to

@@ -6,8 +6,9 @@
 //!
 //! The mounts are found in `/proc/self/mountinfo`, strictly beneath the state directory,
 //! never by walking the state directory (a workspace's content is the sandbox's), and
-//! only the node's: a filesystem on a loop device whose image is in `<state>/volumes/`, or
-//! a mount beneath `<state>/pool/` (the engine pool's slots). A mount an operator made
+//! only the node's: a filesystem on a loop device whose image is in `<state>/volumes/`, a
+//! mount beneath `<state>/pool/` (the engine pool's slots), or one beneath `<state>/roots/`
+//! (bwrap's views of the root filesystems, `backend::bwrap::root_view`). A mount an operator made
 //! there (a disk for the workspaces) stays. Each is
 //! unmounted by its place: its parent directory opened from the state directory with
 //! `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS)`, then
@@ -103,11 +104,13 @@ fn mounts_beneath(root: &Path) -> Vec<Mount> {
         return Vec::new();
     };
     let (volumes, pool) = (root.join(super::VOLUMES_DIR), root.join(POOL_DIR));
+    let roots = root.join(super::ROOTS_DIR);
     mountinfo::beneath(&all, root)
         .into_iter()
         .filter(|m| m.point != root)
         .filter(|m| {
             m.point.starts_with(&pool)
+                || m.point.starts_with(&roots)
                 || super::backing_file(&m.source).is_some_and(|image| image.starts_with(&volumes))
         })
         .collect()

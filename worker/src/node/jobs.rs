@@ -6,6 +6,7 @@
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
+use cynode_protocol::job::{ExecutionMode, JobSpec};
 use cynode_protocol::worker_api::{
     AsyncJobState, AsyncJobStatus, RunJobRequest, RunJobResponse, SbaLifecycle, WorkerJobStatus,
     API_VERSION,
@@ -14,11 +15,13 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{Node, NodeError};
+use crate::backend::image_labels;
 use crate::callback;
 use crate::executor::response::{self, state_of};
 use crate::executor::{self, JobPaths, PreparedJob};
 use crate::gateway_forward;
 use crate::inference::{self, Proxy};
+use crate::job_grants::{self, Handed};
 use crate::remove_tree::remove_tree_async;
 use crate::store::{request_digest, JobRecord, Mode};
 
@@ -33,6 +36,19 @@ fn default_image(node: &Node, req: &mut RunJobRequest) {
             req.sandbox.image = image.clone();
         }
     }
+}
+
+/// An agent job (`execution_mode: agent_inference`) runs only on an image labelled
+/// agent-compatible ([`crate::backend::image_labels`]); other jobs never need the label.
+async fn agent_image(
+    node: &Node,
+    req: &RunJobRequest,
+    job: Option<&JobSpec>,
+) -> Result<(), NodeError> {
+    if job.is_some_and(|j| j.effective_mode() == ExecutionMode::AgentInference) {
+        image_labels::check_agent_image(&node.cfg, &req.sandbox.image, "sandbox.image").await?;
+    }
+    Ok(())
 }
 
 impl Node {
@@ -60,9 +76,11 @@ impl Node {
     ) -> Result<RunJobResponse, NodeError> {
         let mut lap = crate::trace::Lap::start();
         default_image(self, &mut req);
-        executor::validate(&self.cfg, &req)?;
-        // The gateway token is held in memory only: never digested, stored or logged.
-        let gateway = req.gateway.take();
+        let job = executor::validate(&self.cfg, &req)?;
+        agent_image(self, &req, job.as_ref()).await?;
+        // The gateway token and inference key are held in memory only: never digested,
+        // stored or logged.
+        let handed = Handed::take(&mut req);
         let digest = request_digest(&req)?;
         let validate_us = lap.us();
         // The workspace's host uid, before the job is accepted: none free is a 503.
@@ -85,9 +103,7 @@ impl Node {
                 ))),
             };
         }
-        if let Some(g) = gateway {
-            gateway_forward::grants().put(&req.job_id, g);
-        }
+        handed.hold(&req.job_id);
         Ok(self.execute(req).await)
     }
 
@@ -98,19 +114,19 @@ impl Node {
         mut req: RunJobRequest,
     ) -> Result<(bool, AsyncJobStatus), NodeError> {
         default_image(self, &mut req);
-        executor::validate(&self.cfg, &req)?;
-        // The gateway token is held in memory only: never digested, stored or logged.
-        // A repeat of a job still running (a PM resuming with a new token) replaces it.
-        let gateway = req.gateway.take();
+        let job = executor::validate(&self.cfg, &req)?;
+        agent_image(self, &req, job.as_ref()).await?;
+        // The gateway token and inference key are held in memory only: never digested,
+        // stored or logged. A repeat of a job still running (a PM resuming with fresh
+        // ones) replaces those it holds.
+        let handed = Handed::take(&mut req);
         let digest = request_digest(&req)?;
         if let Some(existing) = self.store.get(&req.job_id).await? {
             if existing.request_digest != digest {
                 return Err(different_request(&req.job_id));
             }
-            if let Some(g) = gateway {
-                if !existing.state.is_terminal() && gateway_forward::grants().has(&req.job_id) {
-                    gateway_forward::grants().put(&req.job_id, g);
-                }
+            if !existing.state.is_terminal() {
+                handed.renew(&req.job_id);
             }
             return Ok((false, status_of(existing)));
         }
@@ -128,9 +144,7 @@ impl Node {
             }
             return Ok((false, status_of(existing)));
         }
-        if let Some(g) = gateway {
-            gateway_forward::grants().put(&req.job_id, g);
-        }
+        handed.hold(&req.job_id);
         let status = AsyncJobStatus {
             version: API_VERSION,
             task_id: req.task_id.clone(),
@@ -185,7 +199,7 @@ impl Node {
         };
         drop(permit);
         let mut lap = crate::trace::Lap::start();
-        gateway_forward::grants().remove(&req.job_id);
+        job_grants::forget(&req.job_id);
         let state = if cancel.is_cancelled() && resp.status != WorkerJobStatus::Completed {
             AsyncJobState::Canceled
         } else {
@@ -272,7 +286,7 @@ impl Node {
             }
             _ => None,
         };
-        let _gateway = if gateway_forward::grants().has(&req.job_id) {
+        let _gateway = if job_grants::gateway().has(&req.job_id) {
             match gateway_forward::listen(
                 mount,
                 &req.job_id,

@@ -188,6 +188,11 @@ impl Node {
             }),
         });
         node.reconcile().await?;
+        // Suspended sessions and snapshots are in the store: loaded again before any request.
+        node.sessions.attach_store(node.store.clone());
+        if let Err(e) = node.sessions.restore().await {
+            tracing::warn!(error = %e, "cannot load the suspended sessions again");
+        }
         node.sessions.start_reaper();
         node.check_ready().await;
         let weak = Arc::downgrade(&node);

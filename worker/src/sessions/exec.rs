@@ -1,8 +1,10 @@
 //! Running one command in a session: one at a time (a second concurrent exec is a
 //! conflict), in its own task so a client that goes away leaves neither the session busy
 //! nor the command unbounded, and answered as an [`ExecResponse`] whose status and failure
-//! reason say how the command ended.
+//! reason say how the command ended. A streamed exec ([`super::stream`]) is started the
+//! same way, with its output tapped as it is written.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cynode_protocol::time::now_rfc3339;
@@ -14,6 +16,8 @@ use super::spec::{container_name, sandbox_env, sandbox_spec};
 use super::state::Phase;
 use super::validate::validate_exec;
 use super::{SessionError, Sessions};
+use crate::backend::capture::Tap;
+use crate::backend::exec_io::ExecIo;
 use crate::backend::{EndReason, SandboxOutcome};
 use crate::disk_guard::{Breach, DiskLimit};
 use crate::inference::listener::JobInference;
@@ -27,6 +31,30 @@ impl Sessions {
         session_id: &str,
         req: ExecRequest,
     ) -> Result<ExecResponse, SessionError> {
+        if req.stdin {
+            return Err(SessionError::Invalid(
+                cynode_protocol::ValidationError::new(
+                    "stdin",
+                    "a stdin needs a streamed exec (\"stream\": true)",
+                ),
+            ));
+        }
+        self.launch(session_id, req, None, None)?
+            .await
+            .map_err(|e| SessionError::Internal(format!("exec task failed: {e}")))
+    }
+
+    /// Starts one command in the session, in its own task; `tap`, when given, receives
+    /// its output as it is written, and `io` gives it its stdin and signals
+    /// ([`super::stream`]); `io`'s signaller is revoked once the backend's exec returned,
+    /// before the session can run another command.
+    pub(super) fn launch(
+        &self,
+        session_id: &str,
+        req: ExecRequest,
+        tap: Option<Arc<dyn Tap>>,
+        io: Option<Arc<ExecIo>>,
+    ) -> Result<tokio::task::JoinHandle<ExecResponse>, SessionError> {
         check_id("session_id", session_id)?;
         validate_exec(&req)?;
         let cfg = &self.inner.cfg;
@@ -39,6 +67,9 @@ impl Sessions {
                         return Err(SessionError::Conflict(format!(
                             "session {session_id} is being created; retry"
                         )))
+                    }
+                    Phase::Suspended { .. } => {
+                        return Err(super::suspend::suspended_conflict(session_id))
                     }
                     Phase::Ended { .. } => {
                         let why = e.info.end_reason.map_or("ended", SessionEndReason::as_str);
@@ -98,10 +129,25 @@ impl Sessions {
                 share.as_mut().and_then(ExecNet::hook),
                 listener.as_ref().map(JobInference::hook),
             );
-            let out = match hook {
-                Some(hook) => sandbox.exec_gated(&spec, &trip, hook).await,
-                None => sandbox.exec(&spec, &trip).await,
+            let run = async {
+                match hook {
+                    Some(hook) => sandbox.exec_gated(&spec, &trip, hook).await,
+                    None => sandbox.exec(&spec, &trip).await,
+                }
             };
+            let run = async {
+                match &io {
+                    Some(io) => crate::backend::exec_io::scoped(io.clone(), run).await,
+                    None => run.await,
+                }
+            };
+            let out = match tap {
+                Some(tap) => crate::backend::capture::tapped(tap, run).await,
+                None => run.await,
+            };
+            if let Some(io) = &io {
+                io.revoke().await;
+            }
             drop(listener);
             let egress = match (&net, share) {
                 (Some(n), Some(share)) => Some(n.exec_end(share).await),
@@ -134,8 +180,7 @@ impl Sessions {
             }
             resp
         });
-        task.await
-            .map_err(|e| SessionError::Internal(format!("exec task failed: {e}")))
+        Ok(task)
     }
 }
 

@@ -33,18 +33,25 @@
 //!   127.0.0.1:11434 in its own network namespace (`OPENAI_BASE_URL`, `OPENAI_API_KEY`,
 //!   `OLLAMA_BASE_URL`), a command job's models and rules, bound as the egress proxy is
 //!   ([`inference`]).
-//! - Session state is in memory only: sessions do not survive a node restart. Their
-//!   containers carry the node label, so the restarted node's startup reconciliation
-//!   (`remove_all_managed`) removes them, and they stop by themselves a minute after their
-//!   max lifetime.
+//! - A running session's state is in memory only: it does not survive a node restart. Its
+//!   container carries the node label, so the restarted node's startup reconciliation
+//!   (`remove_all_managed`) removes it, and it stops by itself a minute after its max
+//!   lifetime. A suspended session is in the node's store and does survive ([`suspend`]);
+//!   so do workspace snapshots ([`snapshot`]), and a session may start from one
+//!   (`from_snapshot`).
 
 mod egress;
 mod error;
 mod exec;
+pub mod files;
 mod inference;
 mod reaper;
+mod snapshot;
 mod spec;
 mod state;
+pub mod stream;
+mod suspend;
+pub mod tree_hash;
 mod validate;
 
 use std::collections::{BTreeMap, HashMap};
@@ -103,6 +110,10 @@ struct Inner {
     /// The node's inference upstream (`None`: none configured).
     inference: Option<Arc<Upstream>>,
     map: Mutex<HashMap<String, Entry>>,
+    /// Streamed execs ([`stream`]).
+    execs: stream::Execs,
+    /// Where suspended sessions and snapshots are kept ([`Sessions::attach_store`]).
+    store: std::sync::OnceLock<crate::store::Store>,
 }
 
 /// The node's sessions (in memory).
@@ -136,6 +147,8 @@ impl Sessions {
                 inference,
                 cfg: cfg.clone(),
                 map: Mutex::new(HashMap::new()),
+                execs: stream::Execs::default(),
+                store: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -158,19 +171,22 @@ impl Sessions {
         f(e)
     }
 
-    /// Creates and starts a session; `true` when new, `false` for a repeat of a running one.
-    pub async fn create(
+    /// The egress proxy and inference listener a validated session `v` gets from the
+    /// node (at its creation and at each resume): none where it asks for none; an error
+    /// where the node lacks what it asks for.
+    #[allow(clippy::type_complexity)]
+    fn services(
         &self,
-        req: CreateSessionRequest,
-    ) -> Result<(bool, SessionInfo), SessionError> {
+        v: &validate::Validated,
+        session_id: &str,
+    ) -> Result<(Option<Arc<SessionNet>>, Option<Arc<SessionInference>>), SessionError> {
         let cfg = &self.inner.cfg;
-        let v = validate_create(cfg, &req)?;
         let net = match (&v.egress, &self.inner.egress) {
             (None, _) => None,
             (Some(policy), Some(node)) => Some(SessionNet::new(
                 Arc::clone(node),
                 policy.clone(),
-                &req.session_id,
+                session_id,
             )),
             (Some(_), None) => {
                 return Err(SessionError::Internal(
@@ -180,8 +196,14 @@ impl Sessions {
         };
         let inference = match (&v.models, &self.inner.inference) {
             (None, _) => None,
+            (Some(_), Some(upstream)) if upstream.key_per_job() => {
+                return Err(SessionError::Invalid(cynode_protocol::ValidationError::new(
+                    "inference",
+                    "this node's inference upstream takes a key per job (inference.key_per_job), which a session is never given",
+                )))
+            }
             (Some(models), Some(upstream)) => Some(SessionInference::new(
-                &req.session_id,
+                session_id,
                 models.clone(),
                 Arc::clone(upstream),
                 cfg.listener
@@ -193,6 +215,21 @@ impl Sessions {
                 ))
             }
         };
+        Ok((net, inference))
+    }
+
+    /// Creates and starts a session; `true` when new, `false` for a repeat of a running one.
+    pub async fn create(
+        &self,
+        req: CreateSessionRequest,
+    ) -> Result<(bool, SessionInfo), SessionError> {
+        let cfg = &self.inner.cfg;
+        let v = validate_create(cfg, &req)?;
+        // A session with the node's models hosts an agent: its image must say it can.
+        if v.models.is_some() {
+            crate::backend::image_labels::check_agent_image(cfg, &req.image, "image").await?;
+        }
+        let (net, inference) = self.services(&v, &req.session_id)?;
         if let Some(existing) = self.repeat(&req)? {
             return Ok((false, existing));
         }
@@ -203,6 +240,14 @@ impl Sessions {
             )));
         }
         let workspace = cfg.workspaces_dir().join(&v.workspace_id);
+        // From a snapshot: the new workspace is made now, before its uid settles its owner.
+        let workspace_copy = match &req.from_snapshot {
+            Some(id) => Some(
+                self.workspace_from_snapshot(id, &req.task_id, &v.workspace_id)
+                    .await?,
+            ),
+            None => None,
+        };
         // The workspace's own host uid (its directory made, owned by it): 503 when none.
         let host_uid = self.inner.uids.for_workspace(&v.workspace_id).await?;
         let now = time::OffsetDateTime::now_utc();
@@ -221,6 +266,7 @@ impl Sessions {
             ended_at: None,
             end_reason: None,
             egress: net.as_ref().map(|_| Default::default()),
+            workspace_copy,
         };
         {
             let mut map = self
@@ -260,6 +306,9 @@ impl Sessions {
                     net: net.clone(),
                     inference: inference.clone(),
                     network: (req.network_policy, req.egress_allow.clone()),
+                    on_idle: req.on_idle.unwrap_or_default(),
+                    request: req.clone(),
+                    suspending: false,
                 },
             );
         }
@@ -373,7 +422,7 @@ impl Sessions {
                 "session {id} is being created; retry"
             ))),
             Phase::Ended { .. } => Err(SessionError::Conflict(format!("session {id} has ended"))),
-            Phase::Running(_)
+            Phase::Running(_) | Phase::Suspended { .. }
                 if e.info.task_id != req.task_id
                     || e.info.image != req.image
                     || e.network != (req.network_policy, req.egress_allow.clone()) =>
@@ -382,7 +431,7 @@ impl Sessions {
                     "session {id} exists with another task_id, image or network"
                 )))
             }
-            Phase::Running(_) => Ok(Some(e.current())),
+            Phase::Running(_) | Phase::Suspended { .. } => Ok(Some(e.current())),
         }
     }
 
@@ -395,15 +444,20 @@ impl Sessions {
     /// Ends the session and removes its sandbox; ending an ended session answers it again.
     pub async fn end(&self, session_id: &str) -> Result<SessionInfo, SessionError> {
         check_id("session_id", session_id)?;
-        let (mut info, sandbox, net) = self.with_entry(session_id, |e| match e.phase {
-            Phase::Starting => Err(SessionError::Conflict(format!(
-                "session {session_id} is being created; retry"
-            ))),
-            _ => {
-                let sb = e.end(SessionEndReason::Requested);
-                Ok((e.info.clone(), sb, e.net.clone()))
-            }
-        })?;
+        let (mut info, sandbox, net, was_suspended) =
+            self.with_entry(session_id, |e| match e.phase {
+                Phase::Starting => Err(SessionError::Conflict(format!(
+                    "session {session_id} is being created; retry"
+                ))),
+                _ => {
+                    let was_suspended = matches!(e.phase, Phase::Suspended { .. });
+                    let sb = e.end(SessionEndReason::Requested);
+                    Ok((e.info.clone(), sb, e.net.clone(), was_suspended))
+                }
+            })?;
+        if was_suspended {
+            self.forget_suspended(session_id).await;
+        }
         if let Some(sb) = sandbox {
             // In its own task, so the sandbox is removed even if the client goes away.
             tokio::spawn(async move { sb.stop().await })

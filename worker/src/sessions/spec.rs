@@ -117,6 +117,7 @@ mod tests {
             ended_at: None,
             end_reason: None,
             egress: None,
+            workspace_copy: None,
         }
     }
 

@@ -1,7 +1,9 @@
 //! One session's state machine: `Starting` while its sandbox starts, `Running` while it
-//! takes commands, `Ended` (remembered for the node's retention) once it was ended on
-//! request, by the reaper, or because its sandbox died. [`Entry::end`] is the one
-//! transition to `Ended`: it stamps the info and cancels a running command.
+//! takes commands, `Suspended` while its sandbox is stopped and its workspace and settings
+//! kept (`super::suspend`; back to `Starting` on resume), `Ended` (remembered for the
+//! node's retention) once it was ended on request, by the reaper, or because its sandbox
+//! died. [`Entry::end`] is the one transition to `Ended`: it stamps the info and cancels a
+//! running command.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -21,6 +23,12 @@ pub(super) enum Phase {
     /// The sandbox is being started.
     Starting,
     Running(Arc<dyn SessionSandbox>),
+    /// Its sandbox is stopped; the store holds it until it is resumed or ends.
+    Suspended {
+        since: Instant,
+        /// The max lifetime left when it was suspended (suspended time does not count).
+        remaining: Duration,
+    },
     Ended {
         since: Instant,
     },
@@ -53,6 +61,12 @@ pub(super) struct Entry {
         Option<cynode_protocol::worker_api::NetworkPolicy>,
         Option<Vec<String>>,
     ),
+    /// The create request (checked again on resume, stored while suspended).
+    pub(super) request: cynode_protocol::worker_sessions::CreateSessionRequest,
+    /// Its sandbox is being stopped for a suspend (the reaper leaves it alone).
+    pub(super) suspending: bool,
+    /// What the reaper does once the session is idle.
+    pub(super) on_idle: cynode_protocol::worker_session_state::OnIdle,
 }
 
 /// What an ended session leaves to remove: its sandbox and its egress proxy.
@@ -79,8 +93,19 @@ impl Entry {
         info
     }
 
-    /// Marks the session ended; returns what to remove, if it was running.
+    /// Marks the session ended; returns what to remove, if it was running. A suspended
+    /// session ends too (nothing to remove; its stored record is the caller's to delete).
     pub(super) fn end(&mut self, reason: SessionEndReason) -> Option<Teardown> {
+        if let Phase::Suspended { .. } = self.phase {
+            self.phase = Phase::Ended {
+                since: Instant::now(),
+            };
+            self.info.status = SessionStatus::Ended;
+            self.info.ended_at = Some(now_rfc3339());
+            self.info.end_reason = Some(reason);
+            tracing::info!(session_id = %self.info.session_id, task_id = %self.info.task_id, reason = reason.as_str(), "suspended session ended");
+            return None;
+        }
         let Phase::Running(_) = self.phase else {
             return None;
         };

@@ -45,6 +45,7 @@ fn network(cfg: &Config, req: &CreateSessionRequest) -> Result<Option<Policy>, V
         },
         workspace_id: None,
         gateway: None,
+        inference_key: None,
     };
     job.validate()
         .and_then(|()| crate::job_egress::policy(cfg, &job))
@@ -157,6 +158,7 @@ fn inference(
         },
         workspace_id: None,
         gateway: None,
+        inference_key: None,
     };
     crate::executor::inference_models(cfg, &job).map_err(|e| {
         let path = e

@@ -24,9 +24,11 @@
 //! is written to be shown to the model so it can correct its reply.
 //!
 //! One file a concern: [`schema`] builds the schema, [`validate`] checks a reply,
-//! [`patch`] holds the `state_patch` rules and applies a patch to the session's state.
+//! [`patch`] holds the `state_patch` rules and applies a patch to the session's state, and
+//! [`fields`] holds the field checks those two share.
 
 pub mod babble;
+mod fields;
 mod patch;
 mod schema;
 #[cfg(test)]
@@ -61,6 +63,20 @@ pub const TASK_STATUSES: [&str; 6] = [
     "blocked",
     "skipped",
 ];
+
+/// The seeds' words for a plan entry's status, which `TaskStatus` reads as ours
+/// (`running` is `in_progress`, `completed` is `done`: docs/INTEROP.md): a reply may
+/// write them, and the plan is stored in ours.
+pub const SEED_TASK_STATUSES: [&str; 2] = ["running", "completed"];
+
+/// Every status a reply may write: ours, then the seeds'.
+pub fn reply_task_statuses() -> Vec<&'static str> {
+    TASK_STATUSES
+        .iter()
+        .chain(SEED_TASK_STATUSES.iter())
+        .copied()
+        .collect()
+}
 
 /// The statuses of a task still open: a `final` with one of these in the plan is refused
 /// (the model runs the task, or closes it as `skipped` with a `reason`).

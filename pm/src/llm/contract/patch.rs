@@ -7,8 +7,8 @@ use std::collections::BTreeSet;
 use cynode_protocol::llm::LlmOutput;
 use serde_json::{json, Value};
 
+use super::fields::*;
 use super::schema::*;
-use super::validate::*;
 use super::*;
 use crate::session::SessionRecord;
 use cynode_protocol::session::{PlanEntry, TaskStatus};

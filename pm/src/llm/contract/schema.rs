@@ -129,7 +129,10 @@ pub(super) fn plan_entry_schema() -> Value {
                 task_id_schema("a short unique id for this task, e.g. t1"),
             ),
             ("description", bounded_string(1, DESCRIPTION_MAX)),
-            ("status", json!({ "type": "string", "enum": TASK_STATUSES })),
+            (
+                "status",
+                json!({ "type": "string", "enum": reply_task_statuses() }),
+            ),
             ("version", json!({ "type": "integer", "minimum": 0 })),
             ("reason", bounded_string(1, REASON_MAX)),
         ],
@@ -142,7 +145,7 @@ pub(super) fn plan_field_schema(field: &str) -> Value {
     match field {
         "description" => bounded_string(1, DESCRIPTION_MAX),
         "reason" => bounded_string(1, REASON_MAX),
-        _ => json!({ "type": "string", "enum": TASK_STATUSES }),
+        _ => json!({ "type": "string", "enum": reply_task_statuses() }),
     }
 }
 

@@ -23,6 +23,10 @@
 //! `runsc kill --pid`. A container in the node's own PID namespace under any other
 //! runtime is refused. `runsc exec` does not apply the OCI seccomp profile, so under gVisor
 //! each command runs through the node's filter ([`super::exec_filter`]).
+//!
+//! A streamed command may have a stdin (`exec --interactive`, its pipe fed by
+//! [`exec_io::feed`]) and takes signals through a pid it records in the container
+//! ([`super::exec_signal`]).
 
 use std::path::Path;
 use std::process::Stdio;
@@ -32,7 +36,9 @@ use tokio::process::Command;
 use tokio_util::sync::CancellationToken;
 
 use super::{last_line, EngineBackend};
-use crate::backend::{BackendError, EndReason, SandboxOutcome, SandboxSpec, SessionSandbox};
+use crate::backend::{
+    exec_io, BackendError, EndReason, SandboxOutcome, SandboxSpec, SessionSandbox,
+};
 use crate::config::{BackendKind, OciRuntime};
 use crate::sandbox::engine_user;
 
@@ -310,18 +316,39 @@ impl Ops<'_> {
     ) -> SandboxOutcome {
         let started = Instant::now();
         let mut cmd = self.cmd();
-        if k.gvisor.is_some() {
-            let mut filtered = spec.clone();
-            filtered.command = super::exec_filter::wrap(&spec.command);
-            cmd.args(exec_args(&k.name, &filtered));
-        } else {
-            cmd.args(exec_args(&k.name, spec));
+        let mut run = spec.clone();
+        // A streamed command records its pid for signals ([`super::exec_signal`]).
+        let streamed = exec_io::in_scope();
+        let record = super::exec_signal::record_path(&spec.name);
+        if streamed {
+            run.command = super::exec_signal::recorded(&record, &run.command);
         }
+        if k.gvisor.is_some() {
+            run.command = super::exec_filter::wrap(&run.command);
+        }
+        let mut args = exec_args(&k.name, &run);
+        // A streamed exec with a stdin: `exec --interactive`, fed by [`exec_io::feed`].
+        if exec_io::wants_stdin() {
+            args.insert(1, "--interactive".into());
+            cmd.stdin(Stdio::piped());
+        }
+        cmd.args(args);
         let (mut child, out, err) =
             match super::spawn_client(cmd, self.engine.binary(), spec.output_cap) {
                 Ok(spawned) => spawned,
                 Err(e) => return SandboxOutcome::start_failed(e, started),
             };
+        exec_io::feed(child.stdin.take());
+        if streamed {
+            exec_io::attach(std::sync::Arc::new(super::exec_signal::EngineSignaller {
+                engine: self.engine.clone(),
+                container: k.name.clone(),
+                user: engine_user(spec.host_uid),
+                record,
+                gvisor: k.gvisor.is_some(),
+            }))
+            .await;
+        }
         let (status, end) = crate::backend::wait_or_stop(&mut child, spec.timeout, cancel).await;
         let status = match status {
             Some(s) => Some(s),

@@ -177,6 +177,11 @@ impl MicrovmBackend {
 
 #[async_trait::async_trait]
 impl SandboxBackend for MicrovmBackend {
+    /// The guest's init runs each command with no stdin and takes no signals for it.
+    fn exec_io(&self) -> bool {
+        false
+    }
+
     fn kind(&self) -> BackendKind {
         BackendKind::Microvm
     }
@@ -299,8 +304,8 @@ impl SandboxBackend for MicrovmBackend {
         if let Err(e) = vm.claim(&mounts, &job).await {
             return fail(e.to_string());
         }
-        let out = capture::spawn(vm.out.take(), spec.output_cap);
-        let err = capture::spawn(vm.err.take(), spec.output_cap);
+        let out = capture::spawn_stdout(vm.out.take(), spec.output_cap);
+        let err = capture::spawn_stderr(vm.err.take(), spec.output_cap);
         let deadline = tokio::time::Instant::now() + spec.timeout;
         let mut end = None;
         let mut exit_code = None;

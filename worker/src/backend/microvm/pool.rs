@@ -12,7 +12,9 @@ use super::vm::{Launch, Vm, VmError};
 use crate::backend::ResourceLimits;
 
 /// How many boots a VM gets when its guest fails before it is ready.
-const BOOT_ATTEMPTS: u32 = 3;
+const BOOT_ATTEMPTS: u32 = 5;
+/// The pause before the second boot; it grows by as much before each next one.
+const BOOT_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(500);
 /// What the pool needs to boot a VM for an image: everything but the directory.
 pub type Template = Launch;
 
@@ -72,9 +74,10 @@ impl Pool {
 
     /// Boots one VM from `template` in a fresh directory. A guest that fails before it
     /// says it is ready (no job code has run in it yet) is booted again in another
-    /// directory, up to [`BOOT_ATTEMPTS`] in all: under TCG the guest's init has been seen
-    /// to die with SIGSEGV at boot, now and then, twice in a row once under load (CI run
-    /// 20; cause not found; the console is logged).
+    /// directory, after a pause that grows with each try, up to [`BOOT_ATTEMPTS`] in all:
+    /// under TCG the guest's init has been seen to die with SIGSEGV at boot, now and then,
+    /// up to three times in a row under load (cause not found; the console, with the
+    /// signal's registers, is logged).
     pub async fn boot(&self, template: &Template) -> Result<Vm, VmError> {
         let mut attempt = 1;
         loop {
@@ -83,6 +86,7 @@ impl Pool {
             match l.boot().await {
                 Err(VmError::Boot(why)) if attempt < BOOT_ATTEMPTS => {
                     tracing::warn!(reason = %why, attempt, "microvm guest failed to boot; booting another");
+                    tokio::time::sleep(BOOT_RETRY_PAUSE * attempt).await;
                     attempt += 1;
                 }
                 other => return other,

@@ -126,6 +126,9 @@ impl Launch {
             "no_timer_check",
             "i8042.noaux",
             "cryptomgr.notests",
+            // A process killed by a signal (the guest's init, say) is reported on the
+            // console with its registers, which a failed boot's reason carries.
+            "print-fatal-signals=1",
         ]
         .map(String::from)
         .to_vec();

@@ -1,5 +1,5 @@
-//! The API's operations, shared by its two front ends: the HTTP handlers ([`super::api`],
-//! [`super::events`]) and the MCP tools ([`crate::mcp`]). Each takes the caller's
+//! The API's operations, shared by its two front ends: the HTTP handlers
+//! (`crate::service`) and the MCP tools (`crate::mcp`). Each takes the caller's
 //! authenticated [`Tenant`] and checks it against the session, so both front ends keep
 //! one policy: another tenant's session is "not found", exactly like a missing one, and
 //! every error is one [`Problem`].
@@ -7,12 +7,35 @@
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
-use cynode_protocol::pm_api::CreateSession;
+use cynode_protocol::pm_api::{CreateSession, SessionView};
 
 use super::auth::Tenant;
 use super::problem::Problem;
 use super::AppState;
 use crate::session::{Budgets, Phase, SessionRecord, SessionStatus};
+
+/// A session as the API shows it.
+pub fn session_view(rec: &SessionRecord) -> SessionView {
+    SessionView {
+        session_id: rec.state.session_id.clone(),
+        tenant: rec.tenant_id.clone(),
+        status: rec.status.as_str().to_string(),
+        objective: rec.state.objective.clone(),
+        plan: json!(rec.state.plan),
+        active_job_id: rec.state.active_job_id.clone(),
+        artifacts: json!(rec.state.artifacts),
+        question: match &rec.phase {
+            crate::session::Phase::AwaitInput { question } => Some(question.clone()),
+            _ => None,
+        },
+        deliverable: json!(rec.deliverable),
+        failure: json!(rec.failure),
+        turn: rec.turn,
+        jobs_dispatched: rec.jobs_dispatched,
+        workspace_id: rec.workspace_id.clone(),
+        worker_id: rec.worker_id.clone(),
+    }
+}
 
 /// A created session, or the existing one its idempotency key names.
 #[derive(Debug)]
