@@ -7,6 +7,8 @@
 //! With no worker flags, `skills run` starts its own local worker and gives it the model of
 //! `CYNODE_MODEL_BASE_URL`, or, for a model that takes a key (`CYNODE_MODEL_API_KEY`), its
 //! inference relay: the agent fixes the test there too, and the key stays in the PM.
+//! Once more with the real local model (SmolLM2-135M): the job ends with a complete
+//! result, fixed or failed by name, and what the model did is printed.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -341,4 +343,52 @@ fn local_worker_agent_task_reaches_a_keyed_model_through_the_relay() {
     assert!(seen.keyed.load(Ordering::SeqCst) >= script().len());
 
     crate::hosted_model::assert_key_stayed_in_the_pm(&dir.path().join("pm"), &key, &out);
+}
+
+/// The same task for the real local model (SmolLM2-135M on llama-server) with the same
+/// local worker: the path runs end to end and the job ends with a complete result, either
+/// fixed (its own check passing in its `run_command` step) or failed with its failure
+/// named; never a crash, a partial result or a changed caller's workspace. The whole
+/// answer is printed: it is the transcript of what this model did with the task.
+#[test]
+fn the_real_model_is_handed_the_failing_test_and_the_job_ends_with_a_complete_result() {
+    let (dir, ws) = project();
+    let model = cynode_testkit::LocalModel::start(
+        &workspace_root(),
+        cynode_testkit::model::free_port(),
+        std::time::Duration::from_secs(300),
+    );
+    let (out, v) = skills_run_on_the_local_worker(dir.path(), &ws, &model.base_url, &[]);
+    eprintln!("what the real model's job gave:\n{v:#}");
+    match out.status.code() {
+        Some(0) => {
+            let job = &v["job"];
+            assert_eq!(job["result"]["status"], "success", "{v:#}");
+            let steps = job["result"]["steps"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default();
+            assert!(
+                steps.iter().any(|s| s["type"] == "run_command"
+                    && s["result"]["exit_code"] == 0
+                    && s["result"]["stdout"]
+                        .as_str()
+                        .is_some_and(|o| o.contains("1 passed"))),
+                "a success must show the check passing: {v:#}"
+            );
+        }
+        Some(1) => {
+            assert_eq!(v["error"]["kind"], "job_failed", "{v:#}");
+            assert_eq!(v["error"]["job"]["status"], "failed", "{v:#}");
+            assert!(!v["error"]["job"]["failure"].is_null(), "{v:#}");
+        }
+        code => panic!(
+            "exit {code:?}: {v:#}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    }
+    assert_eq!(
+        std::fs::read_to_string(ws.join("add.sh")).unwrap(),
+        "echo $(($1 - $2))\n"
+    );
 }

@@ -48,6 +48,22 @@ fn objective_completes_through_worker_and_sba() {
     assert_eq!(out.status.code(), Some(0), "{v}");
     assert_eq!(v["status"], "completed");
     assert_eq!(v["deliverable"]["summary"], "wrote hello.txt and found it");
+    // The progress lines name the loop's model endpoint and each job's context.
+    let progress = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        progress.lines().any(|l| l.starts_with("model ")
+            && l.trim_end_matches('/')
+                .ends_with(&format!(" at {}", url.trim_end_matches('/')))),
+        "{progress}"
+    );
+    assert_eq!(
+        progress
+            .lines()
+            .filter(|l| l.starts_with("  context: \""))
+            .count(),
+        2,
+        "{progress}"
+    );
     let plan = cynode_tests::plan_statuses(&v);
     assert_eq!(
         plan,

@@ -97,6 +97,31 @@ fn a_skill_runs_and_its_artifacts_are_verified() {
     );
 }
 
+/// `jobs run` of a rendered job.json that succeeds: exit 0, and its artifact is the
+/// workspace's bytes under the sha256 the PM verified.
+#[test]
+fn a_rendered_job_runs_and_its_artifacts_are_verified() {
+    let f = Fixture::new();
+    let inputs = f.file("inputs.json", &json!({ "files": ["README.md"] }));
+    let mut render = Command::new(bin("cynode-pm"));
+    render.args(["skills", "render", "repo-inspect", "--inputs", &inputs]);
+    let out = output_bounded(render, PM_LIMIT);
+    assert!(out.status.success(), "{out:?}");
+    let job = f.dir.path().join("job.json");
+    std::fs::write(&job, &out.stdout).unwrap();
+    let (code, v, stderr) = pm(
+        &f.state(),
+        &["jobs", "run", job.to_str().unwrap(), "--workspace", &f.ws()],
+    );
+    assert_eq!((code, &v["ok"]), (0, &json!(true)), "{v} {stderr}");
+    assert_eq!(v["job"]["status"], "completed", "{v}");
+    let arts = v["job"]["artifacts"].as_array().unwrap();
+    assert_eq!(arts.len(), 1, "{v}");
+    let sha = arts[0]["sha256"].as_str().unwrap();
+    let stored = f.state().join("artifacts").join(&sha[..2]).join(sha);
+    assert_eq!(std::fs::read_to_string(stored).unwrap(), "# demo\nhello\n");
+}
+
 #[test]
 fn a_failing_job_exits_1_with_its_failure() {
     let f = Fixture::new();

@@ -15,7 +15,8 @@ use cynode_protocol::ValidationError;
 
 use crate::backend::netns_gate::NetnsHook;
 use crate::config::{BackendKind, Config, EgressConfig};
-use crate::egress::{EgressLimits, EgressProxy, Policy, Resolver, Routes};
+use crate::egress::netns::Netns;
+use crate::egress::{EgressLimits, EgressProxy, Policy, Resolver, Routes, SandboxLoopback};
 
 /// Where the proxy listens inside the sandbox's own network namespace.
 pub const PROXY_ADDR: SocketAddr =
@@ -140,6 +141,8 @@ pub struct JobEgress {
     policy: Option<Policy>,
     node: Arc<NodeEgress>,
     limits: EgressLimits,
+    /// Ports of the sandbox's own loopback listeners the proxy serves.
+    loopback_ports: Vec<u16>,
 }
 
 impl JobEgress {
@@ -150,7 +153,16 @@ impl JobEgress {
             policy: Some(policy),
             limits: node.limits.clone(),
             node,
+            loopback_ports: Vec::new(),
         }
+    }
+
+    /// The proxy also serves the sandbox's own inference listener
+    /// ([`crate::inference::listener::ADDR`]) to clients that send it requests for
+    /// `127.0.0.1:11434` ([`crate::egress::SandboxLoopback`]).
+    pub fn with_inference_listener(mut self) -> Self {
+        self.loopback_ports = vec![crate::inference::listener::ADDR.port()];
+        self
     }
 
     /// This proxy may carry at most `bytes` both ways (what is left of a session's
@@ -169,17 +181,20 @@ impl JobEgress {
         let node = Arc::clone(&self.node);
         let job_id = self.job_id.clone();
         let limits = self.limits.clone();
+        let ports = self.loopback_ports.clone();
         Box::new(move |pid: u32| {
             Box::pin(async move {
                 let policy = policy.ok_or("the egress hook ran twice")?;
-                let listener = tokio::task::spawn_blocking(move || {
-                    crate::egress::netns::bind_in_netns(pid, PROXY_ADDR)
+                let (listener, netns) = tokio::task::spawn_blocking(move || {
+                    let netns = Netns::of_pid(pid)?;
+                    netns.bind(PROXY_ADDR).map(|l| (l, netns))
                 })
                 .await
                 .map_err(|e| format!("egress proxy: the binding thread failed: {e}"))?
                 .map_err(|e| {
                     format!("egress proxy: cannot listen inside the sandbox's network: {e}")
                 })?;
+                let loopback = (!ports.is_empty()).then(|| SandboxLoopback { netns, ports });
                 let proxy = EgressProxy::start(
                     listener,
                     &job_id,
@@ -187,6 +202,7 @@ impl JobEgress {
                     node.resolver.clone(),
                     Arc::clone(&node.routes),
                     limits,
+                    loopback,
                 )
                 .map_err(|e| format!("egress proxy: cannot start: {e}"))?;
                 match slot.lock() {

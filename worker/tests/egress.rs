@@ -316,6 +316,7 @@ fn start_proxy_with_routes(
         Resolver::with_nameservers(&[dns.addr]),
         Arc::new(routes),
         limits,
+        None,
     )
     .unwrap()
 }
@@ -1312,6 +1313,7 @@ async fn a_bwrap_sandbox_gets_out_only_through_the_proxy_bound_in_its_namespace(
             Resolver::with_nameservers(&[dns.addr]),
             Arc::new(Routes::default()),
             EgressLimits::default(),
+            None,
         )
         .unwrap();
         // Only now may the sandbox's command run.
@@ -1410,6 +1412,7 @@ async fn a_podman_container_gets_out_only_through_the_proxy_bound_in_its_namespa
             Resolver::with_nameservers(&[dns.addr]),
             Arc::new(Routes::default()),
             EgressLimits::default(),
+            None,
         )
         .unwrap();
         let out = podman(&["start", "--attach", &name]).await;

@@ -6,6 +6,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -936,40 +937,141 @@ async fn loopback_listener_ordinary_clients_reach_the_model_under_docker() {
     ordinary_clients_reach_the_model("docker").await;
 }
 
-/// A job with both egress and inference: clients that honour `NO_PROXY` (and busybox
-/// wget told `-Y off`) reach the listener directly.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn loopback_listener_works_beside_the_egress_proxy() {
+/// What a client that ignores `NO_PROXY` sends beside the egress proxy: busybox wget's
+/// GETs in absolute form (it sends every request through a proxy as a GET, so a POST is
+/// written by hand with nc, as such a client would send it), and another loopback port.
+const BESIDE_SCRIPT: &str = r#"
+auth="Authorization: Bearer $OPENAI_API_KEY"
+post() {
+  printf 'POST http://127.0.0.1:11434/v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:11434\r\n%s\r\nContent-Type: application/json\r\nContent-Length: %s\r\nConnection: close\r\n\r\n%s' \
+    "$auth" "${#1}" "$1" | nc -w 60 127.0.0.1 3128 > /tmp/resp
+  head -n 1 /tmp/resp; grep -c '"choices"' /tmp/resp
+}
+echo "== models"; wget -qO- --header "$auth" "$OPENAI_BASE_URL/models"; echo
+echo "== tags"; wget -qO- "$OLLAMA_BASE_URL/api/tags"; echo
+echo "== chat"; post '{"model":"smollm2","messages":[{"role":"user","content":"Say hi"}],"max_tokens":8}'
+echo "== foreign"; post '{"model":"other","messages":[{"role":"user","content":"hi"}]}'
+echo "== other-port"; wget -qO- http://127.0.0.1:11435/ 2>&1; echo "rc=$?"
+echo "== end"
+"#;
+
+/// A job with both egress and inference: a client that ignores `NO_PROXY` sends
+/// `GET http://127.0.0.1:11434/...` (or a POST) to the egress proxy, and the proxy connects
+/// it inside the sandbox's own namespace to the sandbox's listener, whose rules still
+/// hold (a foreign model is refused), audited as allowed. Another loopback port still goes
+/// through the allowlist (403).
+async fn beside_the_egress_proxy(backend: &'static str) {
     env();
     let (url, _model) = keyed_model().await;
-    let sv = model_worker("bwrap", &url, "egress:\n  allow: [\"allowed.test\"]\n");
+    let sv = model_worker(backend, &url, "egress:\n  allow: [\"allowed.test\"]\n");
     let id = unique("both");
     let body = json!({
         "version": 1, "task_id": id, "job_id": id,
-        "sandbox": { "image": env().image, "command": ["sh", "-c", CLIENT_SCRIPT],
+        "sandbox": { "image": env().image, "command": ["sh", "-c", BESIDE_SCRIPT],
                      "use_inference": true, "timeout_seconds": 120,
-                     "network_policy": "restricted", "env": { "WGET_FLAGS": "-Y off" } }
+                     "network_policy": "restricted" }
     });
     let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
     assert_eq!(code, 200, "{v}");
     let out = v["stdout"].as_str().unwrap_or_default();
-    assert!(out.contains("HTTP_PROXY=http://127.0.0.1:3128"), "{out}");
-    check_client_output(&sv, &id, out);
+    let models: Value = serde_json::from_str(section(out, "models").trim())
+        .unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(models["data"][0]["id"], "smollm2", "{out}");
+    let tags: Value =
+        serde_json::from_str(section(out, "tags").trim()).unwrap_or_else(|e| panic!("{e}: {out}"));
+    assert_eq!(tags["models"][0]["name"], "smollm2", "{out}");
+    let chat = section(out, "chat");
+    assert!(
+        chat.starts_with("HTTP/1.1 200") && chat.trim_end().ends_with('1'),
+        "{out}"
+    );
+    let foreign = section(out, "foreign");
+    assert!(
+        foreign.starts_with("HTTP/1.1 403") && foreign.trim_end().ends_with('0'),
+        "{out}"
+    );
+    let other = section(out, "other-port");
+    assert!(other.contains("403") && other.contains("rc=1"), "{out}");
+    assert!(
+        !out.contains(KEY),
+        "the node's key reached the sandbox: {out}"
+    );
+    let records = v["egress"].as_array().cloned().unwrap_or_default();
+    let to = |port: u64, method: &str, decision: &str| {
+        records
+            .iter()
+            .filter(|r| {
+                r["host"] == "127.0.0.1"
+                    && r["port"] == port
+                    && r["method"] == method
+                    && r["decision"] == decision
+            })
+            .count()
+    };
+    assert_eq!(to(11434, "GET", "allowed"), 2, "{}", v["egress"]);
+    assert_eq!(to(11434, "POST", "allowed"), 2, "{}", v["egress"]);
+    assert_eq!(to(11435, "GET", "denied"), 1, "{}", v["egress"]);
+}
 
-    // busybox wget ignores NO_PROXY: without `-Y off` it sends the absolute form
-    // `GET http://127.0.0.1:11434/...` to the egress proxy, which judges 127.0.0.1 by its
-    // allowlist (here: not listed, 403) and never reaches the listener.
-    let id = unique("both-plain");
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_works_beside_the_egress_proxy_under_bwrap() {
+    beside_the_egress_proxy("bwrap").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_works_beside_the_egress_proxy_under_podman() {
+    beside_the_egress_proxy("podman").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_works_beside_the_egress_proxy_under_docker() {
+    beside_the_egress_proxy("docker").await;
+}
+
+/// The attack on that path: a node whose ceiling lists `127.0.0.1`, with a server of the
+/// node's own on its loopback port 11434. A request for `127.0.0.1:11434` through the
+/// proxy reaches the sandbox's listener, never the node's port.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_listener_through_the_proxy_is_the_sandboxs_never_the_nodes() {
+    env();
+    let (url, up) = upstream(vec![]).await;
+    let node_side = std::net::TcpListener::bind("127.0.0.1:11434")
+        .expect("this test needs the node's 127.0.0.1:11434 free (it plays the node's port)");
+    node_side.set_nonblocking(true).unwrap();
+    let node_side = tokio::net::TcpListener::from_std(node_side).unwrap();
+    let hits = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&hits);
+    let server = tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = node_side.accept().await else {
+                return;
+            };
+            counted.fetch_add(1, Ordering::SeqCst);
+            let _ = tokio::io::AsyncWriteExt::write_all(
+                &mut s,
+                b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\nConnection: close\r\n\r\nnode-side",
+            )
+            .await;
+        }
+    });
+    let sv = worker(&url, "  models: [m1]\negress:\n  allow: [\"127.0.0.1\"]\n");
+    let id = unique("lo-attack");
     let body = json!({
         "version": 1, "task_id": id, "job_id": id,
         "sandbox": { "image": env().image, "use_inference": true, "network_policy": "restricted",
-                     "command": ["sh", "-c", "wget -qO- \"$OLLAMA_BASE_URL/api/tags\" 2>&1; echo \"rc=$?\""] }
+                     "command": ["sh", "-c", "wget -qO- \"$OLLAMA_BASE_URL/api/version\" 2>&1; echo; wget -qO- http://localhost:11434/api/version 2>&1"] }
     });
     let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    server.abort();
     assert_eq!(code, 200, "{v}");
     let out = v["stdout"].as_str().unwrap_or_default();
-    eprintln!("plain busybox wget beside the egress proxy: {out}");
-    assert!(out.contains("403") && out.contains("rc=1"), "{out}");
+    assert!(
+        !out.contains("node-side"),
+        "the proxy reached the node's port: {out}"
+    );
+    assert_eq!(out.matches("\"version\"").count(), 2, "{out}");
+    assert_eq!(hits.load(Ordering::SeqCst), 0, "{out}");
+    drop(up);
 }
 
 /// gVisor cannot bind the listener inside its sandboxes: a job asking for inference is

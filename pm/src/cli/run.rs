@@ -169,6 +169,7 @@ async fn drive_session(
         }
     }
     reporter.line(format!("session {session_id}"));
+    reporter.line(model_line(&config.model));
     let interactive = std::io::stdin().is_terminal();
     let rec = loop {
         let rec = pm.run(session_id, &mut |p| reporter.report(p)).await?;
@@ -187,6 +188,25 @@ async fn drive_session(
     };
     reporter.finish();
     Ok(print_outcome(&rec, json_out))
+}
+
+/// The progress line naming the loop's model and its endpoint (without any userinfo the
+/// URL may hold; the key is never shown).
+fn model_line(m: &cynode_pm::llm::client::ModelConfig) -> String {
+    let endpoint = match url::Url::parse(&m.base_url) {
+        Ok(mut u) => {
+            let _ = u.set_username("");
+            let _ = u.set_password(None);
+            u.to_string()
+        }
+        Err(_) => m.base_url.clone(),
+    };
+    let key = if m.api_key.is_some() {
+        ", with a key"
+    } else {
+        ""
+    };
+    format!("model {} at {endpoint}{key}", m.model)
 }
 
 /// The workers `workers` names (`--worker-endpoint`, `--workers-file`), else a local

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 pub use cynode_egress::{addr, allowlist, resolve, routes};
 pub use cynode_egress::{Allowlist, NarrowError, Pattern, Policy, Resolver, RouteConfig, Routes};
-pub use proxy::EgressProxy;
+pub use proxy::{EgressProxy, SandboxLoopback};
 
 /// Bounds on one job's proxy.
 #[derive(Debug, Clone, PartialEq, Eq)]

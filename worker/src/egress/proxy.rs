@@ -5,7 +5,7 @@
 
 use std::borrow::Cow;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +20,7 @@ use tokio_util::task::TaskTracker;
 use super::allowlist::{Host, Verdict};
 use super::audit::AuditLog;
 use super::http1::{self, BufConn, Framing, HeadError};
+use super::netns::Netns;
 use super::relay::{Activity, Budget, Pump, Stop};
 use super::resolve::{ResolveError, Resolver};
 use super::routes::{self, Routes, ROUTES_PREFIX};
@@ -45,6 +46,41 @@ struct Shared {
     connections: Arc<Semaphore>,
     /// The proxy's own listen address: an absolute-form request to it names a route.
     local_addr: SocketAddr,
+    /// The sandbox's own loopback listeners this proxy reaches inside its namespace.
+    loopback: Option<SandboxLoopback>,
+}
+
+/// The sandbox's own loopback listeners (its inference listener) that the proxy serves:
+/// an absolute-form request or CONNECT to `127.0.0.1:<port>` or `localhost:<port>` is
+/// connected inside the sandbox's network namespace ([`Netns::connect`]) instead of being
+/// judged by the allowlist, as clients that ignore `NO_PROXY` (busybox wget) send it.
+/// This reaches nothing the sandbox could not reach directly, and never the node's own
+/// loopback. Other loopback ports go through the allowlist like any other target.
+#[derive(Debug, Clone)]
+pub struct SandboxLoopback {
+    pub netns: Netns,
+    pub ports: Vec<u16>,
+}
+
+impl SandboxLoopback {
+    fn serves(&self, host: &Host, port: u16) -> bool {
+        self.ports.contains(&port)
+            && match host {
+                Host::Ip(ip) => *ip == IpAddr::V4(Ipv4Addr::LOCALHOST),
+                Host::Name(name) => name.eq_ignore_ascii_case("localhost"),
+            }
+    }
+
+    async fn connect(&self, port: u16, timeout: Duration) -> io::Result<TcpStream> {
+        let netns = self.netns.clone();
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        let stream = tokio::task::spawn_blocking(move || netns.connect(addr, timeout))
+            .await
+            .map_err(io::Error::other)??;
+        stream.set_nonblocking(true)?;
+        let _ = stream.set_nodelay(true);
+        TcpStream::from_std(stream)
+    }
 }
 
 /// A running proxy for one job.
@@ -65,8 +101,9 @@ impl std::fmt::Debug for EgressProxy {
 
 impl EgressProxy {
     /// Serves `listener` (already bound, e.g. inside a sandbox's network namespace) until
-    /// [`EgressProxy::finish`]: forward proxy for `policy`, and `routes` under
-    /// `/routes/<name>/`. Must be called inside a tokio runtime.
+    /// [`EgressProxy::finish`]: forward proxy for `policy`, `routes` under
+    /// `/routes/<name>/`, and the sandbox's own `loopback` listeners. Must be called
+    /// inside a tokio runtime.
     pub fn start(
         listener: std::net::TcpListener,
         job_id: &str,
@@ -74,6 +111,7 @@ impl EgressProxy {
         resolver: Resolver,
         routes: Arc<Routes>,
         limits: EgressLimits,
+        loopback: Option<SandboxLoopback>,
     ) -> io::Result<EgressProxy> {
         listener.set_nonblocking(true)?;
         let listener = TcpListener::from_std(listener)?;
@@ -87,6 +125,7 @@ impl EgressProxy {
             routes,
             limits,
             local_addr,
+            loopback,
         });
         let cancel = CancellationToken::new();
         let tracker = TaskTracker::new();
@@ -323,6 +362,26 @@ async fn handle(
     attempt.host = target.host.to_string();
     attempt.port = target.port;
 
+    if let Some(lo) = shared
+        .loopback
+        .as_ref()
+        .filter(|lo| lo.serves(&target.host, target.port))
+    {
+        let upstream = match lo.connect(target.port, shared.limits.connect_timeout).await {
+            Ok(s) => s,
+            Err(e) => {
+                return denied(
+                    502,
+                    format!("the sandbox's listener at port {}: {e}", target.port),
+                )
+            }
+        };
+        return if is_connect {
+            tunnel(shared, client, upstream, attempt).await
+        } else {
+            forward(shared, client, upstream, &request, &target, attempt).await
+        };
+    }
     match shared.policy.allow.check(&target.host, target.port) {
         Verdict::Allowed => {}
         Verdict::PortNotAllowed => {

@@ -303,11 +303,18 @@ impl Node {
             None
         };
         let egress = match (job.egress_policy(), &self.egress) {
-            (Ok(Some(policy)), Some(node)) => Some(crate::job_egress::JobEgress::new(
-                Arc::clone(node),
-                &req.job_id,
-                policy.clone(),
-            )),
+            (Ok(Some(policy)), Some(node)) => {
+                let e = crate::job_egress::JobEgress::new(
+                    Arc::clone(node),
+                    &req.job_id,
+                    policy.clone(),
+                );
+                Some(if listener.is_some() {
+                    e.with_inference_listener()
+                } else {
+                    e
+                })
+            }
             (Ok(None), _) => None,
             (Ok(Some(_)), None) | (Err(_), _) => {
                 return response::not_run(

@@ -29,6 +29,8 @@ pub(super) struct SessionNet {
     node: Arc<NodeEgress>,
     policy: Policy,
     session_id: String,
+    /// The session has an inference listener the proxy also serves.
+    inference: bool,
     state: Mutex<NetState>,
 }
 
@@ -68,11 +70,17 @@ fn attempts(a: &EgressAudit) -> u64 {
 }
 
 impl SessionNet {
-    pub(super) fn new(node: Arc<NodeEgress>, policy: Policy, session_id: &str) -> Arc<Self> {
+    pub(super) fn new(
+        node: Arc<NodeEgress>,
+        policy: Policy,
+        session_id: &str,
+        inference: bool,
+    ) -> Arc<Self> {
         Arc::new(SessionNet {
             node,
             policy,
             session_id: session_id.into(),
+            inference,
             state: Mutex::new(NetState::default()),
         })
     }
@@ -87,11 +95,7 @@ impl SessionNet {
     /// Binds the session-long proxy in the network namespace of `pid` (the keep-alive
     /// container's init). `Err`: the session must not start.
     pub(super) async fn bind_whole(&self, pid: u32) -> Result<(), String> {
-        let mut egress = JobEgress::new(
-            Arc::clone(&self.node),
-            &self.session_id,
-            self.policy.clone(),
-        );
+        let mut egress = self.proxy();
         egress.hook()(pid).await?;
         let late = {
             let mut s = self.state();
@@ -131,14 +135,21 @@ impl SessionNet {
             .limits()
             .max_total_bytes
             .saturating_sub(s.total.bytes);
-        ExecNet::PerCommand(
-            JobEgress::new(
-                Arc::clone(&self.node),
-                &self.session_id,
-                self.policy.clone(),
-            )
-            .with_byte_budget(left),
-        )
+        ExecNet::PerCommand(self.proxy().with_byte_budget(left))
+    }
+
+    /// A proxy for the session's policy (serving its inference listener when it has one).
+    fn proxy(&self) -> JobEgress {
+        let e = JobEgress::new(
+            Arc::clone(&self.node),
+            &self.session_id,
+            self.policy.clone(),
+        );
+        if self.inference {
+            e.with_inference_listener()
+        } else {
+            e
+        }
     }
 
     /// The exec's records and how many more it made beyond the bound.

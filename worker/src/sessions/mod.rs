@@ -187,6 +187,7 @@ impl Sessions {
                 Arc::clone(node),
                 policy.clone(),
                 session_id,
+                v.models.is_some(),
             )),
             (Some(_), None) => {
                 return Err(SessionError::Internal(
