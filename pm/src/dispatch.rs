@@ -20,6 +20,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+pub mod passthrough;
 pub mod upstream;
 
 pub use upstream::Flavor;

@@ -20,6 +20,9 @@
 
 use std::time::Duration;
 
+mod sandboxes;
+pub use sandboxes::Owner;
+
 use sqlx::any::{AnyPoolOptions, AnyRow};
 use sqlx::{AnyPool, Row};
 

@@ -25,6 +25,7 @@ pub mod error;
 pub mod job;
 pub mod llm;
 pub mod pm_api;
+pub mod pm_sandboxes;
 pub mod problem;
 pub mod result;
 pub mod schema;

@@ -19,6 +19,7 @@ mod hosted_model;
 mod listeners;
 mod mcp;
 mod otel;
+mod pm_sandboxes;
 mod reliability;
 mod service;
 mod skill_run;

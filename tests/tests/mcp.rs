@@ -124,7 +124,24 @@ async fn session_to_a_verified_artifact(c: &Client) -> String {
             "skills.list",
             "skills.show",
             "artifacts.get",
-            "sessions.report"
+            "sessions.report",
+            "sandbox.create",
+            "sandbox.get",
+            "sandbox.exec",
+            "sandbox.exec_output",
+            "sandbox.exec_state",
+            "sandbox.stdin",
+            "sandbox.signal",
+            "sandbox.suspend",
+            "sandbox.resume",
+            "sandbox.end",
+            "sandbox.files",
+            "sandbox.file_read",
+            "sandbox.file_write",
+            "sandbox.snapshot",
+            "sandbox.snapshots",
+            "sandbox.snapshot_delete",
+            "sandbox.fork"
         ]
     );
     let created = call(
@@ -374,7 +391,71 @@ async fn mcp_over_http_in_serve_behind_the_api_tokens() {
         report["text"].as_str().unwrap().contains("README.md"),
         "{report}"
     );
+    // A sandbox through the tools: a file written and read without an exec, a command,
+    // a streamed command's output, suspend and resume with the workspace kept.
+    let sb = call(&a, "sandbox.create", json!({})).await;
+    let sid = sb["session_id"].as_str().unwrap().to_string();
+    call(
+        &a,
+        "sandbox.file_write",
+        json!({ "sandbox_id": sid, "path": "n.txt", "content": "via mcp\n" }),
+    )
+    .await;
+    let read = call(
+        &a,
+        "sandbox.file_read",
+        json!({ "sandbox_id": sid, "path": "n.txt" }),
+    )
+    .await;
+    assert_eq!(
+        base64::engine::general_purpose::STANDARD
+            .decode(read["content_base64"].as_str().unwrap())
+            .unwrap(),
+        b"via mcp\n"
+    );
+    let ran = call(
+        &a,
+        "sandbox.exec",
+        json!({ "sandbox_id": sid, "command": ["cat", "n.txt"] }),
+    )
+    .await;
+    assert_eq!(ran["stdout"], "via mcp\n", "{ran}");
+    let started = call(
+        &a,
+        "sandbox.exec",
+        json!({ "sandbox_id": sid, "command": ["sh", "-c", "echo one; echo two"], "stream": true }),
+    )
+    .await;
+    let eid = started["exec_id"].as_str().unwrap();
+    let out = call(
+        &a,
+        "sandbox.exec_output",
+        json!({ "sandbox_id": sid, "exec_id": eid, "wait_seconds": 20 }),
+    )
+    .await;
+    assert_eq!(out["ended"], true, "{out}");
+    assert_eq!(out["stdout_offset"], 8, "{out}");
+    let suspended = call(&a, "sandbox.suspend", json!({ "sandbox_id": sid })).await;
+    assert_eq!(suspended["status"], "suspended", "{suspended}");
+    call(&a, "sandbox.resume", json!({ "sandbox_id": sid })).await;
+    let listed = call(
+        &a,
+        "sandbox.files",
+        json!({ "sandbox_id": sid, "path": "." }),
+    )
+    .await;
+    assert!(listed.to_string().contains("n.txt"), "{listed}");
     let b = client(crate::service::TENANT_B).await;
+    let p = refused(&b, "sandbox.get", json!({ "sandbox_id": sid })).await;
+    assert_eq!(p["type"], "urn:cynodeai:error:not_found", "{p}");
+    let p = refused(
+        &b,
+        "sandbox.file_read",
+        json!({ "sandbox_id": sid, "path": "n.txt" }),
+    )
+    .await;
+    assert_eq!(p["type"], "urn:cynodeai:error:not_found", "{p}");
+    call(&a, "sandbox.end", json!({ "sandbox_id": sid })).await;
     let p = refused(&b, "sessions.get", json!({ "session_id": id })).await;
     assert_eq!(p["type"], "urn:cynodeai:error:not_found", "{p}");
     a.cancel().await.unwrap();

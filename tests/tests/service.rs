@@ -432,7 +432,7 @@ async fn api_on_sqlite() {
 }
 
 /// A fresh database on the test PostgreSQL, so replicas of one test share only it.
-async fn fresh_postgres() -> String {
+pub(crate) async fn fresh_postgres() -> String {
     let base = postgres_url();
     let name = format!("svc_{}", uuid::Uuid::new_v4().simple());
     sqlx::any::install_default_drivers();

@@ -6,12 +6,15 @@
 //! - [`problem`]: RFC 9457 errors, the one error shape of both front ends;
 //! - [`ops`]: the tenant-checked operations behind the handlers and the tools, so both
 //!   keep one tenant check and one policy;
+//! - [`sandboxes`]: the tenant-checked sandbox operations (a worker's sessions under the
+//!   tenant's policy);
 //! - [`scheduler`]: leases and drives the sessions of this replica (`serve`, and
 //!   `cynode-pm mcp` on stdio).
 
 pub mod auth;
 pub mod ops;
 pub mod problem;
+pub mod sandboxes;
 pub mod scheduler;
 
 use std::sync::Arc;

@@ -1,7 +1,8 @@
 //! MCP (the Model Context Protocol, through the official Rust SDK `rmcp`).
 //!
 //! `cynode-pm mcp`, for MCP clients (coding assistants, IDEs): the tools of [`tools`]
-//! (`sessions.*`, `skills.list`, `skills.show`, `artifacts.get`) over the service layer,
+//! (`sessions.*`, `skills.list`, `skills.show`, `artifacts.get`, and the `sandbox.*` of
+//! [`sandbox_tools`]) over the service layer,
 //! so they keep the HTTP API's tenants, policy and limits:
 //! - [`server`]: the rmcp `ServerHandler` and how errors are carried;
 //! - [`stdio`]: `cynode-pm mcp` on stdin/stdout for one tenant, with its own scheduler;
@@ -15,6 +16,8 @@
 pub mod egress;
 pub mod gateway;
 pub mod http;
+pub mod sandbox_tools;
 pub mod server;
 pub mod stdio;
+pub mod tool_kit;
 pub mod tools;

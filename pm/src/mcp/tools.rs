@@ -15,17 +15,19 @@
 //! | `artifacts.get` | session_id, sha256 | the verified bytes (base64), their sha256 and size |
 //! | `sessions.report` | session_id | the evidence report the PM verified, and its text |
 //! | `skills.run` | skill_id, inputs, workspace? | one job without the loop ([`crate::job_run`]): its result, every artifact verified (stdio only: [`LOCAL_ONLY`]) |
+//! | `sandbox.*` | see [`super::sandbox_tools`] | a worker's session for the tenant: exec, streamed output, files, suspend, resume, snapshots, forks |
 
 use std::time::Duration;
 
 use base64::Engine;
 use rmcp::schemars::{self, JsonSchema};
-use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use cynode_protocol::pm_api::{Constraints, CreateSession, WorkspaceSpec};
 
+use super::tool_kit::{parse, schema};
+pub use super::tool_kit::{ToolError, ToolSpec};
 use crate::app::auth::Tenant;
 use crate::app::ops;
 use crate::app::ops::session_view;
@@ -40,34 +42,9 @@ const POLL: Duration = Duration::from_millis(200);
 /// larger one is fetched through the HTTP API.
 pub const MAX_INLINE_ARTIFACT_BYTES: usize = 8 << 20;
 
-/// Why a tool call failed.
-#[derive(Debug, thiserror::Error)]
-pub enum ToolError {
-    /// No tool of that name: a protocol error (JSON-RPC invalid params).
-    #[error("unknown tool `{0}`")]
-    UnknownTool(String),
-    /// Arguments that do not fit the tool's schema, naming the field: a protocol error.
-    #[error("{0}")]
-    BadArguments(String),
-    /// The operation ran and was refused or failed (not found, conflict, forbidden…):
-    /// a tool result with `isError` and the problem as its structured content.
-    #[error("{}", .0 .0.detail.clone().unwrap_or_default())]
-    Problem(Problem),
-    /// A job that ran (or was refused) without success: a tool result with `isError`
-    /// and `{"ok": false, "error": {kind, message, exit_code, path?, job?}}`.
-    #[error("{0}")]
-    Failed(Value),
-}
-
 /// Tools only `cynode-pm mcp` on stdio offers (they run on this machine's workers and
 /// read this machine's paths; `/v1/mcp` of `serve` does not list them).
 pub const LOCAL_ONLY: &[&str] = &["skills.run"];
-
-impl From<Problem> for ToolError {
-    fn from(p: Problem) -> Self {
-        ToolError::Problem(p)
-    }
-}
 
 /// `sessions.create`: the body of `POST /v1/sessions` and its Idempotency-Key.
 #[derive(Debug, Deserialize, JsonSchema)]
@@ -153,26 +130,6 @@ pub struct SkillRunArgs {
     pub workspace: Option<String>,
 }
 
-/// One tool as `tools/list` shows it.
-pub struct ToolSpec {
-    pub name: &'static str,
-    pub description: &'static str,
-    pub input_schema: Map<String, Value>,
-    /// The tool only reads.
-    pub read_only: bool,
-}
-
-fn schema<T: JsonSchema>() -> Map<String, Value> {
-    let mut v = serde_json::to_value(schemars::schema_for!(T)).unwrap_or(Value::Null);
-    if let Some(o) = v.as_object_mut() {
-        o.remove("$schema");
-        o.remove("title");
-        o.entry("type").or_insert(json!("object"));
-        return o.clone();
-    }
-    Map::new()
-}
-
 /// Every tool of `cynode-pm mcp`, in a fixed order.
 pub fn catalog() -> Vec<ToolSpec> {
     let t = |name, description, input_schema, read_only| ToolSpec {
@@ -193,20 +150,9 @@ pub fn catalog() -> Vec<ToolSpec> {
         t("sessions.report", "The session's evidence report: per task, its jobs and what each verifiably found (steps, verified artifacts), then the model's summary; and the same as text.", schema::<SessionArgs>(), true),
         t("skills.run", "Run one skill as a single job without the model loop: inputs checked, policy-checked, run in a sandbox on a copy of `workspace`, every artifact verified against its sha256.", schema::<SkillRunArgs>(), false),
     ]
-}
-
-/// Parses `args` for `tool`, naming the field at fault.
-fn parse<T: DeserializeOwned>(tool: &str, args: &Map<String, Value>) -> Result<T, ToolError> {
-    let v = Value::Object(args.clone());
-    serde_path_to_error::deserialize(v).map_err(|e| {
-        let path = e.path().to_string();
-        let at = if path == "." {
-            String::new()
-        } else {
-            format!("{path}: ")
-        };
-        ToolError::BadArguments(format!("{tool}: {at}{}", e.inner()))
-    })
+    .into_iter()
+    .chain(super::sandbox_tools::catalog())
+    .collect()
 }
 
 /// Runs `tool` with `args` as `tenant`.
@@ -216,6 +162,9 @@ pub async fn call(
     tool: &str,
     args: &Map<String, Value>,
 ) -> Result<Value, ToolError> {
+    if let Some(r) = super::sandbox_tools::call(st, tenant, tool, args).await {
+        return r;
+    }
     match tool {
         "sessions.create" => {
             let a: CreateArgs = parse(tool, args)?;

@@ -4,7 +4,9 @@
 //!   jobs:validate) with their OpenAPI description;
 //! - [`events`]: the Server-Sent Events stream of a session;
 //! - [`extract`]: the one request-body extractor and the layer making every rejection
-//!   problem+json.
+//!   problem+json;
+//! - [`sandboxes`]: `/v1/sandboxes…`, a worker's sessions for the tenant (exec, streamed
+//!   execs, files, suspend and resume, snapshots and forks).
 //!
 //! What the handlers share with the MCP tools (the state, tokens, operations, errors and
 //! the scheduler) is [`crate::app`], below both; [`router`] mounts the API and MCP's
@@ -19,6 +21,7 @@
 pub mod api;
 pub mod events;
 pub mod extract;
+pub mod sandboxes;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -89,10 +92,17 @@ pub enum ServeError {
     info(title = "cynode-pm", description = "The CyNode project-manager control plane: sessions driven by an LLM loop through sandboxed jobs."),
     paths(api::create_session, api::list_sessions, api::get_session, api::get_report, api::post_message,
           api::session_action, api::get_artifact, api::list_skills, api::validate_job,
-          events::session_events),
+          events::session_events,
+          sandboxes::create, sandboxes::list, sandboxes::show, sandboxes::action, sandboxes::exec,
+          sandboxes::exec_state, sandboxes::exec_action, sandboxes::stdin, sandboxes::output,
+          sandboxes::read_files, sandboxes::write_file, sandboxes::create_snapshot,
+          sandboxes::list_snapshots, sandboxes::delete_snapshot),
     components(schemas(api::CreateSession, api::Constraints, api::WorkspaceSpec, api::SessionView,
                        api::SessionList, api::Answer, api::ValidateJob, api::Validation, Problem,
-                       api::EvidenceReport, api::TaskEvidence, api::JobEvidence, api::StepEvidence)),
+                       api::EvidenceReport, api::TaskEvidence, api::JobEvidence, api::StepEvidence,
+                       cynode_protocol::pm_sandboxes::CreateSandbox,
+                       cynode_protocol::pm_sandboxes::SandboxList,
+                       cynode_protocol::pm_sandboxes::SandboxRef)),
     modifiers(&BearerAuth)
 )]
 pub struct ApiDoc;
@@ -140,6 +150,7 @@ pub fn router(
         )
         .route("/v1/skills", get(api::list_skills))
         .route("/v1/jobs:validate", post(api::validate_job))
+        .merge(sandboxes::routes())
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -153,6 +164,7 @@ pub fn router(
         ));
     let api = Router::new()
         .route("/v1/sessions/{id}/events", get(events::session_events))
+        .merge(sandboxes::long_routes())
         .merge(limited)
         // MCP at /v1/mcp, behind the same tokens, body limit and timeout.
         .merge(
