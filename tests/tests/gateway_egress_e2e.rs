@@ -1,8 +1,8 @@
-//! The gateway's `web.fetch` and `api.call` end to end, with real processes: `cynode-pm
+//! The gateway's `web.fetch`, `api.call` and `web.search` end to end, with real processes: `cynode-pm
 //! run` hosting its gateway over HTTPS (`--gateway-tls-cert`, a CA made in the test that
 //! its local bwrap worker trusts through `SSL_CERT_FILE`), a sandbox job calling the tools
 //! over `/job/gateway.sock` (the test's static Unix-socket client), a plain HTTP origin
-//! and an HTTPS API upstream on 127.0.0.1. The fetched body reaches the sandbox; the
+//! an HTTPS API upstream and a SearxNG-compatible search API on 127.0.0.1. The fetched body reaches the sandbox; the
 //! route's secret reaches the upstream and nowhere else: not the sandbox (its env and every
 //! file of /job and /workspace, with the replies), not run's output or log, not its state
 //! directory (the session, the store, the worker's files).
@@ -53,6 +53,19 @@ fn a_job_of_run_fetches_and_calls_a_route_through_its_https_gateway() {
         Router::new().route("/hello", get(|| async { "hello from the e2e origin" })),
         None,
     );
+    // A SearxNG-compatible search API for `web.search`.
+    let search = serve(
+        &rt,
+        Router::new().route(
+            "/search",
+            get(|| async {
+                axum::Json(json!({ "query": "cynode", "results": [
+                    { "title": "the e2e search result", "url": "https://example.org/e2e", "content": "found by web.search" }
+                ] }))
+            }),
+        ),
+        None,
+    );
     let s = seen.clone();
     let api = serve(
         &rt,
@@ -72,7 +85,7 @@ fn a_job_of_run_fetches_and_calls_a_route_through_its_https_gateway() {
     std::fs::write(
         &egress_file,
         format!(
-            "egress:\n  routes:\n    vault:\n      upstream: \"https://127.0.0.1:{api}/api\"\n      headers: {{ Authorization: {{ env: H5_E2E_VAULT }} }}\n      ca_file: \"{}\"\n",
+            "egress:\n  routes:\n    vault:\n      upstream: \"https://127.0.0.1:{api}/api\"\n      headers: {{ Authorization: {{ env: H5_E2E_VAULT }} }}\n      ca_file: \"{}\"\n  search:\n    base_url: \"http://127.0.0.1:{search}/\"\n",
             ca.cert_file.display()
         ),
     )
@@ -86,7 +99,7 @@ fn a_job_of_run_fetches_and_calls_a_route_through_its_https_gateway() {
         &skills,
         "gw-egress",
         &unc,
-        &["web.fetch", "api.call"],
+        &["web.fetch", "api.call", "web.search"],
         &[
             (
                 "fetch",
@@ -102,6 +115,10 @@ fn a_job_of_run_fetches_and_calls_a_route_through_its_https_gateway() {
                     json!({ "route": "vault", "method": "GET", "path": "/whoami" }),
                 ),
             ),
+            (
+                "search",
+                http_call("web.search", json!({ "query": "cynode" })),
+            ),
         ],
         "",
     );
@@ -113,6 +130,7 @@ fn a_job_of_run_fetches_and_calls_a_route_through_its_https_gateway() {
     ));
     let state = dir.path().join("state");
     let allow = format!("127.0.0.1:{origin}");
+    let allow_search = format!("127.0.0.1:{search}");
     let out = cynode_tests::pm_with(
         &state,
         &pm_model,
@@ -125,6 +143,8 @@ fn a_job_of_run_fetches_and_calls_a_route_through_its_https_gateway() {
             &tenant.display().to_string(),
             "--egress-allow",
             &allow,
+            "--egress-allow",
+            &allow_search,
             "--gateway-egress-file",
             &egress_file.display().to_string(),
             "--gateway-tls-cert",
@@ -143,7 +163,11 @@ fn a_job_of_run_fetches_and_calls_a_route_through_its_https_gateway() {
     let s = |a: &str, b: &str| (a.to_string(), b.to_string());
     assert_eq!(
         calls_of(&events, &job),
-        [s("web.fetch", "ok"), s("api.call", "ok")],
+        [
+            s("web.fetch", "ok"),
+            s("api.call", "ok"),
+            s("web.search", "ok")
+        ],
         "{v}"
     );
     let calls: Vec<Value> = of_kind(&events, "gateway_calls")
@@ -178,6 +202,7 @@ fn a_job_of_run_fetches_and_calls_a_route_through_its_https_gateway() {
     let dump = String::from_utf8_lossy(&dump);
     assert!(dump.contains("hello from the e2e origin"), "{dump}");
     assert!(dump.contains("you are known to the api"), "{dump}");
+    assert!(dump.contains("the e2e search result"), "{dump}");
     assert!(!dump.contains(SECRET), "the secret is in the sandbox");
 
     // Nowhere in run's output (the session record, the log) or its state directory.
