@@ -5,8 +5,12 @@
 # Usage:  bash worker/benches/session_state.sh      (as root, from anywhere in the repository)
 #
 # For each engine, starts a cynode-worker on 127.0.0.1 (its state in a temporary
-# directory), creates a session, writes WORKSPACE_MB MiB of random data into its
-# workspace, then RUNS times:
+# directory), and RUNS times measures the time to interactive: `POST /v1/worker/sessions`
+# of a new session (a new workspace) until its first exec (`true`) has answered, as
+# computesdk/benchmarks times a sandbox (each call one curl process, a few ms of it the
+# client's). Sessions have no warm pool (the pools and warm sandboxes serve jobs), so this
+# is the cold figure. It then creates a session, writes WORKSPACE_MB MiB of random data
+# into its workspace, and RUNS times:
 #   1. suspend: `POST …:suspend` round trip (the sandbox stopped, the record stored);
 #   2. resume: `POST …:resume` round trip (goal: <= 150 ms), and resume to the first exec
 #      answered (`true`);
@@ -124,6 +128,18 @@ for engine in $ENGINES; do
   start_worker "$engine"
   sid=bench-$engine-$$
   task=bench-task-$$
+  : >"$work/$engine.tti"
+  for i in $(seq "$RUNS"); do
+    tid=tti-$engine-$$-$i
+    t0=$(date +%s.%N)
+    call POST /v1/worker/sessions \
+      "{\"version\":1,\"session_id\":\"$tid\",\"task_id\":\"$task-$engine\",\"image\":\"$image\",\"workspace_id\":\"$tid\"}" |
+      jq -e '.status == "running"' >/dev/null || die "$engine: create: $(cat "$work/body")"
+    call POST "/v1/worker/sessions/$tid/exec" '{"version":1,"command":["true"]}' |
+      jq -e '.status == "completed"' >/dev/null || die "$engine: first exec: $(cat "$work/body")"
+    echo "$(date +%s.%N) - $t0" | bc >>"$work/$engine.tti"
+    call POST "/v1/worker/sessions/$tid/end" >/dev/null
+  done
   call POST /v1/worker/sessions \
     "{\"version\":1,\"session_id\":\"$sid\",\"task_id\":\"$task-$engine\",\"image\":\"$image\",\"idle_timeout_seconds\":3600}" |
     jq -e '.status == "running"' >/dev/null || die "$engine: create: $(cat "$work/body")"
@@ -155,12 +171,14 @@ for engine in $ENGINES; do
     call DELETE "/v1/worker/snapshots/$snap" >/dev/null
   done
   row=$(jq -n --arg engine "$engine" --arg copy "$copy" --argjson mb "$WORKSPACE_MB" \
+    --arg t50 "$(pct "$work/$engine.tti" 50)" --arg t95 "$(pct "$work/$engine.tti" 95)" \
     --arg s50 "$(pct "$work/$engine.suspend" 50)" --arg s95 "$(pct "$work/$engine.suspend" 95)" \
     --arg r50 "$(pct "$work/$engine.resume" 50)" --arg r95 "$(pct "$work/$engine.resume" 95)" \
     --arg e50 "$(pct "$work/$engine.first_exec" 50)" --arg e95 "$(pct "$work/$engine.first_exec" 95)" \
     --arg n50 "$(pct "$work/$engine.snapshot" 50)" --arg n95 "$(pct "$work/$engine.snapshot" 95)" \
     --arg f50 "$(pct "$work/$engine.fork" 50)" --arg f95 "$(pct "$work/$engine.fork" 95)" \
     '{engine: $engine, workspace_mb: $mb, copy: $copy,
+      time_to_interactive_ms: {p50: ($t50|tonumber), p95: ($t95|tonumber)},
       suspend_ms: {p50: ($s50|tonumber), p95: ($s95|tonumber)},
       resume_ms: {p50: ($r50|tonumber), p95: ($r95|tonumber)},
       resume_to_first_exec_ms: {p50: ($e50|tonumber), p95: ($e95|tonumber)},

@@ -10,7 +10,7 @@
 //! | `sandbox.suspend` | sandbox_id, memory? | SessionInfo |
 //! | `sandbox.exec` | sandbox_id, command, timeout_seconds?, env?, stream?, stdin? | ExecResponse, or ExecStarted with `stream` |
 //! | `sandbox.exec_output` | sandbox_id, exec_id, stdout_offset?, stderr_offset?, wait_seconds? | the output events from those offsets, the offsets to go on from, and whether the exec ended |
-//! | `sandbox.exec_state` | sandbox_id, exec_id, wait? | ExecState |
+//! | `sandbox.exec_state` | sandbox_id, exec_id, wait?, timeout_ms? | ExecState |
 //! | `sandbox.stdin` | sandbox_id, exec_id, data, close? | StdinWritten |
 //! | `sandbox.signal` | sandbox_id, exec_id, signal | SignalSent |
 //! | `sandbox.files` | sandbox_id, path | FileListing |
@@ -105,6 +105,9 @@ pub struct StateArgs {
     /// Answer once the exec ended.
     #[serde(default)]
     pub wait: bool,
+    /// With `wait`: answer the state after this many milliseconds at most.
+    #[serde(default)]
+    pub timeout_ms: Option<u64>,
 }
 
 /// `sandbox.stdin`.
@@ -279,7 +282,10 @@ pub async fn call(
             }
             "sandbox.exec_state" => {
                 let a: StateArgs = parse(tool, args)?;
-                let q = [("wait", a.wait.to_string())];
+                let mut q = vec![("wait", a.wait.to_string())];
+                if let Some(t) = a.timeout_ms {
+                    q.push(("timeout_ms", t.to_string()));
+                }
                 let path = ["execs", a.exec_id.as_str()];
                 let mut c = Call::simple(Method::GET, "", &path);
                 c.query = &q;

@@ -9,7 +9,7 @@
 //! | `GET /v1/sandboxes/{id}` | `GET …/{id}` |
 //! | `POST /v1/sandboxes/{id}:suspend`, `:resume`, `:end` | `POST …/{id}:suspend`, `:resume`, `…/{id}/end` |
 //! | `POST /v1/sandboxes/{id}/exec` | `POST …/{id}/exec` (`stream: true` answers an exec id) |
-//! | `GET /v1/sandboxes/{id}/execs/{exec}` (`?wait=true`), `POST …/{exec}:signal` | the same |
+//! | `GET /v1/sandboxes/{id}/execs/{exec}` (`?wait=true&timeout_ms=`), `POST …/{exec}:signal` | the same |
 //! | `POST /v1/sandboxes/{id}/execs/{exec}/stdin` (`?close=true`) | the same |
 //! | `GET /v1/sandboxes/{id}/execs/{exec}/output` (SSE, `?offset=`, `Last-Event-ID`) | the same |
 //! | `GET`, `PUT /v1/sandboxes/{id}/files?path=` (`&list=true`) | the same |
@@ -219,7 +219,8 @@ pub async fn exec(
 
 /// A streamed exec's state; `?wait=true` answers once it ended.
 #[utoipa::path(get, path = "/v1/sandboxes/{id}/execs/{exec_id}",
-    params(("id" = String, Path), ("exec_id" = String, Path), ("wait" = Option<bool>, Query)),
+    params(("id" = String, Path), ("exec_id" = String, Path), ("wait" = Option<bool>, Query),
+           ("timeout_ms" = Option<u64>, Query, description = "with `wait`: answer the state after this long at most")),
     responses((status = 200, description = "the worker's ExecState"), (status = 404, body = Problem)),
     security(("bearer" = [])))]
 pub async fn exec_state(
@@ -228,7 +229,7 @@ pub async fn exec_state(
     Path((id, exec_id)): Path<(String, String)>,
     RawQuery(raw): RawQuery,
 ) -> Result<Response, Problem> {
-    let q = query(raw, &["wait"])?;
+    let q = query(raw, &["wait", "timeout_ms"])?;
     let path = ["execs", exec_id.as_str()];
     let mut c = Call::simple(reqwest::Method::GET, "", &path);
     c.query = &q;
