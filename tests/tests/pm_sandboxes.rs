@@ -192,6 +192,21 @@ async fn sandbox_round_trip(db: Option<&str>) {
         .await;
         assert_eq!(code, 400, "{path}: {}", String::from_utf8_lossy(&body));
     }
+    let (_, v) = api(
+        Method::GET,
+        &r,
+        &format!("/v1/sandboxes/{id}/files?path=.&list=true"),
+        TENANT_A,
+        None,
+    )
+    .await;
+    let names: Vec<&str> = v["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    assert_eq!(names, ["notes.txt"], "{v}");
     let (code, v) = api(
         Method::GET,
         &r,

@@ -60,6 +60,27 @@ impl Fixture {
         std::fs::write(&p, v.to_string()).unwrap();
         p.display().to_string()
     }
+    /// `skills render repo-inspect` with `inputs` by the binary, then `jobs run` of that
+    /// job.json on the workspace.
+    fn render_and_run(&self, inputs: &Value) -> (i32, Value, String) {
+        let inputs = self.file("inputs.json", inputs);
+        let mut render = Command::new(bin("cynode-pm"));
+        render.args(["skills", "render", "repo-inspect", "--inputs", &inputs]);
+        let out = output_bounded(render, PM_LIMIT);
+        assert!(out.status.success(), "{out:?}");
+        let job = self.dir.path().join("job.json");
+        std::fs::write(&job, &out.stdout).unwrap();
+        pm(
+            &self.state(),
+            &[
+                "jobs",
+                "run",
+                job.to_str().unwrap(),
+                "--workspace",
+                &self.ws(),
+            ],
+        )
+    }
 }
 
 #[test]
@@ -102,17 +123,7 @@ fn a_skill_runs_and_its_artifacts_are_verified() {
 #[test]
 fn a_rendered_job_runs_and_its_artifacts_are_verified() {
     let f = Fixture::new();
-    let inputs = f.file("inputs.json", &json!({ "files": ["README.md"] }));
-    let mut render = Command::new(bin("cynode-pm"));
-    render.args(["skills", "render", "repo-inspect", "--inputs", &inputs]);
-    let out = output_bounded(render, PM_LIMIT);
-    assert!(out.status.success(), "{out:?}");
-    let job = f.dir.path().join("job.json");
-    std::fs::write(&job, &out.stdout).unwrap();
-    let (code, v, stderr) = pm(
-        &f.state(),
-        &["jobs", "run", job.to_str().unwrap(), "--workspace", &f.ws()],
-    );
+    let (code, v, stderr) = f.render_and_run(&json!({ "files": ["README.md"] }));
     assert_eq!((code, &v["ok"]), (0, &json!(true)), "{v} {stderr}");
     assert_eq!(v["job"]["status"], "completed", "{v}");
     let arts = v["job"]["artifacts"].as_array().unwrap();
@@ -125,18 +136,8 @@ fn a_rendered_job_runs_and_its_artifacts_are_verified() {
 #[test]
 fn a_failing_job_exits_1_with_its_failure() {
     let f = Fixture::new();
-    // Rendered by the binary, then run as a job.json: a file the workspace lacks.
-    let inputs = f.file("inputs.json", &json!({ "files": ["missing.txt"] }));
-    let mut render = Command::new(bin("cynode-pm"));
-    render.args(["skills", "render", "repo-inspect", "--inputs", &inputs]);
-    let out = output_bounded(render, PM_LIMIT);
-    assert!(out.status.success(), "{out:?}");
-    let job = f.dir.path().join("job.json");
-    std::fs::write(&job, &out.stdout).unwrap();
-    let (code, v, stderr) = pm(
-        &f.state(),
-        &["jobs", "run", job.to_str().unwrap(), "--workspace", &f.ws()],
-    );
+    // A file the workspace lacks.
+    let (code, v, stderr) = f.render_and_run(&json!({ "files": ["missing.txt"] }));
     assert_eq!(code, 1, "{v} {stderr}");
     assert_eq!(v["ok"], false);
     assert_eq!(v["error"]["kind"], "job_failed", "{v}");

@@ -31,7 +31,7 @@ use serde_json::{json, Map, Value};
 
 use cynode_protocol::pm_sandboxes::CreateSandbox;
 
-use super::tool_kit::{parse, schema, ToolError, ToolSpec};
+use super::tool_kit::{parse, tool, ToolError, ToolSpec};
 use crate::app::auth::Tenant;
 use crate::app::problem::Problem;
 use crate::app::sandboxes::{self, Call};
@@ -173,30 +173,24 @@ pub struct ForkArgs {
 
 /// The `sandbox.*` tools, in a fixed order.
 pub fn catalog() -> Vec<ToolSpec> {
-    let t = |name, description, input_schema, read_only| ToolSpec {
-        name,
-        description,
-        input_schema,
-        read_only,
-    };
     vec![
-        t("sandbox.create", "Create a sandbox (a session on a worker, under the tenant's policy) to run commands in; a fork with from_snapshot.", schema::<CreateSandbox>(), false),
-        t("sandbox.get", "A sandbox: running, suspended or ended, its workspace and network.", schema::<SandboxArgs>(), true),
-        t("sandbox.exec", "Run a command in the sandbox's /workspace: its exit code and output, or with `stream` an exec id at once.", schema::<ExecArgs>(), false),
-        t("sandbox.exec_output", "A streamed exec's output from byte offsets (waiting up to wait_seconds); the offsets to go on from, and whether it ended.", schema::<OutputArgs>(), true),
-        t("sandbox.exec_state", "A streamed exec's state (running or its exit), waiting for the end with `wait`.", schema::<StateArgs>(), true),
-        t("sandbox.stdin", "Write to a streamed exec's standard input (and close it).", schema::<StdinArgs>(), false),
-        t("sandbox.signal", "Send a signal to a streamed exec.", schema::<SignalArgs>(), false),
-        t("sandbox.suspend", "Suspend the sandbox: its sandbox stops, its workspace and settings are kept.", schema::<SuspendArgs>(), false),
-        t("sandbox.resume", "Resume a suspended sandbox with the same workspace.", schema::<SandboxArgs>(), false),
-        t("sandbox.end", "End the sandbox.", schema::<SandboxArgs>(), false),
-        t("sandbox.files", "List a directory of the sandbox's workspace without an exec.", schema::<PathArgs>(), true),
-        t("sandbox.file_read", "Read a file of the sandbox's workspace (base64) without an exec.", schema::<PathArgs>(), true),
-        t("sandbox.file_write", "Write a file of the sandbox's workspace atomically without an exec.", schema::<WriteArgs>(), false),
-        t("sandbox.snapshot", "Snapshot the sandbox's workspace (paused for it): an id to fork from and the tree hash.", schema::<SandboxArgs>(), false),
-        t("sandbox.snapshots", "The tenant's snapshots on the sandbox's worker.", schema::<SandboxArgs>(), true),
-        t("sandbox.snapshot_delete", "Delete one of the tenant's snapshots.", schema::<SnapshotArgs>(), false),
-        t("sandbox.fork", "A new sandbox whose workspace is a copy of the snapshot's.", schema::<ForkArgs>(), false),
+        tool::<CreateSandbox>("sandbox.create", "Create a sandbox (a session on a worker, under the tenant's policy) to run commands in; a fork with from_snapshot.", false),
+        tool::<SandboxArgs>("sandbox.get", "A sandbox: running, suspended or ended, its workspace and network.", true),
+        tool::<ExecArgs>("sandbox.exec", "Run a command in the sandbox's /workspace: its exit code and output, or with `stream` an exec id at once.", false),
+        tool::<OutputArgs>("sandbox.exec_output", "A streamed exec's output from byte offsets (waiting up to wait_seconds); the offsets to go on from, and whether it ended.", true),
+        tool::<StateArgs>("sandbox.exec_state", "A streamed exec's state (running or its exit), waiting for the end with `wait`.", true),
+        tool::<StdinArgs>("sandbox.stdin", "Write to a streamed exec's standard input (and close it).", false),
+        tool::<SignalArgs>("sandbox.signal", "Send a signal to a streamed exec.", false),
+        tool::<SuspendArgs>("sandbox.suspend", "Suspend the sandbox: its sandbox stops, its workspace and settings are kept.", false),
+        tool::<SandboxArgs>("sandbox.resume", "Resume a suspended sandbox with the same workspace.", false),
+        tool::<SandboxArgs>("sandbox.end", "End the sandbox.", false),
+        tool::<PathArgs>("sandbox.files", "List a directory of the sandbox's workspace without an exec.", true),
+        tool::<PathArgs>("sandbox.file_read", "Read a file of the sandbox's workspace (base64) without an exec.", true),
+        tool::<WriteArgs>("sandbox.file_write", "Write a file of the sandbox's workspace atomically without an exec.", false),
+        tool::<SandboxArgs>("sandbox.snapshot", "Snapshot the sandbox's workspace (paused for it): an id to fork from and the tree hash.", false),
+        tool::<SandboxArgs>("sandbox.snapshots", "The tenant's snapshots on the sandbox's worker.", true),
+        tool::<SnapshotArgs>("sandbox.snapshot_delete", "Delete one of the tenant's snapshots.", false),
+        tool::<ForkArgs>("sandbox.fork", "A new sandbox whose workspace is a copy of the snapshot's.", false),
     ]
 }
 

@@ -43,6 +43,20 @@ pub struct ToolSpec {
     pub read_only: bool,
 }
 
+/// The listing of tool `name` whose arguments parse as `T`.
+pub fn tool<T: JsonSchema>(
+    name: &'static str,
+    description: &'static str,
+    read_only: bool,
+) -> ToolSpec {
+    ToolSpec {
+        name,
+        description,
+        input_schema: schema::<T>(),
+        read_only,
+    }
+}
+
 /// The closed input schema of a tool whose arguments parse as `T`.
 pub fn schema<T: JsonSchema>() -> Map<String, Value> {
     let mut v = serde_json::to_value(schemars::schema_for!(T)).unwrap_or(Value::Null);

@@ -26,7 +26,7 @@ use serde_json::{json, Map, Value};
 
 use cynode_protocol::pm_api::{Constraints, CreateSession, WorkspaceSpec};
 
-use super::tool_kit::{parse, schema};
+use super::tool_kit::{parse, tool};
 pub use super::tool_kit::{ToolError, ToolSpec};
 use crate::app::auth::Tenant;
 use crate::app::ops;
@@ -132,23 +132,17 @@ pub struct SkillRunArgs {
 
 /// Every tool of `cynode-pm mcp`, in a fixed order.
 pub fn catalog() -> Vec<ToolSpec> {
-    let t = |name, description, input_schema, read_only| ToolSpec {
-        name,
-        description,
-        input_schema,
-        read_only,
-    };
     vec![
-        t("sessions.create", "Create a session that works toward an objective (the PM plans, runs sandboxed jobs and reports). Idempotent with idempotency_key.", schema::<CreateArgs>(), false),
-        t("sessions.get", "A session: status, plan, active job, verified artifacts, open question, deliverable.", schema::<SessionArgs>(), true),
-        t("sessions.events", "The session's events after `after` (waiting up to wait_seconds for one); `done` once the session ended.", schema::<EventsArgs>(), true),
-        t("sessions.answer", "Answer the session's open question.", schema::<AnswerArgs>(), false),
-        t("sessions.cancel", "Cancel the session and stop its running job.", schema::<SessionArgs>(), false),
-        t("skills.list", "The skill catalog: id, version, description and inputs schema of each skill.", schema::<NoArgs>(), true),
-        t("skills.show", "One skill's manifest.", schema::<SkillArgs>(), true),
-        t("artifacts.get", "The bytes of one of the session's artifacts (base64), verified against their sha256.", schema::<ArtifactArgs>(), true),
-        t("sessions.report", "The session's evidence report: per task, its jobs and what each verifiably found (steps, verified artifacts), then the model's summary; and the same as text.", schema::<SessionArgs>(), true),
-        t("skills.run", "Run one skill as a single job without the model loop: inputs checked, policy-checked, run in a sandbox on a copy of `workspace`, every artifact verified against its sha256.", schema::<SkillRunArgs>(), false),
+        tool::<CreateArgs>("sessions.create", "Create a session that works toward an objective (the PM plans, runs sandboxed jobs and reports). Idempotent with idempotency_key.", false),
+        tool::<SessionArgs>("sessions.get", "A session: status, plan, active job, verified artifacts, open question, deliverable.", true),
+        tool::<EventsArgs>("sessions.events", "The session's events after `after` (waiting up to wait_seconds for one); `done` once the session ended.", true),
+        tool::<AnswerArgs>("sessions.answer", "Answer the session's open question.", false),
+        tool::<SessionArgs>("sessions.cancel", "Cancel the session and stop its running job.", false),
+        tool::<NoArgs>("skills.list", "The skill catalog: id, version, description and inputs schema of each skill.", true),
+        tool::<SkillArgs>("skills.show", "One skill's manifest.", true),
+        tool::<ArtifactArgs>("artifacts.get", "The bytes of one of the session's artifacts (base64), verified against their sha256.", true),
+        tool::<SessionArgs>("sessions.report", "The session's evidence report: per task, its jobs and what each verifiably found (steps, verified artifacts), then the model's summary; and the same as text.", true),
+        tool::<SkillRunArgs>("skills.run", "Run one skill as a single job without the model loop: inputs checked, policy-checked, run in a sandbox on a copy of `workspace`, every artifact verified against its sha256.", false),
     ]
     .into_iter()
     .chain(super::sandbox_tools::catalog())
