@@ -478,6 +478,16 @@ async fn the_tenants_policy_is_checked_before_a_sandbox_is_placed() {
             "{body}: {v}"
         );
     }
+    // A create the worker refuses (an env name with `=`) leaves no sandbox either.
+    let (code, v) = api(
+        Method::POST,
+        &r,
+        "/v1/sandboxes",
+        TENANT_A,
+        Some(json!({ "env": { "A=B": "x" } })),
+    )
+    .await;
+    assert_eq!(code, 400, "{v}");
     let (_, v) = api(Method::GET, &r, "/v1/sandboxes", TENANT_A, None).await;
     assert_eq!(v["sandboxes"], json!([]), "{v}");
     // Within the policy: created, with the tenant's ceiling as its lifetime.

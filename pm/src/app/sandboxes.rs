@@ -209,7 +209,13 @@ pub async fn create(
         .await;
     tracing::info!(sandbox_id = %id, tenant = %tenant.0, worker = %placement.worker_id,
         purpose, fork = req.from_snapshot.is_some(), "sandbox create");
-    checked(&placement.worker_id, answer)
+    let answer = checked(&placement.worker_id, answer);
+    if !answer.as_ref().is_ok_and(|r| r.status().is_success()) {
+        // Refused or failed: no sandbox to own (a worker that failed mid-create ends an
+        // orphan session by its own timeouts).
+        st.pm.store.forget_sandbox(&id).await?;
+    }
+    answer
 }
 
 /// The tenant's sandboxes.

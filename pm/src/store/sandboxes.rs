@@ -39,6 +39,15 @@ impl Store {
         row.map(|r| owner(&r)).transpose()
     }
 
+    /// Forgets a sandbox the worker refused to create.
+    pub async fn forget_sandbox(&self, sandbox_id: &str) -> Result<()> {
+        sqlx::query("DELETE FROM sandboxes WHERE sandbox_id = $1")
+            .bind(sandbox_id.to_string())
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
     /// The ids of the tenant's sandboxes, newest first, at most `limit`.
     pub async fn tenant_sandboxes(&self, tenant_id: &str, limit: i64) -> Result<Vec<String>> {
         let rows = sqlx::query(

@@ -287,6 +287,10 @@ impl Sessions {
         let ws = workspace_id.to_string();
         let max = self.image_bound();
         let how = tokio::task::spawn_blocking(move || {
+            // The workspace-creation lock, as a job's or a seed's creation holds it: a
+            // job or session making the same workspace sees the fork's volume whole or
+            // not at all.
+            let _creating = crate::workspace::creation_lock(&parent.join(&ws));
             let parent_fd = rfs::open(
                 &parent,
                 OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,

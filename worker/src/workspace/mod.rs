@@ -176,7 +176,7 @@ pub fn make_workspace(dir: &Path, uid: u32) -> std::io::Result<()> {
     crate::job_dir::open_or_create_owned_dir(parent.as_fd(), name, uid).map(drop)
 }
 
-/// Held while a workspace directory is made ([`make_workspace`], by jobs, sessions and
+/// Held while a workspace directory is made ([`make_workspace`], by jobs, sessions, forks and
 /// empty creations) and while a seed is published onto it ([`Staging::publish`]). Each of
 /// these is several steps (a directory, then a volume mounted on it, or a swap), and a
 /// job that found the directory between a seed's steps would run beneath the seed's
