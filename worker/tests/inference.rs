@@ -1105,6 +1105,40 @@ async fn loopback_listener_runsc_refuses_inference_jobs_by_name() {
         "detail",
         "use_inference: inference_listener_unavailable",
     );
+    // An agent job too (its models are the job's `inference.allowed_models`).
+    let id = unique("runsc-agent");
+    let spec = json!({
+        "protocol_version": "1.0", "job_id": id, "task_id": "t-agent",
+        "execution_mode": "agent_inference",
+        "inference": { "allowed_models": ["m1"] },
+        "constraints": { "max_runtime_seconds": 60, "max_output_bytes": 65536 },
+        "context": { "task_context": "anything" }
+    });
+    let body = json!({
+        "version": 1, "task_id": "t-agent", "job_id": id,
+        "sandbox": { "image": env().image, "job_spec_json": spec.to_string() }
+    });
+    let (code, v) = sv.post("/v1/worker/jobs:run", &body).await;
+    assert_eq!(code, 400, "{v}");
+    assert!(
+        v["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("inference_listener_unavailable")),
+        "{v}"
+    );
+    // `check` says so.
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_cynode-worker"));
+    cmd.arg("check")
+        .arg("--config")
+        .arg(sv.dir.path().join("worker.yaml"));
+    let out = cynode_testkit::output_bounded(cmd, Duration::from_secs(60));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains(
+            "note inference: jobs and sessions with inference are refused: inference_listener_unavailable"
+        ),
+        "{text}"
+    );
 }
 
 /// One chat completion for `m1` through the loopback listener with the job's token, as a
