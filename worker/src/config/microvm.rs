@@ -85,7 +85,9 @@ pub struct MicrovmConfig {
     /// Booted VMs kept waiting per image (each used once, then destroyed). 0: every job
     /// boots its own VM when it starts.
     pub pool_size: usize,
-    /// Guest memory above the job's `limits.memory_mb` (its kernel, init, page cache).
+    /// Guest memory above the job's `limits.memory_mb` (its kernel, init, page cache,
+    /// tmpfs): default 128. With 64, a guest for a 64 MiB job (128 MiB in all) crashed its
+    /// init during boot now and then under TCG.
     pub memory_overhead_mb: u64,
     /// Bound on a boot, from starting QEMU to the guest's ready message.
     pub boot_timeout_seconds: u64,
@@ -104,7 +106,7 @@ impl Default for MicrovmConfig {
             mksquashfs: "mksquashfs".into(),
             rootfs: BTreeMap::new(),
             pool_size: 2,
-            memory_overhead_mb: 64,
+            memory_overhead_mb: 128,
             boot_timeout_seconds: 20,
             kernel_args: Vec::new(),
         }
