@@ -62,6 +62,10 @@ async fn raw(
         .await
         .unwrap();
     let status = resp.status().as_u16();
+    // What a sandbox wrote is never served as something to sniff and run.
+    if resp.status().is_success() {
+        assert_eq!(resp.headers()["x-content-type-options"], "nosniff");
+    }
     (status, resp.bytes().await.unwrap().to_vec())
 }
 

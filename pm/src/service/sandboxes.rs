@@ -62,7 +62,8 @@ pub fn long_routes() -> Router<Arc<AppState>> {
 }
 
 /// The worker's answer as this service's: its status, its body streamed, its content
-/// type kept only when it is one the worker's sandbox routes send.
+/// type kept only when it is one the worker's sandbox routes send (else
+/// `application/octet-stream`), and `X-Content-Type-Options: nosniff`.
 pub fn relay(r: reqwest::Response) -> Response {
     let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let content_type = r
@@ -96,6 +97,11 @@ pub fn relay(r: reqwest::Response) -> Response {
     if let Ok(v) = header::HeaderValue::from_str(&content_type) {
         resp.headers_mut().insert(header::CONTENT_TYPE, v);
     }
+    // The bytes are the sandbox's: never sniffed into something a browser would run.
+    resp.headers_mut().insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        header::HeaderValue::from_static("nosniff"),
+    );
     if content_type == "text/event-stream" {
         resp.headers_mut().insert(
             header::CACHE_CONTROL,
