@@ -315,8 +315,7 @@ async fn serve(args: NodeArgs) -> anyhow::Result<()> {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     }
-    cynode_worker::backend::bwrap::starter::drain();
-    cynode_worker::backend::engine::pool::unmount_slots(&state_dir);
+    cynode_worker::backend::shutdown(&state_dir);
     cynode_worker::loopfs::close_pool();
     // The janitor removes the sandboxes, then unmounts the node's volumes.
     if let Some(j) = janitor {

@@ -40,8 +40,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::backend::bwrap::cgroup::remove_node_cgroups;
-use crate::backend::{client_vars, SandboxBackend};
+use crate::backend::{client_vars, remove_node_cgroups, SandboxBackend};
 use crate::config::Config;
 
 /// The subcommand that runs [`run`].

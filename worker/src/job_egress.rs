@@ -14,7 +14,7 @@ use cynode_protocol::worker_api::{NetworkPolicy, RunJobRequest};
 use cynode_protocol::ValidationError;
 
 use crate::backend::netns_gate::NetnsHook;
-use crate::config::{BackendKind, Config, EgressConfig};
+use crate::config::{Config, EgressConfig};
 use crate::egress::netns::Netns;
 use crate::egress::{EgressLimits, EgressProxy, Policy, Resolver, Routes, SandboxLoopback};
 
@@ -100,14 +100,9 @@ pub fn policy(cfg: &Config, req: &RunJobRequest) -> Result<Option<Policy>, Valid
         return Err(ValidationError::new(
             FIELD,
             format!(
-                "`restricted` is not offered on this node's backend ({}{}): its sandboxes \
+                "`restricted` is not offered on this node's backend ({}): its sandboxes \
                  cannot reach the egress proxy; use bwrap, or podman or docker with runc/crun",
-                cfg.backend.as_str(),
-                if matches!(cfg.backend, BackendKind::Podman | BackendKind::Docker) {
-                    " with gVisor"
-                } else {
-                    ""
-                }
+                crate::backend::describe(cfg),
             ),
         ));
     }

@@ -62,10 +62,19 @@ pub fn node_backend(backend: &str) -> &str {
     }
 }
 
-/// Whether `backend` can bind the egress proxy inside its sandboxes (gVisor and the
-/// microVM cannot: `restricted` is refused there with a 400).
+/// Whether `backend` can bind the egress proxy inside its sandboxes, as the worker's
+/// backend registry answers for the configuration the harness gives that test backend
+/// (gVisor and the microVM cannot: `restricted` is refused there with a 400).
 pub fn gates_egress(backend: &str) -> bool {
-    !matches!(backend, "runsc" | "runsc_warm" | "microvm")
+    let mut cfg = cynode_worker::config::Config {
+        backend: serde_json::from_value(json!(node_backend(backend)))
+            .unwrap_or_else(|e| panic!("{backend} names no backend kind: {e}")),
+        ..Default::default()
+    };
+    if backend.starts_with("runsc") {
+        cfg.podman.runtime = cynode_worker::config::OciRuntime::Runsc;
+    }
+    cynode_worker::backend::can_gate(&cfg)
 }
 
 /// Whether the backend runs containers through an engine (not bwrap).

@@ -61,6 +61,22 @@ pub mod warm;
 use cgroup::{join_cgroups, Cgroup, CgroupLayout};
 pub use isolated::IsolatedBwrap;
 
+/// bubblewrap's entry in the backend registry ([`super::BACKENDS`]): it always gates (the
+/// proxy binds in the sandbox's own network namespace), and a stop drains its starters.
+pub const DESCRIPTOR: super::Descriptor = super::Descriptor {
+    kind: BackendKind::Bwrap,
+    build: |cfg| {
+        Arc::new(
+            BwrapBackend::new(cfg.bwrap.clone(), super::node_id(cfg))
+                .with_root_views(&cfg.state_dir)
+                .with_node_limits(cfg.sandbox_uids, ResourceLimits::from_limits(&cfg.limits)),
+        )
+    },
+    can_gate: |_| true,
+    describe: super::kind_name,
+    shutdown: |_| starter::drain(),
+};
+
 /// What runs when an SBA job's image has no explicit command.
 pub const SBA_ENTRYPOINT: &str = "/usr/local/bin/cynode-sba";
 
@@ -625,6 +641,12 @@ impl BwrapBackend {
 impl SandboxBackend for BwrapBackend {
     fn kind(&self) -> BackendKind {
         BackendKind::Bwrap
+    }
+
+    /// The starters' and the warm sandboxes' figures (nothing for a pool never started).
+    fn write_metrics(&self, _label: &str, out: &mut String) {
+        out.push_str(&starter::metrics_text());
+        out.push_str(&warm::metrics_text());
     }
 
     /// bwrap runs, and cgroups are usable for limits.

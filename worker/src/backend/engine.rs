@@ -75,6 +75,51 @@ pub fn can_gate(runtime: OciRuntime) -> bool {
     runtime != OciRuntime::Runsc
 }
 
+/// Podman's entry in the backend registry ([`super::BACKENDS`]).
+pub const PODMAN: super::Descriptor = super::Descriptor {
+    kind: BackendKind::Podman,
+    build: |cfg| build(BackendKind::Podman, cfg.podman.clone(), cfg),
+    can_gate: |cfg| can_gate(cfg.podman.runtime),
+    describe: |cfg| describe("podman", cfg.podman.runtime),
+    shutdown: pool::unmount_slots,
+};
+
+/// Docker's entry in the backend registry ([`super::BACKENDS`]).
+pub const DOCKER: super::Descriptor = super::Descriptor {
+    kind: BackendKind::Docker,
+    build: |cfg| build(BackendKind::Docker, cfg.docker.clone(), cfg),
+    can_gate: |cfg| can_gate(cfg.docker.runtime),
+    describe: |cfg| describe("docker", cfg.docker.runtime),
+    // The pool's directory is the same for both engines: Podman's entry unmounts it.
+    shutdown: |_| {},
+};
+
+/// An engine backend of the node `cfg` configures, with the engine's own section.
+fn build(
+    kind: BackendKind,
+    section: EngineConfig,
+    cfg: &crate::config::Config,
+) -> Arc<dyn SandboxBackend> {
+    Arc::new(
+        EngineBackend::new(
+            kind,
+            section,
+            super::node_id(cfg),
+            &cfg.state_dir,
+            IsolatedBwrap::for_config(cfg),
+        )
+        .with_limits(ResourceLimits::from_limits(&cfg.limits)),
+    )
+}
+
+/// `name`, and `with gVisor` when its runtime is runsc.
+fn describe(name: &str, runtime: OciRuntime) -> String {
+    match runtime {
+        OciRuntime::Runsc => format!("{name} with gVisor"),
+        _ => name.to_string(),
+    }
+}
+
 impl EngineBackend {
     /// A backend for `kind` (podman or docker) of the node whose state lives in
     /// `state_dir`.
@@ -558,9 +603,11 @@ impl SandboxBackend for EngineBackend {
         engine_refused(outcome, &self.cfg.binary, "start the container")
     }
 
-    /// The pool's figures for `/metrics`.
-    fn pool_stats(&self) -> Option<pool::PoolStats> {
-        (self.pool.size() > 0).then(|| self.pool.stats())
+    /// The pool's figures, when it is on.
+    fn write_metrics(&self, label: &str, out: &mut String) {
+        if self.pool.size() > 0 {
+            self.pool.stats().write_metrics(label, out);
+        }
     }
 
     /// A gated job runs in a pooled container: an idle one (warm), else one made for it

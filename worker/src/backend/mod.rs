@@ -4,10 +4,12 @@
 //! tree with the limits it is given, captures its output with caps, and guarantees it is
 //! gone afterwards.
 //!
-//! Adding a backend: its module here implementing [`SandboxBackend`], one arm in
-//! [`from_config`] and [`can_gate`], its [`BackendKind`] variant (config), and its name in
-//! the contract suite's list (`worker/tests/all.rs`).
+//! Adding a backend: its module here implementing [`SandboxBackend`] and exporting a
+//! [`Descriptor`], one line in [`BACKENDS`] ([`registry`]), its [`BackendKind`] variant
+//! and config section (`config`), and its name in the contract suite's list
+//! (`worker/tests/all.rs`, checked against the kinds).
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -20,15 +22,47 @@ pub mod bwrap;
 pub mod capture;
 pub mod engine;
 pub mod exec_io;
+#[cfg(test)]
+pub mod fake;
 pub mod image_labels;
 pub mod isolated;
 pub mod microvm;
 pub mod mount_tree;
 pub mod netns_gate;
+pub mod registry;
 pub mod seccomp;
 
 pub use isolated::{IsolatedError, IsolatedOutput, IsolatedRun};
 pub use netns_gate::NetnsHook;
+pub use registry::{can_gate, describe, from_config, shutdown, BACKENDS};
+
+/// Kills and removes the node's sandbox cgroups, whichever backend made them (the janitor's
+/// first sweep): see [`bwrap::cgroup`].
+pub use bwrap::cgroup::remove_node_cgroups;
+
+/// What the node knows of one backend before (and besides) building it.
+#[derive(Debug, Clone, Copy)]
+pub struct Descriptor {
+    /// The kind the config names (`backend:`); its section of the config has that name.
+    pub kind: BackendKind,
+    /// Builds the backend `cfg` configures.
+    pub build: fn(&Config) -> Arc<dyn SandboxBackend>,
+    /// Whether sandboxes of this backend, as `cfg` configures it, can be started gated
+    /// ([`SandboxBackend::run_gated`]): the egress proxy and the inference listener bind
+    /// inside them. Asked of the configuration, before any backend exists.
+    pub can_gate: fn(&Config) -> bool,
+    /// The backend as `cfg` configures it, for messages: `podman with gVisor`.
+    pub describe: fn(&Config) -> String,
+    /// What a graceful stop undoes once no job runs (a starter pool drained, staging
+    /// mounts unmounted), given the state directory. Every backend's runs at every stop:
+    /// each undoes only what its own module made, and nothing when it made nothing.
+    pub shutdown: fn(&Path),
+}
+
+/// The node's own kind's name, for a descriptor whose message is just that.
+pub fn kind_name(cfg: &Config) -> String {
+    cfg.backend.as_str().to_string()
+}
 
 /// Label every sandbox of a node carries, valued with the node's id, so that node's
 /// orphans (and only its own) can be found and removed.
@@ -215,8 +249,8 @@ pub async fn wait_or_stop(
 /// egress proxy), hold a session's sandbox, run a host tool over sandbox-written content in
 /// isolation (the changeset's git), and remove what a previous run of the node left.
 ///
-/// The node holds it as `Arc<dyn SandboxBackend>` ([`from_config`] is the one place that
-/// picks the implementation): one virtual call per sandbox operation is nothing next to
+/// The node holds it as `Arc<dyn SandboxBackend>` ([`from_config`], through the
+/// [`registry`], is the one place that picks the implementation): one virtual call per sandbox operation is nothing next to
 /// starting a process, and each backend keeps its own state (session handles included)
 /// without a `match` over every backend in every method.
 #[async_trait::async_trait]
@@ -295,11 +329,10 @@ pub trait SandboxBackend: Send + Sync + std::fmt::Debug {
     /// ahead (bwrap's [`bwrap::warm`]). The default ignores it.
     fn expect_uid(&self, _uid: u32) {}
 
-    /// The warm pool's figures for `/metrics`, when the backend has one turned on
-    /// (Podman/Docker `pool_size`, [`engine::pool`]).
-    fn pool_stats(&self) -> Option<engine::pool::PoolStats> {
-        None
-    }
+    /// Appends the backend's own figures to `/metrics` in Prometheus text format (its
+    /// warm pools' gauges and counters), each series labelled `backend="<label>"` where
+    /// it has that label. Nothing by default.
+    fn write_metrics(&self, _label: &str, _out: &mut String) {}
 }
 
 /// The outcome of a gated run on a backend that cannot gate.
@@ -376,58 +409,4 @@ impl<B: SandboxBackend> SessionSandbox for PerCommand<B> {
     }
 
     async fn stop(&self) {}
-}
-
-/// The backend the config names: the one place a [`BackendKind`] becomes an
-/// implementation.
-pub fn from_config(cfg: &Config) -> Arc<dyn SandboxBackend> {
-    record_node_pid();
-    let node = node_id(cfg);
-    let tools = bwrap::IsolatedBwrap::for_config(cfg);
-    match cfg.backend {
-        BackendKind::Podman => Arc::new(
-            engine::EngineBackend::new(
-                BackendKind::Podman,
-                cfg.podman.clone(),
-                node,
-                &cfg.state_dir,
-                tools,
-            )
-            .with_limits(ResourceLimits::from_limits(&cfg.limits)),
-        ),
-        BackendKind::Docker => Arc::new(
-            engine::EngineBackend::new(
-                BackendKind::Docker,
-                cfg.docker.clone(),
-                node,
-                &cfg.state_dir,
-                tools,
-            )
-            .with_limits(ResourceLimits::from_limits(&cfg.limits)),
-        ),
-        BackendKind::Bwrap => Arc::new(
-            bwrap::BwrapBackend::new(cfg.bwrap.clone(), node)
-                .with_root_views(&cfg.state_dir)
-                .with_node_limits(cfg.sandbox_uids, ResourceLimits::from_limits(&cfg.limits)),
-        ),
-        BackendKind::Microvm => Arc::new(microvm::MicrovmBackend::new(
-            cfg.microvm.clone(),
-            &cfg.bwrap.rootfs,
-            ResourceLimits::from_limits(&cfg.limits),
-            &cfg.state_dir,
-            tools,
-        )),
-    }
-}
-
-/// Whether sandboxes of `cfg`'s backend can be started gated
-/// ([`SandboxBackend::run_gated`]), so a job's egress proxy can bind inside them: asked
-/// of the configuration, before any backend exists (request validation).
-pub fn can_gate(cfg: &Config) -> bool {
-    match cfg.backend {
-        BackendKind::Bwrap => true,
-        BackendKind::Podman => engine::can_gate(cfg.podman.runtime),
-        BackendKind::Docker => engine::can_gate(cfg.docker.runtime),
-        BackendKind::Microvm => false,
-    }
 }

@@ -25,6 +25,9 @@ pub enum BackendKind {
     Bwrap,
     /// A KVM microVM per job (QEMU `microvm`, own kernel): see `backend::microvm`.
     Microvm,
+    /// The in-process fake of the worker's unit tests (`backend::fake`); no built node has it.
+    #[cfg(test)]
+    Fake,
 }
 
 impl BackendKind {
@@ -35,6 +38,8 @@ impl BackendKind {
             BackendKind::Docker => "docker",
             BackendKind::Bwrap => "bwrap",
             BackendKind::Microvm => "microvm",
+            #[cfg(test)]
+            BackendKind::Fake => "fake",
         }
     }
 }

@@ -55,55 +55,7 @@ fn render(node: &Node) -> String {
             c.backend
         );
     }
-    if let Some(p) = node.backend.pool_stats() {
-        let pool: [(&str, &str, &str, u64); 6] = [
-            (
-                "pool_size",
-                "gauge",
-                "warm containers kept per image (pool_size)",
-                p.size,
-            ),
-            (
-                "pool_idle",
-                "gauge",
-                "warm containers waiting for a job",
-                p.idle,
-            ),
-            (
-                "pool_starting",
-                "gauge",
-                "warm containers being started",
-                p.starting,
-            ),
-            (
-                "pool_claims_total",
-                "counter",
-                "jobs started in a warm container",
-                p.claims,
-            ),
-            (
-                "pool_misses_total",
-                "counter",
-                "jobs that found no warm container and started cold",
-                p.misses,
-            ),
-            (
-                "pool_failures_total",
-                "counter",
-                "warm containers that failed to start or to take a job",
-                p.failures,
-            ),
-        ];
-        for (name, kind, help, v) in pool {
-            let _ = write!(
-                out,
-                "# HELP cynode_worker_{name} {help}\n# TYPE cynode_worker_{name} {kind}\ncynode_worker_{name}{{backend=\"{}\"}} {v}\n",
-                c.backend
-            );
-        }
-    }
+    node.backend.write_metrics(&c.backend, &mut out);
     out.push_str(&crate::loopfs::metrics_text());
-    out.push_str(&crate::backend::bwrap::starter::metrics_text());
-    out.push_str(&crate::backend::bwrap::warm::metrics_text());
     out
 }

@@ -62,14 +62,9 @@ pub fn refusal(cfg: &Config) -> Option<String> {
         return None;
     }
     Some(format!(
-        "{UNAVAILABLE}: this node's backend ({}{}) cannot bind the inference listener \
+        "{UNAVAILABLE}: this node's backend ({}) cannot bind the inference listener \
          (127.0.0.1:11434) inside its sandboxes; use bwrap, or podman or docker with runc/crun",
-        cfg.backend.as_str(),
-        match cfg.backend {
-            crate::config::BackendKind::Podman | crate::config::BackendKind::Docker =>
-                " with gVisor",
-            _ => "",
-        }
+        crate::backend::describe(cfg),
     ))
 }
 

@@ -11,6 +11,8 @@
 mod jobs;
 mod reconcile;
 mod retained;
+#[cfg(test)]
+mod tests;
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -174,6 +174,57 @@ pub struct PoolStats {
     pub failures: u64,
 }
 
+impl PoolStats {
+    /// The figures in Prometheus text format, each series labelled `backend="<label>"`.
+    pub fn write_metrics(&self, label: &str, out: &mut String) {
+        use std::fmt::Write;
+        let series: [(&str, &str, &str, u64); 6] = [
+            (
+                "pool_size",
+                "gauge",
+                "warm containers kept per image (pool_size)",
+                self.size,
+            ),
+            (
+                "pool_idle",
+                "gauge",
+                "warm containers waiting for a job",
+                self.idle,
+            ),
+            (
+                "pool_starting",
+                "gauge",
+                "warm containers being started",
+                self.starting,
+            ),
+            (
+                "pool_claims_total",
+                "counter",
+                "jobs started in a warm container",
+                self.claims,
+            ),
+            (
+                "pool_misses_total",
+                "counter",
+                "jobs that found no warm container and started cold",
+                self.misses,
+            ),
+            (
+                "pool_failures_total",
+                "counter",
+                "warm containers that failed to start or to take a job",
+                self.failures,
+            ),
+        ];
+        for (name, kind, help, v) in series {
+            let _ = write!(
+                out,
+                "# HELP cynode_worker_{name} {help}\n# TYPE cynode_worker_{name} {kind}\ncynode_worker_{name}{{backend=\"{label}\"}} {v}\n",
+            );
+        }
+    }
+}
+
 /// The pool.
 #[derive(Debug, Clone)]
 pub struct Pool {

@@ -175,6 +175,24 @@ impl MicrovmBackend {
     }
 }
 
+/// The microVM's entry in the backend registry ([`super::BACKENDS`]): it cannot gate (the
+/// guest's network is its own), and a stop leaves its pool to end with the node.
+pub const DESCRIPTOR: super::Descriptor = super::Descriptor {
+    kind: BackendKind::Microvm,
+    build: |cfg| {
+        std::sync::Arc::new(MicrovmBackend::new(
+            cfg.microvm.clone(),
+            &cfg.bwrap.rootfs,
+            ResourceLimits::from_limits(&cfg.limits),
+            &cfg.state_dir,
+            IsolatedBwrap::for_config(cfg),
+        ))
+    },
+    can_gate: |_| false,
+    describe: super::kind_name,
+    shutdown: |_| {},
+};
+
 #[async_trait::async_trait]
 impl SandboxBackend for MicrovmBackend {
     /// The guest's init runs each command with no stdin and takes no signals for it.
