@@ -6,7 +6,8 @@
 //!   logged inside a session carries its `session_id`, and lines about a job carry
 //!   `job_id`, `task_id` and `skill_id` (in the line's `spans`), whatever the level.
 //! - Traces: with `CYNODE_OTLP_ENDPOINT` (or `--otlp-endpoint`) the PM's info spans are
-//!   exported in batches from a background thread to `<endpoint>/v1/traces`, and every
+//!   exported in batches from a background thread to `<endpoint>/v1/traces`
+//!   ([`cynode_otel`], the worker's set-up too), and every
 //!   Worker API call carries a W3C `traceparent` header (see [`traceparent`]). Without an
 //!   endpoint there is no exporter, no OpenTelemetry layer and no header.
 //! - An `https://` endpoint is reached over rustls, trusting the system's roots; a private
@@ -17,17 +18,13 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_otlp::{Protocol, WithExportConfig};
-use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use tracing::level_filters::LevelFilter;
 use tracing::subscriber::Interest;
 use tracing::Metadata;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::filter::{FilterExt, Targets};
-use tracing_subscriber::layer::{Context as LayerContext, Filter, SubscriberExt};
-use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::filter::FilterExt;
+use tracing_subscriber::layer::{Context as LayerContext, Filter};
 use tracing_subscriber::{EnvFilter, Layer};
 
 /// Set once an OTLP exporter is installed: [`traceparent`] does nothing before.
@@ -54,17 +51,6 @@ impl Telemetry {
                 eprintln!("cynode-pm: exporting the last traces failed: {e}");
             }
         }
-    }
-}
-
-/// The OTLP/HTTP traces URL for a base endpoint such as `http://collector:4318`
-/// (a URL already ending in `/v1/traces` is taken as it is).
-pub fn traces_url(endpoint: &str) -> String {
-    let e = endpoint.trim_end_matches('/');
-    if e.ends_with("/v1/traces") {
-        e.to_string()
-    } else {
-        format!("{e}/v1/traces")
     }
 }
 
@@ -99,13 +85,11 @@ impl<S> Filter<S> for PmSpans {
 }
 
 /// The trace exporter could not be set up.
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct TelemetryError(String);
+pub type TelemetryError = cynode_otel::ExporterError;
 
 /// Installs the global subscriber: JSON lines on stderr at `CYNODE_LOG_LEVEL` (else
-/// `default_level`), plus the OTLP trace exporter when `otlp_endpoint` is given.
-/// A second call (tests) leaves the first subscriber in place.
+/// `default_level`), plus the OTLP trace exporter when `otlp_endpoint` is given
+/// ([`cynode_otel::install`]). A second call (tests) leaves the first subscriber in place.
 pub fn init(default_level: &str, otlp_endpoint: Option<&str>) -> Result<Telemetry, TelemetryError> {
     let filter = EnvFilter::try_from_env("CYNODE_LOG_LEVEL")
         .unwrap_or_else(|_| EnvFilter::new(default_level));
@@ -113,40 +97,12 @@ pub fn init(default_level: &str, otlp_endpoint: Option<&str>) -> Result<Telemetr
         .json()
         .with_writer(std::io::stderr)
         .with_filter(filter.or(PmSpans));
-    let Some(endpoint) = otlp_endpoint.filter(|e| !e.trim().is_empty()) else {
-        let _ = tracing_subscriber::registry().with(fmt).try_init();
-        return Ok(Telemetry::default());
-    };
-    let url = traces_url(endpoint);
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_http()
-        .with_protocol(Protocol::HttpBinary)
-        .with_endpoint(&url)
-        .build()
-        .map_err(|e| TelemetryError(format!("cannot set up the OTLP exporter for {url}: {e}")))?;
-    let provider = SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
-        .with_resource(
-            opentelemetry_sdk::Resource::builder()
-                .with_service_name("cynode-pm")
-                .build(),
-        )
-        .build();
-    let tracer = provider.tracer("cynode-pm");
-    let otel = tracing_opentelemetry::layer()
-        .with_tracer(tracer)
-        .with_filter(Targets::new().with_target("cynode_pm", LevelFilter::INFO));
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    if tracing_subscriber::registry()
-        .with(fmt)
-        .with(otel)
-        .try_init()
-        .is_ok()
-    {
+    let exporter = cynode_otel::install(fmt, "cynode-pm", otlp_endpoint)?;
+    if exporter.as_ref().is_some_and(|e| e.installed) {
         TRACING.store(true, Ordering::SeqCst);
     }
     Ok(Telemetry {
-        provider: Some(provider),
+        provider: exporter.map(|e| e.provider),
     })
 }
 
@@ -169,20 +125,9 @@ fn traceparent_of(span: &tracing::Span) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use opentelemetry::trace::TraceContextExt;
-
-    #[test]
-    fn traces_url_appends_the_signal_path_once() {
-        assert_eq!(
-            traces_url("http://127.0.0.1:4318"),
-            "http://127.0.0.1:4318/v1/traces"
-        );
-        assert_eq!(traces_url("http://c:4318/"), "http://c:4318/v1/traces");
-        assert_eq!(
-            traces_url("http://c:4318/v1/traces"),
-            "http://c:4318/v1/traces"
-        );
-    }
+    use opentelemetry::trace::{TraceContextExt, TracerProvider as _};
+    use opentelemetry_sdk::propagation::TraceContextPropagator;
+    use tracing_subscriber::layer::SubscriberExt;
 
     #[test]
     fn traceparent_carries_the_current_span_context() {

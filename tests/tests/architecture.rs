@@ -511,7 +511,15 @@ fn the_crates_both_binaries_share_are_the_listed_ones() {
         .into_iter()
         .filter(|d| pm.contains(d))
         .collect();
-    assert_eq!(shared, ["cynode-egress", "cynode-protocol", "cynode-tls"]);
+    assert_eq!(
+        shared,
+        [
+            "cynode-egress",
+            "cynode-otel",
+            "cynode-protocol",
+            "cynode-tls"
+        ]
+    );
 }
 
 /// ARCHITECTURE.md (`config/`, the worker's layers): `config` imports nothing of the node

@@ -10,8 +10,9 @@
 //!   the `request` span becomes a child of the caller's span, and each job runs in a
 //!   `job` span under it, so one trace shows the PM's call and the sandbox's run. A
 //!   submit's `request` span lasts until its job ends (the job runs inside it).
-//! - An `https://` endpoint is reached over rustls, trusting the system's roots, or the
-//!   bundle in `SSL_CERT_FILE` / `SSL_CERT_DIR`, which replaces them.
+//! - The exporter is set up by [`cynode_otel`], the PM's too; an `https://` endpoint is
+//!   reached over rustls, trusting the system's roots, or the bundle in `SSL_CERT_FILE` /
+//!   `SSL_CERT_DIR`, which replaces them.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -19,33 +20,20 @@ use axum::extract::Request;
 use axum::http::HeaderMap;
 use axum::middleware::Next;
 use axum::response::Response;
-use opentelemetry::trace::TracerProvider as _;
-use opentelemetry_otlp::{Protocol, WithExportConfig};
-use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
-use tracing::level_filters::LevelFilter;
 use tracing::Instrument;
 use tracing_opentelemetry::OpenTelemetrySpanExt;
-use tracing_subscriber::filter::Targets;
-use tracing_subscriber::layer::SubscriberExt;
-use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
 /// The OTLP exporter could not be set up.
-#[derive(Debug, thiserror::Error)]
-#[error("cannot set up the OTLP exporter for {url}")]
-pub struct TraceError {
-    pub url: String,
-    #[source]
-    pub source: opentelemetry_otlp::ExporterBuildError,
-}
+pub type TraceError = cynode_otel::ExporterError;
 
 /// Set once an OTLP exporter is installed: only then are remote parents attached.
 static EXPORTING: AtomicBool = AtomicBool::new(false);
 
 /// Installs the global subscriber: JSON log lines, plus the OTLP exporter when
-/// `otlp_endpoint` is given. Returns the exporter's provider, to flush with
-/// `shutdown()` outside the async runtime on exit.
+/// `otlp_endpoint` is given ([`cynode_otel::install`]). Returns the exporter's provider,
+/// to flush with `shutdown()` outside the async runtime on exit.
 pub fn init(otlp_endpoint: Option<&str>) -> Result<Option<SdkTracerProvider>, TraceError> {
     let filter =
         EnvFilter::try_from_env("CYNODE_LOG_LEVEL").unwrap_or_else(|_| EnvFilter::new("info"));
@@ -55,46 +43,11 @@ pub fn init(otlp_endpoint: Option<&str>) -> Result<Option<SdkTracerProvider>, Tr
         .with_target(false)
         .with_writer(std::io::stderr)
         .with_filter(filter);
-    let Some(endpoint) = otlp_endpoint.map(str::trim).filter(|e| !e.is_empty()) else {
-        let _ = tracing_subscriber::registry().with(fmt).try_init();
-        return Ok(None);
-    };
-    let e = endpoint.trim_end_matches('/');
-    let url = if e.ends_with("/v1/traces") {
-        e.to_string()
-    } else {
-        format!("{e}/v1/traces")
-    };
-    let exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_http()
-        .with_protocol(Protocol::HttpBinary)
-        .with_endpoint(&url)
-        .build()
-        .map_err(|source| TraceError {
-            url: url.clone(),
-            source,
-        })?;
-    let provider = SdkTracerProvider::builder()
-        .with_batch_exporter(exporter)
-        .with_resource(
-            opentelemetry_sdk::Resource::builder()
-                .with_service_name("cynode-worker")
-                .build(),
-        )
-        .build();
-    let otel = tracing_opentelemetry::layer()
-        .with_tracer(provider.tracer("cynode-worker"))
-        .with_filter(Targets::new().with_target("cynode_worker", LevelFilter::INFO));
-    opentelemetry::global::set_text_map_propagator(TraceContextPropagator::new());
-    if tracing_subscriber::registry()
-        .with(fmt)
-        .with(otel)
-        .try_init()
-        .is_ok()
-    {
+    let exporter = cynode_otel::install(fmt, "cynode-worker", otlp_endpoint)?;
+    if exporter.as_ref().is_some_and(|e| e.installed) {
         EXPORTING.store(true, Ordering::SeqCst);
     }
-    Ok(Some(provider))
+    Ok(exporter.map(|e| e.provider))
 }
 
 /// Reads propagation headers from a request.
