@@ -1,5 +1,7 @@
 //! From a validated request to a response the caller can trust, as one pipeline:
-//! [`validate`] (before the job is accepted), then [`PreparedJob::prepare`] (lay out the
+//! [`check`] (before the job is accepted: the request validated and what it asks of the
+//! node worked out once, a [`CheckedJob`]), [`CheckedJob::accept`] (the workspace's host
+//! uid, leased: an [`AcceptedJob`]), then [`PreparedJob::prepare`] (lay out the
 //! job directory, build the sandbox spec: mounts, env, limits) and [`PreparedJob::run`]
 //! (run it on the backend and read back what the sandbox left, verifying every artifact's
 //! hash on the host); every response is built in [`response`]. Everything the sandbox left is
@@ -31,14 +33,63 @@ use crate::job_dir;
 use crate::job_egress::JobEgress;
 use crate::sandbox::{self, SandboxRequest, SandboxSpec};
 use crate::sandbox_files::{self, ReadError, TreeBounds, TreeError};
+use crate::uid_pool::{UidError, UidLease, UidPool};
 use cynode_protocol::time::now_rfc3339;
 
 pub mod response;
 
-/// Validates a request completely before anything is created or started.
-pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, ValidationError> {
+/// What a request asks of the node, worked out once by [`check`] from the request and the
+/// node's configuration, before the job is accepted.
+#[derive(Debug, Clone)]
+pub struct CheckedJob {
+    /// The SBA job (`sandbox.job_spec_json`, parsed once); `None` for a command job.
+    pub job: Option<JobSpec>,
+    /// The models it may use through the node's inference proxy; `None`: no proxy
+    /// ([`inference_models`]).
+    pub models: Option<Vec<String>>,
+    /// Its egress policy ([`crate::job_egress::policy`]); `None`: no network.
+    pub egress: Option<Policy>,
+    /// The workspace it runs over: its `workspace_id`, else its task's.
+    pub workspace_id: String,
+}
+
+/// A job the node accepted: its [`CheckedJob`] and its workspace's host uid, held (a
+/// [`UidLease`]) until the job is dropped, so the uid stays the workspace's while the job
+/// waits and runs.
+#[derive(Debug)]
+pub struct AcceptedJob {
+    pub checked: CheckedJob,
+    pub host_uid: u32,
+    _lease: Option<UidLease>,
+}
+
+impl CheckedJob {
+    /// Accepts the job: its workspace's uid from `uids`, leased for the job's life.
+    pub async fn accept(self, uids: &UidPool) -> Result<AcceptedJob, UidError> {
+        let lease = uids.lease(&self.workspace_id).await?;
+        Ok(AcceptedJob {
+            checked: self,
+            host_uid: lease.uid(),
+            _lease: Some(lease),
+        })
+    }
+
+    /// Accepts the job with a uid its caller holds itself (a replay's new workspace).
+    pub fn with_uid(self, host_uid: u32) -> AcceptedJob {
+        AcceptedJob {
+            checked: self,
+            host_uid,
+            _lease: None,
+        }
+    }
+}
+
+/// Validates a request completely before anything is created or started, and works out
+/// once what it asks of the node.
+pub fn check(cfg: &Config, req: &RunJobRequest) -> Result<CheckedJob, ValidationError> {
     req.validate()?;
     let network = crate::job_egress::policy(cfg, req)?;
+    let workspace_id = workspace_of(req).to_string();
     if !cfg.image_allowed(&req.sandbox.image) {
         return Err(ValidationError::new(
             "sandbox.image",
@@ -49,8 +100,12 @@ pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, Va
         ));
     }
     let Some(text) = &req.sandbox.job_spec_json else {
-        inference_models(cfg, req)?;
-        return Ok(None);
+        return Ok(CheckedJob {
+            job: None,
+            models: models_for(cfg, req, None)?,
+            egress: network,
+            workspace_id,
+        });
     };
     let job = JobSpec::from_json(text.as_bytes()).map_err(|errs| {
         let first = errs
@@ -77,7 +132,7 @@ pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, Va
             "must equal task_id",
         ));
     }
-    inference_models(cfg, req)?;
+    let models = models_for(cfg, req, Some(&job))?;
     if job.constraints.ext_net_allowed && network.is_none() {
         return Err(ValidationError::new(
             "sandbox.job_spec_json.constraints.ext_net_allowed",
@@ -85,7 +140,12 @@ pub fn validate(cfg: &Config, req: &RunJobRequest) -> Result<Option<JobSpec>, Va
              a sandbox has no other network",
         ));
     }
-    Ok(Some(job))
+    Ok(CheckedJob {
+        job: Some(job),
+        models,
+        egress: network,
+        workspace_id,
+    })
 }
 
 /// The models a job may use through the node's inference proxy, or `None` when the job
@@ -105,9 +165,16 @@ pub fn inference_models(
         .job_spec_json
         .as_deref()
         .and_then(|t| JobSpec::from_json(t.as_bytes()).ok());
-    let agent = job
-        .as_ref()
-        .is_some_and(|j| j.effective_mode() == ExecutionMode::AgentInference);
+    models_for(cfg, req, job.as_ref())
+}
+
+/// [`inference_models`] of `req` with its SBA job already parsed.
+fn models_for(
+    cfg: &Config,
+    req: &RunJobRequest,
+    job: Option<&JobSpec>,
+) -> Result<Option<Vec<String>>, ValidationError> {
+    let agent = job.is_some_and(|j| j.effective_mode() == ExecutionMode::AgentInference);
     if !agent && req.sandbox.use_inference != Some(true) {
         return Ok(None);
     }
@@ -124,7 +191,7 @@ pub fn inference_models(
         );
         return Ok(None);
     };
-    let wanted: Vec<String> = match job.as_ref().and_then(|j| j.inference.as_ref()) {
+    let wanted: Vec<String> = match job.and_then(|j| j.inference.as_ref()) {
         Some(i) if !i.allowed_models.is_empty() => i.allowed_models.clone(),
         _ => inf.models.clone(),
     };
@@ -193,10 +260,7 @@ impl JobPaths {
     /// The paths for `req` under `cfg`'s state directory.
     pub fn new(cfg: &Config, req: &RunJobRequest) -> Self {
         let root = cfg.jobs_dir().join(&req.job_id);
-        let ws = req
-            .workspace_id
-            .clone()
-            .unwrap_or_else(|| req.task_id.clone());
+        let ws = workspace_of(req);
         JobPaths {
             mount: root.join("job"),
             root,
@@ -212,6 +276,11 @@ impl JobPaths {
     pub fn artifacts(&self) -> PathBuf {
         self.mount.join(ARTIFACTS_DIR)
     }
+}
+
+/// The workspace a job runs over: its `workspace_id`, else its task's.
+pub fn workspace_of(req: &RunJobRequest) -> &str {
+    req.workspace_id.as_deref().unwrap_or(&req.task_id)
 }
 
 /// Creates the job directory (`request.json`, `job/`, `job/artifacts/`, and `job/job.json`
@@ -328,9 +397,8 @@ pub struct PreparedJob {
     req: RunJobRequest,
     paths: JobPaths,
     spec: SandboxSpec,
-    models: Option<Vec<String>>,
+    accepted: AcceptedJob,
     inference_token: Option<String>,
-    egress_policy: Result<Option<Policy>, ValidationError>,
     egress: Option<JobEgress>,
     inference: Option<JobInference>,
 }
@@ -341,34 +409,34 @@ impl PreparedJob {
     /// spec. The job directory must not exist: one that does (a retained job's, with links
     /// a job planted in it) is refused, never reused. Every step goes through a directory
     /// fd without following links ([`crate::job_dir`]). What the sandbox writes is owned
-    /// by `host_uid`, the workspace's ([`crate::uid_pool`]).
+    /// by the accepted job's host uid, its workspace's ([`crate::uid_pool`]).
     pub fn prepare(
         cfg: &Config,
         req: &RunJobRequest,
-        host_uid: u32,
+        accepted: AcceptedJob,
     ) -> std::io::Result<PreparedJob> {
         let paths = JobPaths::new(cfg, req);
+        let host_uid = accepted.host_uid;
         make_dirs(&paths, req, host_uid)?;
-        let models = inference_models(cfg, req).ok().flatten();
-        let inference_token = models
+        let inference_token = accepted
+            .checked
+            .models
             .as_ref()
             .map(|_| crate::inference::listener::new_token());
-        let egress_policy = crate::job_egress::policy(cfg, req);
         let spec = sandbox_spec(
             cfg,
             req,
             &paths,
             host_uid,
             inference_token.as_deref(),
-            matches!(egress_policy, Ok(Some(_))),
+            accepted.checked.egress.is_some(),
         );
         Ok(PreparedJob {
             req: req.clone(),
             paths,
             spec,
-            models,
+            accepted,
             inference_token,
-            egress_policy,
             egress: None,
             inference: None,
         })
@@ -387,7 +455,12 @@ impl PreparedJob {
     /// The models the job may use through the node's inference proxy; `None`: no proxy
     /// ([`inference_models`]).
     pub fn inference_models(&self) -> Option<&[String]> {
-        self.models.as_deref()
+        self.accepted.checked.models.as_deref()
+    }
+
+    /// The host uid it runs as, its workspace's.
+    pub fn host_uid(&self) -> u32 {
+        self.accepted.host_uid
     }
 
     /// The bearer token of the job's inference listener (its sandbox's `OPENAI_API_KEY`);
@@ -403,10 +476,10 @@ impl PreparedJob {
         self
     }
 
-    /// The job's egress policy ([`crate::job_egress::policy`]): `Ok(None)` for a job
-    /// without network, `Err` when the node no longer offers what it asks.
-    pub fn egress_policy(&self) -> &Result<Option<Policy>, ValidationError> {
-        &self.egress_policy
+    /// The job's egress policy ([`crate::job_egress::policy`]); `None` for a job without
+    /// network.
+    pub fn egress_policy(&self) -> Option<&Policy> {
+        self.accepted.checked.egress.as_ref()
     }
 
     /// The job's egress proxy, started inside its sandbox before its command runs; its

@@ -65,12 +65,12 @@ pub async fn replay(cfg: &Config, job_id: &str) -> Result<ReplayReport, ReplayEr
     let replay_id = replay_id(job_id);
     let mut req: RunJobRequest = rec.request;
     rewrite_ids(&mut req, &replay_id)?;
-    executor::validate(cfg, &req)?;
+    let checked = executor::check(cfg, &req)?;
     let paths = JobPaths::new(cfg, &req);
     // A host uid of its own (released at the end), shared with no workspace of the node.
     let uids = UidPool::for_node(cfg, store.clone());
     let uid = uids.for_new_workspace(&replay_id).await?;
-    let resp = replay_in(cfg, &req, &paths, uid).await;
+    let resp = replay_in(cfg, &req, &paths, checked, uid).await;
     if let Err(e) = uids.release(&replay_id).await {
         tracing::warn!(error = %e, "cannot release the replay's uid");
     }
@@ -88,6 +88,7 @@ async fn replay_in(
     cfg: &Config,
     req: &RunJobRequest,
     paths: &JobPaths,
+    checked: executor::CheckedJob,
     uid: u32,
 ) -> Result<RunJobResponse, ReplayError> {
     // A fresh workspace of its own: an existing one of that name is refused, like the job
@@ -96,7 +97,7 @@ async fn replay_in(
     let ws_fd = job_dir::create_new_dir(job_dir::open_node_dir(spaces)?.as_fd(), ws)?;
     job_dir::own(&ws_fd, Some(uid), 0o755)?;
     drop(ws_fd);
-    let resp = match PreparedJob::prepare(cfg, req, uid) {
+    let resp = match PreparedJob::prepare(cfg, req, checked.with_uid(uid)) {
         Ok(job) => {
             let backend = crate::backend::from_config(cfg);
             Ok(job.run(backend.as_ref(), &CancellationToken::new()).await)

@@ -21,7 +21,9 @@
 //! directory is gone are released; if none is, the request is refused
 //! ([`UidError::Exhausted`], 503): a uid is never shared.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 
 use crate::store::{Store, StoreError};
 
@@ -63,6 +65,41 @@ pub struct UidPool {
     /// One assignment (and the re-owning it may need) at a time in this process; the
     /// database's unique constraint holds across processes.
     lock: tokio::sync::Mutex<()>,
+    /// The workspaces with a live [`UidLease`] (an accepted job's), and how many: their
+    /// assignments are never reclaimed, even while their directory does not exist yet.
+    pinned: Arc<Mutex<HashMap<String, usize>>>,
+}
+
+/// A workspace's uid held for an accepted job, from [`UidPool::lease`]: while it lives,
+/// the assignment is not reclaimed (a queued job's workspace may not exist yet), so the
+/// uid the job was accepted with is still its workspace's, and no other's, when it runs.
+#[derive(Debug)]
+pub struct UidLease {
+    pinned: Arc<Mutex<HashMap<String, usize>>>,
+    workspace_id: String,
+    uid: u32,
+}
+
+impl UidLease {
+    /// The workspace's host uid.
+    pub fn uid(&self) -> u32 {
+        self.uid
+    }
+}
+
+impl Drop for UidLease {
+    fn drop(&mut self) {
+        let mut pinned = self
+            .pinned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = pinned.get_mut(&self.workspace_id) {
+            *n -= 1;
+            if *n == 0 {
+                pinned.remove(&self.workspace_id);
+            }
+        }
+    }
 }
 
 impl UidPool {
@@ -75,6 +112,7 @@ impl UidPool {
             workspaces,
             baselines,
             lock: tokio::sync::Mutex::new(()),
+            pinned: Arc::default(),
         }
     }
 
@@ -97,6 +135,28 @@ impl UidPool {
     /// missing workspace directory owned by it.
     pub async fn for_workspace(&self, workspace_id: &str) -> Result<u32, UidError> {
         let _held = self.lock.lock().await;
+        self.settled(workspace_id).await
+    }
+
+    /// [`UidPool::for_workspace`], held for an accepted job until the lease is dropped.
+    pub async fn lease(&self, workspace_id: &str) -> Result<UidLease, UidError> {
+        let _held = self.lock.lock().await;
+        let uid = self.settled(workspace_id).await?;
+        *self
+            .pinned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(workspace_id.to_string())
+            .or_default() += 1;
+        Ok(UidLease {
+            pinned: Arc::clone(&self.pinned),
+            workspace_id: workspace_id.to_string(),
+            uid,
+        })
+    }
+
+    /// The workspace's uid, assigned and its directories given to it; under `lock`.
+    async fn settled(&self, workspace_id: &str) -> Result<u32, UidError> {
         let uid = self.assigned(workspace_id).await?;
         let (workspaces, baselines) = (self.workspaces.clone(), self.baselines.clone());
         let ws = workspace_id.to_string();
@@ -150,7 +210,7 @@ impl UidPool {
         {
             return Ok(uid);
         }
-        if self.reclaim().await? > 0 {
+        if self.reclaim(RECLAIM_MIN_AGE).await? > 0 {
             if let Some(uid) = self
                 .store
                 .assign_uid(workspace_id, r.first, r.end())
@@ -173,14 +233,18 @@ impl UidPool {
     }
 
     /// Releases the assignments whose workspace directory is gone (removed by the
-    /// operator) and that are older than [`RECLAIM_MIN_AGE`]; how many.
-    async fn reclaim(&self) -> Result<usize, UidError> {
-        let cutoff = cynode_protocol::time::format_rfc3339(
-            time::OffsetDateTime::now_utc() - RECLAIM_MIN_AGE,
-        );
+    /// operator), that are older than `min_age` and that no [`UidLease`] holds; how many.
+    async fn reclaim(&self, min_age: time::Duration) -> Result<usize, UidError> {
+        let cutoff =
+            cynode_protocol::time::format_rfc3339(time::OffsetDateTime::now_utc() - min_age);
         let mut freed = 0;
         for (ws, uid) in self.store.uid_assignments_before(&cutoff).await? {
-            if std::fs::symlink_metadata(self.workspaces.join(&ws)).is_err() {
+            let leased = self
+                .pinned
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .contains_key(&ws);
+            if !leased && std::fs::symlink_metadata(self.workspaces.join(&ws)).is_err() {
                 self.store.release_uid(&ws).await?;
                 tracing::info!(workspace_id = %ws, uid, "sandbox uid released: its workspace is gone");
                 freed += 1;
@@ -328,6 +392,38 @@ mod tests {
         assert_eq!(again.for_workspace("b").await.unwrap(), b);
         again.release("b").await.unwrap();
         assert_eq!(again.for_workspace("c").await.unwrap(), b);
+    }
+
+    /// An accepted job's workspace keeps its uid while its lease lives, though its
+    /// directory does not exist yet; once the lease is gone the assignment can be
+    /// reclaimed.
+    #[tokio::test]
+    async fn a_leased_workspace_keeps_its_uid_until_the_lease_ends() {
+        if !rustix::process::geteuid().is_root() {
+            return;
+        }
+        let (_t, p) = pool(UidRange::new(4_000_300, 1).unwrap()).await;
+        let lease = p.lease("queued").await.unwrap();
+        let again = p.lease("queued").await.unwrap();
+        assert_eq!(lease.uid(), again.uid());
+        drop(again);
+        let none = time::Duration::ZERO;
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        assert_eq!(
+            p.reclaim(none).await.unwrap(),
+            0,
+            "a leased assignment stays"
+        );
+        assert!(matches!(
+            p.for_workspace("other").await,
+            Err(UidError::Exhausted { .. })
+        ));
+        drop(lease);
+        assert_eq!(
+            p.reclaim(none).await.unwrap(),
+            1,
+            "then it can be reclaimed"
+        );
     }
 
     /// A workspace made before the pool (owned by another uid) is given to its uid,

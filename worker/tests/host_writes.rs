@@ -91,7 +91,10 @@ pub async fn planted_links_in_a_job_directory_are_never_followed(backend: &'stat
         json!([]),
     ))
     .unwrap();
-    let prepared = cynode_worker::executor::PreparedJob::prepare(&cfg, &req, 0x7000_0000);
+    let accepted = cynode_worker::executor::check(&cfg, &req)
+        .expect("a valid request")
+        .with_uid(0x7000_0000);
+    let prepared = cynode_worker::executor::PreparedJob::prepare(&cfg, &req, accepted);
     canary.assert_untouched();
     let e = prepared.expect_err("an existing job directory must be refused");
     assert!(e.to_string().contains("exists"), "{e}");

@@ -8,19 +8,16 @@ use std::sync::Arc;
 
 use cynode_protocol::job::{ExecutionMode, JobSpec};
 use cynode_protocol::worker_api::{
-    AsyncJobState, AsyncJobStatus, RunJobRequest, RunJobResponse, SbaLifecycle, WorkerJobStatus,
-    API_VERSION,
+    AsyncJobState, AsyncJobStatus, RunJobRequest, RunJobResponse, WorkerJobStatus, API_VERSION,
 };
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::servers::JobServers;
 use super::{Node, NodeError};
 use crate::backend::image_labels;
-use crate::callback;
 use crate::executor::response::{self, state_of};
-use crate::executor::{self, JobPaths, PreparedJob};
-use crate::gateway_forward;
-use crate::inference::{self, Proxy};
+use crate::executor::{self, AcceptedJob, JobPaths, PreparedJob};
 use crate::job_grants::{self, Handed};
 use crate::remove_tree::remove_tree_async;
 use crate::store::{request_digest, JobRecord, Mode};
@@ -76,15 +73,15 @@ impl Node {
     ) -> Result<RunJobResponse, NodeError> {
         let mut lap = crate::trace::Lap::start();
         default_image(self, &mut req);
-        let job = executor::validate(&self.cfg, &req)?;
-        agent_image(self, &req, job.as_ref()).await?;
+        let checked = executor::check(&self.cfg, &req)?;
+        agent_image(self, &req, checked.job.as_ref()).await?;
         // The gateway token and inference key are held in memory only: never digested,
         // stored or logged.
         let handed = Handed::take(&mut req);
         let digest = request_digest(&req)?;
         let validate_us = lap.us();
         // The workspace's host uid, before the job is accepted: none free is a 503.
-        self.uids.for_workspace(workspace_of(&req)).await?;
+        let accepted = checked.accept(&self.uids).await?;
         let uid_us = lap.us();
         self.take_slot()?;
         let inserted = self.insert_holding_slot(&req, Mode::Sync).await?;
@@ -104,7 +101,7 @@ impl Node {
             };
         }
         handed.hold(&req.job_id);
-        Ok(self.execute(req).await)
+        Ok(self.execute(req, accepted).await)
     }
 
     /// `POST /jobs`: validate, record, queue. Idempotent on job_id: a repeat returns the
@@ -114,8 +111,8 @@ impl Node {
         mut req: RunJobRequest,
     ) -> Result<(bool, AsyncJobStatus), NodeError> {
         default_image(self, &mut req);
-        let job = executor::validate(&self.cfg, &req)?;
-        agent_image(self, &req, job.as_ref()).await?;
+        let checked = executor::check(&self.cfg, &req)?;
+        agent_image(self, &req, checked.job.as_ref()).await?;
         // The gateway token and inference key are held in memory only: never digested,
         // stored or logged. A repeat of a job still running (a PM resuming with fresh
         // ones) replaces those it holds.
@@ -130,7 +127,7 @@ impl Node {
             }
             return Ok((false, status_of(existing)));
         }
-        self.uids.for_workspace(workspace_of(&req)).await?;
+        let accepted = checked.accept(&self.uids).await?;
         self.take_slot()?;
         if !self.insert_holding_slot(&req, Mode::Async).await? {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -158,7 +155,7 @@ impl Node {
         let span = tracing::info_span!("job", job_id = %req.job_id, task_id = %req.task_id);
         tokio::spawn(
             async move {
-                node.execute(req).await;
+                node.execute(req, accepted).await;
             }
             .instrument(span),
         );
@@ -186,7 +183,11 @@ impl Node {
     }
 
     /// Runs a recorded job to its end; the caller has taken a waiting slot.
-    async fn execute(self: &Arc<Self>, req: RunJobRequest) -> RunJobResponse {
+    async fn execute(
+        self: &Arc<Self>,
+        req: RunJobRequest,
+        accepted: AcceptedJob,
+    ) -> RunJobResponse {
         let cancel = CancellationToken::new();
         if let Ok(mut g) = self.running.lock() {
             g.insert(req.job_id.clone(), cancel.clone());
@@ -195,7 +196,7 @@ impl Node {
         let resp = if cancel.is_cancelled() {
             response::canceled_before_start(&req)
         } else {
-            self.execute_inner(&req, &cancel).await
+            self.execute_inner(&req, accepted, &cancel).await
         };
         drop(permit);
         let mut lap = crate::trace::Lap::start();
@@ -222,120 +223,24 @@ impl Node {
     async fn execute_inner(
         self: &Arc<Self>,
         req: &RunJobRequest,
+        accepted: AcceptedJob,
         cancel: &CancellationToken,
     ) -> RunJobResponse {
         let mut lap = crate::trace::Lap::start();
-        let host_uid = match self.uids.for_workspace(workspace_of(req)).await {
-            Ok(uid) => uid,
-            Err(e) => return response::not_run(req, e.to_string()),
-        };
-        let uid_again_us = lap.us();
-        let job = match PreparedJob::prepare(&self.cfg, req, host_uid) {
+        let job = match PreparedJob::prepare(&self.cfg, req, accepted) {
             Ok(job) => job,
             Err(e) => return response::not_run(req, format!("cannot prepare job directory: {e}")),
         };
         let prepare_us = lap.us();
-        let mount = &job.paths().mount;
-        let mut in_progress = false;
-        let _callbacks = if req.sandbox.job_spec_json.is_some() {
-            let store = self.store.clone();
-            let job_id = req.job_id.clone();
-            let on_status: callback::OnStatus = Arc::new(move |s| {
-                if s == SbaLifecycle::InProgress {
-                    let store = store.clone();
-                    let job_id = job_id.clone();
-                    tokio::spawn(async move {
-                        let _ = store.set_state(&job_id, AsyncJobState::InProgress).await;
-                    });
-                }
-            });
-            match callback::listen(mount, &req.job_id, on_status, &self.job_sockets()) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    tracing::warn!(job_id = %req.job_id, error = %e, "no lifecycle socket; in_progress will not be reported");
-                    None
-                }
-            }
-        } else {
-            // Written while the sandbox starts, below.
-            in_progress = true;
-            None
+        let (job, servers) = match JobServers::start(self, req, job) {
+            Ok(started) => started,
+            Err(why) => return response::not_run(req, why),
         };
-        let mut listener = None;
-        let _proxy = match (
-            job.inference_models(),
-            &self.inference,
-            job.inference_token(),
-        ) {
-            (Some(models), Some(upstream), Some(token)) => {
-                let proxy = Proxy::new(&req.job_id, models.to_vec(), Arc::clone(upstream));
-                listener = Some(inference::listener::JobInference::new(
-                    Arc::clone(&proxy),
-                    token.to_string(),
-                    self.job_sockets(),
-                ));
-                match inference::listen(mount, proxy, &self.job_sockets(), host_uid) {
-                    Ok(s) => Some(s),
-                    Err(e) => {
-                        return response::not_run(
-                            req,
-                            format!("cannot start the inference proxy: {e}"),
-                        )
-                    }
-                }
-            }
-            _ => None,
-        };
-        let _gateway = if job_grants::gateway().has(&req.job_id) {
-            match gateway_forward::listen(
-                mount,
-                &req.job_id,
-                &self.job_sockets(),
-                &self.gateway,
-                host_uid,
-            ) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    return response::not_run(req, format!("cannot start the gateway socket: {e}"))
-                }
-            }
-        } else {
-            None
-        };
-        let egress = match (job.egress_policy(), &self.egress) {
-            (Ok(Some(policy)), Some(node)) => {
-                let e = crate::job_egress::JobEgress::new(
-                    Arc::clone(node),
-                    &req.job_id,
-                    policy.clone(),
-                );
-                Some(if listener.is_some() {
-                    e.with_inference_listener()
-                } else {
-                    e
-                })
-            }
-            (Ok(None), _) => None,
-            (Ok(Some(_)), None) | (Err(_), _) => {
-                return response::not_run(
-                    req,
-                    "the node no longer offers this job's egress (network_policy)",
-                );
-            }
-        };
-        tracing::debug!(job_id = %req.job_id, uid_again_us, prepare_us, servers_us = lap.us(), "phases: start");
-        tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, egress = egress.is_some(), "job started");
-        let job = match egress {
-            Some(e) => job.with_egress(e),
-            None => job,
-        };
-        let job = match listener {
-            Some(l) => job.with_inference(l),
-            None => job,
-        };
+        tracing::debug!(job_id = %req.job_id, prepare_us, servers_us = lap.us(), "phases: start");
+        tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, egress = job.egress_policy().is_some(), "job started");
         // `in_progress` is written while the sandbox starts (no early return after this
         // point) and awaited before the job's answer, so the final state comes after it.
-        let in_progress = in_progress.then(|| {
+        let in_progress = servers.in_progress_now().then(|| {
             let store = self.store.clone();
             let job_id = req.job_id.clone();
             tokio::spawn(async move {
@@ -346,6 +251,7 @@ impl Node {
         if let Some(w) = in_progress {
             let _ = w.await;
         }
+        drop(servers);
         resp
     }
 
@@ -381,11 +287,6 @@ impl Node {
         self.store.delete(job_id).await?;
         Ok(())
     }
-}
-
-/// The workspace a job runs over: its `workspace_id`, else its task's.
-fn workspace_of(req: &RunJobRequest) -> &str {
-    req.workspace_id.as_deref().unwrap_or(&req.task_id)
 }
 
 /// A job_id reused for another request: idempotency is keyed on the request.

@@ -11,6 +11,7 @@
 mod jobs;
 mod reconcile;
 mod retained;
+mod servers;
 #[cfg(test)]
 mod tests;
 
