@@ -157,13 +157,15 @@ deny contains {"rule": "command_not_in_job_allowlist", "message": msg} if {
 # arguments, formatted only when a path is denied.
 # ---------------------------------------------------------------------------
 
+# BEGIN generated from protocol/src/job/step_defs.rs (CYNODE_REGENERATE_POLICY=1)
 path_fields := {
 	"write_file": "path",
 	"read_file": "path",
+	"run_command": "working_dir",
 	"list_tree": "path",
 	"search_files": "path",
-	"run_command": "working_dir",
 }
+# END generated
 
 checked_paths contains {"where": ["step %v: %s", [step.id, field]], "path": p} if {
 	some step in steps

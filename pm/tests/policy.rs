@@ -1469,3 +1469,56 @@ async fn a_remote_policy_that_errors_at_evaluation_denies() {
         );
     }
 }
+
+/// The policy's `path_fields` block is the one generated from the step definitions
+/// (`cynode_protocol::job::step_defs`); `CYNODE_REGENERATE_POLICY=1` rewrites it.
+#[test]
+fn the_policys_path_fields_are_generated_from_the_step_definitions() {
+    let path = policies_dir().join("cynode.rego");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let (begin, end) = ("# BEGIN generated", "# END generated");
+    let start = text.find(begin).expect("the generated block's start");
+    let body_at = start + text[start..].find('\n').unwrap() + 1;
+    let stop = text.find(end).expect("the generated block's end");
+    let want = cynode_protocol::job::step_defs::rego_path_fields();
+    if text[body_at..stop] != want {
+        if std::env::var_os("CYNODE_REGENERATE_POLICY").is_some() {
+            let new = format!("{}{want}{}", &text[..body_at], &text[stop..]);
+            std::fs::write(&path, new).unwrap();
+            return;
+        }
+        panic!(
+            "policies/cynode.rego's path_fields differ from the step definitions; \
+             regenerate with CYNODE_REGENERATE_POLICY=1:\n{want}"
+        );
+    }
+}
+
+/// Every step type with a path argument has it checked by the policy: a `..` there is
+/// denied, whichever type it is (a type missing from `path_fields` would pass).
+#[test]
+fn every_step_types_path_argument_is_checked() {
+    for d in cynode_protocol::job::STEP_DEFS.iter() {
+        let Some(field) = d.path_field else { continue };
+        let mut arguments = serde_json::Map::new();
+        for a in d.agent_args.iter().filter(|a| a.required) {
+            let value = match a.kind {
+                cynode_protocol::job::ArgKind::Text => json!("x"),
+                cynode_protocol::job::ArgKind::TextList => json!([]),
+                cynode_protocol::job::ArgKind::Count => json!(1),
+            };
+            arguments.insert(a.name.to_string(), value);
+        }
+        if d.ty == cynode_protocol::job::StepType::RunCommand {
+            arguments.insert("command".into(), json!("go"));
+        }
+        arguments.insert(field.to_string(), json!("../escape"));
+        let job = job_with(json!([{"id": "s", "type": d.ty.as_str(), "arguments": arguments}]));
+        let deny = denials(job);
+        assert!(
+            deny.iter().any(|v| v.message.contains("../escape")),
+            "{}.{field} = ../escape passed: {deny:?}",
+            d.ty.as_str()
+        );
+    }
+}

@@ -18,8 +18,11 @@ use serde::{Deserialize, Serialize};
 use crate::error::{parse_strict, ValidationError, ValidationErrors};
 use crate::version;
 
+pub mod step_defs;
 mod to_upstream;
 pub mod upstream_form;
+
+pub use step_defs::{AgentArg, ArgKind, StepDef, STEP_DEFS};
 
 /// Where the sandbox mounts the workspace; absolute step paths must lie under it.
 pub const WORKSPACE_ROOT: &str = "/workspace";

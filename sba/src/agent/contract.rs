@@ -10,7 +10,7 @@
 //! `todo` (`add`, `start`, `complete`, `reorder`), or `finish` (`status`, `final_answer`). The schema names the arguments a model needs;
 //! the parser also accepts the rest of a step's job.json arguments (`env`, `mode`…).
 
-use cynode_protocol::job::{StepAction, StepType};
+use cynode_protocol::job::{ArgKind, StepAction, StepType, STEP_DEFS};
 use cynode_protocol::{ValidationError, ValidationErrors};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -115,7 +115,7 @@ pub enum ReplyError {
     ToolName(String),
     #[error("action.arguments.arguments: must be an object")]
     ToolArguments,
-    #[error("action.type: unknown action `{0}`; expected one of {list}", list = ACTION_TYPES.join(", "))]
+    #[error("action.type: unknown action `{0}`; expected one of {list}", list = action_types().join(", "))]
     UnknownAction(String),
     #[error("action.{}: {}", .0.path, .0.message)]
     Step(ValidationError),
@@ -193,70 +193,52 @@ fn strip_fences(s: &str) -> &str {
     rest.strip_suffix("```").unwrap_or(rest).trim()
 }
 
-/// Every action type, in the order the prompt lists them.
-pub const ACTION_TYPES: [&str; 9] = [
-    "write_file",
-    "read_file",
-    "run_command",
-    "list_tree",
-    "search_files",
-    "apply_unified_diff",
-    "tool_call",
-    "todo",
-    "finish",
-];
+/// The agent's own actions, after the step types ([`STEP_DEFS`]) in the prompt's order.
+const OWN_ACTIONS: [&str; 3] = ["tool_call", "todo", "finish"];
 
-fn variant(ty: &str, properties: Value, required: &[&str]) -> Value {
+/// Every action type, in the order the prompt lists them: the step types, then the
+/// agent's own.
+pub fn action_types() -> Vec<&'static str> {
+    StepType::all()
+        .map(StepType::as_str)
+        .chain(OWN_ACTIONS)
+        .collect()
+}
+
+/// One action's variant of the reply schema, its `arguments` described by `arguments`.
+fn variant_of(ty: &str, arguments: Value) -> Value {
     json!({
         "type": "object",
         "properties": {
             "type": { "const": ty },
-            "arguments": {
-                "type": "object",
-                "properties": properties,
-                "required": required,
-                "additionalProperties": false
-            }
+            "arguments": arguments
         },
         "required": ["type", "arguments"],
         "additionalProperties": false
     })
 }
 
+fn variant(ty: &str, properties: Value, required: &[&str]) -> Value {
+    variant_of(
+        ty,
+        json!({
+            "type": "object",
+            "properties": properties,
+            "required": required,
+            "additionalProperties": false
+        }),
+    )
+}
+
 /// The JSON Schema of a reply; `tool_call` is offered only when `tools` (the job's
 /// `context.mcp_tools`) is not empty, with `name` one of them.
 pub fn schema(tools: &[String]) -> Value {
-    let s = json!({ "type": "string" });
-    let strings = json!({ "type": "array", "items": { "type": "string" } });
-    let count = json!({ "type": "integer", "minimum": 1 });
-    let mut variants = vec![
-        variant(
-            "write_file",
-            json!({ "path": s, "content": s }),
-            &["path", "content"],
-        ),
-        variant(
-            "read_file",
-            json!({ "path": s, "max_bytes": count }),
-            &["path"],
-        ),
-        variant(
-            "run_command",
-            json!({ "command": s, "args": strings, "working_dir": s, "stdin": s, "timeout_seconds": count }),
-            &["command", "args"],
-        ),
-        variant(
-            "list_tree",
-            json!({ "path": s, "max_depth": count }),
-            &["path"],
-        ),
-        variant(
-            "search_files",
-            json!({ "pattern": s, "path": s, "include": s }),
-            &["pattern"],
-        ),
-        variant("apply_unified_diff", json!({ "diff": s }), &["diff"]),
-    ];
+    let s = ArgKind::Text.schema();
+    let strings = ArgKind::TextList.schema();
+    let mut variants: Vec<Value> = STEP_DEFS
+        .iter()
+        .map(|d| variant_of(d.ty.as_str(), d.agent_schema()))
+        .collect();
     if !tools.is_empty() {
         variants.push(variant(
             "tool_call",
@@ -383,13 +365,55 @@ mod tests {
     fn schema_lists_every_action_type() {
         let tools = vec!["skills.get".to_string()];
         let s = schema(&tools);
-        assert_eq!(types(&s), ACTION_TYPES);
+        assert_eq!(types(&s), action_types());
         let tool = &s["properties"]["action"]["anyOf"][6]["properties"]["arguments"];
         assert_eq!(tool["properties"]["name"]["enum"], json!(["skills.get"]));
         // A job listing no tools is not offered the action.
         let none = schema(&[]);
         assert!(!types(&none).contains(&"tool_call"));
-        assert_eq!(types(&none).len(), ACTION_TYPES.len() - 1);
+        assert_eq!(types(&none).len(), action_types().len() - 1);
+    }
+
+    /// The step variants generated from the protocol's definitions are, byte for byte,
+    /// the schema models are sent (what grammar-constrained decoding compiles).
+    #[test]
+    fn step_variants_are_generated_from_the_definitions_unchanged() {
+        let s = json!({ "type": "string" });
+        let strings = json!({ "type": "array", "items": { "type": "string" } });
+        let count = json!({ "type": "integer", "minimum": 1 });
+        let want = [
+            variant(
+                "write_file",
+                json!({ "path": s, "content": s }),
+                &["path", "content"],
+            ),
+            variant(
+                "read_file",
+                json!({ "path": s, "max_bytes": count }),
+                &["path"],
+            ),
+            variant(
+                "run_command",
+                json!({ "command": s, "args": strings, "working_dir": s, "stdin": s, "timeout_seconds": count }),
+                &["command", "args"],
+            ),
+            variant(
+                "list_tree",
+                json!({ "path": s, "max_depth": count }),
+                &["path"],
+            ),
+            variant(
+                "search_files",
+                json!({ "pattern": s, "path": s, "include": s }),
+                &["pattern"],
+            ),
+            variant("apply_unified_diff", json!({ "diff": s }), &["diff"]),
+        ];
+        let got = schema(&[]);
+        assert_eq!(
+            got["properties"]["action"]["anyOf"].as_array().unwrap()[..6],
+            want
+        );
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! each headed, then the limits and the todo list), and one observation per action, each cut
 //! to a fixed size.
 
-use cynode_protocol::job::JobSpec;
+use cynode_protocol::job::{JobSpec, STEP_DEFS};
 use cynode_protocol::result::{StepOutput, StepRecord, StepStatus};
 
 use super::text::cut;
@@ -16,6 +16,10 @@ pub const MAX_OBSERVATION_BYTES: usize = 4 * 1024;
 /// The system prompt; the `tool_call` action is described only when the job lists
 /// gateway tools (`tools`, from `context.mcp_tools`).
 pub fn system(workspace: &str, tools: &[String]) -> String {
+    let step_lines: String = STEP_DEFS
+        .iter()
+        .map(|d| format!("- {}\n", d.prompt_line()))
+        .collect();
     let tool_lines = if tools.is_empty() {
         String::new()
     } else {
@@ -32,12 +36,7 @@ task's gateway; only these tools:\n"
 the actions below; each reply is exactly one JSON object:\n\
 {{\"thought\": \"<one short sentence>\", \"action\": {{\"type\": \"<action>\", \"arguments\": {{...}}}}}}\n\n\
 Actions:\n\
-- write_file {{\"path\": \"<file>\", \"content\": \"<text>\"}}: create a file.\n\
-- read_file {{\"path\": \"<file>\"}}: read a file.\n\
-- run_command {{\"command\": \"<program>\", \"args\": [\"<arg>\"]}}: run a program directly (no shell).\n\
-- list_tree {{\"path\": \"<dir>\"}}: list files.\n\
-- search_files {{\"pattern\": \"<regex>\", \"path\": \"<dir>\"}}: search text in files.\n\
-- apply_unified_diff {{\"diff\": \"<unified diff>\"}}: change files.\n\
+{step_lines}\
 {tool_lines}\
 - todo {{\"add\": [\"<new item>\"], \"start\": [\"<id>\"], \"complete\": [\"<id>\"], \"reorder\": [\"<id>\"]}}: update your todo list.\n\
 - finish {{\"status\": \"success\", \"final_answer\": \"<what was done>\"}}: end the job; status \"failure\" if the goal cannot be met.\n\n\
@@ -210,6 +209,20 @@ pub fn footer(remaining_secs: u64, turns_left: u32) -> String {
 
 #[cfg(test)]
 mod tests {
+    /// The step lines generated from the protocol's definitions are the ones models read.
+    #[test]
+    fn the_step_lines_are_generated_unchanged() {
+        let want = "Actions:\n\
+- write_file {\"path\": \"<file>\", \"content\": \"<text>\"}: create a file.\n\
+- read_file {\"path\": \"<file>\"}: read a file.\n\
+- run_command {\"command\": \"<program>\", \"args\": [\"<arg>\"]}: run a program directly (no shell).\n\
+- list_tree {\"path\": \"<dir>\"}: list files.\n\
+- search_files {\"pattern\": \"<regex>\", \"path\": \"<dir>\"}: search text in files.\n\
+- apply_unified_diff {\"diff\": \"<unified diff>\"}: change files.\n\
+- todo";
+        assert!(super::system("/workspace", &[]).contains(want));
+    }
+
     use super::*;
 
     #[test]
