@@ -180,6 +180,7 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
                 "trace",
                 "egress",
                 "job_dir",
+                "fd_walk",
                 "remove_tree",
                 "disk_usage",
                 "loopfs",
@@ -523,7 +524,7 @@ fn the_crates_both_binaries_share_are_the_listed_ones() {
 }
 
 /// ARCHITECTURE.md (`config/`, the worker's layers): `config` imports nothing of the node
-/// but `image_ref` and `egress`, and `sandbox` nothing but `config`.
+/// but `image_ref` and `egress`, and `sandbox` nothing but `config` and `fd_walk`.
 #[test]
 fn worker_config_and_sandbox_import_only_their_leaves() {
     let src = workspace_root().join("worker/src");
@@ -543,7 +544,7 @@ fn worker_config_and_sandbox_import_only_their_leaves() {
     assert_eq!(imports_of(config, "config"), ["egress", "image_ref"]);
     assert_eq!(
         imports_of(vec![src.join("sandbox.rs")], "sandbox"),
-        ["config"]
+        ["config", "fd_walk"]
     );
 }
 

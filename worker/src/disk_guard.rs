@@ -221,14 +221,7 @@ impl DiskGuard {
 /// no recursion happens, so a tree of any depth cannot overflow the stack.
 pub fn purge(dir: &std::path::Path) -> std::io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
-    let fd = match rustix::fs::open(
-        dir,
-        rustix::fs::OFlags::RDONLY
-            | rustix::fs::OFlags::DIRECTORY
-            | rustix::fs::OFlags::NOFOLLOW
-            | rustix::fs::OFlags::CLOEXEC,
-        rustix::fs::Mode::empty(),
-    ) {
+    let fd = match crate::fd_walk::open_node_dir(dir) {
         Ok(fd) => fd,
         Err(rustix::io::Errno::NOENT) => return Ok(()),
         Err(e) => return Err(e.into()),

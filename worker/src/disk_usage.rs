@@ -1,20 +1,22 @@
 //! Measuring a tree a sandbox is writing (the disk guard's walk): the blocks allocated and
 //! the entries beneath a directory fd, however deep the tree, without following a link.
 //!
-//! The walk goes down with `openat(O_DIRECTORY | O_NOFOLLOW)` one name at a time and back
-//! up with `openat("..")`, checking that the parent reached is the directory it came from
-//! (device and inode recorded on the way down), as `remove_tree` does: no path longer than
-//! one name is ever formed, so a tree past PATH_MAX is measured, not refused, with two fds
-//! open at most. A directory moved under the walk (so that `..` is another directory) stops
-//! it with [`Unmeasured::Moved`]; the guard counts that as a breach (fail closed).
+//! The walk is the node's one beneath-safe walk ([`crate::fd_walk`]): down one name at a
+//! time without following a link, back up through `..` checked against the directory it
+//! came from. No path longer than one name is ever formed, so a tree past PATH_MAX is
+//! measured, not refused, with two fds open at most. A directory moved under the walk (so
+//! that `..` is another directory) stops it with [`Unmeasured::Moved`]; the guard counts
+//! that as a breach (fail closed).
 
-use std::ffi::{OsStr, OsString};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ffi::OsString;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStringExt;
 use std::time::Instant;
 
-use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags};
+use rustix::fs::{self as rfs, AtFlags, FileType};
 use rustix::io::Errno;
+
+use crate::fd_walk::WalkError;
 
 /// What one measurement may meet before it stops.
 #[derive(Debug, Clone, Copy)]
@@ -44,22 +46,6 @@ pub enum Unmeasured {
 pub struct Usage {
     pub entries: u64,
     pub bytes: u64,
-}
-
-struct Level {
-    dev: u64,
-    ino: u64,
-    /// Subdirectories listed here and not yet measured.
-    pending: Vec<OsString>,
-}
-
-fn open_dir_at(dir: BorrowedFd<'_>, name: &OsStr) -> Result<OwnedFd, Errno> {
-    rfs::openat(
-        dir,
-        name,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
 }
 
 /// Adds `usage` to `total` under `b`, or says which bound it crossed.
@@ -106,54 +92,22 @@ fn scan(dir: BorrowedFd<'_>, total: &mut Usage, b: &Bounds) -> Result<Vec<OsStri
 /// Measures everything beneath `top` (a directory fd; `top` itself not counted).
 pub fn measure(top: OwnedFd, b: Bounds) -> Result<Usage, Unmeasured> {
     let mut total = Usage::default();
-    let st = rfs::fstat(&top).map_err(Unmeasured::Io)?;
-    let pending = scan(top.as_fd(), &mut total, &b)?;
-    let mut chain = vec![Level {
-        dev: st.st_dev,
-        ino: st.st_ino,
-        pending,
-    }];
-    let mut cur = top;
-    loop {
-        let Some(level) = chain.last_mut() else {
-            return Ok(total);
-        };
-        if let Some(child) = level.pending.pop() {
-            match open_dir_at(cur.as_fd(), &child) {
-                Ok(fd) => {
-                    let st = rfs::fstat(&fd).map_err(Unmeasured::Io)?;
-                    let pending = scan(fd.as_fd(), &mut total, &b)?;
-                    chain.push(Level {
-                        dev: st.st_dev,
-                        ino: st.st_ino,
-                        pending,
-                    });
-                    cur = fd;
-                }
-                // Removed, or swapped for a link or a file since it was listed: never
-                // followed, and what it became was counted when it was listed.
-                Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR) => {}
-                Err(e) => return Err(Unmeasured::Io(e)),
-            }
-            continue;
-        }
-        chain.pop();
-        let Some(up_level) = chain.last() else {
-            return Ok(total);
-        };
-        let up = open_dir_at(cur.as_fd(), OsStr::new("..")).map_err(Unmeasured::Io)?;
-        let st = rfs::fstat(&up).map_err(Unmeasured::Io)?;
-        if (st.st_dev, st.st_ino) != (up_level.dev, up_level.ino) {
-            return Err(Unmeasured::Moved);
-        }
-        cur = up;
-    }
+    crate::fd_walk::walk(top, |dir| scan(dir, &mut total, &b)).map_err(|e| match e {
+        WalkError::Scan(e) => e,
+        WalkError::Io(e) => Unmeasured::Io(e),
+        WalkError::Moved => Unmeasured::Moved,
+    })?;
+    Ok(total)
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::fd_walk::open_dir_at;
+    use rustix::fs::{Mode, OFlags};
+    use std::ffi::OsStr;
+    use std::os::fd::AsFd;
     use std::time::Duration;
 
     fn bounds() -> Bounds {

@@ -26,12 +26,7 @@ fn named(name: &OsStr, what: &str, e: Errno) -> std::io::Error {
 /// Opens the node's own directory `path` (created by the node; links in its parents are
 /// the operator's), refusing a link at its last component.
 pub fn open_node_dir(path: &Path) -> std::io::Result<OwnedFd> {
-    rfs::open(
-        path,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| named(path.as_os_str(), "cannot open", e))
+    crate::fd_walk::open_node_dir(path).map_err(|e| named(path.as_os_str(), "cannot open", e))
 }
 
 /// The parent directory and last component of the node's path `path`.
@@ -46,13 +41,7 @@ pub fn split(path: &Path) -> std::io::Result<(&Path, &OsStr)> {
 }
 
 fn open_dir_at(dir: BorrowedFd<'_>, name: &OsStr) -> std::io::Result<OwnedFd> {
-    rfs::openat(
-        dir,
-        name,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| match e {
+    crate::fd_walk::open_dir_at(dir, name).map_err(|e| match e {
         Errno::LOOP | Errno::NOTDIR => {
             named(name, "is a link or not a directory; never followed", e)
         }

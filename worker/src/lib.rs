@@ -29,6 +29,7 @@ pub mod disk_limit;
 pub mod disk_usage;
 pub mod egress;
 pub mod executor;
+pub mod fd_walk;
 pub mod gateway_forward;
 pub mod http;
 pub mod image_ref;

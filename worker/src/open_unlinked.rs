@@ -45,12 +45,7 @@ pub enum ScanError {
 }
 
 fn open_dir(dir: BorrowedFd<'_>, name: &str) -> Result<OwnedFd, Errno> {
-    rfs::openat(
-        dir,
-        name,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
+    crate::fd_walk::open_dir_at(dir, std::ffi::OsStr::new(name))
 }
 
 /// The real and effective uids in `/proc/<pid>/status`.

@@ -11,7 +11,7 @@
 //! still to visit; everything else is unlinked as soon as it is listed.
 
 use std::ffi::{OsStr, OsString};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::ffi::OsStringExt;
 use std::path::Path;
 
@@ -96,18 +96,10 @@ struct Level {
     emptied: bool,
 }
 
-fn open_dir_at(dir: BorrowedFd<'_>, name: &OsStr) -> Result<OwnedFd, Errno> {
-    rfs::openat(
-        dir,
-        name,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-}
+use crate::fd_walk::open_dir_at;
 
 fn dev_ino(fd: BorrowedFd<'_>, name: &OsStr) -> Result<(u64, u64), RemoveError> {
-    let st = rfs::fstat(fd).map_err(|e| err(name, e))?;
-    Ok((st.st_dev, st.st_ino))
+    crate::fd_walk::dev_ino(fd).map_err(|e| err(name, e))
 }
 
 /// Removes `name` in `parent` (a directory fd), not following links.
@@ -176,12 +168,13 @@ pub fn remove_beneath(parent: BorrowedFd<'_>, name: &OsStr) -> Result<(), Remove
         let Some(up_level) = chain.last() else {
             return unlink(parent, &done.name, AtFlags::REMOVEDIR);
         };
-        let up = open_dir_at(cur.as_fd(), OsStr::new("..")).map_err(|e| err(&done.name, e))?;
-        if dev_ino(up.as_fd(), &up_level.name)? != (up_level.dev, up_level.ino) {
+        let Some(up) = crate::fd_walk::parent_checked(cur.as_fd(), (up_level.dev, up_level.ino))
+            .map_err(|e| err(&done.name, e))?
+        else {
             return Err(RemoveError::Moved(
                 Path::new(&done.name).display().to_string(),
             ));
-        }
+        };
         unlink(up.as_fd(), &done.name, AtFlags::REMOVEDIR)?;
         cur = up;
     }

@@ -2,19 +2,20 @@
 //! pool assigned it, see [`crate::uid_pool`]), without following a link and without
 //! recursion, however deep the tree.
 //!
-//! The walk is the one of [`crate::disk_usage`] and [`crate::remove_tree`]: down with
-//! `openat(O_DIRECTORY | O_NOFOLLOW)` one name at a time, back up with `openat("..")`
-//! checked against the device and inode recorded on the way down, two directory fds open at
-//! most. Every entry owned by `from` is given to `to` (uid and gid) with `fchownat(…,
+//! The walk is the node's one beneath-safe walk ([`crate::fd_walk`]): down one name at a
+//! time without following a link, back up through `..` checked against the device and
+//! inode recorded on the way down, two directory fds open at most. Every entry owned by `from` is given to `to` (uid and gid) with `fchownat(…,
 //! AT_SYMLINK_NOFOLLOW)` on its parent's fd, so a link is re-owned itself, never its
 //! target; an entry owned by anyone else (root, another uid) is left as it is.
 
-use std::ffi::{OsStr, OsString};
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ffi::OsString;
+use std::os::fd::{BorrowedFd, OwnedFd};
 use std::os::unix::ffi::OsStringExt;
 
-use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags};
+use rustix::fs::{self as rfs, AtFlags, FileType};
 use rustix::io::Errno;
+
+use crate::fd_walk::WalkError;
 
 /// Why a tree was not (completely) re-owned.
 #[derive(Debug, thiserror::Error)]
@@ -25,21 +26,6 @@ pub enum ReownError {
     TooManyEntries(u64),
     #[error("a directory was moved during the walk")]
     Moved,
-}
-
-struct Level {
-    dev: u64,
-    ino: u64,
-    pending: Vec<OsString>,
-}
-
-fn open_dir_at(dir: BorrowedFd<'_>, name: &OsStr) -> Result<OwnedFd, Errno> {
-    rfs::openat(
-        dir,
-        name,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
 }
 
 fn ids(id: u32) -> (rfs::Uid, rfs::Gid) {
@@ -94,52 +80,23 @@ pub fn reown(top: OwnedFd, from: u32, to: u32, max_entries: u64) -> Result<(), R
         rfs::fchown(&top, Some(uid), Some(gid))?;
     }
     let mut seen = 0u64;
-    let pending = scan(top.as_fd(), from, to, &mut seen, max_entries)?;
-    let mut chain = vec![Level {
-        dev: st.st_dev,
-        ino: st.st_ino,
-        pending,
-    }];
-    let mut cur = top;
-    loop {
-        let Some(level) = chain.last_mut() else {
-            return Ok(());
-        };
-        if let Some(child) = level.pending.pop() {
-            match open_dir_at(cur.as_fd(), &child) {
-                Ok(fd) => {
-                    let st = rfs::fstat(&fd)?;
-                    let pending = scan(fd.as_fd(), from, to, &mut seen, max_entries)?;
-                    chain.push(Level {
-                        dev: st.st_dev,
-                        ino: st.st_ino,
-                        pending,
-                    });
-                    cur = fd;
-                }
-                // Gone, or no longer a directory: nothing beneath it to re-own.
-                Err(Errno::NOENT | Errno::LOOP | Errno::NOTDIR) => {}
-                Err(e) => return Err(e.into()),
-            }
-            continue;
-        }
-        chain.pop();
-        let Some(up_level) = chain.last() else {
-            return Ok(());
-        };
-        let up = open_dir_at(cur.as_fd(), OsStr::new(".."))?;
-        let st = rfs::fstat(&up)?;
-        if (st.st_dev, st.st_ino) != (up_level.dev, up_level.ino) {
-            return Err(ReownError::Moved);
-        }
-        cur = up;
-    }
+    crate::fd_walk::walk(top, |dir| scan(dir, from, to, &mut seen, max_entries)).map_err(
+        |e| match e {
+            WalkError::Scan(e) => e,
+            WalkError::Io(e) => ReownError::Io(e),
+            WalkError::Moved => ReownError::Moved,
+        },
+    )
 }
 
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used, clippy::expect_used)]
     use super::*;
+    use crate::fd_walk::open_dir_at;
+    use rustix::fs::{Mode, OFlags};
+    use std::ffi::OsStr;
+    use std::os::fd::AsFd;
     use std::os::unix::fs::{lchown, symlink, MetadataExt};
 
     fn open(p: &std::path::Path) -> OwnedFd {

@@ -122,11 +122,7 @@ pub fn bind_job_socket(
 ) -> std::io::Result<(PathBuf, tokio::net::UnixListener)> {
     use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags};
     use std::os::fd::AsRawFd;
-    let dir_fd = rfs::open(
-        dir,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
+    let dir_fd = crate::fd_walk::open_node_dir(dir)?;
     match rfs::unlinkat(&dir_fd, name, AtFlags::empty()) {
         Ok(()) | Err(rustix::io::Errno::NOENT) => {}
         Err(e) => return Err(e.into()),

@@ -69,11 +69,7 @@ pub fn kind_name(t: FileType) -> &'static str {
 /// Opens a directory the node itself created (its path is the node's, not the sandbox's),
 /// refusing a link at its last component.
 pub fn open_dir(path: &Path) -> std::io::Result<OwnedFd> {
-    Ok(rustix::fs::open(
-        path,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?)
+    Ok(crate::fd_walk::open_node_dir(path)?)
 }
 
 fn resolve() -> ResolveFlags {

@@ -262,14 +262,9 @@ fn settle(workspaces: &Path, baselines: &Path, ws: &str, uid: u32) -> Result<(),
         let Ok(parent) = crate::job_dir::open_node_dir(parent) else {
             continue;
         };
-        match rustix::fs::openat(
-            &parent,
-            ws,
-            rustix::fs::OFlags::RDONLY
-                | rustix::fs::OFlags::DIRECTORY
-                | rustix::fs::OFlags::NOFOLLOW
-                | rustix::fs::OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
+        match crate::fd_walk::open_dir_at(
+            std::os::fd::AsFd::as_fd(&parent),
+            std::ffi::OsStr::new(ws),
         ) {
             Ok(dir) => reown_to(dir, uid).map_err(|e| format!("{what}: {e}"))?,
             Err(rustix::io::Errno::NOENT) => {}

@@ -282,7 +282,9 @@ pub async fn exec_timeout_kills_the_command_and_the_session_lives_on(backend: &'
     let took = t.elapsed();
     eprintln!("{backend}: timed-out exec returned after {took:?}");
     assert_eq!(code, 200, "{v}");
-    assert!(took < Duration::from_secs(6), "{took:?}");
+    // The sleep is of a marker's length (days): an answer within half a minute is the
+    // kill, not the command's end (gVisor's kill under a loaded machine took 6.1 s once).
+    assert!(took < Duration::from_secs(30), "{took:?}");
     assert_eq!(
         (
             v["status"].clone(),

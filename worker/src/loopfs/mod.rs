@@ -393,13 +393,7 @@ impl Volumes {
             return Err(e.into());
         }
         drop(r.mnt);
-        rfs::openat(
-            parent,
-            name,
-            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-            Mode::empty(),
-        )
-        .map_err(Into::into)
+        crate::fd_walk::open_dir_at(parent, name).map_err(Into::into)
     }
 
     /// What a previous run left: pool images (their mounts died with it) and images
@@ -462,11 +456,7 @@ impl Volumes {
         let moved = image::mount_again(image, device)
             .map_err(std::io::Error::other)
             .and_then(|mnt| {
-                let p = rfs::open(
-                    parent,
-                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                    Mode::empty(),
-                )?;
+                let p = crate::fd_walk::open_node_dir(parent)?;
                 rmount::move_mount(
                     mnt.as_fd(),
                     "",
@@ -695,12 +685,7 @@ pub fn new_volume_dir(
         Ok(fd) => fd,
         Err(e) => {
             tracing::warn!(volume = label, error = %e, "no disk volume: the disk poller holds the limit");
-            rfs::openat(
-                parent,
-                name,
-                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::empty(),
-            )?
+            crate::fd_walk::open_dir_at(parent, name)?
         }
     };
     let id = Some(rfs::Uid::from_raw(owner));

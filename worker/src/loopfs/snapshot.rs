@@ -108,11 +108,7 @@ pub fn snapshot_volume<T, E>(
 ) -> Result<Result<(Copied, T), E>, SnapshotError> {
     let image =
         volume_image(dir).ok_or_else(|| SnapshotError::NotAVolume(dir.display().to_string()))?;
-    let root = rfs::open(
-        dir,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
+    let root = crate::fd_walk::open_node_dir(dir)?;
     let src = File::from(rfs::open(
         &image,
         OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
@@ -156,11 +152,7 @@ pub fn volume_from(
         OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
         Mode::empty(),
     )?);
-    let vol_dir = rfs::open(
-        &v.dir,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )?;
+    let vol_dir = crate::fd_walk::open_node_dir(&v.dir)?;
     let img_name = format!("{label}.img");
     let dst = create_new(vol_dir.as_fd(), OsStr::new(&img_name)).map_err(|e| match e {
         SnapshotError::Io(io) if io.kind() == std::io::ErrorKind::AlreadyExists => {

@@ -34,7 +34,7 @@ use cynode_protocol::worker_session_state::{
     WORKSPACE_UNHASHABLE,
 };
 use cynode_protocol::ValidationError;
-use rustix::fs::{self as rfs, Mode, OFlags};
+use rustix::fs::{self as rfs, Mode};
 
 use super::state::Phase;
 use super::suspend::store_err;
@@ -291,12 +291,8 @@ impl Sessions {
             // job or session making the same workspace sees the fork's volume whole or
             // not at all.
             let _creating = crate::workspace::creation_lock(&parent.join(&ws));
-            let parent_fd = rfs::open(
-                &parent,
-                OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-                Mode::empty(),
-            )
-            .map_err(|e| SessionError::Internal(format!("cannot open the workspaces: {e}")))?;
+            let parent_fd = crate::fd_walk::open_node_dir(&parent)
+                .map_err(|e| SessionError::Internal(format!("cannot open the workspaces: {e}")))?;
             let label = crate::loopfs::workspace_label(OsStr::new(&ws));
             volume_from(&image, parent_fd.as_fd(), OsStr::new(&ws), &label, max).map_err(
                 |e| match e {
@@ -328,10 +324,6 @@ fn snapshots_dir(dir: &std::path::Path) -> Result<std::os::fd::OwnedFd, SessionE
             )))
         }
     }
-    rfs::open(
-        dir,
-        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| SessionError::Internal(format!("cannot open {}: {e}", dir.display())))
+    crate::fd_walk::open_node_dir(dir)
+        .map_err(|e| SessionError::Internal(format!("cannot open {}: {e}", dir.display())))
 }

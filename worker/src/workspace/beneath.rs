@@ -24,12 +24,7 @@ fn io(e: Errno) -> std::io::Error {
 
 /// Opens the directory at `path` (its last component must not be a link).
 pub fn open_root(path: &Path) -> std::io::Result<OwnedFd> {
-    rfs::open(
-        path,
-        OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::RDONLY | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(io)
+    crate::fd_walk::open_node_dir(path).map_err(io)
 }
 
 /// Opens the directory `rel` beneath `root` without passing any link.
