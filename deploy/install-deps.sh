@@ -9,7 +9,8 @@
 #      model server scripts), patch, debootstrap, uidmap, slirp4netns, fuse-overlayfs,
 #      hyperfine, docker.io (a real Docker engine; it brings containerd and tini, whose
 #      docker-init session containers use), runsc (gVisor), jq (step 3's merge) and
-#      e2fsprogs (mke2fs, for the kernel-enforced disk volumes), python3-pip, and the
+#      e2fsprogs (mke2fs, for the kernel-enforced disk volumes), xfsprogs (an XFS with
+#      reflink, where the snapshot test sees copy-on-write forks), python3-pip, and the
 #      toolchains of the dependency-fetch tests (deploy/sba/build-toolchain-test-image.sh):
 #      nodejs with npm, golang-go (Go 1.19: 81 MB to download, 464 MB installed) and
 #      cargo-web (cargo and rustc 1.96 from bookworm's security updates, with gcc and its
@@ -51,7 +52,7 @@
 set -euo pipefail
 
 PACKAGES=(podman runc catatonit bubblewrap busybox-static git curl patch debootstrap uidmap
-  slirp4netns fuse-overlayfs hyperfine docker.io runsc jq e2fsprogs python3-pip
+  slirp4netns fuse-overlayfs hyperfine docker.io runsc jq e2fsprogs xfsprogs python3-pip
   nodejs golang-go cargo-web)
 DROPIN_DIR=/etc/containers/containers.conf.d
 DROPIN="$DROPIN_DIR/50-cynode.conf"

@@ -193,6 +193,9 @@ pub struct Server {
     pub dir: tempfile::TempDir,
     pub addr: String,
     pub extra_config: String,
+    /// The node's state directory: `<dir>/state`, or one the test prepared
+    /// ([`Server::start_on_state`]).
+    state: PathBuf,
     /// Variables the worker is started with (kept for restarts).
     env: Vec<(&'static str, &'static str)>,
     child: OwnedChild,
@@ -216,12 +219,28 @@ impl Server {
         extra_config: &str,
         env: &[(&'static str, &'static str)],
     ) -> Server {
+        Server::start_in(backend, extra_config, env, None)
+    }
+
+    /// Starts a worker whose state directory is `state`, a directory the test prepared
+    /// (on a filesystem of its own, say) and removes after the server.
+    pub fn start_on_state(backend: &'static str, extra_config: &str, state: PathBuf) -> Server {
+        Server::start_in(backend, extra_config, &[], Some(state))
+    }
+
+    fn start_in(
+        backend: &'static str,
+        extra_config: &str,
+        env: &[(&'static str, &'static str)],
+        state: Option<PathBuf>,
+    ) -> Server {
         let dir = tempfile::tempdir().expect("tempdir");
         // Sandboxes run as uid 1000 and must traverse to the state directory.
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
             .expect("chmod");
-        let (child, addr, log) = launch(backend, dir.path(), extra_config, env);
+        let state = state.unwrap_or_else(|| dir.path().join("state"));
+        let (child, addr, log) = launch(backend, dir.path(), &state, extra_config, env);
         if backend == "bwrap_warm" {
             crate::bwrap_warm::wait_first_slot(&addr);
         }
@@ -230,6 +249,7 @@ impl Server {
             dir,
             addr,
             extra_config: extra_config.to_string(),
+            state,
             env: env.to_vec(),
             child,
             log,
@@ -287,7 +307,13 @@ impl Server {
     }
 
     fn relaunch(&self) -> (OwnedChild, String, Arc<Mutex<Vec<String>>>) {
-        launch(self.backend, self.dir.path(), &self.extra_config, &self.env)
+        launch(
+            self.backend,
+            self.dir.path(),
+            &self.state,
+            &self.extra_config,
+            &self.env,
+        )
     }
 
     /// The worker's process id.
@@ -384,7 +410,7 @@ impl Server {
     }
 
     pub fn state_dir(&self) -> PathBuf {
-        self.dir.path().join("state")
+        self.state.clone()
     }
 }
 
@@ -427,9 +453,12 @@ impl Drop for Server {
         // lock, nothing of the node's may be left mounted. The harness unmounts nothing
         // itself; a leak fails the test.
         wait_janitor_done(&self.state_dir(), Duration::from_secs(75));
-        if let Err(left) =
+        let left =
             cynode_testkit::mounts::wait_nothing_left(self.dir.path(), Duration::from_secs(10))
-        {
+                .and_then(|()| {
+                    cynode_testkit::mounts::wait_nothing_left(&self.state, Duration::from_secs(10))
+                });
+        if let Err(left) = left {
             if !std::thread::panicking() {
                 panic!(
                     "the killed node left these beneath its state directory: {left:#?}\nlog: {:?}",
@@ -607,6 +636,7 @@ pub fn session_guard(backend: &str, session_id: &str) -> RemoveOnDrop {
 fn launch(
     backend: &str,
     dir: &Path,
+    state: &Path,
     extra: &str,
     vars: &[(&str, &str)],
 ) -> (OwnedChild, String, Arc<Mutex<Vec<String>>>) {
@@ -625,7 +655,7 @@ fn launch(
         format!(
             "listen: 127.0.0.1:0\n{}state_dir: {}\n{token_line}bwrap:\n{}  rootfs:\n    \"{}\": {}\n{extra}\n",
             backend_config(backend, extra),
-            dir.join("state").display(),
+            state.display(),
             crate::bwrap_warm::bwrap_lines(backend),
             e.image,
             e.rootfs.display()

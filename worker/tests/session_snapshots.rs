@@ -342,3 +342,133 @@ pub async fn delete_frees_the_budget(backend: &'static str) {
     assert_field_starts(&r, "detail", "snapshot_budget_exceeded");
     assert!(snapshot_files(&sv2).is_empty());
 }
+
+/// Copy-on-write where the filesystem allows it, on a real XFS with reflink: a node whose
+/// state directory is on it snapshots and forks by `FICLONE` (`copy: reflink`), so neither
+/// copies the workspace's blocks (the filesystem's use grows by far less than the
+/// workspace), and a write in the fork leaves the original's blocks as they were.
+/// Host-side code alike on every engine: run once, on bwrap.
+mod reflink {
+    use super::*;
+    use std::path::{Path, PathBuf};
+
+    /// An XFS filesystem with reflink on a loop device, mounted for the test (the test's
+    /// own mount: unmounted when it drops, checked to leave no mount or loop device).
+    struct Xfs {
+        dir: tempfile::TempDir,
+    }
+
+    impl Xfs {
+        fn mount() -> Xfs {
+            let dir = tempfile::tempdir().unwrap();
+            let img = dir.path().join("xfs.img");
+            std::fs::File::create(&img)
+                .unwrap()
+                .set_len(1 << 30)
+                .unwrap();
+            let run = |mut cmd: std::process::Command, args: &[&std::ffi::OsStr]| {
+                cmd.args(args);
+                let shown = format!("{cmd:?}");
+                let out = cynode_testkit::output_bounded(cmd, Duration::from_secs(60));
+                assert!(out.status.success(), "{shown}: {out:?}");
+            };
+            let fs = dir.path().join("fs");
+            std::fs::create_dir(&fs).unwrap();
+            run(
+                std::process::Command::new("mkfs.xfs"),
+                &[
+                    "-q".as_ref(),
+                    "-m".as_ref(),
+                    "reflink=1".as_ref(),
+                    img.as_os_str(),
+                ],
+            );
+            run(
+                std::process::Command::new("mount"),
+                &[
+                    "-o".as_ref(),
+                    "loop".as_ref(),
+                    img.as_os_str(),
+                    fs.as_os_str(),
+                ],
+            );
+            Xfs { dir }
+        }
+
+        fn state(&self) -> PathBuf {
+            self.dir.path().join("fs/node")
+        }
+
+        /// Bytes in use on the filesystem.
+        fn used(&self) -> u64 {
+            let st = rustix::fs::statvfs(self.dir.path().join("fs")).unwrap();
+            (st.f_blocks - st.f_bfree) * st.f_frsize
+        }
+    }
+
+    impl Drop for Xfs {
+        fn drop(&mut self) {
+            let fs: &Path = &self.dir.path().join("fs");
+            let mut umount = std::process::Command::new("umount");
+            umount.arg(fs);
+            let _ = cynode_testkit::output_within(umount, Duration::from_secs(30));
+            let left =
+                cynode_testkit::mounts::wait_nothing_left(self.dir.path(), Duration::from_secs(10));
+            if !std::thread::panicking() {
+                assert_eq!(left, Ok(()), "the test's XFS is still mounted");
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_snapshot_and_its_fork_share_the_workspaces_blocks_on_xfs() {
+        crate::cases::setup();
+        let xfs = Xfs::mount();
+        let sv = Server::start_on_state("bwrap", CONFIG, xfs.state());
+        let s = create(&sv, json!({})).await;
+        const MIB: u64 = 1 << 20;
+        sh_ok(
+            &sv,
+            &s.id,
+            "head -c 33554432 /dev/urandom > /workspace/blob && sync",
+        )
+        .await;
+        let h = hash(&sv, &s.workspace);
+        let before = xfs.used();
+        let snap = snapshot_ok(&sv, &s.id).await;
+        assert_eq!(snap["copy"], "reflink", "{snap}");
+        let sid = snap["snapshot_id"].as_str().unwrap().to_string();
+        let (code, info, fork_s) = fork(&sv, &s.task, &sid).await;
+        assert_eq!(code, 201, "{info}");
+        assert_eq!(info["workspace_copy"], "reflink", "{info}");
+        assert_eq!(hash(&sv, &fork_s.workspace), h);
+        let grew = xfs.used().saturating_sub(before);
+        assert!(
+            grew < 8 * MIB,
+            "a snapshot and a fork of a 32 MiB workspace took {} MiB: its blocks were copied",
+            grew / MIB
+        );
+        // A write in the fork is the fork's: the original and the snapshot keep theirs.
+        sh_ok(
+            &sv,
+            &fork_s.id,
+            "head -c 1048576 /dev/zero | dd of=/workspace/blob conv=notrunc 2>/dev/null && sync",
+        )
+        .await;
+        assert_ne!(hash(&sv, &fork_s.workspace), h);
+        assert_eq!(
+            hash(&sv, &s.workspace),
+            h,
+            "the fork's write reached the original"
+        );
+        let (code, again, second) = fork(&sv, &s.task, &sid).await;
+        assert_eq!(code, 201, "{again}");
+        assert_eq!(
+            hash(&sv, &second.workspace),
+            h,
+            "the snapshot changed with the fork"
+        );
+        drop((fork_s, second, s));
+        drop(sv);
+    }
+}
