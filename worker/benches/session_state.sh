@@ -29,6 +29,9 @@
 #   RUNS               [10]
 #   WORKSPACE_MB       [100]
 #   WORKER_BIN         [the release build]  a cynode-worker binary to measure instead
+#   STATE_FS           []  `xfs`: the nodes' state directories on an XFS with reflink made
+#                      for the run (a 4 GiB sparse image on a loop device), where snapshots
+#                      and forks are `reflink`
 # Needs: root, curl, jq, the test image (deploy/sba/build-test-image.sh).
 set -euo pipefail
 
@@ -43,6 +46,7 @@ OUT=${OUT:-/var/cache/cynode/bench/worker}
 ENGINES=${ENGINES:-bwrap podman docker podman-runsc}
 RUNS=${RUNS:-10}
 WORKSPACE_MB=${WORKSPACE_MB:-100}
+STATE_FS=${STATE_FS:-}
 image=localhost/cynode-sba-test:latest
 [[ $(id -u) -eq 0 ]] || die "must run as root"
 for t in curl jq; do command -v "$t" >/dev/null || die "$t not found"; done
@@ -59,6 +63,7 @@ case " $ENGINES " in *" docker "*) bash deploy/docker/start.sh "$image" ;; esac
 
 work=$(mktemp -d /var/tmp/cynode-session-state.XXXXXX)
 chmod 0755 "$work"
+state_root=$work
 pids=()
 cleanup() {
   local rc=$? p
@@ -75,6 +80,18 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+case $STATE_FS in
+  '') ;;
+  xfs)
+    truncate -s 4G "$work/xfs.img"
+    mkfs.xfs -q -m reflink=1 "$work/xfs.img"
+    mkdir "$work/xfs"
+    mount -o loop "$work/xfs.img" "$work/xfs"
+    chmod 0755 "$work/xfs"
+    state_root=$work/xfs
+    ;;
+  *) die "STATE_FS is '' or xfs, not $STATE_FS" ;;
+esac
 token=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
 
 worker_config() {
@@ -95,7 +112,7 @@ start_worker() {
   {
     echo "listen: 127.0.0.1:0"
     worker_config "$1"
-    echo "state_dir: $d/state"
+    echo "state_dir: $state_root/$1/state"
     echo "token_file: $d/token"
     printf 'bwrap:\n  rootfs:\n    "%s": %s\n' "$image" "$rootfs"
     printf 'limits:\n  disk_mb: %d\n' $((WORKSPACE_MB * 3))
@@ -192,8 +209,8 @@ load_after=$(cut -d' ' -f1-3 /proc/loadavg)
 mkdir -p "$OUT"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 jq -n --argjson results "$results" --arg before "$load_before" --arg after "$load_after" \
-  --arg date "$stamp" --argjson runs "$RUNS" --arg bin "$worker_bin" \
-  '{date: $date, runs: $runs, worker: $bin, load_before: $before, load_after: $after, results: $results}' \
+  --arg date "$stamp" --argjson runs "$RUNS" --arg bin "$worker_bin" --arg fs "${STATE_FS:-default}" \
+  '{date: $date, runs: $runs, worker: $bin, state_fs: $fs, load_before: $before, load_after: $after, results: $results}' \
   >"$OUT/session-state-$stamp.json"
 cp "$OUT/session-state-$stamp.json" "$OUT/session-state-latest.json"
 jq . "$OUT/session-state-latest.json"
