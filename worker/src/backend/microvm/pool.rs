@@ -12,7 +12,7 @@ use super::vm::{Launch, Vm, VmError};
 use crate::backend::ResourceLimits;
 
 /// How many boots a VM gets when its guest fails before it is ready.
-const BOOT_ATTEMPTS: u32 = 5;
+const BOOT_ATTEMPTS: u32 = 8;
 /// The pause before the second boot; it grows by as much before each next one.
 const BOOT_RETRY_PAUSE: std::time::Duration = std::time::Duration::from_millis(500);
 /// What the pool needs to boot a VM for an image: everything but the directory.
@@ -76,8 +76,8 @@ impl Pool {
     /// says it is ready (no job code has run in it yet) is booted again in another
     /// directory, after a pause that grows with each try, up to [`BOOT_ATTEMPTS`] in all:
     /// under TCG the guest's init has been seen to die with SIGSEGV at boot, now and then,
-    /// up to three times in a row under load (cause not found; the console, with the
-    /// signal's registers, is logged).
+    /// once five times in a row on a machine busy with other builds and test runs (cause
+    /// not found; the console, with the faulting registers, is logged).
     pub async fn boot(&self, template: &Template) -> Result<Vm, VmError> {
         let mut attempt = 1;
         loop {

@@ -118,7 +118,9 @@ impl Launch {
             "root=/dev/vda",
             "rootfstype=squashfs",
             "ro",
-            "quiet",
+            // Warnings and the registers of a process killed by a signal reach the
+            // console (`quiet` would hide both); info-level boot messages do not.
+            "loglevel=5",
             "reboot=t",
             "panic=-1",
             "nokaslr",
