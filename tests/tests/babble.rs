@@ -39,7 +39,7 @@ fn the_real_model_server_takes_the_penalized_retry_of_a_babbling_reply() {
     // The first reply is refused as babble whatever it says (the real model may or may
     // not babble on its own); the retry must go out penalized and come back valid. The
     // model is tiny and samples: one exchange may use up the client's retries on invalid
-    // JSON (CI run 14 saw it once in five runs), so up to three exchanges are tried, each
+    // JSON (seen once in five runs), so up to three exchanges are tried, each
     // from the start; every failure is printed.
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

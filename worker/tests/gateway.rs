@@ -418,7 +418,7 @@ async fn an_https_gateway_of_a_private_ca_is_reached_only_when_the_node_trusts_i
         0,
         "the PM side was reached"
     );
-    // The line may reach the log's reader a moment after the answer (CI run 20).
+    // The line may reach the log's reader a moment after the answer.
     let named = |log: &str| {
         log.lines()
             .any(|l| l.contains("gateway upstream failed") && l.contains("certificate"))

@@ -1,7 +1,7 @@
 //! The node's listeners under floods, on the real worker: a job flooding its own
 //! inference and status sockets, and clients without a token flooding
 //! the Worker API over HTTP and HTTPS with slowloris heads, silent connections and huge
-//! heads (item 5). The node's `/healthz` keeps answering, its descriptors and resident
+//! heads. The node's `/healthz` keeps answering, its descriptors and resident
 //! memory stay bounded, and stalled connections are closed.
 
 use std::io::{Read, Write};

@@ -642,8 +642,8 @@ impl Pool {
             .stderr(std::process::Stdio::piped());
         // Unlike a job's client, this one neither dies with the node nor shares its
         // process group: killed between the runtime's create and start, it would leave the
-        // container created, its `runc init` waiting for a start forever (CI run 10 found
-        // two, after their test killed its node's group). Left alone, it starts the
+        // container created, its `runc init` waiting for a start forever (two were found
+        // so, after their test killed its node's group). Left alone, it starts the
         // container, whose waiter finds no listener (or EOF) and exits, `--rm` removes it,
         // and the client exits too.
         cmd.process_group(0);
