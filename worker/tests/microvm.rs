@@ -168,3 +168,39 @@ async fn check_reports_kvm_kernel_vmm_and_pool() {
         assert!(line.contains(part), "{part}: {line}");
     }
 }
+
+/// The guest's root holds `/dev/null` and `/dev/console` beneath its `/dev` mount point:
+/// a guest whose kernel could open no console (a virtio console probed late under TCG)
+/// starts its init without standard streams, and the init's runtime opens `/dev/null` for
+/// them before `main`, aborting where there is none (the guest then dies at boot with
+/// SIGSEGV from abort's last resort, as PID 1 ignores SIGABRT).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_guests_root_has_the_device_nodes_an_init_without_a_console_needs() {
+    setup();
+    let cache = tempfile::tempdir().unwrap();
+    let init =
+        std::path::Path::new(cynode_worker::config::microvm::DEFAULT_CACHE).join("cynode-vminit");
+    let image = cynode_worker::backend::microvm::rootfs::squashfs_for(
+        "mksquashfs",
+        &crate::harness::env().rootfs,
+        &init,
+        cache.path(),
+    )
+    .await
+    .expect("the root is made");
+    let mut cmd = std::process::Command::new("unsquashfs");
+    cmd.args(["-lln", "-d", ""]).arg(&image).arg("dev");
+    let out = cynode_testkit::output_bounded(cmd, Duration::from_secs(60));
+    assert!(out.status.success(), "{out:?}");
+    let listing = String::from_utf8_lossy(&out.stdout);
+    for (node, mode, numbers) in [
+        ("/dev/null", "crw-rw-rw-", "1,  3"),
+        ("/dev/console", "crw-------", "5,  1"),
+    ] {
+        let line = listing
+            .lines()
+            .find(|l| l.ends_with(node))
+            .unwrap_or_else(|| panic!("no {node} in the root:\n{listing}"));
+        assert!(line.starts_with(mode) && line.contains(numbers), "{line}");
+    }
+}

@@ -10,6 +10,19 @@ use std::path::{Path, PathBuf};
 use sha2::{Digest, Sha256};
 use tokio::process::Command;
 
+/// The version of [`make`]'s recipe, part of every image's cache key.
+const RECIPE: &str = "2: /dev/null and /dev/console in the root";
+
+/// Device nodes the root holds beneath its `/dev` mount point (name, then mksquashfs's
+/// pseudo definition). The kernel gives the init its standard streams on `/dev/console`;
+/// when it could open no console (a virtio console probed late), the init's runtime opens
+/// `/dev/null` for them before `main`, and aborts where there is none: the root's own
+/// nodes serve until the init mounts devtmpfs over `/dev`.
+const DEV_NODES: [(&str, &str); 2] = [
+    ("dev/null", "/dev/null c 666 0 0 1 3"),
+    ("dev/console", "/dev/console c 600 0 0 5 1"),
+];
+
 /// Why no root filesystem image could be made.
 #[derive(Debug, thiserror::Error)]
 pub enum RootfsError {
@@ -44,6 +57,8 @@ pub async fn squashfs_for(
     h.update(meta.ino().to_le_bytes());
     h.update(meta.mtime().to_le_bytes());
     h.update(Sha256::digest(&init_bytes));
+    // The recipe's own version: an image made by an older one is made again.
+    h.update(RECIPE.as_bytes());
     let key = hex::encode(h.finalize())[..16].to_string();
     let out = cache.join(format!("{key}.sqfs"));
     if out.is_file() {
@@ -102,9 +117,13 @@ fn make(mksquashfs: &str, src: &Path, dst: &Path, init: &Path) -> Result<(), Roo
     for dir in cynode_vminit::MOUNT_POINTS {
         cmd.arg("-p").arg(format!("{dir} d 755 0 0"));
     }
-    // -e takes every argument after it: last. An image's own file at the init's name is
-    // left out, so the node's init is the one that runs.
-    cmd.args(["-e", init_name]);
+    for (_, node) in DEV_NODES {
+        cmd.arg("-p").arg(node);
+    }
+    // -e takes every argument after it: last. An image's own files at the init's name and
+    // the device nodes' are left out, so the node's are the ones there.
+    cmd.arg("-e").arg(init_name);
+    cmd.args(DEV_NODES.map(|(name, _)| name));
     let out = cmd
         .stdin(std::process::Stdio::null())
         .output()

@@ -429,7 +429,8 @@ async fn console_text(
     }
     let tail: String = {
         let chars: Vec<char> = text.trim().chars().collect();
-        chars[chars.len().saturating_sub(2000)..].iter().collect()
+        // Enough for the init's last words before the kernel's register dump and trace.
+        chars[chars.len().saturating_sub(6000)..].iter().collect()
     };
     if tail.is_empty() {
         String::new()
