@@ -60,6 +60,7 @@ const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/s
 
 mod bwrap;
 mod gvisor;
+mod session;
 
 fn main() {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
@@ -99,10 +100,25 @@ fn main() {
     if send(&sock, b"R").is_err() {
         std::process::exit(2);
     }
+    let base = base_environment();
     let want_fds = if gvisor.is_some() { 0 } else { 2 };
-    let (job, fds) = match receive(&mut sock, want_fds) {
-        Ok(Some(j)) => j,
+    let (body, fds) = match receive(&mut sock, 2) {
+        Ok(Some(m)) => m,
         Ok(None) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("cynode-pool-waiter: bad job message: {e}");
+            std::process::exit(2);
+        }
+    };
+    if body.starts_with(session::KIND) && gvisor.is_none() && fds.is_empty() {
+        session::serve(sock, &body, base);
+    }
+    let job = match decode(&body, &base) {
+        Ok(job) if fds.len() == want_fds && (want_fds == 0 || job.plain()) => job,
+        Ok(_) => {
+            eprintln!("cynode-pool-waiter: bad job message: its descriptors or gVisor fields");
+            std::process::exit(2);
+        }
         Err(e) => {
             eprintln!("cynode-pool-waiter: bad job message: {e}");
             std::process::exit(2);
@@ -146,6 +162,16 @@ fn wipe_environment() {
             p = p.add(1);
         }
     }
+}
+
+/// The waiter's own environment (the image's and the engine's variables), copied before
+/// [`wipe_environment`] zeroes it: every job's environment starts from it.
+pub(crate) type BaseEnv = Vec<(Vec<u8>, Vec<u8>)>;
+
+fn base_environment() -> BaseEnv {
+    std::env::vars_os()
+        .map(|(k, v)| (k.into_encoded_bytes(), v.into_encoded_bytes()))
+        .collect()
 }
 
 /// The errno of the last call.
@@ -200,16 +226,27 @@ struct Job {
     identity: Option<String>,
 }
 
+impl Job {
+    /// Whether the job has no gVisor-mode fields (mounts, identity).
+    fn plain(&self) -> bool {
+        self.mounts.is_empty() && self.identity.is_none()
+    }
+}
+
 /// A directory of the job, `/.cynode-mnt/<name>` bound onto `target`.
 struct JobMount {
     name: String,
     target: String,
 }
 
-/// Reads the job message and its `want` descriptors; `None` on end of file first.
-fn receive(sock: &mut UnixStream, want: usize) -> std::io::Result<Option<(Job, Vec<OwnedFd>)>> {
+/// Reads one message (its body) and the descriptors sent with it, at most `max_fds`;
+/// `None` on end of file first.
+pub(crate) fn receive(
+    sock: &mut UnixStream,
+    max_fds: usize,
+) -> std::io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
     let mut buf = vec![0u8; 64 * 1024];
-    // Room for two descriptors' control message.
+    // Room for three descriptors' control message.
     let mut cmsg = [0u64; 8];
     let mut iov = libc::iovec {
         iov_base: buf.as_mut_ptr().cast(),
@@ -251,9 +288,9 @@ fn receive(sock: &mut UnixStream, want: usize) -> std::io::Result<Option<(Job, V
             c = libc::CMSG_NXTHDR(&msg, c);
         }
     }
-    if msg.msg_flags & libc::MSG_CTRUNC != 0 || fds.len() != want {
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 || fds.len() > max_fds {
         return Err(std::io::Error::other(format!(
-            "expected {want} descriptors, got {}",
+            "at most {max_fds} descriptors, got {}",
             fds.len()
         )));
     }
@@ -277,16 +314,11 @@ fn receive(sock: &mut UnixStream, want: usize) -> std::io::Result<Option<(Job, V
     let mut rest = vec![0u8; len - body.len()];
     sock.read_exact(&mut rest)?;
     body.extend_from_slice(&rest);
-    let job = decode(&body)?;
-    if want == 2 && (!job.mounts.is_empty() || job.identity.is_some()) {
-        return Err(std::io::Error::other(
-            "mounts and identity are for the gVisor mode",
-        ));
-    }
-    Ok(Some((job, fds)))
+    Ok(Some((body, fds)))
 }
 
-fn decode(body: &[u8]) -> std::io::Result<Job> {
+/// The job message's fields (see the module doc), its environment made from `base`.
+pub(crate) fn decode(body: &[u8], base: &BaseEnv) -> std::io::Result<Job> {
     let bad = |what: &str| std::io::Error::other(format!("field {what}"));
     let mut fields = body.split(|b| *b == 0);
     let mut next =
@@ -354,7 +386,7 @@ fn decode(body: &[u8]) -> std::io::Result<Job> {
         gid,
         cwd,
         argv,
-        env: environment(uid, env, home),
+        env: environment(uid, env, home, base),
         mounts,
         identity,
     })
@@ -364,18 +396,18 @@ fn decode(body: &[u8]) -> std::io::Result<Job> {
 /// engine's variables), then the job's variables over them; without a `HOME` among the
 /// job's (the worker sends the image's), the uid's home in the image's /etc/passwd, else
 /// `fallback` (the engine's: Podman the working directory, Docker `/`).
-fn environment(uid: u32, job: Vec<CString>, fallback: Vec<u8>) -> Vec<CString> {
+fn environment(uid: u32, job: Vec<CString>, fallback: Vec<u8>, base: &BaseEnv) -> Vec<CString> {
     let key = |e: &[u8]| -> Vec<u8> { e.split(|b| *b == b'=').next().unwrap_or(e).to_vec() };
     let job_keys: Vec<Vec<u8>> = job.iter().map(|e| key(e.as_bytes())).collect();
-    let mut env: Vec<CString> = std::env::vars_os()
+    let mut env: Vec<CString> = base
+        .iter()
         .filter_map(|(k, v)| {
-            let k = k.into_encoded_bytes();
-            if k == b"HOME" || job_keys.contains(&k) {
+            if k == b"HOME" || job_keys.contains(k) {
                 return None;
             }
-            let mut e = k;
+            let mut e = k.clone();
             e.push(b'=');
-            e.extend_from_slice(&v.into_encoded_bytes());
+            e.extend_from_slice(v);
             CString::new(e).ok()
         })
         .collect();
@@ -461,11 +493,6 @@ enum Output<'a> {
 
 /// Starts the job, reports `S`/`F`, and returns its exit code once it has exited.
 fn run(sock: &UnixStream, job: &Job, output: Output) -> i32 {
-    let prog = program(job);
-    let mut argv: Vec<*const libc::c_char> = job.argv.iter().map(|a| a.as_ptr()).collect();
-    argv.push(std::ptr::null());
-    let mut envp: Vec<*const libc::c_char> = job.env.iter().map(|e| e.as_ptr()).collect();
-    envp.push(std::ptr::null());
     let (fds, relay, filters): (_, _, &[Vec<u8>]) = match output {
         Output::Passed(fds) => (fds, None, &[]),
         Output::Relay(g) => match gvisor::pipes() {
@@ -478,17 +505,85 @@ fn run(sock: &UnixStream, job: &Job, output: Output) -> i32 {
         Some((_, g)) => g.err.as_raw_fd(),
         None => fds[1].as_raw_fd(),
     };
+    let [out, err] = fds;
+    let stdio = Stdio {
+        stdin: None,
+        stdout: out.as_raw_fd(),
+        stderr: err.as_raw_fd(),
+    };
+    let started = spawn(job, &stdio, filters, Creds::Drop);
+    // The job is forked (or could not be): the waiter needs no privilege any more.
+    drop_own_privileges(filters);
+    drop(out);
+    let pid = match started {
+        Spawned::Running(pid) => {
+            drop(err);
+            let _ = send(sock, b"S");
+            pid
+        }
+        Spawned::ExecFailed(pid, e) => {
+            tell_exec_failure(sock, err, job, e);
+            pid
+        }
+        Spawned::NotForked(e) => {
+            let code = report_failure(sock, report, job, e);
+            drop(err);
+            return code;
+        }
+    };
+    match relay {
+        Some((pipes, g)) => gvisor::relay(pid, pipes, g),
+        None => wait_for(pid),
+    }
+}
+
+/// The descriptors a job's command gets as its standard streams (`stdin` `None`:
+/// `/dev/null`).
+pub(crate) struct Stdio {
+    pub stdin: Option<RawFd>,
+    pub stdout: RawFd,
+    pub stderr: RawFd,
+}
+
+/// Whether the forked child sets the job's credentials itself (a one-job waiter, root
+/// with SETUID/SETGID/SETPCAP) or has them already (a session's waiter, which dropped to
+/// the session's uid and every capability before its first command).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Creds {
+    Drop,
+    Inherited,
+}
+
+/// How [`spawn`] went.
+pub(crate) enum Spawned {
+    /// The command runs (its exec succeeded).
+    Running(libc::pid_t),
+    /// The child could not exec the command (its errno); it exits 127, or 126 for a
+    /// permission error.
+    ExecFailed(libc::pid_t, i32),
+    /// No child (the errno of the pipe or the fork).
+    NotForked(i32),
+}
+
+/// Forks `job` with `stdio` and waits until its exec succeeded or failed (a close-on-exec
+/// error pipe).
+pub(crate) fn spawn(job: &Job, stdio: &Stdio, filters: &[Vec<u8>], creds: Creds) -> Spawned {
+    let prog = program(job);
+    let mut argv: Vec<*const libc::c_char> = job.argv.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let mut envp: Vec<*const libc::c_char> = job.env.iter().map(|e| e.as_ptr()).collect();
+    envp.push(std::ptr::null());
     let mut pipe = [0; 2];
     // SAFETY: an array of two ints.
     if unsafe { libc::pipe2(pipe.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
-        return report_failure(sock, report, job, errno());
+        return Spawned::NotForked(errno());
     }
     // SAFETY: the waiter is single-threaded: the child may allocate; it only execs or exits.
     let pid = unsafe { libc::fork() };
     if pid == 0 {
         // SAFETY: the read end is ours to close.
         unsafe { libc::close(pipe[0]) };
-        let errno = child(job, &prog, &argv, &envp, &fds, filters);
+        let errno = child(job, &prog, &argv, &envp, stdio, filters, creds);
         let bytes = errno.to_le_bytes();
         // SAFETY: writing four bytes to our pipe, then leaving without unwinding.
         unsafe {
@@ -499,14 +594,11 @@ fn run(sock: &UnixStream, job: &Job, output: Output) -> i32 {
     // SAFETY: the write end is the child's now.
     unsafe { libc::close(pipe[1]) };
     if pid < 0 {
+        let e = errno();
         // SAFETY: closing our read end.
         unsafe { libc::close(pipe[0]) };
-        return report_failure(sock, report, job, errno());
+        return Spawned::NotForked(e);
     }
-    // The job is forked: the waiter needs no privilege any more.
-    drop_own_privileges(filters);
-    let [out, err] = fds;
-    drop(out);
     // SAFETY: the read end is ours; File closes it.
     let mut p = unsafe { std::fs::File::from_raw_fd(pipe[0]) };
     let mut errno = [0u8; 4];
@@ -519,28 +611,27 @@ fn run(sock: &UnixStream, job: &Job, output: Output) -> i32 {
             Err(_) => break,
         }
     }
-    drop(p);
     if got == 4 {
-        let e = i32::from_le_bytes(errno);
-        let mut stderr = std::fs::File::from(err);
-        let _ = writeln!(
-            stderr,
-            "cynode-pool-waiter: cannot run {:?}: {}",
-            job.argv[0],
-            std::io::Error::from_raw_os_error(e)
-        );
-        drop(stderr);
-        let mut msg = vec![b'F'];
-        msg.extend_from_slice(&e.to_le_bytes());
-        let _ = send(sock, &msg);
+        Spawned::ExecFailed(pid, i32::from_le_bytes(errno))
     } else {
-        drop(err);
-        let _ = send(sock, b"S");
+        Spawned::Running(pid)
     }
-    match relay {
-        Some((pipes, g)) => gvisor::relay(pid, pipes, g),
-        None => wait_for(pid),
-    }
+}
+
+/// Writes why the job's command could not be started on its stderr (`err`, then closed)
+/// and says `F` with the errno.
+pub(crate) fn tell_exec_failure(sock: &UnixStream, err: OwnedFd, job: &Job, e: i32) {
+    let mut stderr = std::fs::File::from(err);
+    let _ = writeln!(
+        stderr,
+        "cynode-pool-waiter: cannot run {:?}: {}",
+        job.argv[0],
+        std::io::Error::from_raw_os_error(e)
+    );
+    drop(stderr);
+    let mut msg = vec![b'F'];
+    msg.extend_from_slice(&e.to_le_bytes());
+    let _ = send(sock, &msg);
 }
 
 /// Reports a job that could not even be forked.
@@ -604,47 +695,31 @@ fn child(
     prog: &CStr,
     argv: &[*const libc::c_char],
     envp: &[*const libc::c_char],
-    fds: &[OwnedFd; 2],
+    stdio: &Stdio,
     filters: &[Vec<u8>],
+    creds: Creds,
 ) -> i32 {
     // SAFETY: plain syscalls on values we own; the child is single-threaded.
     unsafe {
-        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC);
-        if null < 0
-            || libc::dup2(null, 0) < 0
-            || libc::dup2(fds[0].as_raw_fd(), 1) < 0
-            || libc::dup2(fds[1].as_raw_fd(), 2) < 0
+        let stdin = match stdio.stdin {
+            Some(fd) => fd,
+            None => libc::open(c"/dev/null".as_ptr(), libc::O_RDWR | libc::O_CLOEXEC),
+        };
+        if stdin < 0
+            || libc::dup2(stdin, 0) < 0
+            || libc::dup2(stdio.stdout, 1) < 0
+            || libc::dup2(stdio.stderr, 2) < 0
         {
             return errno();
         }
         libc::setsid();
-        // Every capability out of the bounding set (EINVAL past the kernel's last one).
-        for cap in 0..64 {
-            if libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 {
-                if errno() == libc::EINVAL {
-                    break;
-                }
-                return errno();
+        if creds == Creds::Drop {
+            if let Err(e) = become_user(job.uid, job.gid) {
+                return e;
             }
         }
-        if libc::setgroups(1, &job.gid) != 0
-            || libc::setresgid(job.gid, job.gid, job.gid) != 0
-            || libc::setresuid(job.uid, job.uid, job.uid) != 0
-        {
-            return errno();
-        }
-        libc::prctl(
-            libc::PR_CAP_AMBIENT,
-            libc::PR_CAP_AMBIENT_CLEAR_ALL,
-            0,
-            0,
-            0,
-        );
-        if !no_capabilities_left() {
+        if !no_capabilities_left() || libc::getuid() != job.uid || libc::getgid() != job.gid {
             return libc::EPERM;
-        }
-        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
-            return errno();
         }
         if libc::chdir(job.cwd.as_ptr()) != 0 {
             return errno();
@@ -667,6 +742,44 @@ fn child(
         libc::execve(prog.as_ptr(), argv.as_ptr(), envp.as_ptr());
     }
     errno()
+}
+
+/// Makes the calling process `uid`:`gid` with `gid` its only group, every capability gone
+/// (the bounding set first, then the permitted, effective and ambient sets, checked with
+/// `capget`) and no_new_privs set; the errno of the step that failed.
+pub(crate) fn become_user(uid: u32, gid: u32) -> Result<(), i32> {
+    // SAFETY: plain syscalls on integers and a one-element group list.
+    unsafe {
+        // Every capability out of the bounding set (EINVAL past the kernel's last one).
+        for cap in 0..64 {
+            if libc::prctl(libc::PR_CAPBSET_DROP, cap, 0, 0, 0) != 0 {
+                if errno() == libc::EINVAL {
+                    break;
+                }
+                return Err(errno());
+            }
+        }
+        if libc::setgroups(1, &gid) != 0
+            || libc::setresgid(gid, gid, gid) != 0
+            || libc::setresuid(uid, uid, uid) != 0
+        {
+            return Err(errno());
+        }
+        libc::prctl(
+            libc::PR_CAP_AMBIENT,
+            libc::PR_CAP_AMBIENT_CLEAR_ALL,
+            0,
+            0,
+            0,
+        );
+        if !no_capabilities_left() {
+            return Err(libc::EPERM);
+        }
+        if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0 {
+            return Err(errno());
+        }
+    }
+    Ok(())
 }
 
 /// Once the job is forked: every capability of the waiter goes (the bounding set, then

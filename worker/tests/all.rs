@@ -102,6 +102,7 @@ mod session_snapshots;
 mod session_stdin;
 mod session_streams;
 mod session_suspend;
+mod session_waiter;
 mod sessions;
 mod syscall_probe;
 mod tenant_uids;

@@ -46,16 +46,16 @@ pub async fn tapped<F: std::future::Future>(tap: std::sync::Arc<dyn Tap>, f: F) 
     TAP.scope(tap, f).await
 }
 
+/// How long a stream whose command has ended ([`spawn_until`]) may stay quiet before its
+/// capture ends: what the command wrote before its exit is already in the pipe.
+pub const QUIET_AFTER_END: Duration = Duration::from_millis(50);
+
 /// [`spawn`] of a sandbox's stdout, handed to the [`Tap`] in scope as well.
 pub fn spawn_stdout<R: AsyncRead + Unpin + Send + 'static>(
     stream: Option<R>,
     cap: usize,
 ) -> Pending {
-    spawn_tapped(
-        stream,
-        cap,
-        TAP.try_with(|t| (t.clone(), Which::Stdout)).ok(),
-    )
+    spawn_until(stream, cap, Which::Stdout, None)
 }
 
 /// [`spawn`] of a sandbox's stderr, handed to the [`Tap`] in scope as well.
@@ -63,22 +63,37 @@ pub fn spawn_stderr<R: AsyncRead + Unpin + Send + 'static>(
     stream: Option<R>,
     cap: usize,
 ) -> Pending {
+    spawn_until(stream, cap, Which::Stderr, None)
+}
+
+/// [`spawn_stdout`] or [`spawn_stderr`] of a command whose pipe may outlive it (a process
+/// it left in a session holds the write end): once `ended` fires, the capture reads on
+/// until end of file or [`QUIET_AFTER_END`] without a byte, and keeps what it has, as an
+/// engine's `exec` stops relaying once its command has exited.
+pub fn spawn_until<R: AsyncRead + Unpin + Send + 'static>(
+    stream: Option<R>,
+    cap: usize,
+    which: Which,
+    ended: Option<tokio_util::sync::CancellationToken>,
+) -> Pending {
     spawn_tapped(
         stream,
         cap,
-        TAP.try_with(|t| (t.clone(), Which::Stderr)).ok(),
+        TAP.try_with(|t| (t.clone(), which)).ok(),
+        ended,
     )
 }
 
 /// Starts draining `stream` in the background.
 pub fn spawn<R: AsyncRead + Unpin + Send + 'static>(stream: Option<R>, cap: usize) -> Pending {
-    spawn_tapped(stream, cap, None)
+    spawn_tapped(stream, cap, None, None)
 }
 
 fn spawn_tapped<R: AsyncRead + Unpin + Send + 'static>(
     stream: Option<R>,
     cap: usize,
     tap: Option<(std::sync::Arc<dyn Tap>, Which)>,
+    ended: Option<tokio_util::sync::CancellationToken>,
 ) -> Pending {
     tokio::spawn(async move {
         let Some(mut stream) = stream else {
@@ -87,8 +102,25 @@ fn spawn_tapped<R: AsyncRead + Unpin + Send + 'static>(
         let mut kept = Vec::new();
         let mut total = 0usize;
         let mut buf = vec![0u8; 64 * 1024];
+        let mut after_end = false;
         loop {
-            match stream.read(&mut buf).await {
+            let read = match (&ended, after_end) {
+                (Some(end), false) => tokio::select! {
+                    r = stream.read(&mut buf) => r,
+                    _ = end.cancelled() => {
+                        after_end = true;
+                        continue;
+                    }
+                },
+                (Some(_), true) => {
+                    match tokio::time::timeout(QUIET_AFTER_END, stream.read(&mut buf)).await {
+                        Ok(r) => r,
+                        Err(_) => break,
+                    }
+                }
+                (None, _) => stream.read(&mut buf).await,
+            };
+            match read {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
                     if let Some((tap, which)) = &tap {
@@ -141,6 +173,22 @@ fn finish(mut bytes: Vec<u8>, truncated: bool) -> Captured {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_pipe_held_open_after_its_command_ended_keeps_what_was_written() {
+        use tokio::io::AsyncWriteExt;
+        let (mut w, r) = tokio::net::unix::pipe::pipe().unwrap();
+        let ended = tokio_util::sync::CancellationToken::new();
+        let pending = spawn_until(Some(r), 64, Which::Stdout, Some(ended.clone()));
+        w.write_all(b"before the end\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        ended.cancel();
+        // The writer stays open (a process left behind holds it): the capture ends anyway,
+        // with what was written, not aborted by the drain bound.
+        let c = collect(pending, DRAIN_BOUND).await;
+        assert_eq!((c.text.as_str(), c.truncated), ("before the end\n", false));
+        drop(w);
+    }
 
     #[tokio::test]
     async fn caps_on_a_utf8_boundary() {

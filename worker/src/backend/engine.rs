@@ -644,7 +644,7 @@ impl SandboxBackend for EngineBackend {
         };
         let slot = match warm {
             Some(slot) => slot,
-            None => match before(self.fresh_slot(spec), deadline, cancel).await {
+            None => match before(self.fresh_slot(spec, false), deadline, cancel).await {
                 Ok(Ok(slot)) => slot,
                 Ok(Err(e)) | Err(e) => return SandboxOutcome::start_failed(e, started),
             },
@@ -700,11 +700,35 @@ impl SandboxBackend for EngineBackend {
         names.len()
     }
 
-    /// One keep-alive container per session ([`session`]).
+    /// A pooled container whose waiter runs the session's commands
+    /// ([`pool::WarmSession`]): an idle one of the session's key, else one made for it.
+    /// Under gVisor, or when no pooled container can be had (no waiter binary, a failed
+    /// start), one keep-alive container per session ([`session`]).
     async fn start_session(
         &self,
         spec: &SandboxSpec,
     ) -> Result<Arc<dyn SessionSandbox>, BackendError> {
+        if !self.gvisor() && self.pool.waiter().is_file() {
+            let slot = match self.pool.claim(self, spec) {
+                Some(slot) => Ok(slot),
+                None => self.fresh_slot(spec, true).await,
+            };
+            let started = match slot {
+                Ok(slot) => {
+                    let name = slot.name.clone();
+                    match slot.start_session(self, spec).await {
+                        Ok(s) => return Ok(Arc::new(s)),
+                        Err(e) => {
+                            self.force_remove(&name).await;
+                            self.pool.failed(&name).await;
+                            e
+                        }
+                    }
+                }
+                Err(e) => e,
+            };
+            tracing::warn!(sandbox = %spec.name, error = %started, "no pooled container for the session; starting a keep-alive container");
+        }
         Ok(Arc::new(
             session::KeepAliveSession::start(self, spec).await?,
         ))
@@ -738,10 +762,10 @@ async fn before<T>(
 }
 
 impl EngineBackend {
-    /// A pooled container made now for `spec` ([`pool::Pool::fresh`]), in a task of its
-    /// own: a caller that stops waiting (cancel, timeout) leaves it to finish, and the
-    /// container and its slot directory are then discarded.
-    async fn fresh_slot(&self, spec: &SandboxSpec) -> Result<pool::Slot, String> {
+    /// A pooled container made now for `spec` ([`pool::Pool::fresh`]; `named`: as
+    /// `spec.name`), in a task of its own: a caller that stops waiting (cancel, timeout)
+    /// leaves it to finish, and the container and its slot directory are then discarded.
+    async fn fresh_slot(&self, spec: &SandboxSpec, named: bool) -> Result<pool::Slot, String> {
         struct Orphan(
             Option<tokio::task::JoinHandle<Result<pool::Slot, String>>>,
             EngineBackend,
@@ -759,7 +783,7 @@ impl EngineBackend {
             }
         }
         let (engine, spec) = (self.clone(), spec.clone());
-        let task = tokio::spawn(async move { engine.pool.fresh(&engine, &spec).await });
+        let task = tokio::spawn(async move { engine.pool.fresh(&engine, &spec, named).await });
         let mut orphan = Orphan(Some(task), self.clone());
         let made = match orphan.0.as_mut() {
             Some(task) => task

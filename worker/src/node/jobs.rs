@@ -238,9 +238,10 @@ impl Node {
         };
         tracing::debug!(job_id = %req.job_id, prepare_us, servers_us = lap.us(), "phases: start");
         tracing::info!(job_id = %req.job_id, task_id = %req.task_id, image = %req.sandbox.image, egress = job.egress_policy().is_some(), "job started");
-        // `in_progress` is written while the sandbox starts (no early return after this
-        // point) and awaited before the job's answer, so the final state comes after it.
-        let in_progress = servers.in_progress_now().then(|| {
+        // A command job has no lifecycle socket: its `in_progress` is written while the
+        // sandbox starts (no early return after this point) and awaited before the job's
+        // answer, so the final state comes after it.
+        let in_progress = req.sandbox.job_spec_json.is_none().then(|| {
             let store = self.store.clone();
             let job_id = req.job_id.clone();
             tokio::spawn(async move {

@@ -21,8 +21,6 @@ pub(super) struct JobServers {
     _status: Option<callback::CallbackServer>,
     _inference: Option<inference::ProxyServer>,
     _gateway: Option<gateway_forward::ForwardServer>,
-    /// A command job has no lifecycle socket: the node writes its `in_progress` itself.
-    in_progress_now: bool,
 }
 
 impl JobServers {
@@ -118,21 +116,13 @@ impl JobServers {
             Some(l) => job.with_inference(l),
             None => job,
         };
-        let in_progress_now = req.sandbox.job_spec_json.is_none();
         Ok((
             job,
             JobServers {
                 _status: status,
                 _inference: inference,
                 _gateway: gateway,
-                in_progress_now,
             },
         ))
-    }
-
-    /// Whether the node writes the job's `in_progress` itself as its sandbox starts (a
-    /// command job, which has no lifecycle socket).
-    pub(super) fn in_progress_now(&self) -> bool {
-        self.in_progress_now
     }
 }

@@ -88,7 +88,9 @@
 //! names a process of gVisor's (the sandbox), not the waiter: [`Slot::pid`] and
 //! [`Slot::alive`] are used only for gated jobs, which gVisor refuses.
 //!
-//! **Not pooled**: sessions, and mounts other than `/job` and `/workspace`.
+//! **Sessions** (runc/crun) claim a slot too, or have one made for them: its waiter then
+//! stays PID 1 as the session's uid and runs each command itself ([`session`]). **Not
+//! pooled**: gVisor's sessions, and mounts other than `/job` and `/workspace`.
 //!
 //! **Bounds and refill.** At most `pool_size` idle or starting containers per key, and at
 //! most [`MAX_KEYS`] keys (the least recently claimed key's idle containers go first). A
@@ -114,8 +116,10 @@ use crate::sandbox::{JOB_MOUNT, WORKSPACE_MOUNT};
 
 mod gvisor;
 mod inject;
+mod session;
 pub use gvisor::{remove_slot_dir, unmount_beneath};
 use inject::{inject, Identity};
+pub use session::WarmSession;
 
 /// The label every pooled container carries (besides the node's).
 pub const POOL_LABEL: &str = "io.cynode.pool";
@@ -433,14 +437,26 @@ impl Pool {
     }
 
     /// A container started now for `spec`, outside the pool's counts: for a gated job
-    /// when none is idle ([`super::EngineBackend::run_gated`]). Works with `pool_size` 0.
-    pub async fn fresh(&self, engine: &EngineBackend, spec: &SandboxSpec) -> Result<Slot, String> {
+    /// when none is idle ([`super::EngineBackend::run_gated`]), and for a session (then
+    /// named `spec.name`, [`WarmSession`]). It carries `spec`'s labels. Works with
+    /// `pool_size` 0.
+    pub async fn fresh(
+        &self,
+        engine: &EngineBackend,
+        spec: &SandboxSpec,
+        named: bool,
+    ) -> Result<Slot, String> {
         if !poolable(spec) {
             return Err("the sandbox has mounts a pooled container cannot take".into());
         }
         self.ensure_dir()
             .map_err(|e| format!("cannot make {}: {e}", self.inner.dir.display()))?;
-        self.create(engine, &Key::of(spec), spec).await
+        let name = if named {
+            spec.name.clone()
+        } else {
+            self.next_name()
+        };
+        self.create(engine, &Key::of(spec), spec, name).await
     }
 
     /// Starts containers in the background until `key` has `size` idle or starting.
@@ -459,11 +475,19 @@ impl Pool {
             *starting += want;
             want
         };
+        // An idle container serves any sandbox of its key: it carries no job's labels.
+        let mut unlabelled = spec.clone();
+        unlabelled.labels.clear();
         for _ in 0..want {
-            let (pool, engine, key, spec) =
-                (self.clone(), engine.clone(), key.clone(), spec.clone());
+            let (pool, engine, key, spec) = (
+                self.clone(),
+                engine.clone(),
+                key.clone(),
+                unlabelled.clone(),
+            );
             tokio::spawn(async move {
-                let made = pool.create(&engine, &key, &spec).await;
+                let name = pool.next_name();
+                let made = pool.create(&engine, &key, &spec, name).await;
                 let Ok(mut st) = pool.inner.state.lock() else {
                     return;
                 };
@@ -585,9 +609,9 @@ impl Pool {
         engine: &EngineBackend,
         key: &Key,
         spec: &SandboxSpec,
+        name: String,
     ) -> Result<Slot, String> {
         let args = self.image_args(engine, &key.image).await?;
-        let name = self.next_name();
         let dir = self.inner.dir.join(&name);
         let result = self.start(engine, spec, &name, &dir, args).await;
         if result.is_err() {
@@ -1081,7 +1105,11 @@ fn sock_fd(s: &UnixStream) -> RawFd {
     s.as_raw_fd()
 }
 
-fn sendmsg_fds(fd: RawFd, msg: &[u8], fds: &[RawFd; 2]) -> std::io::Result<usize> {
+/// `sendmsg` of `msg` with `fds` (at most three) as `SCM_RIGHTS`; the bytes sent.
+fn sendmsg_fds(fd: RawFd, msg: &[u8], fds: &[RawFd]) -> std::io::Result<usize> {
+    if fds.len() > 3 {
+        return Err(std::io::Error::other("at most three descriptors"));
+    }
     let mut cmsg = [0u64; 8];
     let mut iov = libc::iovec {
         iov_base: msg.as_ptr() as *mut libc::c_void,
@@ -1100,7 +1128,7 @@ fn sendmsg_fds(fd: RawFd, msg: &[u8], fds: &[RawFd; 2]) -> std::io::Result<usize
         (*c).cmsg_level = libc::SOL_SOCKET;
         (*c).cmsg_type = libc::SCM_RIGHTS;
         (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of_val(fds) as u32) as usize;
-        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<RawFd>(), 2);
+        std::ptr::copy_nonoverlapping(fds.as_ptr(), libc::CMSG_DATA(c).cast::<RawFd>(), fds.len());
         let n = libc::sendmsg(fd, &m, libc::MSG_NOSIGNAL);
         if n < 0 {
             return Err(std::io::Error::last_os_error());
@@ -1130,6 +1158,10 @@ impl EngineBackend {
             "--label".into(),
             format!("{POOL_LABEL}=1"),
         ];
+        for (k, v) in &spec.labels {
+            a.push("--label".into());
+            a.push(format!("{k}={v}"));
+        }
         a.extend(self.runtime_args());
         a.push("--pull=never".into());
         let gvisor = self.gvisor();

@@ -1,4 +1,6 @@
-//! Session sandboxes on Podman and Docker: one keep-alive container per session, started
+//! Session sandboxes on Podman and Docker under gVisor, and under runc/crun where the pool
+//! waiter is missing (otherwise a session is a pooled container whose waiter runs its
+//! commands, [`super::pool::WarmSession`]): one keep-alive container per session, started
 //! detached with exactly the job flags ([`EngineBackend::run_args`]: no network, read-only
 //! root, the workspace's host uid, all capabilities dropped, no-new-privileges,
 //! memory/CPU/pids limits, tmpfs /tmp, the node label) plus `--init`, running `sleep` for
@@ -44,7 +46,7 @@ use crate::sandbox::engine_user;
 
 /// How long a keep-alive container outlives its session's max lifetime by itself; the
 /// reaper removes it at the max lifetime.
-const KEEPALIVE_MARGIN: Duration = Duration::from_secs(60);
+pub(crate) const KEEPALIVE_MARGIN: Duration = Duration::from_secs(60);
 /// Bound on `run -d` and `inspect` calls of the engine CLI.
 const CLI_BOUND: Duration = Duration::from_secs(60);
 
@@ -397,10 +399,17 @@ async fn kill_commands(k: &KeepAlive) {
     if let Some(g) = &k.gvisor {
         return g.kill_commands().await;
     }
+    kill_in_namespace(&k.pid_ns, &k.keep, &k.name).await;
+}
+
+/// SIGKILLs every process of PID namespace `pid_ns` (a session container's, whose name is
+/// `container`) but the host pids `keep`, until none is left (bounded: the pids limit
+/// bounds how many can appear).
+pub(crate) async fn kill_in_namespace(pid_ns: &str, keep: &[i32], container: &str) {
     for _ in 0..100 {
-        let victims: Vec<i32> = processes_in(&k.pid_ns)
+        let victims: Vec<i32> = processes_in(pid_ns)
             .into_iter()
-            .filter(|p| !k.keep.contains(p))
+            .filter(|p| !keep.contains(p))
             .collect();
         if victims.is_empty() {
             return;
@@ -413,7 +422,7 @@ async fn kill_commands(k: &KeepAlive) {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    tracing::warn!(container = %k.name, "processes of a timed-out command kept appearing");
+    tracing::warn!(container, "processes of a timed-out command kept appearing");
 }
 
 impl Gvisor {
@@ -471,7 +480,8 @@ impl Gvisor {
     }
 }
 
-fn pid_ns_of(pid: i32) -> Option<String> {
+/// `pid:[inode]` of `pid`'s PID namespace.
+pub(crate) fn pid_ns_of(pid: i32) -> Option<String> {
     std::fs::read_link(format!("/proc/{pid}/ns/pid"))
         .ok()
         .map(|p| p.display().to_string())

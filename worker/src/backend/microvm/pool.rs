@@ -75,9 +75,10 @@ impl Pool {
     /// Boots one VM from `template` in a fresh directory. A guest that fails before it
     /// says it is ready (no job code has run in it yet) is booted again in another
     /// directory, after a pause that grows with each try, up to [`BOOT_ATTEMPTS`] in all:
-    /// under TCG the guest's init has been seen to die with SIGSEGV at boot, now and then,
-    /// once five times in a row on a machine busy with other builds and test runs (cause
-    /// not found; the console, with the faulting registers, is logged).
+    /// under TCG the guest's init has been seen to die at boot, several times in a row in
+    /// one node, in abort's last resort before its `main` (the likely cause, an init given
+    /// no console and a root without `/dev/null`, is closed in [`super::rootfs`]; the
+    /// console, with the faulting registers, is logged).
     pub async fn boot(&self, template: &Template) -> Result<Vm, VmError> {
         let mut attempt = 1;
         loop {
