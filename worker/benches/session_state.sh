@@ -8,9 +8,11 @@
 # directory), and RUNS times measures the time to interactive: `POST /v1/worker/sessions`
 # of a new session (a new workspace) until its first exec (`true`) has answered, as
 # computesdk/benchmarks times a sandbox (each call one curl process, a few ms of it the
-# client's). Sessions have no warm pool (the pools and warm sandboxes serve jobs), so this
-# is the cold figure. It then creates a session, writes WORKSPACE_MB MiB of random data
-# into its workspace, and RUNS times:
+# client's). On Podman and Docker the node has a warm pool of POOL_SIZE (a session claims
+# an idle container; each measurement waits until one is idle, as a node with spare
+# capacity has); POOL_SIZE=0 gives the cold figure. It then creates a session, writes
+# WORKSPACE_MB MiB of random data into its workspace, and RUNS times:
+#   0. exec: `POST …/exec` of `true` in the running session;
 #   1. suspend: `POST …:suspend` round trip (the sandbox stopped, the record stored);
 #   2. resume: `POST …:resume` round trip (goal: <= 150 ms), and resume to the first exec
 #      answered (`true`);
@@ -27,6 +29,7 @@
 #   OUT                [/var/cache/cynode/bench/worker]
 #   ENGINES            [bwrap podman docker podman-runsc]
 #   RUNS               [10]
+#   POOL_SIZE          [2]   podman.pool_size / docker.pool_size, filled for the image
 #   WORKSPACE_MB       [100]
 #   WORKER_BIN         [the release build]  a cynode-worker binary to measure instead
 #   STATE_FS           []  `xfs`: the nodes' state directories on an XFS with reflink made
@@ -45,6 +48,7 @@ export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/var/cache/cynode/target}
 OUT=${OUT:-/var/cache/cynode/bench/worker}
 ENGINES=${ENGINES:-bwrap podman docker podman-runsc}
 RUNS=${RUNS:-10}
+POOL_SIZE=${POOL_SIZE:-2}
 WORKSPACE_MB=${WORKSPACE_MB:-100}
 STATE_FS=${STATE_FS:-}
 image=localhost/cynode-sba-test:latest
@@ -95,11 +99,25 @@ esac
 token=$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')
 
 worker_config() {
+  local pool="  pool_size: $POOL_SIZE\n  pool_images: [\"$image\"]\n"
   case $1 in
-    bwrap | podman | docker) echo "backend: $1" ;;
-    podman-runsc) printf 'backend: podman\npodman:\n  runtime: runsc\n' ;;
+    bwrap) echo "backend: $1" ;;
+    podman | docker) printf "backend: %s\n%s:\n$pool" "$1" "$1" ;;
+    podman-runsc) printf "backend: podman\npodman:\n  runtime: runsc\n$pool" ;;
     *) die "unknown engine $1" ;;
   esac
+}
+
+# wait_idle: until the node's pool has an idle container (bounded; none when it has no pool).
+wait_idle() {
+  local idle
+  ((POOL_SIZE > 0)) || return 0
+  for _ in $(seq 200); do
+    idle=$(curl -sS -H "Authorization: Bearer $token" "http://$ADDR/metrics" |
+      awk '/^cynode_worker_pool_idle\{/ {print $2}')
+    [[ -z $idle || $idle -ge 1 ]] && return 0
+    sleep 0.05
+  done
 }
 
 # start_worker ENGINE: starts a worker; sets ADDR.
@@ -148,6 +166,7 @@ for engine in $ENGINES; do
   : >"$work/$engine.tti"
   for i in $(seq "$RUNS"); do
     tid=tti-$engine-$$-$i
+    wait_idle
     t0=$(date +%s.%N)
     call POST /v1/worker/sessions \
       "{\"version\":1,\"session_id\":\"$tid\",\"task_id\":\"$task-$engine\",\"image\":\"$image\",\"workspace_id\":\"$tid\"}" |
@@ -163,12 +182,18 @@ for engine in $ENGINES; do
   call POST "/v1/worker/sessions/$sid/exec" \
     "{\"version\":1,\"command\":[\"sh\",\"-c\",\"head -c $((WORKSPACE_MB << 20)) /dev/urandom > /workspace/blob && sync\"],\"timeout_seconds\":300}" |
     jq -e '.status == "completed"' >/dev/null || die "$engine: fill: $(cat "$work/body")"
-  for f in suspend resume first_exec snapshot fork; do : >"$work/$engine.$f"; done
+  for f in exec suspend resume first_exec snapshot fork; do : >"$work/$engine.$f"; done
+  for i in $(seq "$RUNS"); do
+    call POST "/v1/worker/sessions/$sid/exec" '{"version":1,"command":["true"]}' |
+      jq -e '.status == "completed"' >/dev/null || die "$engine: exec: $(cat "$work/body")"
+    cat "$work/t" >>"$work/$engine.exec"
+  done
   copy=
   for i in $(seq "$RUNS"); do
     call POST "/v1/worker/sessions/$sid:suspend" | jq -e '.status == "suspended"' >/dev/null ||
       die "$engine: suspend: $(cat "$work/body")"
     cat "$work/t" >>"$work/$engine.suspend"
+    wait_idle
     t0=$(date +%s.%N)
     call POST "/v1/worker/sessions/$sid:resume" | jq -e '.status == "running"' >/dev/null ||
       die "$engine: resume: $(cat "$work/body")"
@@ -179,6 +204,7 @@ for engine in $ENGINES; do
     [[ $snap == snap-* ]] || die "$engine: snapshot: $(cat "$work/body")"
     cat "$work/t" >>"$work/$engine.snapshot"
     fid=fork-$engine-$$-$i
+    wait_idle
     copy=$(call POST /v1/worker/sessions \
       "{\"version\":1,\"session_id\":\"$fid\",\"task_id\":\"$task-$engine\",\"image\":\"$image\",\"workspace_id\":\"$fid\",\"from_snapshot\":\"$snap\"}" |
       jq -r .workspace_copy)
@@ -189,6 +215,7 @@ for engine in $ENGINES; do
   done
   row=$(jq -n --arg engine "$engine" --arg copy "$copy" --argjson mb "$WORKSPACE_MB" \
     --arg t50 "$(pct "$work/$engine.tti" 50)" --arg t95 "$(pct "$work/$engine.tti" 95)" \
+    --arg x50 "$(pct "$work/$engine.exec" 50)" --arg x95 "$(pct "$work/$engine.exec" 95)" \
     --arg s50 "$(pct "$work/$engine.suspend" 50)" --arg s95 "$(pct "$work/$engine.suspend" 95)" \
     --arg r50 "$(pct "$work/$engine.resume" 50)" --arg r95 "$(pct "$work/$engine.resume" 95)" \
     --arg e50 "$(pct "$work/$engine.first_exec" 50)" --arg e95 "$(pct "$work/$engine.first_exec" 95)" \
@@ -196,6 +223,7 @@ for engine in $ENGINES; do
     --arg f50 "$(pct "$work/$engine.fork" 50)" --arg f95 "$(pct "$work/$engine.fork" 95)" \
     '{engine: $engine, workspace_mb: $mb, copy: $copy,
       time_to_interactive_ms: {p50: ($t50|tonumber), p95: ($t95|tonumber)},
+      exec_ms: {p50: ($x50|tonumber), p95: ($x95|tonumber)},
       suspend_ms: {p50: ($s50|tonumber), p95: ($s95|tonumber)},
       resume_ms: {p50: ($r50|tonumber), p95: ($r95|tonumber)},
       resume_to_first_exec_ms: {p50: ($e50|tonumber), p95: ($e95|tonumber)},

@@ -286,8 +286,10 @@ fn the_janitor_refuses_what_is_not_its_node() {
 }
 
 /// An engine keeps a killed node's containers running (conmon or the daemon holds them):
-/// a job's until its command ends, a session's keep-alive until the session's max
-/// lifetime. The node's janitor removes both, without a restart.
+/// a job's until its command ends, a gVisor session's keep-alive until the session's max
+/// lifetime. The node's janitor removes them, without a restart; a session's container
+/// whose PID 1 is the pool waiter ends by itself (its waiter reads end of file), or is
+/// among the janitor's orphans when the sweep comes first.
 pub async fn a_killed_nodes_janitor_removes_its_containers(backend: &'static str) {
     let cli = crate::harness::engine_cli(backend).expect("an engine backend");
     let mut sv = Server::start(backend, "");
@@ -329,7 +331,7 @@ pub async fn a_killed_nodes_janitor_removes_its_containers(backend: &'static str
     .await;
     let line = sweep_line(&log).await;
     assert!(
-        line["fields"]["orphans"].as_u64() >= Some(2),
+        line["fields"]["orphans"].as_u64() >= Some(1),
         "{cli}: {line}"
     );
     sv.restart();

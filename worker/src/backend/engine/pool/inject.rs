@@ -20,6 +20,7 @@ use crate::backend::mount_tree::{
     clone_tree, clone_tree_at, ctx, in_mount_namespace, job_attrs, move_onto, MOUNT_ATTR_NODEV,
     MOUNT_ATTR_NOEXEC, MOUNT_ATTR_NOSUID, MOUNT_ATTR_RDONLY,
 };
+use crate::sandbox::{JOB_MOUNT, WORKSPACE_MOUNT};
 
 /// The uid whose passwd and group entries a Podman job gets when the image has none.
 #[derive(Debug)]
@@ -133,7 +134,9 @@ fn add_identity(
 
 /// Clones each host directory's mount tree, then, on a thread of its own in the
 /// container's mount namespace (entered through `pidfd`), moves each clone onto its
-/// placeholder and detaches `/.cynode`. Blocking.
+/// placeholder, detaches the placeholders no clone takes (a session has no `/job`: its
+/// empty directory stays, and no mount naming the node's state directory) and `/.cynode`.
+/// Blocking.
 pub(super) fn inject(
     pidfd: &OwnedFd,
     mounts: &[(PathBuf, String, bool)],
@@ -156,6 +159,12 @@ pub(super) fn inject(
             rmount::unmount(*target, UnmountFlags::DETACH)
                 .map_err(ctx("umount the placeholder"))?;
             move_onto(tree, *target, OFlags::DIRECTORY)?;
+        }
+        for placeholder in [JOB_MOUNT, WORKSPACE_MOUNT] {
+            if !trees.iter().any(|(_, t)| *t == placeholder) {
+                rmount::unmount(placeholder, UnmountFlags::DETACH)
+                    .map_err(ctx("umount an unused placeholder"))?;
+            }
         }
         if let Some(id) = &identity {
             add_identity(id, &files)?;
