@@ -40,49 +40,19 @@ image=${2:-localhost/cynode-sba-test-python:latest}
 command -v podman >/dev/null || die "podman not found: run deploy/install-deps.sh"
 podman image exists "$base" || die "base image $base not found: run deploy/sba/build-test-image.sh"
 
-installed() { # PACKAGE: true when dpkg has it installed
-  [[ $(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null) == installed ]]
-}
 installed python3-pip || die "python3-pip is not installed on the host: run deploy/install-deps.sh"
 
-# The installed dependency closure of python3-pip (Depends and Pre-Depends, the first
-# installed alternative of each), kept to the Python packages themselves: the C
-# libraries come from ldd below, and tools such as dpkg or openssl are not needed.
-declare -A seen=()
-queue=(python3-pip)
-packages=()
-while ((${#queue[@]})); do
-  pkg=${queue[0]}
-  queue=("${queue[@]:1}")
-  [[ -n ${seen[$pkg]:-} ]] && continue
-  seen[$pkg]=1
-  [[ $pkg =~ ^(lib)?python3 ]] || continue
-  packages+=("$pkg")
-  deps=$(dpkg-query -W -f='${Pre-Depends}, ${Depends}' "$pkg")
-  IFS=',' read -ra alternatives <<<"$deps"
-  for alt in "${alternatives[@]}"; do
-    IFS='|' read -ra choices <<<"$alt"
-    for choice in "${choices[@]}"; do
-      name=$(sed -e 's/([^)]*)//g' -e 's/:.*//' -e 's/[[:space:]]//g' <<<"$choice")
-      [[ -n $name ]] || continue
-      if installed "$name"; then
-        queue+=("$name")
-        break
-      fi
-    done
-  done
-done
-mapfile -t packages < <(printf '%s\n' "${packages[@]}" | sort)
+# The installed dependency closure of python3-pip, kept to the Python packages
+# themselves: the C libraries come from ldd below, and tools such as dpkg or openssl are
+# not needed.
+dependency_closure '^(lib)?python3' '' python3-pip
 versions=$(dpkg-query -W -f='${Package}=${Version}\n' "${packages[@]}")
 
 base_id=$(podman image inspect --format '{{.Id}}' "$base")
 sba_sha=$(image_label "$base" io.cynode.sba.sha256)
-recipe_sha=$(printf '%s\n%s\n' "$base_id" "$versions" | cat "$0" - | sha256sum | cut -d' ' -f1)
+recipe_sha=$(printf '%s\n%s\n' "$base_id" "$versions" | cat "$0" "$cynode_lib" - | sha256sum | cut -d' ' -f1)
 
-lock_name=$(printf '%s' "$image" | tr -c 'A-Za-z0-9._-' '_')
-mkdir -p /run/lock
-exec 9>"/run/lock/cynode-image-$lock_name.lock"
-flock -w 900 9 || die "timed out waiting for the build lock of $image"
+lock_image "$image"
 
 exit_if_image_current "$image" "$sba_sha" "$recipe_sha" "${CYNODE_IMAGE_FORCE:-0}"
 
@@ -96,29 +66,9 @@ dpkg -L "${packages[@]}" | sort -u | while read -r f; do
 done >"$work/files"
 # The interpreter's and the extension modules' shared libraries, and the CA bundle.
 python=$(readlink -f /usr/bin/python3)
-grep -E '\.so(\.|$)' "$work/files" | { cat; printf '%s\n' "$python"; } |
-  xargs -r ldd 2>/dev/null | grep -o '/[^ ]* (0x' | sed 's/ (0x$//' | sort -u |
-  while read -r lib; do
-    printf '%s\n' "$lib"
-    # Through the merged-/usr links the base image has (/lib -> usr/lib): a library
-    # named under /lib is stored under /usr/lib, where the link leads.
-    real=$(readlink -f "$lib")
-    [[ $real != "$lib" ]] && printf '%s\n' "$real"
-  done >>"$work/files"
-[[ -f /etc/ssl/certs/ca-certificates.crt ]] && echo /etc/ssl/certs/ca-certificates.crt >>"$work/files"
-# Under /usr only (paths under /lib, /bin go to /usr: the base image links them there).
-mkdir -p "$work/ctx/root"
-sort -u "$work/files" | while read -r f; do
-  case $f in
-    /lib/* | /lib64/* | /bin/* | /sbin/*) dest=/usr$f ;;
-    *) dest=$f ;;
-  esac
-  mkdir -p "$work/ctx/root$(dirname "$dest")"
-  cp -a "$f" "$work/ctx/root$dest"
-done
-tar --numeric-owner -C "$work/ctx/root" -cf "$work/ctx/python.tar" .
-rm -rf "$work/ctx/root"
-log "layer: $(du -m "$work/ctx/python.tar" | cut -f1) MiB"
+grep -E '\.so(\.|$)' "$work/files" | { cat; printf '%s\n' "$python"; } | add_libraries >>"$work/files"
+mkdir -p "$work/ctx"
+pack_layer "$work/files" "$work/ctx/python.tar"
 
 cat >"$work/ctx/Containerfile" <<EOF
 FROM $base

@@ -48,10 +48,7 @@ fi
 sba_sha=$(sha256sum "$sba_binary" | cut -d' ' -f1)
 recipe_sha=$(cat "$0" "$busybox" | sha256sum | cut -d' ' -f1)
 
-lock_name=$(printf '%s' "$image" | tr -c 'A-Za-z0-9._-' '_')
-mkdir -p /run/lock
-exec 9>"/run/lock/cynode-image-$lock_name.lock"
-flock -w 900 9 || die "timed out waiting for the build lock of $image"
+lock_image "$image"
 
 exit_if_image_current "$image" "$sba_sha" "$recipe_sha" "${CYNODE_IMAGE_FORCE:-0}"
 

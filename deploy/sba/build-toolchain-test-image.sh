@@ -51,9 +51,6 @@ image=${2:-localhost/cynode-sba-test-toolchains:latest}
 command -v podman >/dev/null || die "podman not found: run deploy/install-deps.sh"
 podman image exists "$base" || die "base image $base not found: run deploy/sba/build-test-image.sh"
 
-installed() { # PACKAGE: true when dpkg has it installed
-  [[ $(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null) == installed ]]
-}
 roots=()
 for pkg in nodejs golang-go cargo-web; do
   installed "$pkg" || die "$pkg is not installed on the host: run deploy/install-deps.sh"
@@ -62,35 +59,10 @@ done
 installed npm && roots+=(npm)
 [[ -x /usr/bin/npm ]] || die "no /usr/bin/npm on the host: run deploy/install-deps.sh"
 
-# The installed dependency closure of the roots (Depends and Pre-Depends, the first
-# installed alternative of each), kept to the toolchains' own packages.
-keep='^(nodejs|npm|node-|libnode[0-9]|golang-|cargo-web|rustc-web|libstd-rust-web-)'
-declare -A seen=()
-queue=("${roots[@]}")
-packages=()
-while ((${#queue[@]})); do
-  pkg=${queue[0]}
-  queue=("${queue[@]:1}")
-  [[ -n ${seen[$pkg]:-} ]] && continue
-  seen[$pkg]=1
-  [[ $pkg =~ $keep ]] || continue
-  # The Rust standard library's rlibs: followed (to librustc_driver's package), not kept.
-  [[ $pkg == libstd-rust-web-dev ]] || packages+=("$pkg")
-  deps=$(dpkg-query -W -f='${Pre-Depends}, ${Depends}' "$pkg")
-  IFS=',' read -ra alternatives <<<"$deps"
-  for alt in "${alternatives[@]}"; do
-    IFS='|' read -ra choices <<<"$alt"
-    for choice in "${choices[@]}"; do
-      name=$(sed -e 's/([^)]*)//g' -e 's/:.*//' -e 's/[[:space:]]//g' <<<"$choice")
-      [[ -n $name ]] || continue
-      if installed "$name"; then
-        queue+=("$name")
-        break
-      fi
-    done
-  done
-done
-mapfile -t packages < <(printf '%s\n' "${packages[@]}" | sort)
+# The installed dependency closure of the roots, kept to the toolchains' own packages;
+# the Rust standard library's rlibs are followed (to librustc_driver's package), not kept.
+dependency_closure '^(nodejs|npm|node-|libnode[0-9]|golang-|cargo-web|rustc-web|libstd-rust-web-)' \
+  '^libstd-rust-web-dev$' "${roots[@]}"
 versions=$(dpkg-query -W -f='${Package}=${Version}\n' "${packages[@]}")
 # npm as it is on disk: `npm install -g npm` replaces NodeSource's bundled copy in place,
 # outside dpkg's lists (this machine's is such a copy). Its version joins the recipe.
@@ -100,12 +72,9 @@ versions+=$'\n'"npm-on-disk=$npm_version"
 
 base_id=$(podman image inspect --format '{{.Id}}' "$base")
 sba_sha=$(image_label "$base" io.cynode.sba.sha256)
-recipe_sha=$(printf '%s\n%s\n' "$base_id" "$versions" | cat "$0" - | sha256sum | cut -d' ' -f1)
+recipe_sha=$(printf '%s\n%s\n' "$base_id" "$versions" | cat "$0" "$cynode_lib" - | sha256sum | cut -d' ' -f1)
 
-lock_name=$(printf '%s' "$image" | tr -c 'A-Za-z0-9._-' '_')
-mkdir -p /run/lock
-exec 9>"/run/lock/cynode-image-$lock_name.lock"
-flock -w 900 9 || die "timed out waiting for the build lock of $image"
+lock_image "$image"
 
 exit_if_image_current "$image" "$sba_sha" "$recipe_sha" "${CYNODE_IMAGE_FORCE:-0}"
 
@@ -124,28 +93,9 @@ find "$npm_dir" \( -type f -o -type l \) >>"$work/files"
 # The shared libraries of the programs and libraries among them, and the CA bundle.
 grep -E '/bin/[^/]+$|\.so(\.|$)' "$work/files" | while read -r f; do
   readlink -f "$f"
-done | sort -u | xargs -r sh -c 'ldd "$@" 2>/dev/null || true' ldd | grep -o '/[^ ]* (0x' | sed 's/ (0x$//' |
-  sort -u | while read -r lib; do
-  printf '%s\n' "$lib"
-  # Through the merged-/usr links the base image has (/lib -> usr/lib): a library
-  # named under /lib is stored under /usr/lib, where the link leads.
-  real=$(readlink -f "$lib")
-  if [[ $real != "$lib" ]]; then printf '%s\n' "$real"; fi
-done >>"$work/files"
-[[ -f /etc/ssl/certs/ca-certificates.crt ]] && echo /etc/ssl/certs/ca-certificates.crt >>"$work/files"
-# Under /usr only (paths under /lib, /bin go to /usr: the base image links them there).
-mkdir -p "$work/ctx/root"
-sort -u "$work/files" | while read -r f; do
-  case $f in
-    /lib/* | /lib64/* | /bin/* | /sbin/*) dest=/usr$f ;;
-    *) dest=$f ;;
-  esac
-  mkdir -p "$work/ctx/root$(dirname "$dest")"
-  cp -a "$f" "$work/ctx/root$dest"
-done
-tar --numeric-owner -C "$work/ctx/root" -cf "$work/ctx/toolchains.tar" .
-rm -rf "$work/ctx/root"
-log "layer: $(du -m "$work/ctx/toolchains.tar" | cut -f1) MiB"
+done | sort -u | add_libraries >>"$work/files"
+mkdir -p "$work/ctx"
+pack_layer "$work/files" "$work/ctx/toolchains.tar"
 
 cat >"$work/ctx/Containerfile" <<EOF
 FROM $base

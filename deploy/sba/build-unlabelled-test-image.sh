@@ -28,10 +28,7 @@ source_id=$(podman image inspect --format '{{.Id}}' "$source_image") ||
   die "podman has no image $source_image: run deploy/sba/build-test-image.sh"
 recipe_sha=$(sha256sum "$0" | cut -d' ' -f1)
 
-lock_name=$(printf '%s' "$image" | tr -c 'A-Za-z0-9._-' '_')
-mkdir -p /run/lock
-exec 9>"/run/lock/cynode-image-$lock_name.lock"
-flock -w 900 9 || die "timed out waiting for the build lock of $image"
+lock_image "$image"
 
 old_id=""
 if podman image exists "$image"; then

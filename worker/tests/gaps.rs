@@ -32,25 +32,7 @@ const GAPS: &[(&str, &str, &str, &str)] = &[
         "microvm",
         "cases",
         "in_progress_is_reported_from_the_sandbox",
-        "the SBA's lifecycle status.sock does not cross the VM boundary (connection refused in the guest), and the guest cannot write result.json (see the next entries)",
-    ),
-    (
-        "microvm",
-        "cases",
-        "sba_job_end_to_end_with_verified_artifacts",
-        "the guest's job runs as uid 1000, but /job and /workspace belong to the workspace's own host uid (uid_pool) on the 9p share: its writes are refused (Permission denied)",
-    ),
-    (
-        "microvm",
-        "cases",
-        "resubmit_is_idempotent",
-        "the guest's job runs as uid 1000, but /workspace belongs to the workspace's own host uid (uid_pool): the file the job writes is never made (Permission denied)",
-    ),
-    (
-        "microvm",
-        "cases",
-        "workspace_persists_across_a_tasks_jobs",
-        "the guest's job runs as uid 1000, but /workspace belongs to the workspace's own host uid (uid_pool): `sh: can't create notes.txt: Permission denied`",
+        "the SBA's lifecycle status.sock does not cross the VM boundary (connection refused in the guest)",
     ),
 ];
 

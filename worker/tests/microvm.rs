@@ -204,3 +204,53 @@ async fn the_guests_root_has_the_device_nodes_an_init_without_a_console_needs() 
         assert!(line.starts_with(mode) && line.contains(numbers), "{line}");
     }
 }
+
+/// The share's `/workspace` is an idmapped mount: the workspace's own host uid is the
+/// guest's 1000, and nothing else is. A file the guest makes is stored as the workspace's
+/// uid; a file of root or of another uid planted in the workspace is shown as nobody's and
+/// the guest can neither change root's nor read the other uid's private one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_share_maps_only_the_workspaces_uid() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    setup();
+    let sv = Server::start("microvm", "");
+    let task = unique("t");
+    let (_, v) = sv
+        .run_job(
+            &unique("j"),
+            &task,
+            &[
+                "sh",
+                "-c",
+                "echo mine >/workspace/mine && stat -c '%u %g' /workspace",
+            ],
+        )
+        .await;
+    assert_eq!(v["stdout"], "1000 1000\n", "{v}");
+    let ws = sv.state_dir().join("workspaces").join(&task);
+    let ws_uid = std::fs::metadata(&ws).unwrap().uid();
+    assert_ne!(ws_uid, 1000);
+    let mine = std::fs::metadata(ws.join("mine")).unwrap();
+    assert_eq!((mine.uid(), mine.gid()), (ws_uid, ws_uid));
+    std::fs::write(ws.join("root_file"), "root's\n").unwrap();
+    std::fs::set_permissions(ws.join("root_file"), std::fs::Permissions::from_mode(0o644)).unwrap();
+    std::fs::write(ws.join("other_file"), "private\n").unwrap();
+    std::os::unix::fs::chown(ws.join("other_file"), Some(ws_uid + 1), Some(ws_uid + 1)).unwrap();
+    std::fs::set_permissions(
+        ws.join("other_file"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    let script = "stat -c '%u %u' /workspace/root_file /workspace/other_file | tr '\\n' ' '; \
+                  echo x >>/workspace/root_file 2>/dev/null && echo WROTE; \
+                  cat /workspace/other_file 2>/dev/null && echo READ; \
+                  chmod 666 /workspace/root_file 2>/dev/null && echo CHMOD; echo end";
+    let (_, v) = sv.run_job(&unique("j"), &task, &["sh", "-c", script]).await;
+    assert_eq!(v["stdout"], "65534 65534 65534 65534 end\n", "{v}");
+    assert_eq!(
+        std::fs::read_to_string(ws.join("root_file")).unwrap(),
+        "root's\n"
+    );
+    let root_file = std::fs::metadata(ws.join("root_file")).unwrap();
+    assert_eq!((root_file.uid(), root_file.mode() & 0o777), (0, 0o644));
+}

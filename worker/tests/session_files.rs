@@ -20,6 +20,13 @@ on_both_backends!(
     files_are_read_written_and_listed_as_the_sandbox_sees_them,
 );
 
+// On the microVM (each command a VM of its own under TCG here): the cases that show its
+// sessions keep their promises, not every one again.
+on_both_backends!(@one session_files microvm [
+    paths_that_leave_the_workspace_are_refused,
+    files_are_read_written_and_listed_as_the_sandbox_sees_them
+]);
+
 /// A running session of a test.
 pub(crate) struct Session {
     pub id: String,

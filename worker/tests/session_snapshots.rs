@@ -24,6 +24,12 @@ on_both_backends!(
     delete_frees_the_budget,
 );
 
+// On the microVM (each command a VM of its own under TCG here): the cases that show its
+// sessions keep their promises, not every one again.
+on_both_backends!(@one session_snapshots microvm [
+    two_forks_of_one_snapshot_are_independent
+]);
+
 /// Makes `n` nested directories `d/d/…` under `root`, one name at a time beneath fds.
 fn deep_tree(root: &std::path::Path, n: usize) {
     use rustix::fs::{mkdirat, openat, Mode, OFlags};

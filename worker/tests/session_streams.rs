@@ -20,6 +20,13 @@ on_both_backends!(
     the_wait_gives_the_exit_code,
 );
 
+// On the microVM (each command a VM of its own under TCG here): the cases that show its
+// sessions keep their promises, not every one again.
+on_both_backends!(@one session_streams microvm [
+    a_dropped_reader_reattaches_and_loses_nothing_kept,
+    the_wait_gives_the_exit_code
+]);
+
 /// One server-sent event.
 #[derive(Debug, Clone)]
 pub(crate) struct Event {

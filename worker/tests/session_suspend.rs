@@ -22,6 +22,15 @@ on_both_backends!(
     every_route_wants_the_token,
 );
 
+// On the microVM (each command a VM of its own under TCG here): the cases that show its
+// sessions keep their promises, not every one again.
+on_both_backends!(@one session_suspend microvm [
+    twenty_cycles_keep_the_workspace_byte_for_byte,
+    suspended_sessions_survive_a_restart_and_a_kill9,
+    memory_suspend_is_refused_by_name,
+    suspend_during_writes_loses_no_acknowledged_write
+]);
+
 /// Small volumes: a snapshot or a fork copies less.
 pub const CONFIG: &str = "limits:\n  disk_mb: 256\n  disk_max_files: 40000\n";
 

@@ -24,6 +24,15 @@ on_both_backends!(
     invalid_requests_name_the_field,
 );
 
+// On the microVM (each command a VM of its own under TCG here): the cases that show its
+// sessions keep their promises, not every one again.
+on_both_backends!(@one sessions microvm [
+    lifecycle_keeps_the_workspace_and_removes_the_sandbox,
+    exec_timeout_kills_the_command_and_the_session_lives_on,
+    a_command_cannot_end_its_container_and_its_death_ends_the_session,
+    background_process_ends_with_the_session
+]);
+
 fn create_body(session_id: &str, task_id: &str) -> Value {
     json!({ "version": 1, "session_id": session_id, "task_id": task_id, "image": env().image })
 }
@@ -149,8 +158,13 @@ pub async fn lifecycle_keeps_the_workspace_and_removes_the_sandbox(backend: &'st
     let ws_uid = std::fs::metadata(host.parent().unwrap()).unwrap().uid();
     assert_eq!(std::fs::metadata(&host).unwrap().uid(), ws_uid);
     assert!(ws_uid >= 0x7000_0000, "not from sandbox_uids: {ws_uid}");
-    // Inside: uid 1000 under bwrap (its user namespace maps it), the host uid otherwise.
-    let inside = if backend == "bwrap" { 1000 } else { ws_uid };
+    // Inside: uid 1000 under bwrap (its user namespace maps it) and in the microVM's guest
+    // (its share is idmapped), the host uid otherwise.
+    let inside = if matches!(backend, "bwrap" | "microvm") {
+        1000
+    } else {
+        ws_uid
+    };
     // Env: the session's, the exec's over it, the node's over both.
     let mut body = exec_body(&[
         "sh",

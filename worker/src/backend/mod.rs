@@ -24,6 +24,7 @@ pub mod engine;
 pub mod exec_io;
 #[cfg(test)]
 pub mod fake;
+pub mod idmap;
 pub mod image_labels;
 pub mod isolated;
 pub mod microvm;

@@ -97,12 +97,33 @@ where
 /// Sets mount attributes on a detached tree (recursively). rustix has no
 /// `mount_setattr`, so this one call is made by hand.
 fn set_attrs(tree: &OwnedFd, set: u64) -> std::io::Result<()> {
-    let attr = MountAttr {
-        attr_set: set,
-        attr_clr: 0,
-        propagation: 0,
-        userns_fd: 0,
-    };
+    mount_setattr(
+        tree,
+        MountAttr {
+            attr_set: set,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: 0,
+        },
+    )
+}
+
+/// Idmaps a detached tree (recursively) with the id mapping of the user namespace
+/// `userns` ([`super::idmap::mapping`]): a file of an id the mapping names is shown, and
+/// created, as the id it maps to.
+pub fn set_idmap(tree: &OwnedFd, userns: &OwnedFd) -> std::io::Result<()> {
+    mount_setattr(
+        tree,
+        MountAttr {
+            attr_set: MOUNT_ATTR_IDMAP,
+            attr_clr: 0,
+            propagation: 0,
+            userns_fd: userns.as_raw_fd() as u64,
+        },
+    )
+}
+
+fn mount_setattr(tree: &OwnedFd, attr: MountAttr) -> std::io::Result<()> {
     // SAFETY: mount_setattr on our detached tree with a valid attr struct and its size.
     let r = unsafe {
         libc::syscall(
@@ -145,3 +166,4 @@ pub const MOUNT_ATTR_RDONLY: u64 = 0x1;
 pub const MOUNT_ATTR_NOSUID: u64 = 0x2;
 pub const MOUNT_ATTR_NODEV: u64 = 0x4;
 pub const MOUNT_ATTR_NOEXEC: u64 = 0x8;
+const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;

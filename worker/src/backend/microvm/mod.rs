@@ -319,7 +319,7 @@ impl SandboxBackend for MicrovmBackend {
             },
             _ = cancel.cancelled() => return fail("canceled".into()),
         };
-        if let Err(e) = vm.claim(&mounts, &job).await {
+        if let Err(e) = vm.claim(&mounts, spec.host_uid, &job).await {
             return fail(e.to_string());
         }
         let out = capture::spawn_stdout(vm.out.take(), spec.output_cap);

@@ -17,7 +17,6 @@
 //! QEMU is dead, before the staging directories are removed (by `rmdir` only: nothing is
 //! ever deleted recursively through a mount).
 
-use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -364,55 +363,24 @@ pub fn unmount(target: &Path) {
     }
 }
 
-/// Bind-mounts the node's directory `src` onto `dst`. `src` is opened first without
-/// following a link at its last component, and mounted through its `/proc/self/fd` path.
-fn bind(src: &Path, dst: &Path, writable: bool) -> Result<(), VmError> {
-    use rustix::fs::{Mode, OFlags};
-    use std::os::unix::ffi::OsStrExt;
-    let fd = rustix::fs::open(
-        src,
-        OFlags::PATH | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
-        Mode::empty(),
-    )
-    .map_err(|e| VmError::Claim(format!("{}: {e}", src.display())))?;
-    let from = std::ffi::CString::new(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-        .map_err(|e| VmError::Claim(e.to_string()))?;
-    let to = std::ffi::CString::new(dst.as_os_str().as_bytes())
-        .map_err(|e| VmError::Claim(e.to_string()))?;
-    let mut flags = libc::MS_BIND | libc::MS_NOSUID | libc::MS_NODEV;
-    // SAFETY: valid NUL-terminated paths, null type and data.
-    let rc = unsafe {
-        libc::mount(
-            from.as_ptr(),
-            to.as_ptr(),
-            std::ptr::null(),
-            flags,
-            std::ptr::null(),
-        )
-    };
-    if rc != 0 {
-        return Err(VmError::Claim(format!(
-            "bind {} on {}: {}",
+/// Mounts the host directory `src` on `dst` in the VM's share: a clone of its mount
+/// (`nosuid,nodev`, read-only unless `writable`) idmapped so that its owner, the
+/// workspace's host uid `uid`, is uid 1000 to QEMU and the guest, and what they create is
+/// stored as `uid` ([`crate::backend::idmap`]). Nothing is followed: `src` is opened
+/// without following a final link.
+fn bind(src: &Path, dst: &Path, writable: bool, uid: u32) -> Result<(), VmError> {
+    use crate::backend::mount_tree::{clone_tree, job_attrs, move_onto, set_idmap};
+    let fail = |what: &str, e: std::io::Error| {
+        VmError::Claim(format!(
+            "{what} {} on {}: {e}",
             src.display(),
-            dst.display(),
-            std::io::Error::last_os_error()
-        )));
-    }
-    flags |= libc::MS_REMOUNT;
-    if !writable {
-        flags |= libc::MS_RDONLY;
-    }
-    // SAFETY: as above.
-    unsafe {
-        libc::mount(
-            std::ptr::null(),
-            to.as_ptr(),
-            std::ptr::null(),
-            flags,
-            std::ptr::null(),
-        )
+            dst.display()
+        ))
     };
-    Ok(())
+    let tree = clone_tree(src, false, job_attrs(writable)).map_err(|e| fail("clone", e))?;
+    let userns = crate::backend::idmap::mapping(uid, SANDBOX_UID).map_err(|e| fail("idmap", e))?;
+    set_idmap(&tree, &userns).map_err(|e| fail("idmap", e))?;
+    move_onto(&tree, dst, rustix::fs::OFlags::DIRECTORY).map_err(|e| fail("mount", e))
 }
 
 async fn console_text(
@@ -460,16 +428,18 @@ impl Vm {
         matches!(self.child.try_wait(), Ok(None))
     }
 
-    /// Mounts the job's directories into the share and sends the spec. `mounts`: (host
-    /// directory, staging name, writable).
+    /// Mounts the job's directories into the share, idmapped from `host_uid` (their
+    /// owner) to the guest's uid 1000, and sends the spec. `mounts`: (host directory,
+    /// staging name, writable).
     pub async fn claim(
         &mut self,
         mounts: &[(PathBuf, &'static str, bool)],
+        host_uid: u32,
         spec: &JobSpec,
     ) -> Result<(), VmError> {
         for (src, name, writable) in mounts {
             let dst = self.dir.join("share").join(name);
-            bind(src, &dst, *writable)?;
+            bind(src, &dst, *writable, host_uid)?;
             self.mounted.push(dst);
         }
         let mut line = serde_json::to_vec(spec).map_err(|e| VmError::Claim(e.to_string()))?;
