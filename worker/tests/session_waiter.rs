@@ -30,6 +30,20 @@ async fn sh(sv: &Server, id: &str, script: &str) -> (i64, String, String) {
     )
 }
 
+/// Creates a session on `sv`; its id, and the guard that removes its container.
+async fn create(sv: &Server, backend: &str) -> (String, crate::harness::RemoveOnDrop) {
+    let id = unique("s");
+    let cleanup = session_guard(backend, &id);
+    let (code, v) = sv.post("/v1/worker/sessions", &create_body(&id)).await;
+    assert_eq!(code, 201, "{v}");
+    (id, cleanup)
+}
+
+/// The command line of the session container's PID 1, as a command reads it.
+async fn pid1(sv: &Server, id: &str) -> String {
+    sh(sv, id, "tr '\\0' ' ' </proc/1/cmdline").await.1
+}
+
 /// A field of `/proc/<pid>/status` as the session reads it.
 fn status_field(status: &str, key: &str) -> String {
     status
@@ -42,12 +56,9 @@ fn status_field(status: &str, key: &str) -> String {
 
 pub async fn the_sessions_init_is_the_waiter_and_gives_its_commands_nothing(backend: &'static str) {
     let sv = Server::start(backend, "");
-    let id = unique("s");
-    let _cleanup = session_guard(backend, &id);
-    let (code, v) = sv.post("/v1/worker/sessions", &create_body(&id)).await;
-    assert_eq!(code, 201, "{v}");
+    let (id, _cleanup) = create(&sv, backend).await;
 
-    let (_, cmdline, _) = sh(&sv, &id, "tr '\\0' ' ' </proc/1/cmdline").await;
+    let cmdline = pid1(&sv, &id).await;
     assert!(
         cmdline.contains("cynode-pool-waiter"),
         "PID 1 is {cmdline:?}"
@@ -132,10 +143,7 @@ pub async fn the_sessions_init_is_the_waiter_and_gives_its_commands_nothing(back
 /// at the drain bound), and the next command runs beside the process left behind.
 pub async fn a_process_left_holding_the_output_loses_the_command_nothing(backend: &'static str) {
     let sv = Server::start(backend, "");
-    let id = unique("s");
-    let _cleanup = session_guard(backend, &id);
-    let (code, v) = sv.post("/v1/worker/sessions", &create_body(&id)).await;
-    assert_eq!(code, 201, "{v}");
+    let (id, _cleanup) = create(&sv, backend).await;
     let (code, v) = sv
         .post(
             &format!("/v1/worker/sessions/{id}/exec"),
@@ -173,10 +181,7 @@ pub async fn an_idle_container_serves_the_session_and_goes_with_it(backend: &'st
     let sv = Server::start(backend, "");
     let cli = engine_cli(backend).unwrap();
     let claims = crate::warm_pool::pool_metric(&sv, "claims_total").await;
-    let id = unique("s");
-    let _cleanup = session_guard(backend, &id);
-    let (code, v) = sv.post("/v1/worker/sessions", &create_body(&id)).await;
-    assert_eq!(code, 201, "{v}");
+    let (id, _cleanup) = create(&sv, backend).await;
     assert_eq!(
         crate::warm_pool::pool_metric(&sv, "claims_total").await,
         claims + 1,
@@ -220,11 +225,8 @@ pub async fn without_the_waiter_a_session_keeps_a_keepalive_container(backend: &
             missing.path().join("cynode-pool-waiter").display()
         ),
     );
-    let id = unique("s");
-    let _cleanup = session_guard(backend, &id);
-    let (code, v) = sv.post("/v1/worker/sessions", &create_body(&id)).await;
-    assert_eq!(code, 201, "{v}");
-    let (_, cmdline, _) = sh(&sv, &id, "tr '\\0' ' ' </proc/1/cmdline").await;
+    let (id, _cleanup) = create(&sv, backend).await;
+    let cmdline = pid1(&sv, &id).await;
     assert!(
         !cmdline.contains("cynode-pool-waiter"),
         "PID 1 is {cmdline:?}"
