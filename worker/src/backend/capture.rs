@@ -49,6 +49,9 @@ pub async fn tapped<F: std::future::Future>(tap: std::sync::Arc<dyn Tap>, f: F) 
 /// How long a stream whose command has ended ([`spawn_until`]) may stay quiet before its
 /// capture ends: what the command wrote before its exit is already in the pipe.
 pub const QUIET_AFTER_END: Duration = Duration::from_millis(50);
+/// How long such a stream is read at most once its command has ended (a process left
+/// behind may write without pause).
+pub const READ_AFTER_END: Duration = Duration::from_millis(500);
 
 /// [`spawn`] of a sandbox's stdout, handed to the [`Tap`] in scope as well.
 pub fn spawn_stdout<R: AsyncRead + Unpin + Send + 'static>(
@@ -68,8 +71,9 @@ pub fn spawn_stderr<R: AsyncRead + Unpin + Send + 'static>(
 
 /// [`spawn_stdout`] or [`spawn_stderr`] of a command whose pipe may outlive it (a process
 /// it left in a session holds the write end): once `ended` fires, the capture reads on
-/// until end of file or [`QUIET_AFTER_END`] without a byte, and keeps what it has, as an
-/// engine's `exec` stops relaying once its command has exited.
+/// until end of file, [`QUIET_AFTER_END`] without a byte or [`READ_AFTER_END`] in all,
+/// and keeps what it has, as an engine's `exec` stops relaying once its command has
+/// exited.
 pub fn spawn_until<R: AsyncRead + Unpin + Send + 'static>(
     stream: Option<R>,
     cap: usize,
@@ -102,18 +106,20 @@ fn spawn_tapped<R: AsyncRead + Unpin + Send + 'static>(
         let mut kept = Vec::new();
         let mut total = 0usize;
         let mut buf = vec![0u8; 64 * 1024];
-        let mut after_end = false;
+        let mut after_end: Option<tokio::time::Instant> = None;
         loop {
             let read = match (&ended, after_end) {
-                (Some(end), false) => tokio::select! {
+                (Some(end), None) => tokio::select! {
                     r = stream.read(&mut buf) => r,
                     _ = end.cancelled() => {
-                        after_end = true;
+                        after_end = Some(tokio::time::Instant::now() + READ_AFTER_END);
                         continue;
                     }
                 },
-                (Some(_), true) => {
-                    match tokio::time::timeout(QUIET_AFTER_END, stream.read(&mut buf)).await {
+                (Some(_), Some(until)) => {
+                    let left = until.saturating_duration_since(tokio::time::Instant::now());
+                    let quiet = QUIET_AFTER_END.min(left);
+                    match tokio::time::timeout(quiet, stream.read(&mut buf)).await {
                         Ok(r) => r,
                         Err(_) => break,
                     }
@@ -188,6 +194,28 @@ mod tests {
         let c = collect(pending, DRAIN_BOUND).await;
         assert_eq!((c.text.as_str(), c.truncated), ("before the end\n", false));
         drop(w);
+    }
+
+    #[tokio::test]
+    async fn a_writer_that_never_pauses_after_the_end_leaves_the_head_kept() {
+        use tokio::io::AsyncWriteExt;
+        let (mut w, r) = tokio::net::unix::pipe::pipe().unwrap();
+        let ended = tokio_util::sync::CancellationToken::new();
+        let pending = spawn_until(Some(r), 8, Which::Stdout, Some(ended.clone()));
+        w.write_all(b"head\n").await.unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        ended.cancel();
+        let writer = tokio::spawn(async move {
+            while w.write_all(b"more more more\n").await.is_ok() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        });
+        // Ends at its own bound, well before the drain bound would abort it and drop
+        // what it kept.
+        let c = collect(pending, DRAIN_BOUND).await;
+        writer.abort();
+        assert!(c.text.starts_with("head\n"), "{c:?}");
+        assert!(c.truncated);
     }
 
     #[tokio::test]
