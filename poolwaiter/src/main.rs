@@ -239,13 +239,15 @@ struct JobMount {
     target: String,
 }
 
-/// Reads one message (its body) and the descriptors sent with it, at most `max_fds`;
-/// `None` on end of file first.
+/// Reads one message (its body) and the descriptors sent with it, at most `max_fds`, and
+/// nothing of the next; `None` on end of file first.
 pub(crate) fn receive(
     sock: &mut UnixStream,
     max_fds: usize,
 ) -> std::io::Result<Option<(Vec<u8>, Vec<OwnedFd>)>> {
-    let mut buf = vec![0u8; 64 * 1024];
+    // Only the length first: a session's waiter may find the next message queued behind
+    // this one, which must stay in the socket.
+    let mut buf = [0u8; 4];
     // Room for three descriptors' control message.
     let mut cmsg = [0u64; 8];
     let mut iov = libc::iovec {
@@ -307,13 +309,8 @@ pub(crate) fn receive(
     if len > MAX_MESSAGE {
         return Err(std::io::Error::other("message too long"));
     }
-    let mut body = data.split_off(4);
-    if body.len() > len {
-        return Err(std::io::Error::other("trailing bytes after the message"));
-    }
-    let mut rest = vec![0u8; len - body.len()];
-    sock.read_exact(&mut rest)?;
-    body.extend_from_slice(&rest);
+    let mut body = vec![0u8; len];
+    sock.read_exact(&mut body)?;
     Ok(Some((body, fds)))
 }
 

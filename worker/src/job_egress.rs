@@ -218,6 +218,15 @@ impl JobEgress {
         g.as_ref().map(|p| (p.audit(), p.bytes_used()))
     }
 
+    /// The running proxy's connections still being served; `None` before it started.
+    pub fn open_connections(&self) -> Option<usize> {
+        let g = match self.slot.lock() {
+            Ok(g) => g,
+            Err(p) => p.into_inner(),
+        };
+        g.as_ref().map(|p| p.open_connections())
+    }
+
     /// Ends the proxy (its open connections are cut) and returns its audit; `None` when
     /// it never started (the sandbox did not).
     pub async fn finish(self) -> Option<EgressAudit> {

@@ -23,6 +23,7 @@ on_both_backends!(
     cat_echoes_its_stdin_and_ends_at_close,
     term_ends_a_sleep_and_the_wait_reports_it,
     int_reaches_a_trap_in_a_script,
+    signals_sent_at_once_all_arrive_and_the_session_lives_on,
 );
 
 /// Starts `script` streamed, with a stdin when `stdin`; answers the exec id.
@@ -364,6 +365,32 @@ pub async fn term_ends_a_sleep_and_the_wait_reports_it(backend: &'static str) {
         "{v}"
     );
     // The session runs the next command as before.
+    assert_eq!(s.sh(&sv, "echo next").await, (0, "next\n".to_string()));
+}
+
+/// Two signals sent at the same moment both reach the command (on Podman and Docker they
+/// are two messages to the session's waiter, which may find them queued together), and
+/// the session runs its next command.
+pub async fn signals_sent_at_once_all_arrive_and_the_session_lives_on(backend: &'static str) {
+    let sv = Server::start(backend, "");
+    let s = Session::start(&sv).await;
+    let script = "trap 'echo got-usr1' USR1; trap 'echo got-usr2' USR2; echo ready; \
+                  while :; do sleep 0.1; done";
+    let id = start(&sv, &s, script, false).await;
+    until_written(&sv, &s, &id, 6).await;
+    let path = exec_path(&s, &id);
+    let (one, two) = tokio::join!(signal(&sv, &path, "USR1"), signal(&sv, &path, "USR2"));
+    assert_eq!((one.0, two.0), (200, 200), "{one:?} {two:?}");
+    until_written(&sv, &s, &id, 6 + 9 + 9).await;
+    let (code, v) = signal(&sv, &path, "KILL").await;
+    assert_eq!(code, 200, "{v}");
+    let v = wait(&sv, &s, &id, 30_000).await;
+    assert_eq!(v["result"]["exit_code"], json!(137), "{v}");
+    let out = String::from_utf8_lossy(&stdout_of(&sv, &s, &id).await).into_owned();
+    assert!(
+        out.contains("got-usr1\n") && out.contains("got-usr2\n"),
+        "{out:?}"
+    );
     assert_eq!(s.sh(&sv, "echo next").await, (0, "next\n".to_string()));
 }
 

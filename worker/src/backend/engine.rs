@@ -852,7 +852,7 @@ impl EngineBackend {
         let pool::Running {
             name,
             mut child,
-            mut sock,
+            sock,
             stdout,
             stderr,
             dir,
@@ -869,7 +869,7 @@ impl EngineBackend {
         let out = capture::spawn_stdout(Some(stdout), spec.output_cap);
         let err = capture::spawn_stderr(Some(stderr), spec.output_cap);
         let (code, end) = tokio::select! {
-            c = pool::Running::exit_code(&mut sock) => match c {
+            c = pool::Running::exit_code(&sock) => match c {
                 Some(c) => (Some(Some(c)), EndReason::Exited),
                 // No report: the container ended (killed, OOM of the waiter); its client's
                 // code, as a cold job's.

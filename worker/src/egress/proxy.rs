@@ -153,6 +153,12 @@ impl EgressProxy {
         self.shared.audit.snapshot()
     }
 
+    /// Connections still being served (each is audited when it ends): the tracker's
+    /// tasks but the accept loop.
+    pub fn open_connections(&self) -> usize {
+        self.tracker.len().saturating_sub(1)
+    }
+
     /// Bytes carried so far, both ways.
     pub fn bytes_used(&self) -> u64 {
         self.shared.budget.used()

@@ -3,11 +3,13 @@
 //! inside the session's network namespace, its budgets (connections, bytes, idle) the
 //! session's, its audit split per exec and totalled for the session.
 //!
-//! - A keep-alive container (Podman or Docker with runc/crun) keeps one network namespace
+//! - A session container (Podman or Docker with runc/crun) keeps one network namespace
 //!   for the session's life: the proxy binds there once, when the session starts and before any
 //!   command runs, and ends when the session ends. An exec's records are those the
-//!   session's audit gained while it ran (a connection is recorded when it closes, so one
-//!   a background process keeps open is listed by the exec during which it closed).
+//!   session's audit gained while it ran, once the proxy serves no connection (at most
+//!   [`SETTLE_BOUND`] after the command's end: a connection is recorded when it closes,
+//!   so one a background process keeps open is listed by the exec during which it
+//!   closed).
 //! - bubblewrap runs each command as a sandbox of its own: each exec binds a proxy of its
 //!   own in that sandbox's namespace ([`crate::backend::SessionSandbox::exec_gated`]),
 //!   given what is left of the session's byte budget; one exec at a time keeps the
@@ -22,6 +24,9 @@ use cynode_protocol::worker_sessions::SessionEgress;
 use crate::backend::netns_gate::NetnsHook;
 use crate::egress::Policy;
 use crate::job_egress::{JobEgress, NodeEgress};
+
+/// How long an exec's end waits for the session-long proxy's connections to be audited.
+const SETTLE_BOUND: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// One session's egress.
 #[derive(Debug)]
@@ -159,6 +164,7 @@ impl SessionNet {
                 kept,
                 attempts: before,
             } => {
+                self.settle().await;
                 let s = self.state();
                 let now = match s.whole.as_ref().and_then(JobEgress::snapshot) {
                     Some((a, _)) => a,
@@ -190,6 +196,24 @@ impl SessionNet {
                     .saturating_add((audit.records.len() - keep) as u64 + audit.dropped);
                 (audit.records, audit.dropped)
             }
+        }
+    }
+
+    /// Waits (at most [`SETTLE_BOUND`]) until the session-long proxy serves no
+    /// connection: a command's own connections close with it, and each is audited once
+    /// its proxy task has seen the close, which may come just after the command's exit.
+    /// One a process left behind keeps open ends the wait at the bound.
+    async fn settle(&self) {
+        let until = tokio::time::Instant::now() + SETTLE_BOUND;
+        loop {
+            let open = {
+                let s = self.state();
+                s.whole.as_ref().and_then(JobEgress::open_connections)
+            };
+            if open.unwrap_or(0) == 0 || tokio::time::Instant::now() >= until {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
         }
     }
 

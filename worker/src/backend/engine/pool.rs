@@ -170,9 +170,9 @@ pub struct PoolStats {
     pub size: u64,
     pub idle: u64,
     pub starting: u64,
-    /// Jobs that got a pooled container.
+    /// Jobs and sessions that got a pooled container.
     pub claims: u64,
-    /// Jobs that found none and ran cold.
+    /// Jobs and sessions that found none (a job ran cold, a session got one made for it).
     pub misses: u64,
     /// Containers that failed to start or to take their job.
     pub failures: u64,
@@ -204,13 +204,13 @@ impl PoolStats {
             (
                 "pool_claims_total",
                 "counter",
-                "jobs started in a warm container",
+                "jobs and sessions started in a warm container",
                 self.claims,
             ),
             (
                 "pool_misses_total",
                 "counter",
-                "jobs that found no warm container and started cold",
+                "jobs and sessions that found no warm container (started cold, or in one made for them)",
                 self.misses,
             ),
             (
@@ -970,9 +970,7 @@ impl Slot {
                 else {
                     return fail("pipe descriptors".into());
                 };
-                if let Err(e) =
-                    send_job(&mut sock, &msg, [out_w.as_raw_fd(), err_w.as_raw_fd()]).await
-                {
+                if let Err(e) = send(&sock, &msg, &[out_w.as_raw_fd(), err_w.as_raw_fd()]).await {
                     return fail(format!("cannot send the job to the waiter: {e}"));
                 }
                 (Box::new(out_r), Box::new(err_r))
@@ -1030,9 +1028,9 @@ impl std::fmt::Debug for Running {
 impl Running {
     /// The job's exit code from the waiter (`X`), or `None` when the connection ended
     /// without one (the container died).
-    pub async fn exit_code(sock: &mut UnixStream) -> Option<i32> {
+    pub async fn exit_code(sock: &UnixStream) -> Option<i32> {
         let mut m = [0u8; 5];
-        sock.read_exact(&mut m).await.ok()?;
+        read_exact(sock, &mut m).await.ok()?;
         (m[0] == b'X').then(|| i32::from_le_bytes([m[1], m[2], m[3], m[4]]))
     }
 }
@@ -1081,28 +1079,52 @@ fn encode(spec: &SandboxSpec, argv: &[String], image: &ImageArgs, gvisor: bool) 
         field(m.target.as_bytes());
     }
     field(if gvisor && image.podman { b"1" } else { b"0" });
+    framed(&body)
+}
+
+/// `body` after its length (u32, little endian), as the waiter reads a message.
+fn framed(body: &[u8]) -> Vec<u8> {
     let mut msg = (body.len() as u32).to_le_bytes().to_vec();
-    msg.extend_from_slice(&body);
+    msg.extend_from_slice(body);
     msg
 }
 
-/// Sends `msg` with `fds` on its first bytes.
-async fn send_job(sock: &mut UnixStream, msg: &[u8], fds: [RawFd; 2]) -> std::io::Result<()> {
-    let sent = loop {
+/// Writes `msg` to `sock` with `fds` (`SCM_RIGHTS`) on its first bytes; through a shared
+/// reference, so a session's signal can be sent while its command's answer is awaited.
+async fn send(sock: &UnixStream, msg: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
+    let mut off = 0;
+    while off < msg.len() {
         sock.writable().await?;
-        match sock.try_io(tokio::io::Interest::WRITABLE, || {
-            sendmsg_fds(sock_fd(sock), msg, &fds)
-        }) {
-            Ok(n) => break n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+        let sent = sock.try_io(tokio::io::Interest::WRITABLE, || {
+            let part = &msg[off..];
+            if off == 0 && !fds.is_empty() {
+                sendmsg_fds(sock.as_raw_fd(), part, fds)
+            } else {
+                sendmsg_fds(sock.as_raw_fd(), part, &[])
+            }
+        });
+        match sent {
+            Ok(n) => off += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => return Err(e),
         }
-    };
-    sock.write_all(&msg[sent..]).await
+    }
+    Ok(())
 }
 
-fn sock_fd(s: &UnixStream) -> RawFd {
-    s.as_raw_fd()
+/// Reads exactly `buf.len()` bytes from `sock`, through a shared reference.
+async fn read_exact(sock: &UnixStream, buf: &mut [u8]) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        sock.readable().await?;
+        match sock.try_read(&mut buf[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 /// `sendmsg` of `msg` with `fds` (at most three) as `SCM_RIGHTS`; the bytes sent.

@@ -35,7 +35,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 
-use super::{encode, inject, sendmsg_fds, Identity, ImageArgs, Slot, READY_BOUND};
+use super::{encode, framed, inject, read_exact, send, Identity, ImageArgs, Slot, READY_BOUND};
 use crate::backend::capture::{self, Which};
 use crate::backend::engine::session::{kill_in_namespace, pid_ns_of, KEEPALIVE_MARGIN};
 use crate::backend::engine::EngineBackend;
@@ -142,75 +142,17 @@ impl Slot {
 
 /// `3`, uid, gid, hold seconds (`poolwaiter/src/session.rs`).
 fn session_message(uid: u32, hold: Duration) -> Vec<u8> {
-    let body = format!("3\0{uid}\0{uid}\0{}\0", hold.as_secs().max(1));
-    let mut msg = (body.len() as u32).to_le_bytes().to_vec();
-    msg.extend_from_slice(body.as_bytes());
-    msg
+    framed(format!("3\0{uid}\0{uid}\0{}\0", hold.as_secs().max(1)).as_bytes())
 }
 
 /// `K`, the signal's number.
 fn signal_message(sig: Signal) -> Vec<u8> {
-    let body = format!("K\0{}\0", sig.number());
-    let mut msg = (body.len() as u32).to_le_bytes().to_vec();
-    msg.extend_from_slice(body.as_bytes());
-    msg
-}
-
-/// Writes `msg` with `fds` on its first bytes to `sock`.
-async fn send(sock: &UnixStream, msg: &[u8], fds: &[RawFd]) -> std::io::Result<()> {
-    let mut off = 0;
-    while off < msg.len() {
-        sock.writable().await?;
-        let sent = sock.try_io(tokio::io::Interest::WRITABLE, || {
-            let part = &msg[off..];
-            if off == 0 && !fds.is_empty() {
-                sendmsg_fds(sock.as_raw_fd(), part, fds)
-            } else {
-                // SAFETY: a valid buffer and length on our socket.
-                let n = unsafe {
-                    libc::send(
-                        sock.as_raw_fd(),
-                        part.as_ptr().cast(),
-                        part.len(),
-                        libc::MSG_NOSIGNAL,
-                    )
-                };
-                if n < 0 {
-                    Err(std::io::Error::last_os_error())
-                } else {
-                    Ok(n as usize)
-                }
-            }
-        });
-        match sent {
-            Ok(n) => off += n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// Reads exactly `buf.len()` bytes from `sock`.
-async fn read_exact(sock: &UnixStream, buf: &mut [u8]) -> std::io::Result<()> {
-    let mut got = 0;
-    while got < buf.len() {
-        sock.readable().await?;
-        match sock.try_read(&mut buf[got..]) {
-            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
+    framed(format!("K\0{}\0", sig.number()).as_bytes())
 }
 
 /// The waiter's `X` and exit code.
 async fn exit_code(sock: &UnixStream) -> Option<i32> {
-    let mut m = [0u8; 5];
-    read_exact(sock, &mut m).await.ok()?;
-    (m[0] == b'X').then(|| i32::from_le_bytes([m[1], m[2], m[3], m[4]]))
+    super::Running::exit_code(sock).await
 }
 
 impl WarmSession {
