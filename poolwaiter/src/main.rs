@@ -32,6 +32,9 @@
 //!    signal when it was killed, as the engines report), and exits: as PID 1 its exit ends
 //!    the container, and the kernel kills whatever the job left behind.
 //!
+//! **A session** (runc/crun): a first message `3` (uid, gid, hold) instead of a job makes
+//! the waiter the session's PID 1, running each command it is sent ([`session`]).
+//!
 //! **`--seccomp-exec DIR -- COMMAND…`**, a second use: installs the node's seccomp filters
 //! (`DIR/filter-0.bpf`, `filter-1.bpf`, …: raw `struct sock_filter` arrays, the programs
 //! bubblewrap gets) with no_new_privs, then executes COMMAND (looked up in `PATH`). The
