@@ -855,6 +855,23 @@ fn poolable(spec: &SandboxSpec) -> bool {
         && spec.host_uid != 0
 }
 
+/// `spec`'s mounts as a claim moves them in: (host directory, target, writable).
+fn claim_mounts(spec: &SandboxSpec) -> Vec<(PathBuf, String, bool)> {
+    spec.mounts
+        .iter()
+        .map(|m| (m.host.clone(), m.target.clone(), m.writable))
+        .collect()
+}
+
+/// The passwd and group entries a claim adds for `spec`'s uid: Podman gives a cold
+/// container's uid one when the image has none, and a pooled container started as root.
+fn identity(spec: &SandboxSpec, args: &ImageArgs) -> Option<Identity> {
+    args.podman.then(|| Identity {
+        uid: spec.host_uid,
+        workdir: spec.workdir.clone(),
+    })
+}
+
 /// The argv the engine would run for `spec` in an image with `args`.
 fn job_argv(spec: &SandboxSpec, args: &ImageArgs) -> Vec<String> {
     if spec.override_entrypoint && !spec.command.is_empty() {
@@ -921,11 +938,7 @@ impl Slot {
         if argv.is_empty() {
             return fail("no command and no image entrypoint".into());
         }
-        let mounts: Vec<(PathBuf, String, bool)> = spec
-            .mounts
-            .iter()
-            .map(|m| (m.host.clone(), m.target.clone(), m.writable))
-            .collect();
+        let mounts = claim_mounts(spec);
         let gvisor = output.is_some();
         let msg = encode(spec, &argv, &args, gvisor);
         let (stdout, stderr): (Output, Output) = match output {
@@ -947,10 +960,7 @@ impl Slot {
             None => {
                 // Podman gives a cold job's uid an entry in passwd and group when the image
                 // has none; a pooled container was started as root, so the claim adds them.
-                let identity = args.podman.then(|| Identity {
-                    uid: spec.host_uid,
-                    workdir: spec.workdir.clone(),
-                });
+                let identity = identity(spec, &args);
                 let injected =
                     tokio::task::spawn_blocking(move || inject(&pidfd, &mounts, identity)).await;
                 match injected {

@@ -35,7 +35,10 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 use tokio_util::sync::CancellationToken;
 
-use super::{encode, framed, inject, read_exact, send, Identity, ImageArgs, Slot, READY_BOUND};
+use super::{
+    claim_mounts, encode, framed, identity, inject, read_exact, send, ImageArgs, Running, Slot,
+    READY_BOUND,
+};
 use crate::backend::capture::{self, Which};
 use crate::backend::engine::session::{kill_in_namespace, pid_ns_of, KEEPALIVE_MARGIN};
 use crate::backend::engine::EngineBackend;
@@ -90,15 +93,8 @@ impl Slot {
         if output.is_some() {
             return Err("a gVisor slot cannot serve a session".into());
         }
-        let mounts: Vec<(PathBuf, String, bool)> = spec
-            .mounts
-            .iter()
-            .map(|m| (m.host.clone(), m.target.clone(), m.writable))
-            .collect();
-        let identity = args.podman.then(|| Identity {
-            uid: spec.host_uid,
-            workdir: spec.workdir.clone(),
-        });
+        let mounts = claim_mounts(spec);
+        let identity = identity(spec, &args);
         let pidfd =
             tokio::task::spawn_blocking(move || inject(&pidfd, &mounts, identity).map(|()| pidfd))
                 .await
@@ -148,11 +144,6 @@ fn session_message(uid: u32, hold: Duration) -> Vec<u8> {
 /// `K`, the signal's number.
 fn signal_message(sig: Signal) -> Vec<u8> {
     framed(format!("K\0{}\0", sig.number()).as_bytes())
-}
-
-/// The waiter's `X` and exit code.
-async fn exit_code(sock: &UnixStream) -> Option<i32> {
-    super::Running::exit_code(sock).await
 }
 
 impl WarmSession {
@@ -256,7 +247,7 @@ impl SessionSandbox for WarmSession {
             .await;
         }
         let (code, end) = tokio::select! {
-            c = exit_code(&self.sock) => (c, EndReason::Exited),
+            c = Running::exit_code(&self.sock) => (c, EndReason::Exited),
             _ = tokio::time::sleep(spec.timeout.saturating_sub(started.elapsed())) => (None, EndReason::TimedOut),
             _ = cancel.cancelled() => (None, EndReason::Canceled),
         };
@@ -264,7 +255,7 @@ impl SessionSandbox for WarmSession {
             // Killed from the host; the waiter then reports its end.
             EndReason::TimedOut => {
                 kill_in_namespace(&self.pid_ns, &[self.pid as i32], &self.name).await;
-                tokio::time::timeout(KILLED_BOUND, exit_code(&self.sock))
+                tokio::time::timeout(KILLED_BOUND, Running::exit_code(&self.sock))
                     .await
                     .ok()
                     .flatten()
