@@ -355,7 +355,8 @@ pub trait SessionSandbox: Send + Sync + std::fmt::Debug {
     async fn exec(&self, spec: &SandboxSpec, cancel: &CancellationToken) -> SandboxOutcome;
 
     /// The pid of a process in the network namespace the session's commands share for
-    /// its whole life (the keep-alive container's init), where the session's egress proxy
+    /// its whole life (the session container's init: the pool waiter, or a keep-alive's
+    /// init), where the session's egress proxy
     /// binds once; `None` when there is none the node can bind in (each command a sandbox
     /// of its own, or gVisor's network stack).
     fn netns_pid(&self) -> Option<u32> {
