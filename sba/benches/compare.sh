@@ -3,7 +3,8 @@
 #
 # Builds the release, statically linked runner, then times three cases with hyperfine:
 #   a. runner overhead: a job with one `run_command` step of `true` vs spawning /bin/true
-#      directly (both with hyperfine -N, no shell), plus the runner's max RSS in that job;
+#      directly (both with hyperfine -N, no shell, started in the job's workspace with no
+#      result.json yet, as a sandbox starts the runner), plus the runner's max RSS in that job;
 #   b. apply_unified_diff of a 5,000-hunk patch over 500 files vs GNU `patch -p1`, each
 #      run on a fresh copy of the same tree (hyperfine --prepare; the copy is synced to
 #      disk first so no run pays for the previous run's writeback);
@@ -287,9 +288,13 @@ log "load average before timing: $LOAD_BEFORE"
 
 # ------------------------------------------------------------------------- timing
 log "a. runner overhead ($RUNS_OVERHEAD runs)"
-hyperfine -N --warmup 50 --runs "$RUNS_OVERHEAD" --export-json "$RES/overhead.json" \
+# As a sandbox runs it: in the workspace (a sandbox's working directory is /workspace, so
+# a step there starts without a chdir), and with no result.json yet (each job has a job
+# directory of its own; replacing a file would make ext4 write it back at the rename).
+(cd "$OVH/ws" && hyperfine -N --warmup 50 --runs "$RUNS_OVERHEAD" --export-json "$RES/overhead.json" \
+    --prepare "rm -f $OVH/job/result.json" --prepare "true" \
     -n "cynode-sba run_command true" "$(sba_cmd "$OVH/job" "$OVH/ws")" \
-    -n "/bin/true" "/bin/true"
+    -n "/bin/true" "/bin/true")
 
 log "a. max RSS (20 runs each)"
 measure_rss() { # command... -> max RSS in KiB

@@ -19,6 +19,7 @@ pub mod cli;
 pub mod confine;
 pub mod error;
 pub mod http;
+pub mod launch;
 pub mod lifecycle;
 pub mod patch;
 pub mod process;

@@ -9,7 +9,7 @@
 //! runner is a child subreaper, so orphans come back to it).
 
 use std::io::{self, Read, Write};
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStderr, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use rustix::event::{PollFd, PollFlags, Timespec};
 
 use crate::capture::HeadTail;
+use crate::launch;
 
 /// Time between SIGTERM and SIGKILL.
 pub const TERM_GRACE: Duration = Duration::from_millis(1000);
@@ -29,7 +30,7 @@ pub struct Spec<'a> {
     pub program: &'a str,
     pub args: &'a [String],
     pub env: Vec<(String, String)>,
-    /// Directory fd the child `fchdir`s into before exec.
+    /// Directory fd the child changes into before exec.
     pub cwd: BorrowedFd<'a>,
     pub stdin: Option<&'a [u8]>,
     pub deadline: Instant,
@@ -79,30 +80,32 @@ fn prctl_set(option: libc::c_int, value: libc::c_ulong) -> io::Result<()> {
 /// Spawns and supervises the child. `Err` only when it could not start.
 pub fn run(spec: Spec<'_>) -> io::Result<Outcome> {
     let started = Instant::now();
-    let mut cmd = Command::new(spec.program);
-    cmd.args(spec.args)
-        .env_clear()
-        .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .stdin(if spec.stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .process_group(0);
-    let cwd = spec.cwd.as_raw_fd();
-    // SAFETY: the closure runs between fork and exec and only calls the async-signal-safe
-    // fchdir on an fd that the parent keeps open for the duration of spawn.
-    unsafe {
-        cmd.pre_exec(move || {
-            if libc::fchdir(cwd) != 0 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn()?;
+    let resolved = launch::resolve(spec.program, &spec.env);
+    let program = resolved
+        .as_deref()
+        .and_then(|p| p.to_str())
+        .unwrap_or(spec.program);
+    let mut child = launch::spawn(program, |program, leading| {
+        let mut cmd = Command::new(program);
+        if leading.is_empty() {
+            // argv[0] stays the name the step gave, as the child's own PATH walk kept it.
+            cmd.arg0(spec.program);
+        }
+        cmd.args(leading)
+            .args(spec.args)
+            .env_clear()
+            .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .stdin(if spec.stdin.is_some() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .process_group(0);
+        launch::set_dir(&mut cmd, spec.cwd);
+        cmd
+    })?;
     let pid = child.id() as i32;
     let mut sup = Supervisor {
         pid,

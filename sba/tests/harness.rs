@@ -61,7 +61,8 @@ impl Sandbox {
     }
 
     /// The base command: file mode, this sandbox's paths, `--allow-root` (tests run as root
-    /// in CI), and a clean environment.
+    /// in CI), a clean environment, and the workspace as the working directory, as a
+    /// sandbox starts the runner.
     pub fn command(&self) -> Command {
         self.command_as(true)
     }
@@ -79,6 +80,7 @@ impl Sandbox {
             .arg(self.ws())
             .env_clear()
             .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .current_dir(self.ws())
             .stdin(Stdio::null());
         if allow_root {
             c.arg("--allow-root");

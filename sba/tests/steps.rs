@@ -137,6 +137,38 @@ fn run_command_stdin_and_working_dir() {
     assert_eq!(run.step(0)["result"]["stdout"], "from stdin\nmarker\n");
 }
 
+/// The step's process starts in its directory, keeps the name it was given as argv[0],
+/// and a script without `#!` is run by the shell, whether the runner is already in that
+/// directory (the usual case, started without a fork) or the child changes into it.
+#[test]
+fn run_command_starts_in_its_directory_with_its_name_and_runs_scripts_without_a_shebang() {
+    let sb = Sandbox::new();
+    sb.put("plain.sh", "echo plain:$(pwd)\n");
+    sb.put("sub/plain.sh", "echo sub:$(pwd)\n");
+    for rel in ["plain.sh", "sub/plain.sh"] {
+        let p = sb.ws().join(rel);
+        std::fs::set_permissions(&p, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    }
+    let ws = sb.ws().canonicalize().unwrap();
+    let run = sb.run(&job(json!([
+        { "id": "a", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", "echo $0 $(pwd)"] } },
+        { "id": "b", "type": "run_command", "arguments": { "command": "sh", "args": ["-c", "echo $0 $(pwd)"], "working_dir": "sub" } },
+        { "id": "c", "type": "run_command", "arguments": { "command": "./plain.sh" } },
+        { "id": "d", "type": "run_command", "arguments": { "command": "./plain.sh", "working_dir": "sub" } }
+    ])));
+    assert_eq!(run.failure(), "none", "{}", run.raw);
+    let out = |i| {
+        run.step(i)["result"]["stdout"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(out(0), format!("sh {}\n", ws.display()));
+    assert_eq!(out(1), format!("sh {}/sub\n", ws.display()));
+    assert_eq!(out(2), format!("plain:{}\n", ws.display()));
+    assert_eq!(out(3), format!("sub:{}/sub\n", ws.display()));
+}
+
 #[test]
 fn run_command_stdin_is_closed_when_not_given() {
     let run = Sandbox::run_once(&one("run_command", json!({ "command": "cat" })));
