@@ -140,6 +140,7 @@ const LAYERS: [(&str, &[&[&str]]); 3] = [
                 "result_file",
                 "patch",
                 "confine",
+                "launch",
             ],
             &["process", "artifacts", "lifecycle", "steps"],
             &["step_runner", "agent"],
