@@ -9,10 +9,13 @@
 //!   A statically linked glibc offers std no `posix_spawn` chdir action, so a step in
 //!   another directory is still forked, through `/proc/self/fd/N` of the step's fd;
 //! - a file the kernel will not execute (`ENOEXEC`, a script without `#!`) is run by
-//!   `/bin/sh`, as `execvp` does and `posix_spawn` does not.
+//!   `/bin/sh`, as `execvp` does and `posix_spawn` does not;
+//! - where `posix_spawn` is refused with `EPERM` (a seccomp filter that denies `clone3`
+//!   so, as gVisor does with the node's profile), the child is forked after all.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 
@@ -72,9 +75,26 @@ pub fn set_dir(cmd: &mut Command, dir: BorrowedFd<'_>) {
 /// Spawns `build(program, leading args)`; when the kernel refuses the file as not
 /// executable, spawns it again as `/bin/sh program args…`.
 pub fn spawn(program: &str, build: impl Fn(&str, &[&str]) -> Command) -> io::Result<Child> {
-    match build(program, &[]).spawn() {
+    match start(build(program, &[])) {
         Err(e) if e.raw_os_error() == Some(libc::ENOEXEC) && program != SHELL => {
-            build(SHELL, &[program]).spawn().map_err(|_| e)
+            start(build(SHELL, &[program])).map_err(|_| e)
+        }
+        other => other,
+    }
+}
+
+/// Spawns `cmd`, and when that fails with `EPERM` spawns it again through `fork`. A
+/// seccomp filter that answers `clone3` with `EPERM` rather than `ENOSYS` (gVisor applying
+/// the node's OCI profile; older container profiles) makes glibc's `posix_spawn` fail
+/// where a fork works. A real `EPERM` from `execve` fails the same way twice.
+fn start(mut cmd: Command) -> io::Result<Child> {
+    match cmd.spawn() {
+        Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
+            // SAFETY: the closure does nothing; its presence makes std fork and exec.
+            unsafe {
+                cmd.pre_exec(|| Ok(()));
+            }
+            cmd.spawn()
         }
         other => other,
     }
