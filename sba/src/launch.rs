@@ -18,6 +18,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rustix::fs::{Access, Mode, OFlags};
 
@@ -87,14 +88,23 @@ pub fn spawn(program: &str, build: impl Fn(&str, &[&str]) -> Command) -> io::Res
 /// seccomp filter that answers `clone3` with `EPERM` rather than `ENOSYS` (gVisor applying
 /// the node's OCI profile; older container profiles) makes glibc's `posix_spawn` fail
 /// where a fork works. A real `EPERM` from `execve` fails the same way twice.
+/// Once that has happened, the runner's later steps are forked straight away.
 fn start(mut cmd: Command) -> io::Result<Child> {
+    static FORK_ONLY: AtomicBool = AtomicBool::new(false);
+    let fork = |cmd: &mut Command| {
+        // SAFETY: the closure does nothing; its presence makes std fork and exec.
+        unsafe {
+            cmd.pre_exec(|| Ok(()));
+        }
+        cmd.spawn()
+    };
+    if FORK_ONLY.load(Ordering::Relaxed) {
+        return fork(&mut cmd);
+    }
     match cmd.spawn() {
         Err(e) if e.raw_os_error() == Some(libc::EPERM) => {
-            // SAFETY: the closure does nothing; its presence makes std fork and exec.
-            unsafe {
-                cmd.pre_exec(|| Ok(()));
-            }
-            cmd.spawn()
+            FORK_ONLY.store(true, Ordering::Relaxed);
+            fork(&mut cmd)
         }
         other => other,
     }
