@@ -630,3 +630,100 @@ fn the_files_that_name_a_backend_are_the_ones_listed() {
         "files that name a backend ({needles:?}) but are not in ARCHITECTURE.md's \"Adding a sandbox backend\": {unlisted:?}"
     );
 }
+
+/// PERFORMANCE.md's headline table is `deploy/perf-headline.py`'s: every row of it is one
+/// of the script's rows, in order, so a figure added by hand gets a row (and a bench file,
+/// where one writes it) in the script.
+#[test]
+fn the_headline_table_is_the_scripts() {
+    let out = std::process::Command::new("python3")
+        .arg(workspace_root().join("deploy/perf-headline.py"))
+        .arg("--check")
+        .output()
+        .expect("python3");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The script rewrites a row from its bench's JSON, keeps a row whose file is absent or
+/// was written under other conditions (another pool size) than its figure names, and
+/// leaves the rest of the document as it was.
+#[test]
+fn the_headline_script_rewrites_rows_from_the_benches_json_and_keeps_the_rest() {
+    let root = workspace_root();
+    let dir = tempfile::tempdir().unwrap();
+    let doc = dir.path().join("PERFORMANCE.md");
+    let original = fs::read_to_string(root.join("docs/PERFORMANCE.md")).unwrap();
+    fs::write(&doc, &original).unwrap();
+    let bench = dir.path().join("bench");
+    fs::create_dir_all(bench.join("results")).unwrap();
+    fs::create_dir_all(bench.join("worker")).unwrap();
+    let timing = |mean: f64, median: f64| serde_json::json!({"mean_ms": mean, "stddev_ms": 0.25, "median_ms": median, "min_ms": 1.0});
+    fs::write(
+        bench.join("results/summary.json"),
+        serde_json::json!({
+            "date": "2031-02-03T04:05:06Z", "load_before": "0.42 0.5 0.5", "load_after": "0.61 0.5 0.5",
+            "sba": timing(2.5, 2.25), "baseline": timing(0.75, 0.5), "max_rss_kib": 4000
+        })
+        .to_string(),
+    )
+    .unwrap();
+    fs::write(
+        bench.join("worker/session-state-latest.json"),
+        serde_json::json!({
+            "date": "20310203T040506Z", "runs": 10, "worker": "/x/release/cynode-worker",
+            "state_fs": "default", "pool_size": 3, "load_before": "1.0 1 1", "load_after": "2.0 2 2",
+            "results": [{"engine": "bwrap", "time_to_interactive_ms": {"p50": 41.5, "p95": 60}}]
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let out = std::process::Command::new("python3")
+        .arg(root.join("deploy/perf-headline.py"))
+        .arg("--bench-dir")
+        .arg(&bench)
+        .arg("--doc")
+        .arg(&doc)
+        .output()
+        .expect("python3");
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{log}");
+    let new = fs::read_to_string(&doc).unwrap();
+    let row = |text: &str, figure: &str| {
+        text.lines()
+            .find(|l| l.starts_with(&format!("| {figure} |")))
+            .unwrap_or_else(|| panic!("no row `{figure}`"))
+            .to_string()
+    };
+    assert_eq!(
+        row(&new, "a `run_command true` job in cynode-sba"),
+        "| a `run_command true` job in cynode-sba | 2.50 ± 0.25 ms (median 2.25) | bare `/bin/true`, 0.75 ± 0.25 ms (median 0.50) | +1.75 ms | 2031-02-03 | 0.4–0.6 |"
+    );
+    assert_eq!(
+        row(&new, "a session's time to interactive, bwrap"),
+        "| a session's time to interactive, bwrap | p50 41.5 ms | the goal, 50 ms | 0.83× | 2031-02-03 | 1.0–2.0 |"
+    );
+    // Pool size 3 is not the figure's 2; no egress file at all.
+    for kept in [
+        "a session's time to interactive, Podman with a pool of 2",
+        "a trivial bwrap job, `restricted` (egress proxy) against `none`",
+        "a trivial job through the worker, Podman",
+    ] {
+        assert_eq!(row(&new, kept), row(&original, kept));
+    }
+    assert!(log.contains("pool_size 3"), "{log}");
+    let outside = |text: &str| {
+        let (head, rest) = text.split_once("<!-- headline:begin").unwrap();
+        (
+            head.to_string(),
+            rest.split_once("<!-- headline:end -->")
+                .unwrap()
+                .1
+                .to_string(),
+        )
+    };
+    assert_eq!(outside(&new), outside(&original));
+}

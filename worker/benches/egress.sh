@@ -143,6 +143,7 @@ log "worker at $addr, origin at 127.0.0.1:$origin_port, load $load_before"
 export ADDR=$addr TOKEN=$token IMAGE=$image ORIGIN_PORT=$origin_port WORKER_PID=$worker_pid \
   DOWNLOAD_RUNS DOWNLOAD_EACH CONNECT_RUNS JOB_RUNS ORIGIN_BACKLOG LOAD_BEFORE=$load_before
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
+export STAMP=$stamp
 mkdir -p "$OUT"
 python3 - >"$OUT/egress-$stamp.json" <<'PY'
 import json, os, statistics, subprocess, time, urllib.request
@@ -252,7 +253,7 @@ trivial = {"runs": len(on), "off_p50_ms": pct(off, 50), "on_p50_ms": pct(on, 50)
            "off_p95_ms": pct(off, 95), "on_p95_ms": pct(on, 95)}
 trivial["extra_p50_ms"] = trivial["on_p50_ms"] - trivial["off_p50_ms"]
 
-print(json.dumps({"download": dl, "connect": conn, "trivial_job": trivial,
+print(json.dumps({"date": os.environ["STAMP"], "download": dl, "connect": conn, "trivial_job": trivial,
                   "load_before": float(os.environ["LOAD_BEFORE"]),
                   "load_after": float(open("/proc/loadavg").read().split()[0]),
                   "nproc": os.cpu_count()}, indent=2))

@@ -238,7 +238,8 @@ mkdir -p "$OUT"
 stamp=$(date -u +%Y%m%dT%H%M%SZ)
 jq -n --argjson results "$results" --arg before "$load_before" --arg after "$load_after" \
   --arg date "$stamp" --argjson runs "$RUNS" --arg bin "$worker_bin" --arg fs "${STATE_FS:-default}" \
-  '{date: $date, runs: $runs, worker: $bin, state_fs: $fs, load_before: $before, load_after: $after, results: $results}' \
+  --argjson pool "$POOL_SIZE" \
+  '{date: $date, runs: $runs, worker: $bin, state_fs: $fs, pool_size: $pool, load_before: $before, load_after: $after, results: $results}' \
   >"$OUT/session-state-$stamp.json"
 cp "$OUT/session-state-$stamp.json" "$OUT/session-state-latest.json"
 jq . "$OUT/session-state-latest.json"
