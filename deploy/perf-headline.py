@@ -58,10 +58,10 @@ def day(stamp: str) -> str:
 
 
 def load(before, after) -> str:
-    """The 1-minute load averages before and after a run, as `a–b`."""
+    """The 1-minute load averages before and after a run, as `a–b` (one figure when equal)."""
     first = lambda v: float(str(v).split()[0])
-    a, b = first(before), first(after)
-    return f"{min(a, b):.1f}–{max(a, b):.1f}"
+    a, b = sorted([f"{first(before):.1f}", f"{first(after):.1f}"], key=float)
+    return a if a == b else f"{a}–{b}"
 
 
 def build(worker: str) -> str:

@@ -7,15 +7,16 @@
 # For each engine, starts a cynode-worker on 127.0.0.1 (its state in a temporary
 # directory), and RUNS times measures the time to interactive: `POST /v1/worker/sessions`
 # of a new session (a new workspace) until its first exec (`true`) has answered, as
-# computesdk/benchmarks times a sandbox (each call one curl process, a few ms of it the
-# client's). On Podman and Docker the node has a warm pool of POOL_SIZE (a session claims
+# computesdk/benchmarks times a sandbox (one timer in the client around the create and the
+# first command): the sum of the two requests' round trips as curl times them (connect to
+# the last byte), without the start of the client processes around them. On Podman and Docker the node has a warm pool of POOL_SIZE (a session claims
 # an idle container; each measurement waits until one is idle, as a node with spare
 # capacity has); POOL_SIZE=0 gives the cold figure. It then creates a session, writes
 # WORKSPACE_MB MiB of random data into its workspace, and RUNS times:
 #   0. exec: `POST …/exec` of `true` in the running session;
 #   1. suspend: `POST …:suspend` round trip (the sandbox stopped, the record stored);
 #   2. resume: `POST …:resume` round trip (goal: <= 150 ms), and resume to the first exec
-#      answered (`true`);
+#      answered (`true`), the two round trips added as for the time to interactive;
 #   3. snapshot: `POST …/snapshots` round trip (tree hash of the 100 MiB, frozen image
 #      copy);
 #   4. fork: `POST /v1/worker/sessions {"from_snapshot": …}` round trip, a new workspace
@@ -167,13 +168,13 @@ for engine in $ENGINES; do
   for i in $(seq "$RUNS"); do
     tid=tti-$engine-$$-$i
     wait_idle
-    t0=$(date +%s.%N)
     call POST /v1/worker/sessions \
       "{\"version\":1,\"session_id\":\"$tid\",\"task_id\":\"$task-$engine\",\"image\":\"$image\",\"workspace_id\":\"$tid\"}" |
       jq -e '.status == "running"' >/dev/null || die "$engine: create: $(cat "$work/body")"
+    t_create=$(cat "$work/t")
     call POST "/v1/worker/sessions/$tid/exec" '{"version":1,"command":["true"]}' |
       jq -e '.status == "completed"' >/dev/null || die "$engine: first exec: $(cat "$work/body")"
-    echo "$(date +%s.%N) - $t0" | bc >>"$work/$engine.tti"
+    echo "$t_create + $(cat "$work/t")" | bc >>"$work/$engine.tti"
     call POST "/v1/worker/sessions/$tid/end" >/dev/null
   done
   call POST /v1/worker/sessions \
@@ -194,12 +195,13 @@ for engine in $ENGINES; do
       die "$engine: suspend: $(cat "$work/body")"
     cat "$work/t" >>"$work/$engine.suspend"
     wait_idle
-    t0=$(date +%s.%N)
     call POST "/v1/worker/sessions/$sid:resume" | jq -e '.status == "running"' >/dev/null ||
       die "$engine: resume: $(cat "$work/body")"
-    cat "$work/t" >>"$work/$engine.resume"
-    call POST "/v1/worker/sessions/$sid/exec" '{"version":1,"command":["true"]}' >/dev/null
-    echo "$(date +%s.%N) - $t0" | bc >>"$work/$engine.first_exec"
+    t_resume=$(cat "$work/t")
+    echo "$t_resume" >>"$work/$engine.resume"
+    call POST "/v1/worker/sessions/$sid/exec" '{"version":1,"command":["true"]}' |
+      jq -e '.status == "completed"' >/dev/null || die "$engine: exec after resume: $(cat "$work/body")"
+    echo "$t_resume + $(cat "$work/t")" | bc >>"$work/$engine.first_exec"
     snap=$(call POST "/v1/worker/sessions/$sid/snapshots" | jq -r .snapshot_id)
     [[ $snap == snap-* ]] || die "$engine: snapshot: $(cat "$work/body")"
     cat "$work/t" >>"$work/$engine.snapshot"
