@@ -64,6 +64,11 @@ def load(before, after) -> str:
     return a if a == b else f"{a}–{b}"
 
 
+def when(j: dict) -> list:
+    """The date and load cells of a bench file that records them as every bench here does."""
+    return [day(j["date"]), load(j["load_before"], j["load_after"])]
+
+
 def build(worker: str) -> str:
     return " (debug build)" if "/debug/" in worker else ""
 
@@ -74,9 +79,7 @@ def sba_overhead(j: dict) -> list:
         f"{s['mean_ms']:.2f} ± {s['stddev_ms']:.2f} ms (median {s['median_ms']:.2f})",
         f"bare `/bin/true`, {b['mean_ms']:.2f} ± {b['stddev_ms']:.2f} ms (median {b['median_ms']:.2f})",
         f"+{s['median_ms'] - b['median_ms']:.2f} ms",
-        day(j["date"]),
-        load(j["load_before"], j["load_after"]),
-    ]
+    ] + when(j)
 
 
 def session(engine: str, pool: Optional[int], step: str, anchor: str, anchor_ms: float):
@@ -91,9 +94,7 @@ def session(engine: str, pool: Optional[int], step: str, anchor: str, anchor_ms:
             f"p50 {p50:g} ms{build(j['worker'])}",
             anchor,
             f"{p50 / anchor_ms:.2f}×",
-            day(j["date"]),
-            load(j["load_before"], j["load_after"]),
-        ]
+        ] + when(j)
 
     return extract
 
@@ -104,9 +105,7 @@ def egress_trivial(j: dict) -> list:
         f"p50 {t['on_p50_ms']:.1f} ms",
         f"the same job with `none`, {t['off_p50_ms']:.1f} ms; goal < 3 ms extra",
         f"{t['extra_p50_ms']:+.1f} ms",
-        day(j["date"]),
-        load(j["load_before"], j["load_after"]),
-    ]
+    ] + when(j)
 
 
 SESSION_STATE = "worker/session-state-latest.json"
