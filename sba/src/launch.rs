@@ -112,6 +112,8 @@ fn start(mut cmd: Command) -> io::Result<Child> {
 
 #[cfg(test)]
 mod tests {
+    use std::os::fd::AsFd;
+
     use super::*;
 
     fn env(path: &str) -> Vec<(String, String)> {
@@ -164,6 +166,4 @@ mod tests {
         .unwrap();
         assert!(!is_current_dir(there.as_fd()));
     }
-
-    use std::os::fd::AsFd;
 }
