@@ -65,8 +65,31 @@ def load(before, after) -> str:
 
 
 def when(j: dict) -> list:
-    """The date and load cells of a bench file that records them as every bench here does."""
+    """The date and load cells of a bench file that records `date`, `load_before` and
+    `load_after` at its top."""
     return [day(j["date"]), load(j["load_before"], j["load_after"])]
+
+
+def when_env(j: dict) -> list:
+    """The same for worker/benches/compare.sh's summary, which keeps them in `env`."""
+    env = j["env"]
+    return [day(env["stamp"]), load(env["loadavg"]["start"], env["loadavg"]["end"])]
+
+
+def worker_podman(j: dict) -> list:
+    p = j["podman"]
+    worker, bare = p["worker_http"]["p50_ms"], p["bare_hyperfine"]["median_ms"]
+    return [
+        f"p50 {worker:.1f} ms",
+        f"bare `podman run`, same flags, {bare:.1f} ms",
+        f"{p['ratio_median']:.2f}×",
+    ] + when_env(j)
+
+
+def worker_bwrap_cold(j: dict) -> list:
+    b = j["bwrap"]
+    worker, bare = b["worker_http"]["p50_ms"], b["bare_hyperfine"]["median_ms"]
+    return [f"p50 {worker:.2f} ms", f"bare `bwrap`, {bare:.2f} ms", f"{worker / bare:.2f}×"] + when_env(j)
 
 
 def build(worker: str) -> str:
@@ -109,11 +132,12 @@ def egress_trivial(j: dict) -> list:
 
 
 SESSION_STATE = "worker/session-state-latest.json"
+WORKER_COMPARE = "worker/latest.json"
 ROWS = [
     Row("a `run_command true` job in cynode-sba", "results/summary.json", sba_overhead),
-    Row("a trivial job through the worker, Podman", None, None),
+    Row("a trivial job through the worker, Podman", WORKER_COMPARE, worker_podman),
     Row("a trivial job through the worker, bwrap, warm sandboxes", None, None),
-    Row("the same, bwrap cold", None, None),
+    Row("the same, bwrap cold", WORKER_COMPARE, worker_bwrap_cold),
     Row("a trivial job, Podman with a warm pool of 2", None, None),
     Row("a trivial job, Docker with a warm pool of 2", None, None),
     Row("a `restricted` (egress proxy) job, Podman, pool off", None, None),

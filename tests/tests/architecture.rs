@@ -681,6 +681,16 @@ fn the_headline_script_rewrites_rows_from_the_benches_json_and_keeps_the_rest() 
         .to_string(),
     )
     .unwrap();
+    fs::write(
+        bench.join("worker/latest.json"),
+        serde_json::json!({
+            "env": {"stamp": "20310203T040506Z", "loadavg": {"start": "1.5 1 1", "end": "0.5 1 1"}},
+            "podman": {"worker_http": {"p50_ms": 150.0}, "bare_hyperfine": {"median_ms": 120.0}, "ratio_median": 1.25},
+            "bwrap": {"worker_http": {"p50_ms": 12.0}, "bare_hyperfine": {"median_ms": 8.0}}
+        })
+        .to_string(),
+    )
+    .unwrap();
     let out = std::process::Command::new("python3")
         .arg(root.join("deploy/perf-headline.py"))
         .arg("--bench-dir")
@@ -706,11 +716,19 @@ fn the_headline_script_rewrites_rows_from_the_benches_json_and_keeps_the_rest() 
         row(&new, "a session's time to interactive, bwrap"),
         "| a session's time to interactive, bwrap | p50 41.5 ms | the goal, 50 ms | 0.83× | 2031-02-03 | 1.0–2.0 |"
     );
-    // Pool size 3 is not the figure's 2; no egress file at all.
+    assert_eq!(
+        row(&new, "a trivial job through the worker, Podman"),
+        "| a trivial job through the worker, Podman | p50 150.0 ms | bare `podman run`, same flags, 120.0 ms | 1.25× | 2031-02-03 | 0.5–1.5 |"
+    );
+    assert_eq!(
+        row(&new, "the same, bwrap cold"),
+        "| the same, bwrap cold | p50 12.00 ms | bare `bwrap`, 8.00 ms | 1.50× | 2031-02-03 | 0.5–1.5 |"
+    );
+    // Pool size 3 is not the figure's 2; no egress file at all; a row no bench writes.
     for kept in [
         "a session's time to interactive, Podman with a pool of 2",
         "a trivial bwrap job, `restricted` (egress proxy) against `none`",
-        "a trivial job through the worker, Podman",
+        "a trivial job through the worker, bwrap, warm sandboxes",
     ] {
         assert_eq!(row(&new, kept), row(&original, kept));
     }
