@@ -631,16 +631,21 @@ fn the_files_that_name_a_backend_are_the_ones_listed() {
     );
 }
 
+/// Runs `deploy/perf-headline.py` with `args`.
+fn perf_headline(args: &[&std::ffi::OsStr]) -> std::process::Output {
+    std::process::Command::new("python3")
+        .arg(workspace_root().join("deploy/perf-headline.py"))
+        .args(args)
+        .output()
+        .expect("python3")
+}
+
 /// PERFORMANCE.md's headline table is `deploy/perf-headline.py`'s: every row of it is one
 /// of the script's rows, in order, so a figure added by hand gets a row (and a bench file,
 /// where one writes it) in the script.
 #[test]
 fn the_headline_table_is_the_scripts() {
-    let out = std::process::Command::new("python3")
-        .arg(workspace_root().join("deploy/perf-headline.py"))
-        .arg("--check")
-        .output()
-        .expect("python3");
+    let out = perf_headline(&["--check".as_ref()]);
     assert!(
         out.status.success(),
         "{}",
@@ -691,14 +696,12 @@ fn the_headline_script_rewrites_rows_from_the_benches_json_and_keeps_the_rest() 
         .to_string(),
     )
     .unwrap();
-    let out = std::process::Command::new("python3")
-        .arg(root.join("deploy/perf-headline.py"))
-        .arg("--bench-dir")
-        .arg(&bench)
-        .arg("--doc")
-        .arg(&doc)
-        .output()
-        .expect("python3");
+    let out = perf_headline(&[
+        "--bench-dir".as_ref(),
+        bench.as_os_str(),
+        "--doc".as_ref(),
+        doc.as_os_str(),
+    ]);
     let log = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{log}");
     let new = fs::read_to_string(&doc).unwrap();
@@ -708,22 +711,26 @@ fn the_headline_script_rewrites_rows_from_the_benches_json_and_keeps_the_rest() 
             .unwrap_or_else(|| panic!("no row `{figure}`"))
             .to_string()
     };
-    assert_eq!(
-        row(&new, "a `run_command true` job in cynode-sba"),
-        "| a `run_command true` job in cynode-sba | 2.50 ± 0.25 ms (median 2.25) | bare `/bin/true`, 0.75 ± 0.25 ms (median 0.50) | +1.75 ms | 2031-02-03 | 0.4–0.6 |"
-    );
-    assert_eq!(
-        row(&new, "a session's time to interactive, bwrap"),
-        "| a session's time to interactive, bwrap | p50 41.5 ms | the goal, 50 ms | 0.83× | 2031-02-03 | 1.0–2.0 |"
-    );
-    assert_eq!(
-        row(&new, "a trivial job through the worker, Podman"),
-        "| a trivial job through the worker, Podman | p50 150.0 ms | bare `podman run`, same flags, 120.0 ms | 1.25× | 2031-02-03 | 0.5–1.5 |"
-    );
-    assert_eq!(
-        row(&new, "the same, bwrap cold"),
-        "| the same, bwrap cold | p50 12.00 ms | bare `bwrap`, 8.00 ms | 1.50× | 2031-02-03 | 0.5–1.5 |"
-    );
+    for (figure, cells) in [
+        (
+            "a `run_command true` job in cynode-sba",
+            "2.50 ± 0.25 ms (median 2.25) | bare `/bin/true`, 0.75 ± 0.25 ms (median 0.50) | +1.75 ms | 2031-02-03 | 0.4–0.6",
+        ),
+        (
+            "a session's time to interactive, bwrap",
+            "p50 41.5 ms | the goal, 50 ms | 0.83× | 2031-02-03 | 1.0–2.0",
+        ),
+        (
+            "a trivial job through the worker, Podman",
+            "p50 150.0 ms | bare `podman run`, same flags, 120.0 ms | 1.25× | 2031-02-03 | 0.5–1.5",
+        ),
+        (
+            "the same, bwrap cold",
+            "p50 12.00 ms | bare `bwrap`, 8.00 ms | 1.50× | 2031-02-03 | 0.5–1.5",
+        ),
+    ] {
+        assert_eq!(row(&new, figure), format!("| {figure} | {cells} |"));
+    }
     // Pool size 3 is not the figure's 2; no egress file at all; a row no bench writes.
     for kept in [
         "a session's time to interactive, Podman with a pool of 2",
